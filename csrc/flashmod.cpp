@@ -1,0 +1,21 @@
+// The flashmod operator library: every schema is declared here, once. Backends register their
+// kernels with TORCH_LIBRARY_IMPL in csrc/cpu/ and csrc/cuda/; flashmod/ops.py adds the fake
+// (meta) implementations and autograd.
+#include <Python.h>
+#include <torch/library.h>
+
+// Importing flashmod._C loads this shared library, which runs the registrations below.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(flashmod, m) {
+  // q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D) in q's dtype, lse (B, Hq, Nq) fp32.
+  // window_right == 0 or is_causal gives causal attention; bottom_right picks the diagonal's
+  // alignment (True: flash-attn's, key Nk-1 pairs with query Nq-1; False: SDPA's top-left).
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float? scale=None, "
+      "bool is_causal=False, bool bottom_right=True, int window_left=-1, int window_right=-1, "
+      "float softcap=0.0) -> (Tensor out, Tensor lse)");
+}

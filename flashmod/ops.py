@@ -1,0 +1,189 @@
+"""The thin layer over the C++ operator: loading it, its fake (meta) implementation, autograd.
+
+``torch.ops.flashmod.attention`` is declared in ``csrc/flashmod.cpp``. Here it gets:
+
+* ``register_fake``: shapes/dtypes for torch.compile, with the same checks as the C++ host code
+  (``csrc/attention_host.cpp``) written as ``torch._check`` so they fire while tracing too;
+* ``flashmod::attention_backward``: the chunked reference backward as an opaque custom op, so a
+  compiled graph holds one node for it rather than an unrolled Python loop;
+* ``register_autograd``: makes the forward op itself differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _C  # noqa: F401  (loading the library registers the operators)
+from .reference import attention_backward_chunked
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+CUDA_MAX_HEAD_DIM = 256
+
+
+def _check_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    scale: float | None,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> None:
+    """Mirror of csrc/attention_host.cpp's checks (same order, same messages)."""
+    p = "flashmod.attention: "
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        torch._check(
+            t.dim() == 4,
+            lambda n=name, t=t: f"{p}{n} must be a 4-D tensor (batch, heads, seqlen, head_dim), "
+            f"got a {t.dim()}-D tensor of shape {list(t.shape)}",
+        )
+    torch._check(
+        q.dtype in _FLOAT_DTYPES,
+        lambda: f"{p}q must be float32, float16, bfloat16 or float64, got {q.dtype}",
+    )
+    torch._check(k.dtype == q.dtype, lambda: f"{p}k must have q's dtype {q.dtype}, got {k.dtype}")
+    torch._check(v.dtype == q.dtype, lambda: f"{p}v must have q's dtype {q.dtype}, got {v.dtype}")
+    torch._check(k.device == q.device, lambda: f"{p}k must be on q's device {q.device}, got {k.device}")
+    torch._check(v.device == q.device, lambda: f"{p}v must be on q's device {q.device}, got {v.device}")
+    torch._check(
+        k.shape[0] == q.shape[0] and v.shape[0] == q.shape[0],
+        lambda: f"{p}k and v must have q's batch size {q.shape[0]}, got k {k.shape[0]} and v {v.shape[0]}",
+    )
+    torch._check(q.shape[3] > 0, lambda: f"{p}q's head_dim (last dimension) must be positive, got {q.shape[3]}")
+    torch._check(
+        k.shape[3] == q.shape[3] and v.shape[3] == q.shape[3],
+        lambda: f"{p}k and v must have q's head_dim {q.shape[3]}, got k {k.shape[3]} and v {v.shape[3]}",
+    )
+    torch._check(v.shape[1] == k.shape[1], lambda: f"{p}v must have k's number of heads {k.shape[1]}, got {v.shape[1]}")
+    torch._check(v.shape[2] == k.shape[2], lambda: f"{p}v must have k's sequence length {k.shape[2]}, got {v.shape[2]}")
+    torch._check(
+        k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
+        lambda: f"{p}q's heads must be a multiple of k's heads (GQA/MQA), got q heads {q.shape[1]} "
+        f"and k/v heads {k.shape[1]}",
+    )
+    if attn_mask is not None:
+        torch._check(
+            attn_mask.device == q.device,
+            lambda: f"{p}attn_mask must be on q's device {q.device}, got {attn_mask.device}",
+        )
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        torch._check(
+            attn_mask.dtype in (torch.bool, q.dtype) or (half and attn_mask.dtype == torch.float32),
+            lambda: f"{p}attn_mask must be bool or q's dtype {q.dtype}"
+            f"{' (or float32)' if half else ''}, got {attn_mask.dtype}",
+        )
+        target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        ok = 1 <= attn_mask.dim() <= 4 and all(
+            attn_mask.shape[-i] in (1, target[4 - i]) for i in range(1, attn_mask.dim() + 1)
+        )
+        torch._check(
+            ok,
+            lambda: f"{p}attn_mask must be broadcastable to (batch, q_heads, seqlen_q, seqlen_k) = "
+            f"{list(target)}, got shape {list(attn_mask.shape)}",
+        )
+    torch._check(window_left >= -1, lambda: f"{p}window_left must be >= -1 (-1 = unbounded), got {window_left}")
+    torch._check(window_right >= -1, lambda: f"{p}window_right must be >= -1 (-1 = unbounded), got {window_right}")
+    torch._check(
+        softcap >= 0.0 and softcap != float("inf"),
+        lambda: f"{p}softcap must be a finite number >= 0 (0 = off), got {softcap}",
+    )
+    if q.device.type == "cuda":
+        torch._check(
+            q.dtype != torch.float64,
+            lambda: f"{p}q's dtype float64 is supported on CPU only, got it on {q.device}",
+        )
+        torch._check(
+            q.shape[3] <= CUDA_MAX_HEAD_DIM,
+            lambda: f"{p}q's head_dim must be <= {CUDA_MAX_HEAD_DIM} on CUDA, got {q.shape[3]}",
+        )
+
+
+@torch.library.register_fake("flashmod::attention")
+def _attention_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    bottom_right: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    _check_inputs(q, k, v, attn_mask, scale, window_left, window_right, softcap)
+    out = torch.empty_like(q if q.stride(-1) == 1 else q.contiguous())
+    lse = q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("flashmod::attention_backward", mutates_args=())
+def attention_backward(
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor | None,
+    scale: float | None,
+    is_causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of flashmod::attention's (out, lse) with respect to (q, k, v)."""
+    return attention_backward_chunked(
+        grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale,
+        is_causal, bottom_right, window_left, window_right, softcap,
+    )  # fmt: skip
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap = inputs
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise NotImplementedError(
+            "flashmod.attention: gradients with respect to attn_mask are not supported; "
+            "pass attn_mask.detach() (got a mask with requires_grad=True)"
+        )
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.options = (scale, is_causal, bottom_right, window_left, window_right, softcap)
+
+
+def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("flashmod::attention", _backward, setup_context=_setup_context)
+
+
+def attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    bottom_right: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """``torch.ops.flashmod.attention`` with keyword defaults; returns ``(out, lse)``."""
+    return torch.ops.flashmod.attention(
+        q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap
+    )

@@ -1,0 +1,203 @@
+"""The one reference implementation of flashmod's attention, in plain torch.
+
+It serves three masters: the backward pass (``attention_backward`` recomputes the probabilities from
+the saved log-sum-exp, a chunk of queries at a time, so no ``Nq x Nk`` tensor is ever held), the
+tests (``attention_reference`` in fp32/fp64 is the ground truth, in low precision it is "plain
+PyTorch attention" for the error-ratio rule) and the benchmarks. Semantics, shared with the kernels:
+
+* ``q (B, Hq, Nq, D)``, ``k``/``v (B, Hkv, Nk, D)``; q-head ``h`` reads kv-head ``h // (Hq // Hkv)``.
+* score = ``scale * q @ k^T``; if ``softcap > 0`` then ``softcap * tanh(score / softcap)``; then the
+  mask: bool (True = attend) or additive float, broadcastable to ``(B, Hq, Nq, Nk)``.
+* key ``j`` is visible to query ``i`` iff ``i + off - window_left <= j <= i + off + window_right``
+  (a negative bound is unbounded), with ``off = Nk - Nq`` (bottom-right) or ``0`` (top-left);
+  ``is_causal`` sets ``window_right = 0``.
+* a row with no visible key has output 0 and lse ``-inf``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+# Elements of one backward chunk's (B, Hq, rows, Nk) score tensor: about 128 MB per fp32 buffer.
+BACKWARD_CHUNK_ELEMENTS = 1 << 25
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
+def effective_window(is_causal: bool, window_left: int, window_right: int) -> tuple[int, int]:
+    return window_left, (0 if is_causal else window_right)
+
+
+def visible_keys(
+    rows: Tensor, seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, bottom_right: bool
+) -> Tensor | None:
+    """Bool ``(len(rows), Nk)`` of keys inside the causal/sliding window, or None when unbounded."""
+    if window_left < 0 and window_right < 0:
+        return None
+    diagonal = rows[:, None] + (seqlen_k - seqlen_q if bottom_right else 0)
+    cols = torch.arange(seqlen_k, device=rows.device)[None, :]
+    visible = torch.ones(rows.numel(), seqlen_k, dtype=torch.bool, device=rows.device)
+    if window_left >= 0:
+        visible &= cols >= diagonal - window_left
+    if window_right >= 0:
+        visible &= cols <= diagonal + window_right
+    return visible
+
+
+def _grouped(x: Tensor, heads_kv: int) -> Tensor:
+    """(B, Hq, ...) -> (B, Hkv, G, ...) without copying: GQA by broadcasting, not repeat_kv."""
+    return x.unflatten(1, (heads_kv, x.shape[1] // heads_kv))
+
+
+def _masked_scores(
+    q: Tensor,
+    k: Tensor,
+    attn_mask: Tensor | None,
+    rows: Tensor,
+    seqlen_q: int,
+    scale: float,
+    softcap: float,
+    window: tuple[int, int],
+    bottom_right: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Scores for the query rows ``rows``: q is (B, Hkv, G, r, D) and k is (B, Hkv, Nk, D) in the
+    compute dtype. Returns (scores after softcap and masks, tanh(raw/softcap) or None)."""
+    batch, heads_kv, group = q.shape[:3]
+    seqlen_k = k.shape[2]
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    tanh_s = None
+    if softcap > 0:
+        tanh_s = torch.tanh(s / softcap)
+        s = softcap * tanh_s
+    if attn_mask is not None:
+        m = attn_mask.expand(batch, heads_kv * group, seqlen_q, seqlen_k)[:, :, rows]
+        m = _grouped(m, heads_kv)
+        s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.to(s.dtype)
+    visible = visible_keys(rows, seqlen_q, seqlen_k, window[0], window[1], bottom_right)
+    if visible is not None:
+        s = s.masked_fill(~visible, -math.inf)
+    return s, tanh_s
+
+
+def _finite_lse(lse: Tensor) -> Tensor:
+    """lse with -inf (fully masked rows) replaced by 0, so exp(-inf - lse) is 0, never NaN."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    bottom_right: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    compute_dtype: torch.dtype | None = None,
+    return_probs: bool = False,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """Attention materialized in ``compute_dtype`` (default: fp32, fp64 for fp64 inputs).
+
+    Returns ``(out, lse)`` in ``compute_dtype``, plus the probabilities if ``return_probs``.
+    Differentiable; with ``dropout_p > 0`` the probabilities are dropped out (training fallback).
+    """
+    dtype = compute_dtype or compute_dtype_for(q.dtype)
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv = k.shape[1]
+    rows = torch.arange(seqlen_q, device=q.device)
+    s, _ = _masked_scores(
+        _grouped(q.to(dtype), heads_kv),
+        k.to(dtype),
+        attn_mask,
+        rows,
+        seqlen_q,
+        resolve_scale(scale, head_dim),
+        softcap,
+        effective_window(is_causal, window_left, window_right),
+        bottom_right,
+    )
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite_lse(lse)[..., None])
+    if dropout_p > 0:
+        p = torch.nn.functional.dropout(p, dropout_p)
+    out = torch.matmul(p, v.to(dtype).unsqueeze(2))
+    out, lse = out.flatten(1, 2), lse.flatten(1, 2)
+    if return_probs:
+        return out, lse, p.flatten(1, 2)
+    return out, lse
+
+
+def backward_chunk_rows(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int) -> int:
+    """Query rows per backward chunk so one (B, Hq, rows, Nk) buffer stays near the budget."""
+    per_row = max(1, batch * heads_q * seqlen_k)
+    return max(1, min(seqlen_q, BACKWARD_CHUNK_ELEMENTS // per_row))
+
+
+def attention_backward_chunked(
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor | None,
+    scale: float | None,
+    is_causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    chunk_rows: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of (out, lse) w.r.t. q, k, v, recomputing P = exp(S - lse) chunk by chunk.
+
+    Extra memory is O(chunk_rows x Nk) per head: nothing of size Nq x Nk is allocated unless a
+    single chunk covers every query. GQA gradients are summed over each kv-head's query group.
+    """
+    dtype = compute_dtype_for(q.dtype)
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    scale = resolve_scale(scale, head_dim)
+    window = effective_window(is_causal, window_left, window_right)
+    chunk_rows = chunk_rows or backward_chunk_rows(batch, heads_q, seqlen_q, seqlen_k)
+
+    kc, vc = k.to(dtype), v.to(dtype)
+    dq = torch.empty(q.shape, dtype=dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    for r0 in range(0, seqlen_q, chunk_rows):
+        r1 = min(seqlen_q, r0 + chunk_rows)
+        rows = torch.arange(r0, r1, device=q.device)
+        q_i = _grouped(q[:, :, r0:r1].to(dtype), heads_kv)
+        do_i = _grouped(grad_out[:, :, r0:r1].to(dtype), heads_kv)
+        o_i = _grouped(out[:, :, r0:r1].to(dtype), heads_kv)
+        lse_i = _grouped(lse[:, :, r0:r1].to(dtype), heads_kv)
+        s, tanh_s = _masked_scores(q_i, kc, attn_mask, rows, seqlen_q, scale, softcap, window, bottom_right)
+        p = torch.exp(s - _finite_lse(lse_i)[..., None])
+        del s
+        dp = torch.matmul(do_i, vc.unsqueeze(2).transpose(-1, -2))
+        delta = (do_i * o_i).sum(-1, keepdim=True)
+        if grad_lse is not None:  # d lse / d s = p
+            delta = delta - _grouped(grad_lse[:, :, r0:r1].to(dtype), heads_kv)[..., None]
+        ds = p * (dp - delta)
+        del dp
+        if tanh_s is not None:  # d/ds [c tanh(s / c)] = 1 - tanh^2
+            ds = ds * (1 - tanh_s * tanh_s)
+            del tanh_s
+        dq[:, :, r0:r1] = (torch.matmul(ds, kc.unsqueeze(2)) * scale).flatten(1, 2)
+        dk += torch.einsum("bhgrn,bhgrd->bhnd", ds, q_i) * scale
+        dv += torch.einsum("bhgrn,bhgrd->bhnd", p, do_i)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,79 @@
+"""Builds flashmod._C: the CPU kernels always, the CUDA kernels when torch has CUDA and nvcc is found.
+
+Environment:
+  FLASHMOD_CPU_ONLY=1          skip the CUDA kernels even where they could be built
+  FLASHMOD_CUDA_ARCHS="80;90a"  compute capabilities to build for (default: 80 and 90a)
+  MAX_JOBS                      parallel compile jobs (default: all cores)
+
+Install with `pip install --no-build-isolation .` (an isolated build would download torch).
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+
+
+def sources(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def want_cuda() -> bool:
+    if os.environ.get("FLASHMOD_CPU_ONLY", "0") == "1":
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def cuda_gencode_flags() -> list[str]:
+    archs = os.environ.get("FLASHMOD_CUDA_ARCHS", "80;90a").replace(",", ";").split(";")
+    flags = []
+    for arch in filter(None, (a.strip() for a in archs)):
+        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    return flags
+
+
+cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden"]
+ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
+define_macros: list = []
+
+if want_cuda():
+    nvcc_flags = [
+        "-O3",
+        "-std=c++17",
+        "--use_fast_math",
+        "--expt-relaxed-constexpr",
+        "-lineinfo",
+        *cuda_gencode_flags(),
+    ]
+    extension = CUDAExtension(
+        "flashmod._C",
+        ext_sources + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
+        extra_compile_args={"cxx": cxx_flags + ["-DFLASHMOD_WITH_CUDA"], "nvcc": nvcc_flags},
+        define_macros=define_macros,
+        py_limited_api=True,
+    )
+else:
+    extension = CppExtension(
+        "flashmod._C",
+        ext_sources,
+        extra_compile_args={"cxx": cxx_flags},
+        define_macros=define_macros,
+        py_limited_api=True,
+    )
+
+setup(
+    name="flashmod",
+    version="0.1.0",
+    description="FlashAttention for PyTorch: one attention op on CPU and CUDA",
+    packages=find_packages(include=["flashmod", "flashmod.*"]),
+    ext_modules=[extension],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4"],
+)
