@@ -1,0 +1,120 @@
+"""Public attention functions in the two conventions users know.
+
+* :func:`attention` — SDPA's ``(B, H, S, D)`` layout and arguments; ``is_causal`` is top-left
+  aligned, as in ``torch.nn.functional.scaled_dot_product_attention``.
+* :func:`flash_attn_func` — flash-attn's ``(B, S, H, D)`` layout and arguments; ``causal`` and
+  ``window_size`` are bottom-right aligned, as in flash-attn (what KV-cache decoding needs).
+
+Both reach ``torch.ops.flashmod.attention`` (differentiable through ``register_autograd``). GQA/MQA
+is automatic: q-head ``h`` uses kv-head ``h // (Hq // Hkv)``; K/V are never repeated in memory.
+Dropout in training has no fused kernel: with ``dropout_p > 0`` the call falls back to
+:func:`flashmod.reference.attention_reference` (correct, but it materializes the probabilities).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .ops import attention_op
+from .reference import attention_reference
+
+
+def attention_bhsd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    scale: float | None,
+    is_causal: bool,
+    bottom_right: bool,
+    window: tuple[int, int],
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
+    """The one path every public entry point takes: the op, or the reference when dropping out."""
+    if dropout_p > 0.0:
+        out, lse = attention_reference(
+            q, k, v, attn_mask, scale, is_causal, bottom_right, window[0], window[1], softcap, dropout_p
+        )
+        return out.to(q.dtype), lse.float()
+    return attention_op(q, k, v, attn_mask, scale, is_causal, bottom_right, window[0], window[1], softcap)
+
+
+def _check_window(window_size: tuple[int, int]) -> tuple[int, int]:
+    if len(window_size) != 2:
+        raise ValueError(f"flashmod: window_size must be a pair (left, right), got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = True,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Drop-in for ``F.scaled_dot_product_attention`` on ``(B, H, S, D)`` tensors.
+
+    Args:
+        query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hkv, Nk, D)`` with ``Hq % Hkv == 0``.
+            Any strides with ``stride(-1) == 1`` (e.g. transposed ``(B, S, H, D)`` views) are used
+            without copying.
+        attn_mask: bool (True = attend) or additive float, broadcastable to ``(B, Hq, Nq, Nk)``.
+        dropout_p: dropout on the probabilities (reference fallback when > 0).
+        is_causal: causal mask aligned top-left (query ``i`` sees keys ``j <= i``), as SDPA.
+            May be combined with ``attn_mask``.
+        scale: score scale, default ``1 / sqrt(D)``.
+        enable_gqa: accepted for SDPA compatibility; GQA is always on.
+        window_size: ``(left, right)`` sliding window around the (top-left) diagonal, -1 = unbounded.
+        softcap: if > 0, scores become ``softcap * tanh(score / softcap)`` before the mask.
+        return_lse: also return the fp32 log-sum-exp ``(B, Hq, Nq)``.
+
+    Returns:
+        ``(B, Hq, Nq, D)`` output in ``query``'s dtype (and the lse if asked). Rows with no visible
+        key are 0 (lse ``-inf``).
+    """
+    del enable_gqa
+    window = _check_window(window_size)
+    out, lse = attention_bhsd(query, key, value, attn_mask, dropout_p, scale, is_causal, False, window, softcap)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """flash-attn's ``flash_attn_func`` on ``(B, S, H, D)`` tensors.
+
+    Args:
+        q: ``(B, Nq, Hq, D)``; k, v: ``(B, Nk, Hkv, D)`` with ``Hq % Hkv == 0``.
+        dropout_p: dropout on the probabilities (reference fallback when > 0).
+        softmax_scale: default ``1 / sqrt(D)``.
+        causal: causal mask aligned bottom-right: query ``i`` sees keys ``j <= i + Nk - Nq``.
+        window_size: ``(left, right)``: query ``i`` sees keys in
+            ``[i + Nk - Nq - left, i + Nk - Nq + right]``; -1 = unbounded.
+        softcap: if > 0, scores become ``softcap * tanh(score / softcap)``.
+        return_lse: also return the fp32 log-sum-exp, ``(B, Hq, Nq)`` as in flash-attn.
+
+    Returns:
+        ``(B, Nq, Hq, D)`` output in q's dtype (and the lse if asked).
+    """
+    window = _check_window(window_size)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    out, lse = attention_bhsd(qt, kt, vt, None, dropout_p, softmax_scale, causal, True, window, softcap)
+    out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
