@@ -126,7 +126,6 @@ def attention_backward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    out: Tensor,
     lse: Tensor,
     attn_mask: Tensor | None,
     scale: float | None,
@@ -138,13 +137,13 @@ def attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of flashmod::attention's (out, lse) with respect to (q, k, v)."""
     return attention_backward_chunked(
-        grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale,
+        grad_out, grad_lse, q, k, v, lse, attn_mask, scale,
         is_causal, bottom_right, window_left, window_right, softcap,
     )  # fmt: skip
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, *args):
+def _attention_backward_fake(grad_out, grad_lse, q, k, v, lse, attn_mask, scale, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -155,16 +154,15 @@ def _setup_context(ctx, inputs, output) -> None:
             "flashmod.attention: gradients with respect to attn_mask are not supported; "
             "pass attn_mask.detach() (got a mask with requires_grad=True)"
         )
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.save_for_backward(q, k, v, output[1], attn_mask)
     ctx.options = (scale, is_causal, bottom_right, window_left, window_right, softcap)
 
 
 def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv = attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, *ctx.options)
+    q, k, v, lse, attn_mask = ctx.saved_tensors
+    if grad_out is None:  # only lse was used
+        grad_out = torch.zeros_like(q)
+    dq, dk, dv = attention_backward(grad_out, grad_lse, q, k, v, lse, attn_mask, *ctx.options)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 

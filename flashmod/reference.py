@@ -21,8 +21,8 @@ import math
 import torch
 from torch import Tensor
 
-# Elements of one backward chunk's (B, Hq, rows, Nk) score tensor: about 128 MB per fp32 buffer.
-BACKWARD_CHUNK_ELEMENTS = 1 << 25
+# Elements of one backward chunk's (B, Hq, rows, Nk) score tensor: about 64 MB per fp32 buffer.
+BACKWARD_CHUNK_ELEMENTS = 1 << 24
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:
@@ -151,7 +151,6 @@ def attention_backward_chunked(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    out: Tensor,
     lse: Tensor,
     attn_mask: Tensor | None,
     scale: float | None,
@@ -183,13 +182,14 @@ def attention_backward_chunked(
         rows = torch.arange(r0, r1, device=q.device)
         q_i = _grouped(q[:, :, r0:r1].to(dtype), heads_kv)
         do_i = _grouped(grad_out[:, :, r0:r1].to(dtype), heads_kv)
-        o_i = _grouped(out[:, :, r0:r1].to(dtype), heads_kv)
         lse_i = _grouped(lse[:, :, r0:r1].to(dtype), heads_kv)
         s, tanh_s = _masked_scores(q_i, kc, attn_mask, rows, seqlen_q, scale, softcap, window, bottom_right)
         p = torch.exp(s - _finite_lse(lse_i)[..., None])
         del s
         dp = torch.matmul(do_i, vc.unsqueeze(2).transpose(-1, -2))
-        delta = (do_i * o_i).sum(-1, keepdim=True)
+        # sum_j p_ij dp_ij equals dO_i . O_i, but taken from the same p it stays consistent with
+        # it (exactly 0 for a single visible key); the chunk is in memory, so it costs one pass.
+        delta = (p * dp).sum(-1, keepdim=True)
         if grad_lse is not None:  # d lse / d s = p
             delta = delta - _grouped(grad_lse[:, :, r0:r1].to(dtype), heads_kv)[..., None]
         ds = p * (dp - delta)

@@ -1,0 +1,7 @@
+// One instantiation per file: ninja builds the 16 tensor-core variants in parallel.
+#include "fwd_launch.h"
+
+namespace flashmod::cuda_kernels {
+template cudaError_t run_attention_fwd<__half, 160>(const AttentionParams&, const FwdLaunchFlags&,
+                                                   cudaStream_t);
+}  // namespace flashmod::cuda_kernels

@@ -1,0 +1,265 @@
+// The tensor-core forward kernel: one CTA per (query block Q_i, head, batch), looping over the
+// key/value blocks K_j, V_j that the window rule lets it see.
+//
+// Per K_j:  S = Q_i K_j^T (mma, fp32)  ->  mask if needed  ->  online softmax (m, l, rescale O)
+//           ->  O += P V_j with P packed to 16 bits straight from the S registers.
+// The S accumulator layout of two adjacent n8 tiles equals the A-operand layout of one k16
+// slice, which is what lets P skip shared memory.
+#pragma once
+
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "../attention_params.h"
+#include "kernel_traits.h"
+#include "launch.h"
+#include "online_softmax.h"
+#include "ptx_ops.h"
+#include "smem_tile.h"
+#include "visibility.h"
+
+namespace flashmod::cuda_kernels {
+
+// kGeneral: a mask tensor, a soft cap or a non-positive scale is present, so every score is
+// transformed (scale, cap, mask) before the softmax. Otherwise scores stay raw q.k, the scale
+// folds into exp2, and only key blocks that straddle the window or seqlen_k are masked.
+template <class Tr, bool kGeneral>
+__global__ void __launch_bounds__(Tr::kNThreads)
+    attention_fwd_kernel(const AttentionParams p, const FwdLaunchFlags flags) {
+  using Elem = typename Tr::Elem;
+  using Mma = Mma16816<Elem>;
+  constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
+  constexpr int MT = Tr::kMTiles, NT = Tr::kNTiles, DT = Tr::kDTiles;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sK = sQ + Tr::kSmemQ;                 // kStages buffers of K_j
+  Elem* sV = sK + Tr::kStages * Tr::kSmemKV;  // kStages buffers of V_j
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+  const int head_dim = static_cast<int>(p.head_dim);
+
+  // Query blocks vary fastest so neighbouring CTAs share K/V in L2. With a right window bound
+  // (causal) the last query blocks see the most keys: start them first to shorten the tail.
+  const int num_m_blocks = (Nq + Br - 1) / Br;
+  int64_t bid = blockIdx.x;
+  int m_block = static_cast<int>(bid % num_m_blocks);
+  bid /= num_m_blocks;
+  const int64_t h = bid % p.heads_q, b = bid / p.heads_q;
+  if (p.window_right >= 0) m_block = num_m_blocks - 1 - m_block;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+
+  const int r0 = m_block * Br;
+  const int rows_q = min(Br, Nq - r0);
+  const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                   static_cast<int64_t>(r0) * p.q_row_stride;
+  const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  Elem* gO = static_cast<Elem*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride +
+             static_cast<int64_t>(r0) * p.out_row_stride;
+  float* gLse = p.lse + (b * p.heads_q + h) * p.seqlen_q + r0;
+
+  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+  if (range.lo >= range.hi) {
+    // No key is visible to any row of Q_i: out = 0, lse = -inf.
+    for (int idx = tid; idx < rows_q * head_dim; idx += kThreads)
+      gO[static_cast<int64_t>(idx / head_dim) * p.out_row_stride + idx % head_dim] = Elem(0.f);
+    for (int r = tid; r < rows_q; r += kThreads) gLse[r] = -CUDART_INF_F;
+    return;
+  }
+
+  const TileCopyPlan<Br, D, kThreads> q_copy(tid, head_dim);
+  const TileCopyPlan<Bc, D, kThreads> kv_copy(tid, head_dim);
+  const uint32_t sQ_addr = smem_addr(sQ), sK_addr0 = smem_addr(sK), sV_addr0 = smem_addr(sV);
+  constexpr uint32_t kStageBytes = 2 * Tr::kSmemKV;
+  auto load_kv = [&](int n, int stage) {
+    const int valid = min(Bc, Nk - n * Bc);
+    const int64_t row0 = static_cast<int64_t>(n) * Bc;
+    kv_copy.load(sK_addr0 + stage * kStageBytes, gK + row0 * p.k_row_stride, p.k_row_stride, valid);
+    kv_copy.load(sV_addr0 + stage * kStageBytes, gV + row0 * p.v_row_stride, p.v_row_stride, valid);
+  };
+
+  // Pipeline prologue: Q_i, then the first kStages-1 key blocks, one commit group each (empty
+  // groups past the range keep the group count, and so cp_async_wait's argument, uniform).
+  q_copy.load(sQ_addr, gQ, p.q_row_stride, rows_q);
+  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < Tr::kStages - 1; ++s) {
+    if (range.lo + s < range.hi) load_kv(range.lo + s, s);
+    cp_async_commit();
+  }
+
+  // Per-lane ldmatrix coordinates: lanes 8i..8i+7 address the rows of 8x8 matrix i.
+  const int lm_mat = lane >> 3, lm_row = lane & 7;
+  const int warp_row0 = warp * Tr::kRowsPerWarp;
+  const LaneTileOffsets<D> q_off(warp_row0 + lm_row + (lm_mat & 1) * 8, lm_mat >> 1);  // A
+  const LaneTileOffsets<D> k_off(lm_row + (lm_mat >> 1) * 8, lm_mat & 1);               // B
+  const LaneTileOffsets<D> v_off(lm_row + (lm_mat & 1) * 8, lm_mat >> 1);               // B^T
+
+  // Accumulator coordinates: row lane/4 (+8), columns 2*(lane%4) (+1).
+  const int g = lane >> 2, t = lane & 3;
+
+  // Query row of accumulator row half hh of m16 tile mi. Row windows are recomputed where
+  // needed rather than kept: at D = 128 every register is taken by S and O.
+  auto row_of = [&](int mi, int hh) -> int64_t { return r0 + warp_row0 + mi * 16 + g + 8 * hh; };
+
+  const float log2e = 1.4426950408889634f;
+  const float scale = static_cast<float>(p.scale);
+  const float c = kGeneral ? log2e : scale * log2e;
+  const float softcap = static_cast<float>(p.softcap);
+  const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
+  const int64_t row_first = r0, row_last = r0 + Br - 1;
+
+  float O[MT][DT][4];
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int di = 0; di < DT; ++di)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) O[mi][di][e] = 0.f;
+  OnlineSoftmax<MT> softmax;
+  softmax.init();
+
+  for (int n = range.lo; n < range.hi; ++n) {
+    const int stage = (n - range.lo) % Tr::kStages;
+    cp_async_wait<Tr::kStages - 2>();
+    // Publishes K_j/V_j (and Q_i on the first pass) copied by other threads, and guarantees
+    // every warp is done with the buffer the prefetch below overwrites (block n-1's).
+    __syncthreads();
+    {
+      const int next = n + Tr::kStages - 1;
+      if (next < range.hi) load_kv(next, (next - range.lo) % Tr::kStages);
+      cp_async_commit();
+    }
+
+    // S = Q_i K_j^T
+    float S[MT][NT][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) S[mi][ni][e] = 0.f;
+    const uint32_t sK_addr = sK_addr0 + stage * kStageBytes;
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+        ldmatrix_x4(a[mi], sQ_addr + 2 * q_off.at(mi * 16, ks));
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, sK_addr + 2 * k_off.at(np * 16, ks));
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          Mma::run(S[mi][2 * np], a[mi], bk[0], bk[1]);
+          Mma::run(S[mi][2 * np + 1], a[mi], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // Scores -> logit units, hiding invisible keys.
+    const int key0 = n * Bc + 2 * t;
+    if constexpr (kGeneral) {
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int64_t i = row_of(mi, hh);
+          const RowWindow win = row_window(p, i);
+          const int64_t ic = i < Nq ? i : Nq - 1;  // rows past Nq are computed, never stored
+          const int64_t mask_row =
+              b * p.mask_batch_stride + h * p.mask_head_stride + ic * p.mask_row_stride;
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = key0 + ni * 8 + e;
+              float x = S[mi][ni][2 * hh + e] * scale;
+              if (softcap > 0.f) x = soft_cap(x, softcap, inv_softcap);
+              bool visible = win.contains(j);
+              if (visible && p.mask_kind != MaskKind::kNone)
+                visible = apply_mask<Elem>(p, mask_row + j * p.mask_col_stride, x);
+              S[mi][ni][2 * hh + e] = visible ? x : -CUDART_INF_F;
+            }
+        }
+    } else if (!key_block_unmasked(p, row_first, row_last, n, Bc)) {
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const RowWindow win = row_window(p, row_of(mi, hh));
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (!win.contains(key0 + ni * 8 + e)) S[mi][ni][2 * hh + e] = -CUDART_INF_F;
+        }
+    }
+
+    softmax.update(S, O, c);
+
+    // O += P V_j
+    const uint32_t sV_addr = sV_addr0 + stage * kStageBytes;
+#pragma unroll
+    for (int kk = 0; kk < Bc / 16; ++kk) {
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        pa[mi][0] = Mma::pack(S[mi][2 * kk][0], S[mi][2 * kk][1]);
+        pa[mi][1] = Mma::pack(S[mi][2 * kk][2], S[mi][2 * kk][3]);
+        pa[mi][2] = Mma::pack(S[mi][2 * kk + 1][0], S[mi][2 * kk + 1][1]);
+        pa[mi][3] = Mma::pack(S[mi][2 * kk + 1][2], S[mi][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, sV_addr + 2 * v_off.at(kk * 16, dp));
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          Mma::run(O[mi][2 * dp], pa[mi], bv[0], bv[1]);
+          Mma::run(O[mi][2 * dp + 1], pa[mi], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can be pending; retire them before exit
+
+  // Epilogue: normalize, stage this warp's rows of O in its own rows of sQ (no other warp reads
+  // them), then write 16-byte chunks so global stores are full sectors.
+  // Every lane of this warp must be done reading its Q rows via ldmatrix before they are overwritten.
+  __syncwarp();
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float inv_l, lse;
+      softmax.finish(mi, hh, c, inv_l, lse);
+      const int row = warp_row0 + mi * 16 + g + 8 * hh;
+#pragma unroll
+      for (int di = 0; di < DT; ++di) {
+        const uint32_t v = Mma::pack(O[mi][di][2 * hh] * inv_l, O[mi][di][2 * hh + 1] * inv_l);
+        *reinterpret_cast<uint32_t*>(sQ + tile_offset<D>(row, di) + 2 * t) = v;
+      }
+      if (t == 0 && row < rows_q) gLse[row] = lse;
+    }
+  // The copy-out below reads chunks other lanes of this warp wrote.
+  __syncwarp();
+  constexpr int kChunks = D / 8;
+  for (int id = lane; id < Tr::kRowsPerWarp * kChunks; id += 32) {
+    const int row = warp_row0 + id / kChunks, chunk = id % kChunks;
+    if (row >= rows_q || chunk * 8 >= head_dim) continue;
+    const Elem* src = sQ + tile_offset<D>(row, chunk);
+    Elem* dst = gO + static_cast<int64_t>(row) * p.out_row_stride + chunk * 8;
+    if (flags.out_vec16) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 8 && chunk * 8 + e < head_dim; ++e) dst[e] = src[e];
+    }
+  }
+}
+
+}  // namespace flashmod::cuda_kernels

@@ -1,0 +1,45 @@
+// Compile-time shape of one tensor-core forward kernel: tile sizes, warp layout, pipeline depth
+// and the shared-memory footprint they imply. The paper's names: a CTA owns Br query rows (Q_i)
+// and walks key/value blocks of Bc rows (K_j, V_j).
+#pragma once
+
+#include <cstdint>
+
+namespace flashmod::cuda_kernels {
+
+template <typename Elem_, int kHeadDim_, int kBr, int kBc, int kWarps, int kStages_>
+struct FwdTraits {
+  using Elem = Elem_;
+  static constexpr int kHeadDim = kHeadDim_;  // padded head dim; columns >= the real D are zeros
+  static constexpr int Br = kBr;
+  static constexpr int Bc = kBc;
+  static constexpr int kNWarps = kWarps;
+  static constexpr int kNThreads = 32 * kWarps;
+  static constexpr int kStages = kStages_;  // K_j/V_j buffers in flight (cp.async pipeline depth)
+
+  // Warps split Q_i by rows only, so every warp sees all of K_j/V_j and softmax rows never cross
+  // warps (no shared-memory reduction).
+  static constexpr int kRowsPerWarp = Br / kNWarps;
+  static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles per warp
+  static constexpr int kNTiles = Bc / 8;             // n8 tiles of S per warp
+  static constexpr int kDTiles = kHeadDim / 8;       // n8 tiles of O per warp
+  static constexpr int kKSteps = kHeadDim / 16;      // k16 steps of Q K^T
+
+  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per smem row
+
+  static constexpr int kSmemQ = Br * kHeadDim;
+  static constexpr int kSmemKV = Bc * kHeadDim;  // one K_j or one V_j
+  static constexpr int kSmemBytes =
+      static_cast<int>(sizeof(Elem)) * (kSmemQ + 2 * kStages * kSmemKV);
+
+  static_assert(sizeof(Elem) == 2, "tensor-core path is for fp16/bf16");
+  static_assert(Br % (16 * kNWarps) == 0, "each warp needs whole m16 tiles");
+  static_assert(Bc % 16 == 0, "P is fed to the second mma in k16 slices");
+  static_assert(kHeadDim % 32 == 0, "head dims are padded to multiples of 32");
+  static_assert(kChunksPerRow % 4 == 0, "the swizzle permutes groups of 4 or 8 chunks");
+  static_assert(kStages >= 2, "one buffer computing, at least one loading");
+  // 163 KB is sm80's opt-in per-block limit; sm90 allows 227 KB.
+  static_assert(kSmemBytes <= 163 * 1024, "must also fit an A100");
+};
+
+}  // namespace flashmod::cuda_kernels

@@ -1,0 +1,282 @@
+"""flashmod.attention against the reference, on every device, over a grid of odd sizes.
+
+Each check draws fresh random inputs and holds the result to flash-attn's rule (tests/tolerance.py):
+forward error <= 2x, gradient error <= 3x the error of plain attention in the same precision.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerance import assert_within_rule
+
+import flashmod
+from flashmod.reference import attention_reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (Nq, Nk, D): every length in {1, 17, 113, 203, 256, 1023} on both sides, every head dim in
+# {32, 40, 59, 64, 111, 128, 256}, none of them a multiple of a kernel tile except on purpose.
+SHAPES = [
+    (1, 1, 32),
+    (1, 17, 40),
+    (17, 1, 59),
+    (113, 203, 64),
+    (203, 113, 111),
+    (256, 256, 128),
+    (17, 1023, 256),
+    (1023, 17, 40),
+    (203, 1023, 59),
+    (1023, 1023, 64),
+]
+
+
+def padding_mask(b, hq, nq, nk, device):
+    """(B, 1, 1, Nk) bool: the last keys of each batch row are padding (left unmasked: >= 1 key)."""
+    lengths = torch.randint(1, nk + 1, (b,), device=device)
+    return (torch.arange(nk, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+
+
+def random_bool_mask(b, hq, nq, nk, device):
+    """(Nq, Nk) bool with some rows fully masked."""
+    mask = torch.rand(nq, nk, device=device) > 0.3
+    mask[::5] = False
+    return mask
+
+
+def additive_mask(b, hq, nq, nk, device, dtype=None):
+    """(1, Hq, Nq, Nk) additive float mask with some -inf entries."""
+    m = torch.randn(1, hq, nq, nk, device=device)
+    m = m.masked_fill(torch.rand_like(m) < 0.2, -math.inf)
+    return m
+
+
+# name -> (Hq, Hkv, op options, mask factory or None, layout, mask dtype rule)
+VARIANTS = {
+    "plain": (4, 4, {}, None, "bhsd"),
+    "causal_top_left": (4, 2, {"is_causal": True, "bottom_right": False}, None, "bhsd"),
+    "causal_bottom_right_mqa": (6, 1, {"is_causal": True, "bottom_right": True}, None, "bshd"),
+    "window_bottom_right": (4, 2, {"window_left": 23, "window_right": 0}, None, "bhsd"),
+    "window_top_left": (4, 4, {"window_left": 7, "window_right": 11, "bottom_right": False}, None, "bshd"),
+    "softcap_causal_scale": (4, 2, {"softcap": 5.0, "is_causal": True, "scale": 0.3}, None, "bhsd"),
+    "padding_bool_mask_gqa": (6, 2, {}, padding_mask, "bshd"),
+    "bool_mask_empty_rows": (4, 4, {"is_causal": True, "bottom_right": False}, random_bool_mask, "bhsd"),
+    "additive_mask": (4, 2, {"softcap": 3.0}, additive_mask, "bhsd"),
+    "fp32_additive_mask": (4, 4, {"window_left": 50, "window_right": 50}, additive_mask, "bhsd"),
+}
+
+
+def make_qkv(b, hq, hkv, nq, nk, d, dtype, device, layout="bhsd", requires_grad=False):
+    """Random q, k, v as (B, H, S, D) tensors; for 'bshd' they are transposed (B, S, H, D) storage."""
+
+    def one(h, n):
+        if layout == "bshd":
+            x = torch.randn(b, n, h, d, device=device, dtype=dtype).transpose(1, 2)
+        else:
+            x = torch.randn(b, h, n, d, device=device, dtype=dtype)
+        return x.requires_grad_(requires_grad)
+
+    return one(hq, nq), one(hkv, nk), one(hkv, nk)
+
+
+def make_case(variant, nq, nk, d, dtype, device, b=2, requires_grad=False):
+    hq, hkv, opts, mask_fn, layout = VARIANTS[variant]
+    q, k, v = make_qkv(b, hq, hkv, nq, nk, d, dtype, device, layout, requires_grad)
+    mask = None
+    if mask_fn is not None:
+        mask = mask_fn(b, hq, nq, nk, device)
+        if mask.dtype != torch.bool and not variant.startswith("fp32"):
+            mask = mask.to(dtype)
+    return q, k, v, mask, opts
+
+
+def references(q, k, v, mask, opts, dtype):
+    truth = attention_reference(q, k, v, mask, compute_dtype=torch.float64, **opts)
+    plain = attention_reference(q, k, v, mask, compute_dtype=dtype, **opts)
+    return truth, plain
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("nq,nk,d", SHAPES)
+def test_forward_matches_reference(device, dtype, variant, nq, nk, d):
+    q, k, v, mask, opts = make_case(variant, nq, nk, d, dtype, device)
+    out, lse = flashmod.attention_op(q, k, v, mask, **opts)
+    (out_truth, lse_truth), (out_plain, lse_plain) = references(q, k, v, mask, opts, dtype)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert lse.shape == q.shape[:3]
+    assert_within_rule(out, out_truth, out_plain, 2, dtype, "out")
+    # Our lse is fp32 from low-precision inputs; plain attention's is fp32 too (compute_dtype=fp32).
+    lse_plain32 = attention_reference(q, k, v, mask, compute_dtype=torch.float32, **opts)[1]
+    assert_within_rule(lse, lse_truth, lse_plain32, 2, torch.float32, "lse")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_truth)), "fully masked rows differ"
+
+
+GRAD_SHAPES = [(1, 17, 40), (113, 203, 64), (203, 113, 59), (256, 256, 128)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("nq,nk,d", GRAD_SHAPES)
+def test_gradients_match_reference(device, dtype, variant, nq, nk, d):
+    q, k, v, mask, opts = make_case(variant, nq, nk, d, dtype, device, requires_grad=True)
+    out, lse = flashmod.attention_op(q, k, v, mask, **opts)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+
+    def reference_grads(compute_dtype, cast):
+        leaves = [x.detach().to(cast).requires_grad_() for x in (q, k, v)]
+        ref_out, _ = attention_reference(*leaves, mask, compute_dtype=compute_dtype, **opts)
+        return torch.autograd.grad(ref_out, leaves, grad_out.to(ref_out.dtype))
+
+    truth = reference_grads(torch.float64, torch.float64)
+    plain = reference_grads(dtype, dtype)
+    for name, ours, t, p in zip("qkv", grads, truth, plain):
+        assert ours.dtype == dtype
+        assert_within_rule(ours, t, p, 3, dtype, f"d{name}")
+
+
+def test_lse_gradient(device):
+    """Gradients flow through the returned lse too (d lse / d s = p)."""
+    q, k, v = make_qkv(2, 4, 2, 37, 53, 40, torch.float32, device, requires_grad=True)
+    mask = padding_mask(2, 4, 37, 53, device)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out, lse = flashmod.attention_op(q, k, v, mask, is_causal=True)
+    weights = torch.randn_like(lse)
+    (out.square().sum() + (lse * weights).sum()).backward()
+    ref_out, ref_lse = attention_reference(q64, k64, v64, mask, is_causal=True)
+    (ref_out.square().sum() + (ref_lse * weights.double()).sum()).backward()
+    for name, ours, ref in zip("qkv", (q, k, v), (q64, k64, v64)):
+        torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=1e-4, atol=1e-5, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fully_masked_rows_are_zero_without_nan(device, dtype):
+    """Rows with no visible key: out 0, lse -inf, and zero (not NaN) gradients."""
+    b, h, nq, nk, d = 2, 4, 29, 13, 40
+    q, k, v = make_qkv(b, h, h, nq, nk, d, dtype, device, requires_grad=True)
+    # Bottom-right causal with Nq > Nk: the first Nq - Nk queries see no key at all.
+    mask = torch.rand(b, 1, nq, nk, device=device) > 0.2
+    mask[:, :, -3:] = False  # and the last three rows are masked out explicitly
+    out, lse = flashmod.attention_op(q, k, v, mask, is_causal=True, bottom_right=True)
+    visible = mask & torch.ones(nq, nk, device=device, dtype=torch.bool).tril(nk - nq)
+    empty = (~visible.any(-1)).expand(b, h, nq)
+    assert empty[:, :, : nq - nk].all() and empty[:, :, -3:].all()
+    assert torch.isneginf(lse[empty]).all() and torch.isfinite(lse[~empty]).all()
+    assert (out[empty] == 0).all()
+    out.sum().backward()
+    for x in (q, k, v):
+        assert torch.isfinite(x.grad).all()
+    assert (q.grad[empty] == 0).all()
+
+
+def test_float_mask_all_neg_inf_row(device):
+    q, k, v = make_qkv(1, 2, 2, 5, 7, 32, torch.float32, device, requires_grad=True)
+    mask = torch.zeros(5, 7, device=device)
+    mask[2] = -math.inf
+    out, lse = flashmod.attention_op(q, k, v, mask)
+    assert (out[:, :, 2] == 0).all() and torch.isneginf(lse[:, :, 2]).all()
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and (q.grad[:, :, 2] == 0).all()
+
+
+@pytest.mark.parametrize("b,nq,nk", [(0, 5, 7), (2, 0, 7), (2, 5, 0), (0, 0, 0)])
+def test_empty_dimensions(device, b, nq, nk):
+    q, k, v = make_qkv(b, 4, 2, nq, nk, 32, torch.float32, device, requires_grad=True)
+    out, lse = flashmod.attention_op(q, k, v, is_causal=True)
+    assert out.shape == (b, 4, nq, 32) and lse.shape == (b, 4, nq)
+    if nk == 0:
+        assert (out == 0).all() and torch.isneginf(lse).all()
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert not torch.isnan(q.grad).any()
+
+
+def test_sdpa_convention_matches_torch(device):
+    q, k, v = make_qkv(2, 8, 2, 77, 77, 64, torch.float32, device)
+    for is_causal in (False, True):
+        ours = flashmod.attention(q, k, v, is_causal=is_causal)
+        theirs = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    mask = torch.randn(2, 1, 77, 77, device=device)
+    torch.testing.assert_close(
+        flashmod.attention(q, k, v, attn_mask=mask),
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_flash_attn_convention(device):
+    """(B, S, H, D) in and out, causal aligned bottom-right (query Nq-1 sees key Nk-1)."""
+    b, nq, nk, h, d = 2, 19, 45, 4, 40
+    q = torch.randn(b, nq, h, d, device=device)
+    k = torch.randn(b, nk, 2, d, device=device)
+    v = torch.randn(b, nk, 2, d, device=device)
+    out, lse = flashmod.flash_attn_func(q, k, v, causal=True, window_size=(9, -1), softcap=4.0, return_lse=True)
+    assert out.shape == (b, nq, h, d) and out.is_contiguous() and lse.shape == (b, h, nq)
+    ref, ref_lse = attention_reference(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+        is_causal=True, bottom_right=True, window_left=9, softcap=4.0,
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref.transpose(1, 2).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-5, atol=1e-5)
+    # The last query sees exactly keys Nk-1-9 .. Nk-1.
+    last = torch.softmax(
+        torch.tanh(q[:, -1, 0] @ k[:, -10:, 0].transpose(-1, -2) / math.sqrt(d) / 4.0) * 4.0, -1
+    ) @ v[:, -10:, 0]
+    torch.testing.assert_close(out[:, -1, 0], last.diagonal().T if last.dim() == 3 else last, rtol=1e-5, atol=1e-5)
+
+
+def test_output_keeps_query_layout(device):
+    q, k, v = make_qkv(2, 4, 4, 33, 33, 64, torch.float16, device, layout="bshd")
+    out, _ = flashmod.attention_op(q, k, v)
+    assert out.transpose(1, 2).is_contiguous(), "a (B, S, H, D) query should give a (B, S, H, D) output"
+    q2, k2, v2 = make_qkv(2, 4, 4, 33, 33, 64, torch.float16, device)
+    assert flashmod.attention_op(q2, k2, v2)[0].is_contiguous()
+    # A last dimension with stride != 1 is accepted (copied once), not misread.
+    q3 = torch.randn(2, 4, 64, 33, device=device, dtype=torch.float16).transpose(-1, -2)
+    ref = attention_reference(q3, k2, v2, compute_dtype=torch.float64)[0]
+    torch.testing.assert_close(flashmod.attention_op(q3, k2, v2)[0].double(), ref, rtol=2e-3, atol=2e-3)
+
+
+def test_module_both_layouts_and_padding(device):
+    b, n, h, d = 2, 21, 4, 32
+    q, k, v = (torch.randn(b, n, h, d, device=device) for _ in range(3))
+    keep = torch.ones(b, n, dtype=torch.bool, device=device)
+    keep[0, -5:] = False
+    module = flashmod.FlashAttention(causal=True)
+    out = module(q, k, v, key_padding_mask=keep)
+    ref = attention_reference(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep[:, None, None, :], is_causal=True
+    )[0].transpose(1, 2)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    bhsd = flashmod.FlashAttention(causal=True, layout="bhsd")
+    torch.testing.assert_close(
+        bhsd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+        F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    with pytest.raises(ValueError, match="layout must be 'bshd' or 'bhsd', got 'sbhd'"):
+        flashmod.FlashAttention(layout="sbhd")
+    with pytest.raises(ValueError, match="key_padding_mask must be a bool"):
+        module(q, k, v, key_padding_mask=keep.float())
+
+
+def test_dropout_is_applied_in_training_only(device):
+    q, k, v = make_qkv(2, 4, 4, 64, 64, 32, torch.float32, device)
+    plain = flashmod.attention(q, k, v)
+    dropped = flashmod.attention(q, k, v, dropout_p=0.5)
+    assert not torch.allclose(plain, dropped), "dropout_p > 0 must not be ignored"
+    module = flashmod.FlashAttention(dropout=0.5, layout="bhsd")
+    module.eval()
+    torch.testing.assert_close(module(q, k, v), plain)
+    module.train()
+    assert not torch.allclose(module(q, k, v), plain)
+    # Expectation is preserved: the mean over many draws approaches the plain output.
+    mean = torch.stack([flashmod.attention(q, k, v, dropout_p=0.5) for _ in range(400)]).mean(0)
+    assert (mean - plain).abs().mean() < 0.1 * plain.abs().mean()

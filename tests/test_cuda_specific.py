@@ -1,0 +1,267 @@
+"""CUDA-only checks of the flashmod.attention kernels (csrc/cuda/); skipped without a GPU.
+
+The device-parametrized suite (test_attention.py) covers the semantics on every device. Here:
+the full grid of odd sizes on the tensor-core kernel, fp32's 1e-5 relative accuracy, alignment
+fix-ups, bitwise determinism, CUDA-graph capture, non-default streams, 64-bit offsets, and
+compute-sanitizer runs.
+
+compute-sanitizer (run by test_compute_sanitizer below, or by hand):
+    compute-sanitizer --tool memcheck --kernel-name kns=attention_fwd --error-exitcode 1 \
+        python tests/test_cuda_specific.py --sanitizer-case
+    compute-sanitizer --tool racecheck --kernel-name kns=attention_fwd --error-exitcode 1 \
+        python tests/test_cuda_specific.py --sanitizer-case
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+if torch.cuda.is_available():  # importing flashmod.ops loads the extension and its CUDA kernels
+    from flashmod.ops import attention_op
+    from flashmod.reference import attention_reference
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tolerance import assert_within_rule  # noqa: E402
+
+LENGTHS = [1, 17, 113, 203, 256, 1023]
+HEAD_DIMS = [32, 40, 59, 64, 111, 128, 256]
+LOW = [torch.float16, torch.bfloat16]
+
+
+def run_and_check(q, k, v, mask=None, **opts):
+    out, lse = attention_op(q, k, v, mask, **opts)
+    dtype = q.dtype
+    truth_o, truth_l = attention_reference(q, k, v, mask, compute_dtype=torch.float64, **opts)
+    plain_o, plain_l = attention_reference(q, k, v, mask, compute_dtype=dtype, **opts)
+    assert_within_rule(out, truth_o, plain_o, 2.0, dtype, "out")
+    assert_within_rule(lse, truth_l, plain_l.float(), 2.0, dtype, "lse")
+    return out, lse
+
+
+def rand(*shape, dtype):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Odd sizes on the tensor-core kernel: every (Nq, Nk) pair of LENGTHS at two head dims each, and
+# every head dim at a few length pairs.
+PAIRS = [(a, b) for a in LENGTHS for b in LENGTHS]
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("nq,nk", PAIRS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_all_length_pairs(dtype, nq, nk, causal):
+    d = HEAD_DIMS[(nq * 7 + nk) % len(HEAD_DIMS)]
+    q, k, v = rand(2, 4, nq, d, dtype=dtype), rand(2, 2, nk, d, dtype=dtype), rand(2, 2, nk, d, dtype=dtype)
+    run_and_check(q, k, v, is_causal=causal, bottom_right=bool(nq % 2))
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("d", HEAD_DIMS + [8, 96, 160, 192, 200, 224])
+@pytest.mark.parametrize("nq,nk", [(1, 1023), (1023, 1), (203, 256), (256, 203), (113, 17)])
+def test_all_head_dims(dtype, d, nq, nk):
+    q, k, v = rand(1, 3, nq, d, dtype=dtype), rand(1, 3, nk, d, dtype=dtype), rand(1, 3, nk, d, dtype=dtype)
+    run_and_check(q, k, v)
+    run_and_check(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"window_left": 100, "window_right": 30},
+        {"window_left": 0, "window_right": 0},
+        {"window_left": 300, "window_right": -1, "bottom_right": False},
+        {"softcap": 10.0},
+        {"scale": -0.2},
+        {"scale": 0.0, "is_causal": True},
+    ],
+    ids=str,
+)
+def test_windows_softcap_scale(dtype, d, opts):
+    q, k, v = rand(2, 4, 1023, d, dtype=dtype), rand(2, 4, 777, d, dtype=dtype), rand(2, 4, 777, d, dtype=dtype)
+    run_and_check(q, k, v, **opts)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("kind", ["bool", "additive", "additive_f32", "bool_transposed", "padding"])
+def test_masks_broadcast_and_strides(dtype, kind):
+    b, h, nq, nk, d = 2, 4, 203, 300, 64
+    q, k, v = rand(b, h, nq, d, dtype=dtype), rand(b, 2, nk, d, dtype=dtype), rand(b, 2, nk, d, dtype=dtype)
+    if kind == "bool":
+        mask = torch.rand(1, h, nq, nk, device="cuda") > 0.4
+        mask[:, :, ::7] = False  # fully masked rows
+    elif kind == "bool_transposed":  # column stride != 1
+        mask = (torch.rand(b, 1, nk, nq, device="cuda") > 0.4).transpose(-1, -2)
+    elif kind == "padding":  # (B, 1, 1, Nk): three broadcast strides
+        lengths = torch.randint(1, nk + 1, (b,), device="cuda")
+        mask = (torch.arange(nk, device="cuda")[None] < lengths[:, None])[:, None, None, :]
+    else:
+        mask = torch.randn(nq, nk, device="cuda")
+        mask = mask.masked_fill(torch.rand_like(mask) < 0.2, -math.inf)
+        mask[5] = -math.inf
+        if kind == "additive":
+            mask = mask.to(dtype)
+    out, lse = run_and_check(q, k, v, mask)
+    if kind in ("bool", "additive", "additive_f32"):
+        empty_row = 0 if kind == "bool" else 5
+        assert (out[:, :, empty_row] == 0).all() and torch.isneginf(lse[:, :, empty_row]).all()
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_strided_and_unaligned_inputs(dtype):
+    # (B, S, H, D) storage, a head-dim slice at an odd offset (not 16-byte aligned: the launcher
+    # copies it), and k/v as views of one packed tensor.
+    b, nq, nk, h, d = 2, 130, 257, 4, 64
+    q = rand(b, nq, h, d, dtype=dtype).transpose(1, 2)
+    kv = rand(b, nk, 2, h, d + 3, dtype=dtype)[..., 3:]
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    out, _ = run_and_check(q, k, v, is_causal=True)
+    assert out.stride() == torch.empty_like(q).stride()
+
+
+def test_fp32_relative_error_1e5():
+    for nq, nk, d, opts in [
+        (203, 1023, 64, {}),
+        (1023, 203, 111, {"is_causal": True}),
+        (17, 256, 256, {"window_left": 40, "window_right": 3}),
+        (256, 113, 32, {"softcap": 4.0}),
+    ]:
+        q, k, v = (rand(2, 4, n, d, dtype=torch.float32) for n in (nq, nk, nk))
+        out, lse = attention_op(q, k, v, **opts)
+        ref, ref_lse = attention_reference(q, k, v, compute_dtype=torch.float64, **opts)
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert rel <= 1e-5, (nq, nk, d, opts, rel)
+        finite = torch.isfinite(ref_lse)
+        assert ((lse.double() - ref_lse)[finite].abs().max().item()) <= 1e-5 * max(1.0, ref_lse[finite].abs().max().item())
+
+
+def test_fp64_rejected_and_head_dim_limit():
+    x = torch.randn(1, 1, 4, 8, device="cuda", dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="float64 is supported on CPU only"):
+        torch.ops.flashmod.attention(x, x, x)
+    y = torch.randn(1, 1, 4, 264, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="head_dim must be <= 256"):
+        torch.ops.flashmod.attention(y, y, y)
+
+
+def test_empty_and_zero_keys():
+    q = rand(2, 4, 5, 64, dtype=torch.bfloat16)
+    k = rand(2, 4, 0, 64, dtype=torch.bfloat16)
+    out, lse = attention_op(q, k, k)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    out, lse = attention_op(q[:0], k[:0], k[:0])
+    assert out.shape == (0, 4, 5, 64) and lse.shape == (0, 4, 5)
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", LOW + [torch.float32], ids=str)
+def test_bitwise_deterministic_100_runs(dtype):
+    q, k, v = rand(2, 8, 333, 128, dtype=dtype), rand(2, 2, 517, 128, dtype=dtype), rand(2, 2, 517, 128, dtype=dtype)
+    first, first_lse = attention_op(q, k, v, is_causal=True)
+    for _ in range(100):
+        out, lse = attention_op(q, k, v, is_causal=True)
+        assert torch.equal(out, first) and torch.equal(lse, first_lse)
+
+
+def test_cuda_graph_capture_and_replay():
+    q, k, v = (rand(2, 4, 300, 64, dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.rand(300, 300, device="cuda") > 0.2
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture (lazy init, attribute setting)
+        attention_op(q, k, v, mask, is_causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = attention_op(q, k, v, mask, is_causal=True)
+    for _ in range(3):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = attention_op(q, k, v, mask, is_causal=True)
+        assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+def test_non_default_stream():
+    q, k, v = (rand(2, 4, 1000, 128, dtype=torch.float16) for _ in range(3))
+    expected, _ = attention_op(q, k, v)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(10_000_000)  # the kernel must queue behind this, not on stream 0
+        out, _ = attention_op(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, expected)
+
+
+def test_offsets_past_2_pow_31():
+    # (B, S, H, D) storage of 4 * 65600 * 64 * 128 = 2.15e9 elements > 2^31 per tensor (4.3 GB in
+    # bf16; ~18 GB for q, k, v, out). A +-32 window keeps the arithmetic small.
+    b, n, h, d, w = 4, 65600, 64, 128, 32
+    if torch.cuda.get_device_properties(0).total_memory < 30 * 2**30:
+        pytest.skip("needs ~20 GB of GPU memory")
+    assert b * n * h * d > 2**31
+    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    opts = {"window_left": w, "window_right": w, "bottom_right": False}
+    out, lse = attention_op(q, k, v, **opts)
+    for bi, hi, i0 in [(b - 1, h - 1, n - 50), (b - 1, 17, 1000), (0, 0, 0), (2, 40, 33000)]:
+        rows = slice(i0, min(n, i0 + 50))
+        k0, k1 = max(0, i0 - w), min(n, i0 + 50 + w)
+        qs = q[bi : bi + 1, hi : hi + 1, rows]
+        ks, vs = k[bi : bi + 1, hi : hi + 1, k0:k1], v[bi : bi + 1, hi : hi + 1, k0:k1]
+        i = torch.arange(rows.start, rows.stop, device="cuda")[:, None]
+        j = torch.arange(k0, k1, device="cuda")[None, :]
+        mask = (j >= i - w) & (j <= i + w)
+        truth, _ = attention_reference(qs, ks, vs, mask, compute_dtype=torch.float64)
+        plain, _ = attention_reference(qs, ks, vs, mask, compute_dtype=torch.bfloat16)
+        assert_within_rule(out[bi : bi + 1, hi : hi + 1, rows], truth, plain, 2.0, torch.bfloat16, "out")
+    del q, k, v, out, lse
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+def sanitizer_case():
+    """Small shapes covering every kernel path once (run under compute-sanitizer)."""
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for nq, nk, d in [(17, 113, 64), (130, 77, 128), (5, 33, 256), (70, 70, 40)]:
+            q, k, v = (torch.randn(1, 2, n, d, device="cuda", dtype=dtype) for n in (nq, nk, nk))
+            mask = torch.rand(nq, nk, device="cuda") > 0.3
+            attention_op(q, k, v)
+            attention_op(q, k, v, is_causal=True, bottom_right=False)
+            attention_op(q, k, v, mask, softcap=5.0, window_left=20, window_right=3)
+    torch.cuda.synchronize()
+    print("sanitizer case done")
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer(tool):
+    exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(exe):
+        pytest.skip("compute-sanitizer not found")
+    cmd = [exe, "--tool", tool, "--kernel-name", "kns=attention_fwd", "--error-exitcode", "1",
+           sys.executable, os.path.abspath(__file__), "--sanitizer-case"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "sanitizer case done" in res.stdout, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in res.stdout + res.stderr or "RACECHECK SUMMARY: 0 hazards" in res.stdout + res.stderr
+
+
+if __name__ == "__main__" and "--sanitizer-case" in sys.argv:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from flashmod.ops import attention_op
+    from flashmod.reference import attention_reference
+
+    sanitizer_case()
