@@ -205,7 +205,7 @@ def main():
         cells = []
         for c in cols:
             x = r.get(c, {})
-            cells.append(f"{x['tflops']:10.1f}" if x.get("status") == "ok" else f"{x.get('status', '-')[:10]:>10s}")
+            cells.append((f"{x['tflops']:10.1f}" if x.get("tflops", 0) >= 10 else f"{x.get('tflops', 0):10.4f}") if x.get("status") == "ok" else f"{x.get('status', '-')[:10]:>10s}")
         ratios = []
         fm = r.get("flashmod", {})
         for c in backends:

@@ -9,6 +9,23 @@
 namespace flashmod {
 namespace {
 
+// dtype names as Python prints them, so the C++ and register_fake messages read the same.
+std::string dtype_str(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kDouble: return "torch.float64";
+    case at::kBool: return "torch.bool";
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    default: return c10::toString(t);
+  }
+}
+
 std::string shape_str(const at::Tensor& t) {
   std::ostringstream os;
   os << t.sizes();
@@ -24,11 +41,12 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
                   dtype == at::kDouble,
-              "flashmod.attention: q must be float32, float16, bfloat16 or float64, got ", dtype);
-  TORCH_CHECK(k.scalar_type() == dtype, "flashmod.attention: k must have q's dtype ", dtype,
-              ", got ", k.scalar_type());
-  TORCH_CHECK(v.scalar_type() == dtype, "flashmod.attention: v must have q's dtype ", dtype,
-              ", got ", v.scalar_type());
+              "flashmod.attention: q must be float32, float16, bfloat16 or float64, got ",
+              dtype_str(dtype));
+  TORCH_CHECK(k.scalar_type() == dtype, "flashmod.attention: k must have q's dtype ",
+              dtype_str(dtype), ", got ", dtype_str(k.scalar_type()));
+  TORCH_CHECK(v.scalar_type() == dtype, "flashmod.attention: v must have q's dtype ",
+              dtype_str(dtype), ", got ", dtype_str(v.scalar_type()));
   TORCH_CHECK(k.device() == q.device(), "flashmod.attention: k must be on q's device ", q.device(),
               ", got ", k.device());
   TORCH_CHECK(v.device() == q.device(), "flashmod.attention: v must be on q's device ", q.device(),
@@ -66,9 +84,10 @@ at::Tensor check_and_expand_mask(const std::optional<at::Tensor>& attn_mask, con
   } else if (dtype == at::kFloat && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16)) {
     *kind = MaskKind::kAdditiveF32;
   } else {
-    TORCH_CHECK(false, "flashmod.attention: attn_mask must be bool or q's dtype ", q.scalar_type(),
+    TORCH_CHECK(false, "flashmod.attention: attn_mask must be bool or q's dtype ",
+                dtype_str(q.scalar_type()),
                 (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16 ? " (or float32)" : ""),
-                ", got ", dtype);
+                ", got ", dtype_str(dtype));
   }
   const std::vector<int64_t> target = {q.size(0), q.size(1), q.size(2), seqlen_k};
   bool ok = mask.dim() >= 1 && mask.dim() <= 4;

@@ -174,9 +174,10 @@ def attention_backward_chunked(
     chunk_rows = chunk_rows or backward_chunk_rows(batch, heads_q, seqlen_q, seqlen_k)
 
     kc, vc = k.to(dtype), v.to(dtype)
-    dq = torch.empty(q.shape, dtype=dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    # Gradients take their input's memory layout (what the op's fake implementation promises).
+    dq = torch.empty_like(q, dtype=dtype)
+    dk = torch.zeros_like(k, dtype=dtype)
+    dv = torch.zeros_like(v, dtype=dtype)
     for r0 in range(0, seqlen_q, chunk_rows):
         r1 = min(seqlen_q, r0 + chunk_rows)
         rows = torch.arange(r0, r1, device=q.device)

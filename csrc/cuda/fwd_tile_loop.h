@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   if (range.lo >= range.hi) {
     // No key is visible to any row of Q_i: out = 0, lse = -inf.
     for (int idx = tid; idx < rows_q * head_dim; idx += kThreads)
-      gO[static_cast<int64_t>(idx / head_dim) * p.out_row_stride + idx % head_dim] = Elem(0.f);
+      gO[static_cast<int64_t>(idx / head_dim) * p.out_row_stride + idx % head_dim] = from_float<Elem>(0.f);
     for (int r = tid; r < rows_q; r += kThreads) gLse[r] = -CUDART_INF_F;
     return;
   }
@@ -122,6 +122,18 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   OnlineSoftmax<MT> softmax;
   softmax.init();
 
+  // Q_i fragments, loaded once when kQInRegs (otherwise re-read per K_j and this stays unused).
+  uint32_t qf[Tr::kQInRegs ? MT : 1][Tr::kQInRegs ? Tr::kKSteps : 1][4];
+  if constexpr (Tr::kQInRegs) {
+    cp_async_wait<Tr::kStages - 1>();  // the Q_i group is the oldest one
+    // Q_i's chunks were copied by all threads.
+    __syncthreads();
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ks = 0; ks < Tr::kKSteps; ++ks) ldmatrix_x4(qf[mi][ks], sQ_addr + 2 * q_off.at(mi * 16, ks));
+  }
+
   for (int n = range.lo; n < range.hi; ++n) {
     const int stage = (n - range.lo) % Tr::kStages;
     cp_async_wait<Tr::kStages - 2>();
@@ -147,8 +159,14 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     for (int ks = 0; ks < Tr::kKSteps; ++ks) {
       uint32_t a[MT][4];
 #pragma unroll
-      for (int mi = 0; mi < MT; ++mi)
-        ldmatrix_x4(a[mi], sQ_addr + 2 * q_off.at(mi * 16, ks));
+      for (int mi = 0; mi < MT; ++mi) {
+        if constexpr (Tr::kQInRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mi][e] = qf[mi][ks][e];
+        } else {
+          ldmatrix_x4(a[mi], sQ_addr + 2 * q_off.at(mi * 16, ks));
+        }
+      }
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         uint32_t bk[4];

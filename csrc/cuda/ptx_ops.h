@@ -82,6 +82,18 @@ struct Mma16816<__half> {
   }
 };
 
+// Explicit conversions: torch builds with __CUDA_NO_HALF_CONVERSIONS__ (and the bf16 twin), so
+// the implicit ones do not exist there.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename Elem>
+__device__ __forceinline__ Elem from_float(float x);
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
 // Reductions over the 4 lanes (a "quad") that share one accumulator row in the mma layout.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "../attention_params.h"
+#include "ptx_ops.h"
 
 namespace flashmod::cuda_kernels {
 
@@ -75,7 +76,7 @@ __device__ __forceinline__ bool apply_mask(const AttentionParams& p, int64_t off
     case MaskKind::kBool:
       return static_cast<const uint8_t*>(p.mask)[off] != 0;
     case MaskKind::kAdditive:
-      x += static_cast<float>(static_cast<const Elem*>(p.mask)[off]);
+      x += to_float(static_cast<const Elem*>(p.mask)[off]);
       return true;
     case MaskKind::kAdditiveF32:
       x += static_cast<const float*>(p.mask)[off];
