@@ -4,6 +4,7 @@ Environment:
   FLASHMOD_CPU_ONLY=1          skip the CUDA kernels even where they could be built
   FLASHMOD_CUDA_ARCHS="80;90a"  compute capabilities to build for (default: 80 and 90a)
   MAX_JOBS                      parallel compile jobs (default: all cores)
+  FLASHMOD_NVCC_EXTRA           extra nvcc flags (e.g. "-Xptxas -v")
 
 Install with `pip install --no-build-isolation .` (an isolated build would download torch).
 """
@@ -11,9 +12,9 @@ Install with `pip install --no-build-isolation .` (an isolated build would downl
 import glob
 import os
 
+import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
@@ -49,6 +50,9 @@ if want_cuda():
         "--expt-relaxed-constexpr",
         "-lineinfo",
         *cuda_gencode_flags(),
+        # Extra nvcc flags, e.g. "-Xptxas -v" for the register report, or the tuning hooks
+        # -DFLASHMOD_TUNE_<D>=v of csrc/cuda/fwd_launch.h.
+        *os.environ.get("FLASHMOD_NVCC_EXTRA", "").split(),
     ]
     extension = CUDAExtension(
         "flashmod._C",

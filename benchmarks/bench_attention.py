@@ -144,6 +144,10 @@ def main():
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--tag", default=None, help="file name stem (default: <date>-<device>)")
     ap.add_argument("--backends", default="FLASH,CUDNN,EFFICIENT,MATH")
+    ap.add_argument("--kinds", default="paper,decode,padding,cpu", help="shape groups to run")
+    ap.add_argument("--dtypes", default="bf16,fp16,fp32")
+    ap.add_argument("--dims", default="", help="head dims to keep (default: all)")
+    ap.add_argument("--min-n", type=int, default=0, help="skip paper shapes with N below this")
     args = ap.parse_args()
 
     device = args.device
@@ -157,6 +161,9 @@ def main():
         shapes = cpu_shapes(args.quick)
         timer = time_cpu
         backends = ["SDPA_CPU"]
+    dims = {int(x) for x in args.dims.split(",") if x}
+    shapes = [s for s in shapes if s["kind"] in args.kinds.split(",") and s["dtype"] in args.dtypes.split(",")
+              and (not dims or s["d"] in dims) and (s["kind"] != "paper" or s["nq"] >= args.min_n)]
     tag = args.tag or f"{datetime.date.today().isoformat()}-{device}"
     print(f"device: {name}; torch {torch.__version__}; {len(shapes)} shapes; backends: flashmod, {', '.join(backends)}")
 

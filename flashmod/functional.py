@@ -13,7 +13,6 @@ Dropout in training has no fused kernel: with ``dropout_p > 0`` the call falls b
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .ops import attention_op

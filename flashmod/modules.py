@@ -92,4 +92,3 @@ class FlashAttention(nn.Module):
             f"causal={self.causal}, softmax_scale={self.softmax_scale}, dropout={self.dropout}, "
             f"window_size={self.window_size}, softcap={self.softcap}, layout={self.layout!r}"
         )
-

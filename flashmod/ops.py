@@ -36,8 +36,10 @@ def _check_inputs(
     for name, t in (("q", q), ("k", k), ("v", v)):
         torch._check(
             t.dim() == 4,
-            lambda n=name, t=t: f"{p}{n} must be a 4-D tensor (batch, heads, seqlen, head_dim), "
-            f"got a {t.dim()}-D tensor of shape {list(t.shape)}",
+            lambda n=name, t=t: (
+                f"{p}{n} must be a 4-D tensor (batch, heads, seqlen, head_dim), "
+                f"got a {t.dim()}-D tensor of shape {list(t.shape)}"
+            ),
         )
     torch._check(
         q.dtype in _FLOAT_DTYPES,
@@ -60,8 +62,10 @@ def _check_inputs(
     torch._check(v.shape[2] == k.shape[2], lambda: f"{p}v must have k's sequence length {k.shape[2]}, got {v.shape[2]}")
     torch._check(
         k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
-        lambda: f"{p}q's heads must be a multiple of k's heads (GQA/MQA), got q heads {q.shape[1]} "
-        f"and k/v heads {k.shape[1]}",
+        lambda: (
+            f"{p}q's heads must be a multiple of k's heads (GQA/MQA), got q heads {q.shape[1]} "
+            f"and k/v heads {k.shape[1]}"
+        ),
     )
     if attn_mask is not None:
         torch._check(
@@ -71,8 +75,10 @@ def _check_inputs(
         half = q.dtype in (torch.float16, torch.bfloat16)
         torch._check(
             attn_mask.dtype in (torch.bool, q.dtype) or (half and attn_mask.dtype == torch.float32),
-            lambda: f"{p}attn_mask must be bool or q's dtype {q.dtype}"
-            f"{' (or float32)' if half else ''}, got {attn_mask.dtype}",
+            lambda: (
+                f"{p}attn_mask must be bool or q's dtype {q.dtype}"
+                f"{' (or float32)' if half else ''}, got {attn_mask.dtype}"
+            ),
         )
         target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         ok = 1 <= attn_mask.dim() <= 4 and all(
@@ -80,8 +86,10 @@ def _check_inputs(
         )
         torch._check(
             ok,
-            lambda: f"{p}attn_mask must be broadcastable to (batch, q_heads, seqlen_q, seqlen_k) = "
-            f"{list(target)}, got shape {list(attn_mask.shape)}",
+            lambda: (
+                f"{p}attn_mask must be broadcastable to (batch, q_heads, seqlen_q, seqlen_k) = "
+                f"{list(target)}, got shape {list(attn_mask.shape)}"
+            ),
         )
     torch._check(window_left >= -1, lambda: f"{p}window_left must be >= -1 (-1 = unbounded), got {window_left}")
     torch._check(window_right >= -1, lambda: f"{p}window_right must be >= -1 (-1 = unbounded), got {window_right}")

@@ -225,9 +225,10 @@ def test_flash_attn_convention(device):
     torch.testing.assert_close(out, ref.transpose(1, 2).float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-5, atol=1e-5)
     # The last query sees exactly keys Nk-1-9 .. Nk-1.
-    last = torch.softmax(
-        torch.tanh(q[:, -1, 0] @ k[:, -10:, 0].transpose(-1, -2) / math.sqrt(d) / 4.0) * 4.0, -1
-    ) @ v[:, -10:, 0]
+    last = (
+        torch.softmax(torch.tanh(q[:, -1, 0] @ k[:, -10:, 0].transpose(-1, -2) / math.sqrt(d) / 4.0) * 4.0, -1)
+        @ v[:, -10:, 0]
+    )
     torch.testing.assert_close(out[:, -1, 0], last.diagonal().T if last.dim() == 3 else last, rtol=1e-5, atol=1e-5)
 
 

@@ -144,7 +144,9 @@ def test_fp32_relative_error_1e5():
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel <= 1e-5, (nq, nk, d, opts, rel)
         finite = torch.isfinite(ref_lse)
-        assert ((lse.double() - ref_lse)[finite].abs().max().item()) <= 1e-5 * max(1.0, ref_lse[finite].abs().max().item())
+        assert ((lse.double() - ref_lse)[finite].abs().max().item()) <= 1e-5 * max(
+            1.0, ref_lse[finite].abs().max().item()
+        )
 
 
 def test_fp64_rejected_and_head_dim_limit():
@@ -256,7 +258,10 @@ def test_compute_sanitizer(tool):
            sys.executable, os.path.abspath(__file__), "--sanitizer-case"]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "sanitizer case done" in res.stdout, res.stdout[-4000:] + res.stderr[-4000:]
-    assert "ERROR SUMMARY: 0 errors" in res.stdout + res.stderr or "RACECHECK SUMMARY: 0 hazards" in res.stdout + res.stderr
+    assert (
+        "ERROR SUMMARY: 0 errors" in res.stdout + res.stderr
+        or "RACECHECK SUMMARY: 0 hazards" in res.stdout + res.stderr
+    )
 
 
 if __name__ == "__main__" and "--sanitizer-case" in sys.argv:

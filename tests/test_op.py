@@ -23,7 +23,11 @@ def qkv(device, dtype=torch.float32, b=2, hq=4, hkv=2, nq=9, nk=11, d=16, requir
 BAD_INPUTS = [
     ("q_rank", lambda q, k, v: ((q[0], k, v), {}), r"q must be a 4-D tensor .* got a 3-D tensor of shape \[4, 9, 16\]"),
     ("k_rank", lambda q, k, v: ((q, k[None], v), {}), r"k must be a 4-D tensor .* got a 5-D tensor"),
-    ("int_dtype", lambda q, k, v: ((q.long(), k.long(), v.long()), {}), r"q must be float32, float16, bfloat16 or float64, got torch.int64"),
+    (
+        "int_dtype",
+        lambda q, k, v: ((q.long(), k.long(), v.long()), {}),
+        r"q must be float32, float16, bfloat16 or float64, got torch.int64",
+    ),
     ("k_dtype", lambda q, k, v: ((q, k.double(), v), {}), r"k must have q's dtype torch.float32, got torch.float64"),
     ("v_dtype", lambda q, k, v: ((q, k, v.half()), {}), r"v must have q's dtype torch.float32, got torch.float16"),
     ("k_device", lambda q, k, v: ((q, k.to("meta"), v), {}), r"k must be on q's device .*, got meta"),
@@ -31,16 +35,42 @@ BAD_INPUTS = [
     ("head_dim", lambda q, k, v: ((q, k[..., :8], v), {}), r"k and v must have q's head_dim 16, got k 8 and v 16"),
     ("v_heads", lambda q, k, v: ((q, k, v[:, :1]), {}), r"v must have k's number of heads 2, got 1"),
     ("v_seqlen", lambda q, k, v: ((q, k, v[:, :, :5]), {}), r"v must have k's sequence length 11, got 5"),
-    ("gqa_ratio", lambda q, k, v: ((q[:, :3], k, v), {}), r"q's heads must be a multiple of k's heads \(GQA/MQA\), got q heads 3 and k/v heads 2"),
-    ("mask_shape", lambda q, k, v: ((q, k, v, torch.ones(9, 10, dtype=torch.bool, device=q.device)), {}),
-     r"attn_mask must be broadcastable to \(batch, q_heads, seqlen_q, seqlen_k\) = \[2, 4, 9, 11\], got shape \[9, 10\]"),
-    ("mask_rank", lambda q, k, v: ((q, k, v, torch.ones(1, 2, 4, 9, 11, dtype=torch.bool, device=q.device)), {}),
-     r"attn_mask must be broadcastable .* got shape \[1, 2, 4, 9, 11\]"),
-    ("mask_dtype", lambda q, k, v: ((q, k, v, torch.ones(9, 11, dtype=torch.int32, device=q.device)), {}),
-     r"attn_mask must be bool or q's dtype torch.float32, got torch.int32"),
-    ("window_left", lambda q, k, v: ((q, k, v), {"window_left": -2}), r"window_left must be >= -1 \(-1 = unbounded\), got -2"),
-    ("window_right", lambda q, k, v: ((q, k, v), {"window_right": -5}), r"window_right must be >= -1 \(-1 = unbounded\), got -5"),
-    ("softcap", lambda q, k, v: ((q, k, v), {"softcap": -1.0}), r"softcap must be a finite number >= 0 \(0 = off\), got -1"),
+    (
+        "gqa_ratio",
+        lambda q, k, v: ((q[:, :3], k, v), {}),
+        r"q's heads must be a multiple of k's heads \(GQA/MQA\), got q heads 3 and k/v heads 2",
+    ),
+    (
+        "mask_shape",
+        lambda q, k, v: ((q, k, v, torch.ones(9, 10, dtype=torch.bool, device=q.device)), {}),
+        r"attn_mask must be broadcastable to \(batch, q_heads, seqlen_q, seqlen_k\) = \[2, 4, 9, 11\], "
+        r"got shape \[9, 10\]",
+    ),
+    (
+        "mask_rank",
+        lambda q, k, v: ((q, k, v, torch.ones(1, 2, 4, 9, 11, dtype=torch.bool, device=q.device)), {}),
+        r"attn_mask must be broadcastable .* got shape \[1, 2, 4, 9, 11\]",
+    ),
+    (
+        "mask_dtype",
+        lambda q, k, v: ((q, k, v, torch.ones(9, 11, dtype=torch.int32, device=q.device)), {}),
+        r"attn_mask must be bool or q's dtype torch.float32, got torch.int32",
+    ),
+    (
+        "window_left",
+        lambda q, k, v: ((q, k, v), {"window_left": -2}),
+        r"window_left must be >= -1 \(-1 = unbounded\), got -2",
+    ),
+    (
+        "window_right",
+        lambda q, k, v: ((q, k, v), {"window_right": -5}),
+        r"window_right must be >= -1 \(-1 = unbounded\), got -5",
+    ),
+    (
+        "softcap",
+        lambda q, k, v: ((q, k, v), {"softcap": -1.0}),
+        r"softcap must be a finite number >= 0 \(0 = off\), got -1",
+    ),
 ]
 
 

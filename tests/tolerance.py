@@ -16,7 +16,9 @@ def max_abs_err(x: Tensor, ref: Tensor) -> float:
     return (x - ref).abs().masked_fill(both_neg_inf, 0).max().item() if x.numel() else 0.0
 
 
-def assert_within_rule(ours: Tensor, truth: Tensor, plain: Tensor, factor: float, dtype: torch.dtype, what: str) -> None:
+def assert_within_rule(
+    ours: Tensor, truth: Tensor, plain: Tensor, factor: float, dtype: torch.dtype, what: str
+) -> None:
     assert ours.shape == truth.shape, f"{what}: shape {tuple(ours.shape)} != {tuple(truth.shape)}"
     assert not torch.isnan(ours).any(), f"{what}: NaN in our result (unwritten or invalid elements)"
     ours_err, plain_err = max_abs_err(ours, truth), max_abs_err(plain, truth)
