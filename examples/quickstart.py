@@ -51,7 +51,9 @@ def main() -> None:
         err_ours = (ours[:, :, rows].double() - truth).abs().max().item()
         err_torch = (theirs[:, :, rows].double() - truth).abs().max().item()
         t_ours = median_seconds(lambda c=causal: flashmod.attention(q, k, v, is_causal=c), 10)
-        t_torch = median_seconds(lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c, enable_gqa=True), 10)
+        t_torch = median_seconds(
+            lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c, enable_gqa=True), 10
+        )
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
         unit, per = ("TFLOP/s", 1e12) if device == "cuda" else ("GFLOP/s", 1e9)
         print(
