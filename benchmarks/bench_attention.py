@@ -6,7 +6,7 @@
 
 Shapes follow the FlashAttention papers (B * N = 16k tokens, H * D = 2048, N = 512 .. 16k,
 D = 64 / 128 / 256, causal and not), plus decode-like shapes (Nq = 1 .. 16 against long KV
-caches, GQA) and key-padding masks. Every backend runs in this process on the same inputs; each
+caches, GQA), key-padding masks and fp32 inputs. Every backend runs in this process on the same inputs; each
 result is validated against flashmod's before it is timed; times are medians of many runs after
 warm-up (triton.testing.do_bench on CUDA). TFLOP/s = 4 * B * H * Nq * Nk * D / t, halved for
 causal. Writes <out-dir>/<tag>.json and <tag>.png, and prints a table.
@@ -66,6 +66,11 @@ def cuda_shapes(quick: bool):
                 continue
             shapes.append(dict(kind="decode", dtype="bf16", b=8, hq=32, hkv=8, nq=nq, nk=nk, d=128,
                                causal=False, mask=False))
+    for d in (64, 128):  # fp32: flashmod's FFMA kernel against SDPA's fp32-capable backends
+        for n in (1024, 4096):
+            for causal in (False, True):
+                shapes.append(dict(kind="fp32", dtype="fp32", b=4, hq=16, hkv=16, nq=n, nk=n, d=d,
+                                   causal=causal, mask=False))
     for n in (1024, 4096):
         shapes.append(dict(kind="padding", dtype="bf16", b=8, hq=16, hkv=16, nq=n, nk=n, d=128,
                            causal=False, mask=True))
@@ -144,7 +149,7 @@ def main():
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--tag", default=None, help="file name stem (default: <date>-<device>)")
     ap.add_argument("--backends", default="FLASH,CUDNN,EFFICIENT,MATH")
-    ap.add_argument("--kinds", default="paper,decode,padding,cpu", help="shape groups to run")
+    ap.add_argument("--kinds", default="paper,decode,padding,fp32,cpu", help="shape groups to run")
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
     ap.add_argument("--dims", default="", help="head dims to keep (default: all)")
     ap.add_argument("--min-n", type=int, default=0, help="skip paper shapes with N below this")

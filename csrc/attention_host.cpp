@@ -166,7 +166,7 @@ PreparedAttention prepare_attention(const at::Tensor& q_in, const at::Tensor& k_
   }
 
   p.window_left = window_left;
-  p.window_right = is_causal ? (window_right < 0 ? 0 : std::min<int64_t>(window_right, 0)) : window_right;
+  p.window_right = is_causal ? 0 : window_right;  // causal: nothing right of the diagonal
   p.diag_offset = bottom_right ? p.seqlen_k - p.seqlen_q : 0;
   p.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   p.softcap = softcap;

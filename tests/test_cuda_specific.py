@@ -25,6 +25,9 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+# Run as a script (the compute-sanitizer case) the repository root is not on sys.path yet.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 if torch.cuda.is_available():  # importing flashmod.ops loads the extension and its CUDA kernels
     from flashmod.ops import attention_op
     from flashmod.reference import attention_reference
@@ -150,12 +153,30 @@ def test_fp32_relative_error_1e5():
 
 
 def test_fp64_rejected_and_head_dim_limit():
-    x = torch.randn(1, 1, 4, 8, device="cuda", dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="float64 is supported on CPU only"):
-        torch.ops.flashmod.attention(x, x, x)
-    y = torch.randn(1, 1, 4, 264, device="cuda", dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="head_dim must be <= 256"):
-        torch.ops.flashmod.attention(y, y, y)
+    # In a subprocess: on the GPU machine's build (g++ 13.3, 2026-11-22) a TORCH_CHECK whose message
+    # holds an integer crashed the process (SIGSEGV) instead of raising, on CPU tensors too (see
+    # benchmarks/results/NOTES.md); a crash here must fail this test, not end the whole run.
+    code = """
+import torch, flashmod
+x = torch.randn(1, 1, 4, 8, device="cuda", dtype=torch.float64)
+try:
+    torch.ops.flashmod.attention(x, x, x)
+except RuntimeError as e:
+    assert "float64 is supported on CPU only" in str(e), e
+else:
+    raise AssertionError("fp64 accepted on CUDA")
+y = torch.randn(1, 1, 4, 264, device="cuda", dtype=torch.float16)
+try:
+    torch.ops.flashmod.attention(y, y, y)
+except RuntimeError as e:
+    assert "head_dim must be <= 256" in str(e), e
+else:
+    raise AssertionError("head_dim 264 accepted on CUDA")
+print("checks raised")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
+    assert res.returncode == 0 and "checks raised" in res.stdout, (res.returncode, res.stderr[-2000:])
 
 
 def test_empty_and_zero_keys():
@@ -265,8 +286,4 @@ def test_compute_sanitizer(tool):
 
 
 if __name__ == "__main__" and "--sanitizer-case" in sys.argv:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from flashmod.ops import attention_op
-    from flashmod.reference import attention_reference
-
     sanitizer_case()

@@ -83,7 +83,12 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
 
   load_tile<kBr, kHeadDim>(sQ, gQ, p.q_row_stride, rows_q, head_dim, tid);
   float O[kColChunks][4] = {};
-  float m = -CUDART_INF_F, l = 0.f;
+  float m = -CUDART_INF_F;
+  // l and its rescale factor in double (once per row and key block, cheap here): O's error from
+  // an approximate alpha cancels in O / l, but lse = log(l) + m keeps it, and fp32 alpha/l put
+  // lse ~5x above a plain fp32 computation's error at ~1000 keys.
+  double l = 0.0;
+  float cm_prev = 0.f;
 
   for (int n = range.lo; n < range.hi; ++n) {
     // The previous block's K_j/V_j/P are no longer read by any thread.
@@ -119,7 +124,12 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
     block_max = quad_max(block_max);
     const float m_new = fmaxf(m, block_max);
     const float cm = m_new == -CUDART_INF_F ? 0.f : m_new * log2e;  // no (-inf) - (-inf)
-    const float alpha = exp2f(m * log2e - cm);
+    // The earlier p's were exp2(x L - cm_prev) with the same fp32 rounding of L = log2(e), so
+    // exp2(cm_prev - cm) rescales them exactly (up to double rounding).
+    const double alpha_d =
+        m == -CUDART_INF_F ? 0.0 : exp2(static_cast<double>(cm_prev) - static_cast<double>(cm));
+    cm_prev = cm;
+    const float alpha = static_cast<float>(alpha_d);
     m = m_new;
     float sum = 0.f;
 #pragma unroll
@@ -128,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
       sum += pij;
       sP[r * kLdP + sub + 4 * kk] = pij;
     }
-    l = l * alpha + sum;
+    l = l * alpha_d + sum;
 #pragma unroll
     for (int c = 0; c < kColChunks; ++c)
 #pragma unroll
@@ -148,9 +158,11 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
     }
   }
 
-  const float sum = quad_sum(l);
-  const bool empty = m == -CUDART_INF_F || !(sum > 0.f);
-  const float inv_l = empty ? 0.f : 1.f / sum;
+  double sum = l;
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  const bool empty = m == -CUDART_INF_F || !(sum > 0.0);
+  const float inv_l = empty ? 0.f : static_cast<float>(1.0 / sum);
   if (r < rows_q) {
     float* o_row = gO + static_cast<int64_t>(r) * p.out_row_stride;
 #pragma unroll
@@ -160,7 +172,12 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
         const int col = 4 * (sub + 4 * c) + e;
         if (col < head_dim) o_row[col] = O[c][e] * inv_l;
       }
-    if (sub == 0) gLse[r] = empty ? -CUDART_INF_F : m + logf(sum);
+    // In double, once per row: the p's were exp2(log2e x - cm) with this same cm, so
+    // lse = ln(sum) + cm ln(2) exactly; fp32 logf (approximate under fast math) costs ~1e-6.
+    const float cm = m * log2e;
+    if (sub == 0)
+      gLse[r] = empty ? -CUDART_INF_F
+                      : static_cast<float>(log(sum) + static_cast<double>(cm) * 0.6931471805599453);
   }
 }
 

@@ -10,14 +10,21 @@
 
 namespace flashmod::cuda_kernels {
 
-// (Br, Bc, warps, stages) per padded head dim. Each warp owns 32 query rows (two m16 tiles)
-// where registers allow: the K_j/V_j fragments a warp reads from shared memory are then reused
-// by twice the mma work, which keeps ldmatrix traffic under the shared-memory bandwidth.
-// Past D = 128 the O accumulator alone (32 x D fp32 per warp = D regs/thread) would not fit, so
-// warps own 16 rows. Measurements that chose them: benchmarks/results/NOTES.md.
+// (Br, Bc, warps, stages, Q in registers) per padded head dim. Each warp owns 32 query rows (two
+// m16 tiles) where registers allow: every K_j/V_j fragment a warp reads from shared memory then
+// feeds twice the mma work, and ldmatrix traffic stays under shared-memory bandwidth. Past
+// D = 128 the O accumulator alone (D fp32 registers per thread at 32 rows per warp) would not
+// fit, so warps own 16 rows. Measured on an H100 (bf16, N = 1k..16k, vs SDPA FLASH in the same
+// process; benchmarks/results/NOTES.md):
+//   D = 64:  128x64 with Q in registers 1.02-1.08x FLASH; 128x64 re-reading Q 0.97-1.02x;
+//            128x128 1.00-1.08x; 128x64 3 stages + Q in regs 1.01-1.08x (no better, more smem).
+//   D = 128: 128x64 0.96-1.08x over three runs (FLASH itself moves ~3% run to run); 128x32
+//            0.94-1.02x; 8 warps x 16 rows 0.79-0.89x (smem-bound); 3 stages 0.83-0.96x (one
+//            CTA per SM instead of two).
+//   D = 160..256: 64x64, 4 warps of 16 rows: fits sm80's 163 KB; 0.77-0.86x FLASH at D = 256.
 template <typename Elem, int kHeadDim>
 struct FwdConfig;
-// Tuning hook: -DFLASHMOD_TUNE_<D>=v swaps in candidate v of kTuneCandidates for head dim D
+// Tuning hook: -DFLASHMOD_TUNE_<D>=v swaps in candidate v below for head dim D = 64, 128, 256
 // (setup.py forwards FLASHMOD_NVCC_EXTRA; nvcc splits -D values at commas, hence the indirection).
 #define FLASHMOD_CAND_1 128, 64, 4, 2, true
 #define FLASHMOD_CAND_2 128, 128, 4, 2, false
@@ -29,8 +36,8 @@ struct FwdConfig;
 #define FLASHMOD_CAND_8 128, 64, 8, 2, false
 #define FLASHMOD_CAND_(v) FLASHMOD_CAND_##v
 #define FLASHMOD_CAND(v) FLASHMOD_CAND_(v)
-#define FLASHMOD_TILE_DEFAULT_32 128, 128, 4, 2, false
-#define FLASHMOD_TILE_DEFAULT_64 128, 64, 4, 2, false
+#define FLASHMOD_TILE_DEFAULT_32 128, 64, 4, 2, true
+#define FLASHMOD_TILE_DEFAULT_64 128, 64, 4, 2, true
 #define FLASHMOD_TILE_DEFAULT_96 128, 64, 4, 2, false
 #define FLASHMOD_TILE_DEFAULT_128 128, 64, 4, 2, false
 #define FLASHMOD_TILE_DEFAULT_160 64, 64, 4, 2, false

@@ -122,9 +122,11 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   OnlineSoftmax<MT> softmax;
   softmax.init();
 
-  // Q_i fragments, loaded once when kQInRegs (otherwise re-read per K_j and this stays unused).
-  uint32_t qf[Tr::kQInRegs ? MT : 1][Tr::kQInRegs ? Tr::kKSteps : 1][4];
-  if constexpr (Tr::kQInRegs) {
+  // Q_i fragments, loaded once when kQRegs (otherwise re-read per K_j and this stays unused).
+  // The general path needs its registers for the mask/soft-cap arithmetic (it spilled with both).
+  constexpr bool kQRegs = Tr::kQInRegs && !kGeneral;
+  uint32_t qf[kQRegs ? MT : 1][kQRegs ? Tr::kKSteps : 1][4];
+  if constexpr (kQRegs) {
     cp_async_wait<Tr::kStages - 1>();  // the Q_i group is the oldest one
     // Q_i's chunks were copied by all threads.
     __syncthreads();
@@ -160,7 +162,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
       uint32_t a[MT][4];
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi) {
-        if constexpr (Tr::kQInRegs) {
+        if constexpr (kQRegs) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) a[mi][e] = qf[mi][ks][e];
         } else {
