@@ -10,7 +10,7 @@
 // classic safe softmax needs four (max, exp+sum, write, scale); the row stays in cache in between.
 //
 // Other dimensions (rows with stride `inner`) are processed 16 rows at a time, one per vector
-// lane, with the per-element online update; fp64 (for gradcheck) uses a scalar loop.
+// lane, with the online update once per group of 8 elements; fp64 (for gradcheck) is scalar.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -128,13 +128,14 @@ FM_INLINE void softmax_row_impl(const float* x, float* y, int64_t n, float scale
   for (; k0 + kChunk <= n; k0 += kChunk, ++c) online_chunk<true>(x + k0, y + k0, kChunk, scale, m, sum, chunk_max + c * kLanes);
   if (k0 < n) online_chunk<false>(x + k0, y + k0, n - k0, scale, m, sum, chunk_max + c * kLanes);
 
-  alignas(64) float lane_max[kLanes], lane_sum[kLanes];
-  store(lane_max, m);
-  store(lane_sum, sum);
+  // Merge the 16 lane summaries: S = sum over lanes of sum_l * exp(m_l - M).
+  alignas(64) float lane[kLanes];
+  store(lane, m);
   float M = -kInf;
-  for (float v : lane_max) M = std::max(M, v);
+  for (float v : lane) M = std::max(M, v);
+  store(lane, M == -kInf ? sum : sum * vexp(m - M));
   float S = 0.0f;
-  for (int l = 0; l < kLanes; ++l) S += M == -kInf ? lane_sum[l] : lane_sum[l] * std::exp(lane_max[l] - M);
+  for (float v : lane) S += v;
   if (M == -kInf && S == 0.0f) {  // every element is -inf: documented to give zeros
     std::memset(y, 0, sizeof(float) * n);
     return;
@@ -147,6 +148,38 @@ FM_INLINE void softmax_row_impl(const float* x, float* y, int64_t n, float scale
     int64_t j = 0;
     for (; j + kLanes <= len; j += kLanes) store(y + k + j, load(y + k + j) * f);
     if (j < len) store_partial(y + k + j, load_partial(y + k + j, len - j, 0.0f) * f, len - j);
+  }
+}
+
+// Rows along a non-last dimension: up to 16 neighbouring rows (consecutive `inner` positions) ride
+// in the vector lanes, so each load is one contiguous run; element d of the rows is at
+// x + d * stride. Online normalizer over groups of 8 elements (one rescale per group), then a
+// second pass writes.
+FM_INLINE void softmax_strided_impl(const float* x, float* y, int64_t n, int64_t stride, int64_t lanes) {
+  constexpr int64_t kGroup = 8;
+  auto get = [&](int64_t d) { return lanes == kLanes ? load(x + d * stride) : load_partial(x + d * stride, lanes, 0.0f); };
+  vf m = splat(-kInf), sum = splat(0.0f);
+  for (int64_t d0 = 0; d0 < n; d0 += kGroup) {
+    const int64_t d1 = std::min(n, d0 + kGroup);
+    vf gmax = splat(-kInf);
+    for (int64_t d = d0; d < d1; ++d) gmax = vmax(gmax, get(d));
+    const vf m_new = vmax(m, gmax);
+    const vf base = m_new == -kInf ? splat(0.0f) : m_new;
+    vf acc = sum * vexp(m - base);
+    for (int64_t d = d0; d < d1; ++d) acc += vexp(get(d) - base);
+    sum = acc;
+    m = m_new;
+  }
+  // Lanes of only -inf have sum 0 and write exp(-inf - 0) * 1 = 0; a NaN sum makes its lane NaN.
+  const vf base = m == -kInf ? splat(0.0f) : m;
+  const vf inv = splat(1.0f) / (sum == 0.0f ? splat(1.0f) : sum);
+  for (int64_t d = 0; d < n; ++d) {
+    const vf e = vexp(get(d) - base) * inv;
+    if (lanes == kLanes) {
+      store(y + d * stride, e);
+    } else {
+      store_partial(y + d * stride, e, lanes);
+    }
   }
 }
 
@@ -177,6 +210,9 @@ FM_INLINE void f32_to_bf16_impl(const float* src, c10::BFloat16* dst, int64_t n)
 #define FLASHMOD_SHARED_ROW_KERNELS(SUFFIX, TARGET)                                                   \
   TARGET void softmax_f32_##SUFFIX(const float* x, float* y, int64_t n, float s, float* cm) {           \
     softmax_row_impl(x, y, n, s, cm);                                                                 \
+  }                                                                                                   \
+  TARGET void softmax_strided_f32_##SUFFIX(const float* x, float* y, int64_t n, int64_t stride, int64_t lanes) { \
+    softmax_strided_impl(x, y, n, stride, lanes);                                                     \
   }                                                                                                   \
   TARGET void bf16_to_f32_##SUFFIX(const c10::BFloat16* s, float* d, int64_t n) { bf16_to_f32_impl(s, d, n); } \
   TARGET void f32_to_bf16_##SUFFIX(const float* s, c10::BFloat16* d, int64_t n) { f32_to_bf16_impl(s, d, n); }
@@ -226,94 +262,74 @@ RowKernels pick_row_kernels() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
-    return {softmax_f32_avx512, bf16_to_f32_avx512, f32_to_bf16_avx512, f16_to_f32_avx512, f32_to_f16_avx512, "avx512"};
+    return {softmax_f32_avx512, softmax_strided_f32_avx512, bf16_to_f32_avx512, f32_to_bf16_avx512, f16_to_f32_avx512, f32_to_f16_avx512, "avx512"};
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    return {softmax_f32_avx2, bf16_to_f32_avx2, f32_to_bf16_avx2, f16_to_f32_avx2, f32_to_f16_avx2, "avx2"};
+    return {softmax_f32_avx2, softmax_strided_f32_avx2, bf16_to_f32_avx2, f32_to_bf16_avx2, f16_to_f32_avx2, f32_to_f16_avx2, "avx2"};
   }
-  return {softmax_f32_baseline, bf16_to_f32_baseline, f32_to_bf16_baseline, f16_to_f32_baseline,
+  return {softmax_f32_baseline, softmax_strided_f32_baseline, bf16_to_f32_baseline, f32_to_bf16_baseline, f16_to_f32_baseline,
           f32_to_f16_baseline, "baseline"};
 }
 
-template <typename T> float to_float(T v) { return static_cast<float>(v); }
-
-// Rows along a non-last dimension: 16 neighbouring rows (consecutive `inner` positions) ride in the
-// 16 lanes, so every load is one contiguous run of memory. Per-element online update
-// (m' = max(m, x); s = s * exp(m - m') + exp(x - m')), then a second pass writes.
-template <typename T>
-void softmax_strided_block(const T* x, T* y, int64_t dim_size, int64_t inner, int64_t lanes) {
-  auto load_lanes = [&](const T* p) {
-    alignas(64) float buf[kLanes];
-    for (int i = 0; i < kLanes; ++i) buf[i] = i < lanes ? to_float(p[i]) : 0.0f;
-    return load(buf);
-  };
-  vf m = splat(-kInf), sum = splat(0.0f);
-  for (int64_t d = 0; d < dim_size; ++d) {
-    const vf v = load_lanes(x + d * inner);
-    const vf m_new = vmax(m, v);
-    const vf base = m_new == -kInf ? splat(0.0f) : m_new;
-    sum = sum * vexp(m - base) + vexp(v - base);
-    m = m_new;
-  }
-  // Lanes of only -inf have sum 0: write 0 for them (exp(-inf - base 0) = 0, times finite 1/1).
-  const vf base = m == -kInf ? splat(0.0f) : m;
-  const vf inv = splat(1.0f) / (sum == 0.0f ? splat(1.0f) : sum);
-  for (int64_t d = 0; d < dim_size; ++d) {
-    alignas(64) float out[kLanes];
-    store(out, vexp(load_lanes(x + d * inner) - base) * inv);
-    for (int64_t i = 0; i < lanes; ++i) y[d * inner + i] = static_cast<T>(out[i]);
-  }
+// fp64 exists for gradcheck: a scalar loop per row, strided rows gathered into a contiguous buffer.
+void softmax_cpu_f64(const SoftmaxParams& p) {
+  const auto* x = static_cast<const double*>(p.x);
+  auto* y = static_cast<double*>(p.y);
+  const int64_t n = p.dim_size, inner = p.inner;
+  at::parallel_for(0, p.outer * inner, std::max<int64_t>(1, kParallelGrainElements / n), [&](int64_t begin, int64_t end) {
+    std::vector<double> row(inner == 1 ? 0 : n);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t base = (t / inner) * n * inner + t % inner;
+      if (inner == 1) {
+        softmax_row_f64(x + base, y + base, n, 1.0);
+        continue;
+      }
+      for (int64_t d = 0; d < n; ++d) row[d] = x[base + d * inner];
+      softmax_row_f64(row.data(), row.data(), n, 1.0);
+      for (int64_t d = 0; d < n; ++d) y[base + d * inner] = row[d];
+    }
+  });
 }
 
 template <typename T>
 void softmax_cpu_typed(const SoftmaxParams& p) {
+  constexpr bool kF32 = std::is_same_v<T, float>;
   const auto* x = static_cast<const T*>(p.x);
   auto* y = static_cast<T*>(p.y);
   const int64_t n = p.dim_size;
-  if (p.inner == 1 && std::is_same_v<T, double>) {
-    if constexpr (std::is_same_v<T, double>) {
-      const int64_t grain = std::max<int64_t>(1, kParallelGrainElements / n);
-      at::parallel_for(0, p.outer, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) softmax_row_f64(x + r * n, y + r * n, n, 1.0);
-      });
-    }
-  } else if (p.inner == 1) {
-    const RowKernels& k = row_kernels();
-    const int64_t grain = std::max<int64_t>(1, kParallelGrainElements / n);
-    at::parallel_for(0, p.outer, grain, [&](int64_t begin, int64_t end) {
+  const RowKernels& k = row_kernels();
+  if (p.inner == 1) {
+    at::parallel_for(0, p.outer, std::max<int64_t>(1, kParallelGrainElements / n), [&](int64_t begin, int64_t end) {
       std::vector<float> chunk_max(chunk_max_floats(n));
-      std::vector<float> row(std::is_same_v<T, float> ? 0 : n);
+      std::vector<float> row(kF32 ? 0 : n);  // 16-bit rows are widened to fp32 here
       for (int64_t r = begin; r < end; ++r) {
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (kF32) {
           k.softmax_f32(x + r * n, y + r * n, n, 1.0f, chunk_max.data());
-        } else if constexpr (!std::is_same_v<T, double>) {
+        } else {
           to_f32(k, x + r * n, row.data(), n);
           k.softmax_f32(row.data(), row.data(), n, 1.0f, chunk_max.data());
           from_f32(k, row.data(), y + r * n, n);
         }
       }
     });
-  } else {
-    const int64_t blocks = (p.inner + kLanes - 1) / kLanes;
-    const int64_t grain = std::max<int64_t>(1, kParallelGrainElements / (n * kLanes));
-    at::parallel_for(0, p.outer * blocks, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t o = t / blocks, i0 = (t % blocks) * kLanes;
-        const int64_t off = o * n * p.inner + i0;
-        if constexpr (std::is_same_v<T, double>) {
-          for (int64_t i = i0; i < std::min(p.inner, i0 + kLanes); ++i) {
-            // fp64 strided rows: gather, normalize in double, scatter (gradcheck sizes only).
-            std::vector<double> row(n);
-            for (int64_t d = 0; d < n; ++d) row[d] = x[o * n * p.inner + d * p.inner + i];
-            softmax_row_f64(row.data(), row.data(), n, 1.0);
-            for (int64_t d = 0; d < n; ++d) y[o * n * p.inner + d * p.inner + i] = row[d];
-          }
-        } else {
-          softmax_strided_block(x + off, y + off, n, p.inner, std::min<int64_t>(kLanes, p.inner - i0));
-        }
-      }
-    });
+    return;
   }
+  const int64_t blocks = (p.inner + kLanes - 1) / kLanes;
+  const int64_t grain = std::max<int64_t>(1, kParallelGrainElements / (n * kLanes));
+  at::parallel_for(0, p.outer * blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> strip(kF32 ? 0 : n * kLanes);  // 16-bit: the (n x 16) block widened to fp32
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i0 = (t % blocks) * kLanes, off = (t / blocks) * n * p.inner + i0;
+      const int64_t lanes = std::min<int64_t>(kLanes, p.inner - i0);
+      if constexpr (kF32) {
+        k.softmax_strided_f32(x + off, y + off, n, p.inner, lanes);
+      } else {
+        for (int64_t d = 0; d < n; ++d) to_f32(k, x + off + d * p.inner, strip.data() + d * kLanes, lanes);
+        k.softmax_strided_f32(strip.data(), strip.data(), n, kLanes, lanes);
+        for (int64_t d = 0; d < n; ++d) from_f32(k, strip.data() + d * kLanes, y + off + d * p.inner, lanes);
+      }
+    }
+  });
 }
 
 at::Tensor softmax_cpu(const at::Tensor& x, int64_t dim) {
@@ -322,7 +338,7 @@ at::Tensor softmax_cpu(const at::Tensor& x, int64_t dim) {
   const SoftmaxParams& p = prepared.params;
   switch (p.dtype) {
     case ScalarKind::kFloat32: softmax_cpu_typed<float>(p); break;
-    case ScalarKind::kFloat64: softmax_cpu_typed<double>(p); break;
+    case ScalarKind::kFloat64: softmax_cpu_f64(p); break;
     case ScalarKind::kFloat16: softmax_cpu_typed<c10::Half>(p); break;
     case ScalarKind::kBFloat16: softmax_cpu_typed<c10::BFloat16>(p); break;
   }
