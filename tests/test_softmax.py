@@ -265,4 +265,4 @@ def test_matmul_softmax_bad_inputs(dev):
         with pytest.raises(RuntimeError, match=message):
             flashmod.matmul_softmax(*args, **kw)
     with pytest.raises(NotImplementedError, match="gradients with respect to attn_mask are not supported"):
-        flashmod.matmul_softmax(a, b, attn_mask=torch.zeros(6, 7, device=dev, requires_grad=True))
+        flashmod.matmul_softmax(a, b, attn_mask=torch.randn(6, 7, device=dev, requires_grad=True))

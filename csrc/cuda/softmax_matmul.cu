@@ -5,8 +5,9 @@
 // (batch, head); each warp keeps its 16 rows of `a` as WMMA fragments in registers for the whole
 // kernel. The CTA walks the columns in tiles of 32 keys staged in shared memory; tensor cores
 // (wmma m16n16k16, fp32 accumulate) give each warp a 16 x 32 logit tile, which its lanes scale,
-// mask, fold into the per-row online normalizer (max, sum) and write raw into `out`. After the
-// last tile every warp re-reads its own rows (fresh in L2) and rewrites them as probabilities.
+// mask, fold into the per-row online normalizer (max, sum) and write raw into `out`; the next
+// tile's global loads are issued before that work so they overlap it. After the last tile every
+// warp re-reads its own rows (fresh in L2) and rewrites them as probabilities.
 // Causal CTAs stop at their diagonal; the columns past it are written as zeros in the second pass.
 //
 // Fallback (fp32, other depths or layouts): cuBLAS writes the raw logits into `out`
@@ -48,19 +49,37 @@ __device__ __forceinline__ float masked_logit(float raw, const MatmulSoftmaxPara
   return x;
 }
 
-// Copies rows [0, count) x [0, depth) of a row-major matrix into shared memory as kRows x kDepth
-// (row pitch kLd), zero-filling rows past `count` and columns past `depth` (zeros add nothing to
-// the dot products). depth % 8 == 0 and 16-byte aligned rows: one uint4 per 8 elements.
-template <typename T, int kRows, int kDepth, int kLd>
-__device__ __forceinline__ void stage_rows(T* dst, const T* src, int64_t row_stride, int64_t count, int64_t depth) {
-  constexpr int kChunks = kDepth / 8;
-  for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
-    const int r = c / kChunks, k = (c % kChunks) * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < count && k < depth) v = *reinterpret_cast<const uint4*>(src + r * row_stride + k);
-    *reinterpret_cast<uint4*>(dst + r * kLd + k) = v;
+// Tiles of a row-major matrix move to shared memory in two steps, so the global loads of the next
+// b tile can be in flight while the tensor cores work on the current one: load_tile reads rows
+// [0, count) x [0, depth) into registers, one uint4 (8 elements) per slot, zero-filling rows past
+// `count` and columns past `depth` (zeros add nothing to the dot products); store_tile writes them
+// as kRows x kDepth with row pitch kLd. Needs depth % 8 == 0 and 16-byte aligned rows.
+template <int kRows, int kDepth>
+struct Tile {
+  static constexpr int kChunks = kDepth / 8;  // uint4 per row
+  static constexpr int kPerThread = kRows * kChunks / kThreads;
+  static_assert(kRows * kChunks % kThreads == 0, "tile must split evenly over the CTA");
+  uint4 chunk[kPerThread];
+
+  template <typename T>
+  __device__ __forceinline__ void load(const T* src, int64_t row_stride, int64_t count, int64_t depth) {
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int c = t * kThreads + threadIdx.x, r = c / kChunks, k = (c % kChunks) * 8;
+      chunk[t] = r < count && k < depth ? *reinterpret_cast<const uint4*>(src + r * row_stride + k)
+                                        : make_uint4(0, 0, 0, 0);
+    }
   }
-}
+
+  template <int kLd, typename T>
+  __device__ __forceinline__ void store(T* dst) const {
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int c = t * kThreads + threadIdx.x, r = c / kChunks, k = (c % kChunks) * 8;
+      *reinterpret_cast<uint4*>(dst + r * kLd + k) = chunk[t];
+    }
+  }
+};
 
 template <typename T, int kKSteps>
 __global__ void __launch_bounds__(kThreads) matmul_softmax_fused_kernel(const MatmulSoftmaxParams p) {
@@ -82,7 +101,11 @@ __global__ void __launch_bounds__(kThreads) matmul_softmax_fused_kernel(const Ma
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   T* s_tile = reinterpret_cast<T*>(smem);
-  stage_rows<T, kBM, kDepth, kLd>(s_tile, A + row0 * p.a_row_stride, p.a_row_stride, M - row0, K);
+  {
+    Tile<kBM, kDepth> a_tile;
+    a_tile.load(A + row0 * p.a_row_stride, p.a_row_stride, M - row0, K);
+    a_tile.template store<kLd>(s_tile);
+  }
   __syncthreads();
   wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> frag_a[kKSteps];
 #pragma unroll
@@ -97,9 +120,12 @@ __global__ void __launch_bounds__(kThreads) matmul_softmax_fused_kernel(const Ma
   float m = -INFINITY, s = 0.0f;
   const int64_t n_end = p.causal ? (row0 + kBM < N ? row0 + kBM : N) : N;
 
+  Tile<kBN, kDepth> b_tile;
+  b_tile.load(B, p.b_row_stride, N, K);
   for (int64_t n0 = 0; n0 < n_end; n0 += kBN) {
-    stage_rows<T, kBN, kDepth, kLd>(s_tile, B + n0 * p.b_row_stride, p.b_row_stride, N - n0, K);
+    b_tile.template store<kLd>(s_tile);
     __syncthreads();
+    if (n0 + kBN < n_end) b_tile.load(B + (n0 + kBN) * p.b_row_stride, p.b_row_stride, N - n0 - kBN, K);
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2];
 #pragma unroll
     for (int c = 0; c < 2; ++c) wmma::fill_fragment(acc[c], 0.0f);
