@@ -104,6 +104,12 @@ def _matmul_softmax_fake(
     return a.new_empty((a.shape[0], a.shape[1], a.shape[2], b.shape[2]))
 
 
+def _softmax_grad(grad: Tensor, y: Tensor, dim: int) -> Tensor:
+    """y * (g - sum(g * y, dim)): aten's softmax backward, which does this in one pass and in fp32
+    for fp16/bf16 (one rounding at the end). An all -inf row has y = 0 and gets a zero gradient."""
+    return torch.ops.aten._softmax_backward_data(grad.contiguous(), y, dim, y.dtype)
+
+
 def _softmax_setup_context(ctx, inputs, output) -> None:
     _, dim = inputs
     ctx.save_for_backward(output)
@@ -112,8 +118,7 @@ def _softmax_setup_context(ctx, inputs, output) -> None:
 
 def _softmax_backward(ctx, grad: Tensor):
     (y,) = ctx.saved_tensors
-    # d softmax: y * (g - sum(g * y)); an all -inf row has y = 0 and so gets a zero gradient.
-    return y * (grad - (grad * y).sum(ctx.dim, keepdim=True)), None
+    return _softmax_grad(grad, y, ctx.dim), None
 
 
 torch.library.register_autograd("flashmod::softmax", _softmax_backward, setup_context=_softmax_setup_context)
@@ -135,8 +140,7 @@ def _matmul_softmax_backward(ctx, grad: Tensor):
     batch, heads_a, rows, depth = a.shape
     heads_b, cols = b.shape[1], b.shape[2]
     group = heads_a // heads_b
-    # dS = P * (dP - sum(dP * P)); masked entries have P = 0 and so dS = 0 there.
-    ds = p * (grad - (grad * p).sum(-1, keepdim=True))
+    ds = _softmax_grad(grad, p, -1)  # masked entries have P = 0 and so dS = 0 there
     ds = ds.reshape(batch, heads_b, group * rows, cols)  # GQA: a's head groups share b's head
     a_g = a.reshape(batch, heads_b, group * rows, depth)
     grad_a = (ctx.scale * ds) @ b if ctx.needs_input_grad[0] else None

@@ -124,6 +124,28 @@ def test_softmax_grad_matches_torch(dev):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_low_precision_grads_within_rule(dev):
+    for dtype in (torch.float16, torch.bfloat16):
+        x = (torch.randn(8, 700, device=dev) * 3).to(dtype)
+        g = torch.randn(8, 700, device=dev).to(dtype)
+        grads = []
+        for fn, t in ((flashmod.softmax, x), (torch.softmax, x), (torch.softmax, x.double())):
+            t = t.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(fn(t, -1), t, g.to(t.dtype))
+            grads.append(grad)
+        assert_rule(grads[0], grads[2], grads[1], f"softmax grad {dtype}")
+        a = torch.randn(1, 4, 50, 64, device=dev, dtype=dtype)
+        b = torch.randn(1, 2, 90, 64, device=dev, dtype=dtype)
+        gp = torch.randn(1, 4, 50, 90, device=dev, dtype=dtype)
+        results = []
+        for fn, dt in ((flashmod.matmul_softmax, dtype), (matmul_softmax_ref, dtype), (matmul_softmax_ref, torch.float64)):
+            ta, tb = a.to(dt).requires_grad_(), b.to(dt).requires_grad_()
+            results.append(torch.autograd.grad(fn(ta, tb, is_causal=True), (ta, tb), gp.to(dt)))
+        for i, name in enumerate("ab"):
+            assert_rule(results[0][i], results[2][i], results[1][i], f"matmul_softmax grad {name} {dtype}")
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_softmax_opcheck_and_compile(dev):
     x = torch.randn(4, 37, 9, device=dev, requires_grad=True)
     torch.library.opcheck(torch.ops.flashmod.softmax.default, (x, 1))
