@@ -149,6 +149,9 @@ __global__ void __launch_bounds__(kThreads) matmul_softmax_fused_kernel(const Ma
     for (int q = 0; q < 16; ++q) {
       const int64_t j = n0 + my_col + q;
       v[q] = row_ok && j < N ? masked_logit<T>(scratch[my_row * kScratchLd + my_col + q], p, b, h, i, j) : -INFINITY;
+      // The second pass sees the logit rounded to T (it is stored in `out`); the summary must
+      // describe the same numbers, or the row would not sum to 1.
+      v[q] = to_float(from_float<T>(v[q]));
       tile_max = fmaxf(tile_max, v[q]);
     }
     float tile_sum = 0.0f;
@@ -162,7 +165,7 @@ __global__ void __launch_bounds__(kThreads) matmul_softmax_fused_kernel(const Ma
       if (vec_store && j0 + 16 <= N) {
         alignas(16) T packed[16];
 #pragma unroll
-        for (int q = 0; q < 16; ++q) packed[q] = from_float<T>(v[q]);
+        for (int q = 0; q < 16; ++q) packed[q] = from_float<T>(v[q]);  // exact: v is already in T
         reinterpret_cast<uint4*>(dst)[0] = reinterpret_cast<const uint4*>(packed)[0];
         reinterpret_cast<uint4*>(dst)[1] = reinterpret_cast<const uint4*>(packed)[1];
       } else {
