@@ -24,6 +24,7 @@ import os
 import platform
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -35,9 +36,10 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
     return platform.processor()
 
 
@@ -95,8 +97,8 @@ def bench_softmax(device: str, dtypes, total: int, warmup: int, reps: int) -> li
     for dtype in dtypes:
         for n in (1024, 4096, 16384, 65536, 262144):
             x = torch.randn(max(1, total // n), n, device=device, dtype=dtype)
-            t_torch = median_time(lambda: torch.softmax(x, -1), device, warmup, reps)
-            t_ours = median_time(lambda: flashmod.softmax(x, -1), device, warmup, reps)
+            t_torch = median_time(partial(torch.softmax, x, -1), device, warmup, reps)
+            t_ours = median_time(partial(flashmod.softmax, x, -1), device, warmup, reps)
             row = {
                 "dtype": str(dtype).removeprefix("torch."),
                 "shape": list(x.shape),
@@ -106,14 +108,21 @@ def bench_softmax(device: str, dtypes, total: int, warmup: int, reps: int) -> li
             }
             if device == "cuda":
                 y = torch.empty_like(x)
-                t_copy = median_time(lambda: y.copy_(x), device, warmup, reps)
+                t_copy = median_time(partial(y.copy_, x), device, warmup, reps)
                 moved = 2 * x.numel() * x.element_size()
                 row["flashmod_GBps"] = moved / t_ours / 1e9
                 row["copy_GBps"] = moved / t_copy / 1e9
                 row["fraction_of_copy"] = t_copy / t_ours
             rows_out.append(row)
-            del x
     return rows_out
+
+
+def plain_matmul_softmax(a, b, scale: float, keep) -> torch.Tensor:
+    """What the fused op replaces: logits, scaled, optionally causally masked, then softmax."""
+    s = scale * a @ b.transpose(-1, -2)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1)
 
 
 def bench_matmul_softmax(device: str, dtypes, shapes, warmup: int, reps: int) -> list[dict]:
@@ -124,15 +133,8 @@ def bench_matmul_softmax(device: str, dtypes, shapes, warmup: int, reps: int) ->
             b = torch.randn(batch, heads, n, k, device=device, dtype=dtype)
             scale = 1 / math.sqrt(k)
             keep = torch.ones(m, n, dtype=torch.bool, device=device).tril() if causal else None
-
-            def plain():
-                s = scale * a @ b.transpose(-1, -2)
-                if keep is not None:
-                    s = s.masked_fill(~keep, float("-inf"))
-                return torch.softmax(s, -1)
-
-            def ours():
-                return flashmod.matmul_softmax(a, b, scale=scale, is_causal=causal)
+            plain = partial(plain_matmul_softmax, a, b, scale, keep)
+            ours = partial(flashmod.matmul_softmax, a, b, scale=scale, is_causal=causal)
 
             t_torch = median_time(plain, device, warmup, reps)
             t_ours = median_time(ours, device, warmup, reps)
@@ -152,7 +154,6 @@ def bench_matmul_softmax(device: str, dtypes, shapes, warmup: int, reps: int) ->
                     "memory_ratio": mem_ours / mem_torch if mem_torch else float("nan"),
                 }
             )
-            del a, b
     return rows_out
 
 

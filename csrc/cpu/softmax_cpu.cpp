@@ -61,7 +61,8 @@ FM_INLINE void store_partial(float* p, vf v, int64_t count) {
 }
 
 // exp for the arguments softmax produces (x <= 0, or NaN): Cody-Waite reduction to
-// r in [-ln2/2, ln2/2] and a degree-7 Taylor polynomial (error < 1 ulp-ish, 5e-9 relative).
+// r in [-ln2/2, ln2/2] and a degree-7 Taylor polynomial (truncation error 5e-9 relative, below
+// fp32 rounding).
 // Exactly 0 below -87 (so masked -inf elements contribute nothing), NaN in -> NaN out.
 FM_INLINE vf vexp(vf x) {
   const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
