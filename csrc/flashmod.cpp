@@ -18,4 +18,8 @@ TORCH_LIBRARY(flashmod, m) {
       "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float? scale=None, "
       "bool is_causal=False, bool bottom_right=True, int window_left=-1, int window_right=-1, "
       "float softcap=0.0) -> (Tensor out, Tensor lse)");
+  // Softmax of x along dim (online normalizer); a row of all -inf gives zeros.
+  m.def("softmax(Tensor x, int dim) -> Tensor");
+  // softmax(scale * a @ b^T + mask, -1) fused: a (B, Ha, M, K), b (B, Hb, N, K) -> (B, Ha, M, N).
+  m.def("matmul_softmax(Tensor a, Tensor b, float? scale=None, bool is_causal=False, Tensor? attn_mask=None) -> Tensor");
 }

@@ -8,6 +8,7 @@ from .functional import attention, flash_attn_func
 from .modules import FlashAttention
 from .ops import attention_op
 from .reference import attention_reference
+from .softmax_ops import matmul_softmax, softmax  # noqa: F401  (issue 5: softmax ops)
 
 __all__ = ["FlashAttention", "attention", "attention_op", "attention_reference", "flash_attn_func"]
 __version__ = "0.1.0"

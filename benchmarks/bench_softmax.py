@@ -1,0 +1,208 @@
+"""Benchmark flashmod.softmax and flashmod.matmul_softmax against plain torch, in one process.
+
+    python benchmarks/bench_softmax.py --device cpu
+    python benchmarks/bench_softmax.py --device cuda
+
+Times are medians over many runs after warm-up (CUDA: events around each run). Prints a table and
+writes benchmarks/results/<date>-<device>-softmax.json. Columns:
+  softmax:         torch.softmax(x, -1) vs flashmod.softmax(x, -1); on CUDA also the achieved
+                   bandwidth (read + write) as a fraction of a same-size device copy (x -> y).
+  matmul_softmax:  torch.softmax(scale * a @ b^T [masked], -1) vs flashmod.matmul_softmax, and the
+                   peak memory each needs beyond its inputs (CUDA: max_memory_allocated; CPU: peak
+                   resident set, with glibc told to return large blocks at free so RSS tracks them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from functools import partial
+
+import torch
+
+import flashmod
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    return platform.processor()
+
+
+def median_time(fn, device: str, warmup: int, reps: int) -> float:
+    """Median seconds per call of fn()."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def peak_extra_bytes(fn, device: str) -> int:
+    """Peak memory fn() allocates beyond what exists before it (its output included)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        del out
+        return torch.cuda.max_memory_allocated() - before
+    before = _proc_status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+    out = fn()
+    del out
+    return _proc_status("VmHWM:") - before
+
+
+def bench_softmax(device: str, dtypes, total: int, warmup: int, reps: int) -> list[dict]:
+    rows_out = []
+    for dtype in dtypes:
+        for n in (1024, 4096, 16384, 65536, 262144):
+            x = torch.randn(max(1, total // n), n, device=device, dtype=dtype)
+            t_torch = median_time(partial(torch.softmax, x, -1), device, warmup, reps)
+            t_ours = median_time(partial(flashmod.softmax, x, -1), device, warmup, reps)
+            row = {
+                "dtype": str(dtype).removeprefix("torch."),
+                "shape": list(x.shape),
+                "torch_ms": t_torch * 1e3,
+                "flashmod_ms": t_ours * 1e3,
+                "speedup": t_torch / t_ours,
+            }
+            if device == "cuda":
+                y = torch.empty_like(x)
+                t_copy = median_time(partial(y.copy_, x), device, warmup, reps)
+                moved = 2 * x.numel() * x.element_size()
+                row["flashmod_GBps"] = moved / t_ours / 1e9
+                row["copy_GBps"] = moved / t_copy / 1e9
+                row["fraction_of_copy"] = t_copy / t_ours
+            rows_out.append(row)
+    return rows_out
+
+
+def plain_matmul_softmax(a, b, scale: float, keep) -> torch.Tensor:
+    """What the fused op replaces: logits, scaled, optionally causally masked, then softmax."""
+    s = scale * a @ b.transpose(-1, -2)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1)
+
+
+def bench_matmul_softmax(device: str, dtypes, shapes, warmup: int, reps: int) -> list[dict]:
+    rows_out = []
+    for dtype in dtypes:
+        for (batch, heads, m, n, k), causal in shapes:
+            a = torch.randn(batch, heads, m, k, device=device, dtype=dtype)
+            b = torch.randn(batch, heads, n, k, device=device, dtype=dtype)
+            scale = 1 / math.sqrt(k)
+            keep = torch.ones(m, n, dtype=torch.bool, device=device).tril() if causal else None
+            plain = partial(plain_matmul_softmax, a, b, scale, keep)
+            ours = partial(flashmod.matmul_softmax, a, b, scale=scale, is_causal=causal)
+
+            t_torch = median_time(plain, device, warmup, reps)
+            t_ours = median_time(ours, device, warmup, reps)
+            mem_torch = max(peak_extra_bytes(plain, device) for _ in range(2))
+            mem_ours = max(peak_extra_bytes(ours, device) for _ in range(2))
+            rows_out.append(
+                {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "shape_BHMNK": [batch, heads, m, n, k],
+                    "causal": causal,
+                    "torch_ms": t_torch * 1e3,
+                    "flashmod_ms": t_ours * 1e3,
+                    "speedup": t_torch / t_ours,
+                    "output_MiB": batch * heads * m * n * a.element_size() / 2**20,
+                    "torch_peak_MiB": mem_torch / 2**20,
+                    "flashmod_peak_MiB": mem_ours / 2**20,
+                    "memory_ratio": mem_ours / mem_torch if mem_torch else float("nan"),
+                }
+            )
+    return rows_out
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}")
+    keys = list(rows[0].keys())
+    cells = [[f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per case (default: cpu 15, cuda 50)")
+    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/<date>-<device>-softmax.json)")
+    args = parser.parse_args()
+    device = args.device
+    if device == "cuda":
+        assert torch.cuda.is_available(), "--device cuda needs a CUDA build of torch and a GPU"
+        dtypes = [torch.float32, torch.float16, torch.bfloat16]
+        total, warmup, reps = 1 << 27, 10, args.reps or 50  # 512 MiB of fp32: far beyond L2
+        mm_shapes = [((4, 16, 1024, 1024, 64), False), ((2, 16, 2048, 2048, 128), False),
+                     ((2, 16, 2048, 2048, 128), True), ((1, 32, 512, 4096, 64), False)]
+    else:
+        # glibc serves big blocks from mmap and unmaps them at free, so RSS follows live tensors.
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB
+        dtypes = [torch.float32, torch.bfloat16]
+        total, warmup, reps = 1 << 22, 3, args.reps or 15
+        mm_shapes = [((1, 8, 512, 512, 64), False), ((1, 8, 1024, 1024, 64), False),
+                     ((1, 8, 1024, 1024, 64), True), ((1, 4, 256, 4096, 128), False)]
+
+    print(f"device: {device_name(device)}  torch {torch.__version__}")
+    softmax_rows = bench_softmax(device, dtypes, total, warmup, reps)
+    print_table("softmax over the last dim (speedup = torch time / flashmod time)", softmax_rows)
+    mm_dtypes = dtypes if device == "cuda" else [torch.float32, torch.bfloat16]
+    mm_rows = bench_matmul_softmax(device, mm_dtypes, mm_shapes, warmup, reps)
+    print_table("matmul_softmax vs torch.softmax(scale * a @ b^T, -1) (memory_ratio = ours / torch)", mm_rows)
+
+    date = datetime.date.today().isoformat()
+    path = args.out or os.path.join(RESULTS, f"{date}-{device}-softmax.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"device": device_name(device), "torch": torch.__version__, "date": date,
+                   "softmax": softmax_rows, "matmul_softmax": mm_rows}, f, indent=1)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

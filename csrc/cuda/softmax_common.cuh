@@ -1,0 +1,48 @@
+// Device helpers shared by the softmax and matmul_softmax kernels: 16-bit <-> fp32 conversion and
+// the online-normalizer algebra on (max, sum) pairs. No torch headers (see softmax_params.h).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace flashmod::cuda {
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// exp(x - m) where a max of -inf (nothing seen yet) counts as 0, so -inf - -inf never makes NaN.
+__device__ __forceinline__ float exp_from(float x, float m) {
+  return __expf(x - (m == -INFINITY ? 0.0f : m));
+}
+
+// Online normalizer: (m, s) summarises a set of logits as their max m and s = sum(exp(x - m)).
+// Merging two summaries rescales both sums to the larger max. NaN in s propagates.
+__device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
+  const float mn = fmaxf(m, m2);
+  s = s * exp_from(m, mn) + s2 * exp_from(m2, mn);
+  m = mn;
+}
+
+__device__ __forceinline__ void warp_merge(float& m, float& s, int width = 32) {
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, offset, width);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, offset, width);
+    merge(m, s, m2, s2);
+  }
+}
+
+// The factor that turns exp(x - m) into a probability; 0 for a row with nothing visible (all
+// -inf: documented to give zeros), NaN when a NaN reached the sum.
+__device__ __forceinline__ float inv_sum(float m, float s) {
+  return (m == -INFINITY && s == 0.0f) ? 0.0f : 1.0f / s;
+}
+
+}  // namespace flashmod::cuda

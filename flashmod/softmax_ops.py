@@ -1,0 +1,190 @@
+"""softmax and fused matmul+softmax: the operators' fake implementations, autograd and front doors.
+
+``torch.ops.flashmod.softmax`` and ``torch.ops.flashmod.matmul_softmax`` are declared in
+``csrc/flashmod.cpp``; the checks in ``csrc/softmax_host.cpp`` are mirrored here with
+``torch._check`` (same order, same messages) so they also fire while torch.compile traces.
+Backward passes are plain torch math registered with ``register_autograd``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import _C  # noqa: F401  (loading the library registers the operators)
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_fp64_device(op: str, name: str, t: Tensor) -> None:
+    torch._check(
+        not (t.dtype == torch.float64 and t.device.type == "cuda"),
+        lambda: f"{op}: {name}'s dtype float64 is supported on CPU only, got it on {t.device}",
+    )
+
+
+def _check_softmax(x: Tensor, dim: int) -> None:
+    """Mirror of prepare_softmax in csrc/softmax_host.cpp."""
+    op = "flashmod.softmax"
+    torch._check(
+        x.dtype in _FLOAT_DTYPES,
+        lambda: f"{op}: x must be float32, float16, bfloat16 or float64, got {x.dtype}",
+    )
+    _check_fp64_device(op, "x", x)
+    ndim = max(x.dim(), 1)
+    torch._check(
+        -ndim <= dim < ndim,
+        lambda: f"{op}: dim must be in [{-ndim}, {ndim - 1}] for a {x.dim()}-D tensor, got {dim}",
+    )
+
+
+def _check_matmul_softmax(a: Tensor, b: Tensor, scale: float | None, attn_mask: Tensor | None) -> None:
+    """Mirror of prepare_matmul_softmax in csrc/softmax_host.cpp."""
+    op = "flashmod.matmul_softmax"
+    for name, t in (("a", a), ("b", b)):
+        torch._check(
+            t.dim() == 4,
+            lambda n=name, t=t: f"{op}: {n} must be a 4-D tensor (batch, heads, seqlen, depth), "
+            f"got a {t.dim()}-D tensor of shape {list(t.shape)}",
+        )
+    torch._check(
+        a.dtype in _FLOAT_DTYPES,
+        lambda: f"{op}: a must be float32, float16, bfloat16 or float64, got {a.dtype}",
+    )
+    torch._check(b.dtype == a.dtype, lambda: f"{op}: b must have a's dtype {a.dtype}, got {b.dtype}")
+    torch._check(b.device == a.device, lambda: f"{op}: b must be on a's device {a.device}, got {b.device}")
+    _check_fp64_device(op, "a", a)
+    torch._check(b.shape[0] == a.shape[0], lambda: f"{op}: b must have a's batch size {a.shape[0]}, got {b.shape[0]}")
+    torch._check(a.shape[3] > 0, lambda: f"{op}: a's depth (last dimension) must be positive, got {a.shape[3]}")
+    torch._check(
+        b.shape[3] == a.shape[3],
+        lambda: f"{op}: b must have a's depth (last dimension) {a.shape[3]}, got {b.shape[3]}",
+    )
+    torch._check(
+        b.shape[1] > 0 and a.shape[1] % b.shape[1] == 0,
+        lambda: f"{op}: a's heads must be a multiple of b's heads (GQA/MQA), got a heads {a.shape[1]} "
+        f"and b heads {b.shape[1]}",
+    )
+    torch._check(scale is None or math.isfinite(scale), lambda: f"{op}: scale must be finite, got {scale}")
+    if attn_mask is not None:
+        torch._check(
+            attn_mask.device == a.device,
+            lambda: f"{op}: attn_mask must be on a's device {a.device}, got {attn_mask.device}",
+        )
+        half = a.dtype in (torch.float16, torch.bfloat16)
+        torch._check(
+            attn_mask.dtype in (torch.bool, a.dtype) or (half and attn_mask.dtype == torch.float32),
+            lambda: f"{op}: attn_mask must be bool or a's dtype {a.dtype}"
+            f"{' (or float32)' if half else ''}, got {attn_mask.dtype}",
+        )
+        target = (a.shape[0], a.shape[1], a.shape[2], b.shape[2])
+        ok = 1 <= attn_mask.dim() <= 4 and all(
+            attn_mask.shape[-i] in (1, target[4 - i]) for i in range(1, attn_mask.dim() + 1)
+        )
+        torch._check(
+            ok,
+            lambda: f"{op}: attn_mask must be broadcastable to (batch, a_heads, M, N) = {list(target)}, "
+            f"got shape {list(attn_mask.shape)}",
+        )
+
+
+@torch.library.register_fake("flashmod::softmax")
+def _softmax_fake(x: Tensor, dim: int) -> Tensor:
+    _check_softmax(x, dim)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.register_fake("flashmod::matmul_softmax")
+def _matmul_softmax_fake(
+    a: Tensor, b: Tensor, scale: float | None = None, is_causal: bool = False, attn_mask: Tensor | None = None
+) -> Tensor:
+    _check_matmul_softmax(a, b, scale, attn_mask)
+    return a.new_empty((a.shape[0], a.shape[1], a.shape[2], b.shape[2]))
+
+
+def _softmax_grad(grad: Tensor, y: Tensor, dim: int) -> Tensor:
+    """y * (g - sum(g * y, dim)): aten's softmax backward, which does this in one pass and in fp32
+    for fp16/bf16 (one rounding at the end). An all -inf row has y = 0 and gets a zero gradient."""
+    return torch.ops.aten._softmax_backward_data(grad.contiguous(), y, dim, y.dtype)
+
+
+def _softmax_setup_context(ctx, inputs, output) -> None:
+    _, dim = inputs
+    ctx.save_for_backward(output)
+    ctx.dim = dim
+
+
+def _softmax_backward(ctx, grad: Tensor):
+    (y,) = ctx.saved_tensors
+    return _softmax_grad(grad, y, ctx.dim), None
+
+
+torch.library.register_autograd("flashmod::softmax", _softmax_backward, setup_context=_softmax_setup_context)
+
+
+def _matmul_softmax_setup_context(ctx, inputs, output) -> None:
+    a, b, scale, _, attn_mask = inputs
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise NotImplementedError(
+            "flashmod.matmul_softmax: gradients with respect to attn_mask are not supported; "
+            "pass attn_mask.detach() (got a mask with requires_grad=True)"
+        )
+    ctx.save_for_backward(a, b, output)
+    ctx.scale = 1.0 / math.sqrt(a.shape[-1]) if scale is None else scale
+
+
+def _matmul_softmax_backward(ctx, grad: Tensor):
+    a, b, p = ctx.saved_tensors
+    batch, heads_a, rows, depth = a.shape
+    heads_b, cols = b.shape[1], b.shape[2]
+    group = heads_a // heads_b
+    ds = _softmax_grad(grad, p, -1)  # masked entries have P = 0 and so dS = 0 there
+    ds = ds.reshape(batch, heads_b, group * rows, cols)  # GQA: a's head groups share b's head
+    a_g = a.reshape(batch, heads_b, group * rows, depth)
+    grad_a = (ctx.scale * ds) @ b if ctx.needs_input_grad[0] else None
+    grad_b = (ctx.scale * ds).transpose(-1, -2) @ a_g if ctx.needs_input_grad[1] else None
+    if grad_a is not None:
+        grad_a = grad_a.reshape(a.shape)
+    return grad_a, grad_b, None, None, None
+
+
+torch.library.register_autograd(
+    "flashmod::matmul_softmax", _matmul_softmax_backward, setup_context=_matmul_softmax_setup_context
+)
+
+
+def softmax(x: Tensor, dim: int) -> Tensor:
+    """``torch.softmax(x, dim)`` computed with the online normalizer (one read pass finds max and sum).
+
+    Accepts float32/float16/bfloat16 (and float64 on CPU), any shape, any ``dim``; returns a
+    contiguous tensor of ``x``'s shape and dtype. Unlike ``torch.softmax``, a row whose elements are
+    all ``-inf`` gives all zeros instead of NaN; a NaN in a row makes that whole row NaN.
+    Differentiable.
+    """
+    return torch.ops.flashmod.softmax(x, dim)
+
+
+def matmul_softmax(
+    a: Tensor,
+    b: Tensor,
+    scale: float | None = None,
+    is_causal: bool = False,
+    attn_mask: Tensor | None = None,
+) -> Tensor:
+    """Attention probabilities ``softmax(scale * a @ b^T + mask, -1)``, fused, in ``a``'s dtype.
+
+    Args:
+        a: queries ``(B, Ha, M, K)``.
+        b: keys ``(B, Hb, N, K)`` with ``Ha % Hb == 0`` (GQA: a-head ``h`` uses b-head ``h // (Ha // Hb)``).
+        scale: multiplies the logits; ``None`` means ``1 / sqrt(K)`` as in attention.
+        is_causal: top-left causal mask (row ``i`` sees columns ``0..i``), like SDPA's ``is_causal``.
+        attn_mask: bool (True = keep) or additive float mask broadcastable to ``(B, Ha, M, N)``;
+            for float16/bfloat16 inputs an additive mask may also be float32.
+
+    Returns:
+        ``(B, Ha, M, N)`` contiguous probabilities; rows with no visible column are all zeros.
+        The output is the only ``(B, Ha, M, N)`` buffer allocated. Differentiable in ``a`` and ``b``.
+    """
+    return torch.ops.flashmod.matmul_softmax(a, b, scale, is_causal, attn_mask)

@@ -1,0 +1,293 @@
+"""flashmod.softmax and flashmod.matmul_softmax against torch (issue 5).
+
+Accuracy follows flash-attn's rule: our error against an fp64 reference is at most twice the
+error of plain torch computed in the same low precision, plus a tiny absolute slack.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from functools import partial
+
+import pytest
+import torch
+
+import flashmod
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+LOW = [torch.float32, torch.float16, torch.bfloat16]
+SLACK = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-4, torch.bfloat16: 2e-3}
+NEG_INF = float("-inf")
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
+    seed = random.SystemRandom().randrange(2**31)
+    torch.manual_seed(seed)
+    print(f"seed={seed}")
+
+
+def dtypes_for(device: str) -> list[torch.dtype]:
+    return LOW + ([torch.float64] if device == "cpu" else [])
+
+
+def compile_backend(device: str) -> str:
+    """Inductor on CUDA; on CPU aot_eager, which traces the same fake and autograd registrations but
+    skips inductor's C++ code generation (tens of seconds on a 2-core machine)."""
+    return "inductor" if device == "cuda" else "aot_eager"
+
+
+def assert_rule(ours: torch.Tensor, truth: torch.Tensor, plain: torch.Tensor, what: str) -> None:
+    assert ours.shape == truth.shape and ours.dtype == plain.dtype, what
+    assert not torch.isnan(ours).any(), f"{what}: NaN in our result"
+    ours_err = (ours.double() - truth).abs().max().item() if ours.numel() else 0.0
+    plain_err = (plain.double() - truth).abs().max().item() if ours.numel() else 0.0
+    bound = 2 * plain_err + SLACK[ours.dtype]
+    assert ours_err <= bound, f"{what}: error {ours_err:.3e} > 2 x plain {plain_err:.3e} + slack"
+
+
+# ---------------------------------------------------------------------------------------- softmax
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+# On CUDA: warp per row, block per row, sm_90 cluster (40000, 131072 vectorized), two-kernel (65537
+# scalar, 300000).
+@pytest.mark.parametrize("n", [1, 17, 255, 256, 1023, 4097, 40000, 65537, 131072, 300000])
+def test_softmax_rows(dev, n):
+    for dtype in dtypes_for(dev):
+        x = (torch.randn(3, n, device=dev) * 4).to(dtype)
+        ours = flashmod.softmax(x, -1)
+        assert_rule(ours, torch.softmax(x.double(), -1), torch.softmax(x, -1), f"{dtype} n={n}")
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("shape", [(5, 19, 33), (2, 3, 4, 17), (40, 1)])
+def test_softmax_every_dim(dev, shape):
+    for dtype in dtypes_for(dev):
+        x = (torch.randn(shape, device=dev) * 3).to(dtype)
+        for dim in range(-len(shape), len(shape)):
+            ours = flashmod.softmax(x, dim)
+            assert_rule(ours, torch.softmax(x.double(), dim), torch.softmax(x, dim), f"{dtype} dim={dim}")
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_softmax_non_contiguous_and_scalar(dev):
+    x = torch.randn(33, 70, device=dev).t()  # strided input
+    torch.testing.assert_close(flashmod.softmax(x, 1), torch.softmax(x, 1))
+    s = torch.randn((), device=dev)
+    assert flashmod.softmax(s, 0).item() == 1.0 and flashmod.softmax(s, -1).shape == ()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_softmax_neg_inf_rows_and_nan(dev):
+    for dtype in LOW:
+        for n in (5, 300, 5000):
+            x = torch.randn(4, n, device=dev).to(dtype)
+            x[0] = NEG_INF  # all -inf: zeros (torch gives NaN)
+            x[1, ::2] = NEG_INF  # partly -inf: exact zeros there, the rest normalized
+            x[2, n // 2] = float("nan")  # NaN makes its row NaN, and only its row
+            y = flashmod.softmax(x, -1)
+            assert (y[0] == 0).all()
+            assert (y[1, ::2] == 0).all()
+            torch.testing.assert_close(y[1], torch.softmax(x[1], -1))
+            assert torch.isnan(y[2]).all()
+            torch.testing.assert_close(y[3], torch.softmax(x[3], -1))
+            # the same along a non-last dimension
+            yt = flashmod.softmax(x.t().contiguous(), 0)
+            assert (yt[:, 0] == 0).all() and torch.isnan(yt[:, 2]).all()
+            torch.testing.assert_close(yt[:, 3], torch.softmax(x[3], -1))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_softmax_empty(dev):
+    for shape, dim in (((0, 7), -1), ((7, 0), -1), ((3, 0, 5), 1), ((0,), 0)):
+        x = torch.randn(shape, device=dev)
+        y = flashmod.softmax(x, dim)
+        assert y.shape == x.shape and y.dtype == x.dtype
+
+
+def test_softmax_gradcheck():
+    x = torch.randn(3, 7, 5, dtype=torch.float64, requires_grad=True)
+    for dim in (0, 1, -1):
+        assert torch.autograd.gradcheck(flashmod.softmax, (x, dim))
+    y = torch.tensor([[NEG_INF] * 3, [1.0, NEG_INF, 2.0]], dtype=torch.float64, requires_grad=True)
+    flashmod.softmax(y, -1).sum().backward()
+    assert torch.isfinite(y.grad).all() and (y.grad[0] == 0).all()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_softmax_grad_matches_torch(dev):
+    x = torch.randn(6, 300, device=dev, requires_grad=True)
+    g = torch.randn(6, 300, device=dev)
+    (ours,) = torch.autograd.grad(flashmod.softmax(x, -1), x, g)
+    (ref,) = torch.autograd.grad(torch.softmax(x, -1), x, g)
+    torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_low_precision_grads_within_rule(dev):
+    for dtype in (torch.float16, torch.bfloat16):
+        x = (torch.randn(8, 700, device=dev) * 3).to(dtype)
+        g = torch.randn(8, 700, device=dev).to(dtype)
+        grads = []
+        for fn, t in ((flashmod.softmax, x), (torch.softmax, x), (torch.softmax, x.double())):
+            t = t.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(fn(t, -1), t, g.to(t.dtype))
+            grads.append(grad)
+        assert_rule(grads[0], grads[2], grads[1], f"softmax grad {dtype}")
+        a = torch.randn(1, 4, 50, 64, device=dev, dtype=dtype)
+        b = torch.randn(1, 2, 90, 64, device=dev, dtype=dtype)
+        gp = torch.randn(1, 4, 50, 90, device=dev, dtype=dtype)
+        results = []
+        for fn, dt in ((flashmod.matmul_softmax, dtype), (matmul_softmax_ref, dtype), (matmul_softmax_ref, torch.float64)):
+            ta, tb = a.to(dt).requires_grad_(), b.to(dt).requires_grad_()
+            results.append(torch.autograd.grad(fn(ta, tb, is_causal=True), (ta, tb), gp.to(dt)))
+        for i, name in enumerate("ab"):
+            assert_rule(results[0][i], results[2][i], results[1][i], f"matmul_softmax grad {name} {dtype}")
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_softmax_opcheck_and_compile(dev):
+    x = torch.randn(4, 37, 9, device=dev, requires_grad=True)
+    torch.library.opcheck(torch.ops.flashmod.softmax.default, (x, 1))
+    torch.library.opcheck(torch.ops.flashmod.softmax.default, (x, -1))
+    compiled = torch.compile(lambda t: flashmod.softmax(t * 2, 1) + 1, fullgraph=True, backend=compile_backend(dev))
+    torch.testing.assert_close(compiled(x), torch.softmax(x * 2, 1) + 1)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_softmax_bad_inputs(dev):
+    x = torch.randn(3, 4, device=dev)
+    flashmod.softmax(x, -2)  # positive control: the same tensor with a valid dim works
+    with pytest.raises(RuntimeError, match=r"flashmod.softmax: dim must be in \[-2, 1\] for a 2-D tensor, got 2"):
+        flashmod.softmax(x, 2)
+    with pytest.raises(RuntimeError, match="flashmod.softmax: x must be float32, float16, bfloat16 or float64, got"):
+        flashmod.softmax(torch.ones(3, 4, dtype=torch.int32, device=dev), -1)
+    if dev == "cuda":
+        with pytest.raises(RuntimeError, match="float64 is supported on CPU only"):
+            flashmod.softmax(x.double(), -1)
+
+
+# ---------------------------------------------------------------------------------- matmul_softmax
+
+
+def matmul_softmax_ref(a, b, scale=None, is_causal=False, attn_mask=None, dtype=None):
+    """softmax(scale * a @ b^T + mask) in `dtype` (default a's), fully masked rows as zeros."""
+    dtype = dtype or a.dtype
+    a, b = a.to(dtype), b.to(dtype)
+    scale = 1 / math.sqrt(a.shape[-1]) if scale is None else scale
+    b = b.repeat_interleave(a.shape[1] // b.shape[1], dim=1)
+    s = scale * (a @ b.transpose(-1, -2))
+    if is_causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, NEG_INF)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, NEG_INF) if attn_mask.dtype == torch.bool else s + attn_mask.to(dtype)
+    return torch.softmax(s, -1).nan_to_num(0.0)
+
+
+def check_matmul_softmax(a, b, what, **kw):
+    ours = flashmod.matmul_softmax(a, b, **kw)
+    assert ours.is_contiguous()
+    truth = matmul_softmax_ref(a, b, dtype=torch.float64, **kw)
+    assert_rule(ours, truth, matmul_softmax_ref(a, b, **kw), what)
+    return ours
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+# Depths <= 256 that are multiples of 8 take the fused tensor-core kernel for fp16/bf16 on CUDA;
+# 264 takes the cuBLAS + in-place fallback. N % 8 == 0 exercises its vectorized stores.
+@pytest.mark.parametrize("mnk", [(1, 1, 8), (17, 33, 16), (64, 257, 64), (130, 75, 40), (70, 128, 64), (5, 1100, 128), (9, 20, 264)])
+def test_matmul_softmax_shapes(dev, mnk):
+    m, n, k = mnk
+    for dtype in dtypes_for(dev):
+        a = torch.randn(2, 4, m, k, device=dev, dtype=dtype)
+        b = torch.randn(2, 2, n, k, device=dev, dtype=dtype)  # GQA: 2 a-heads per b-head
+        check_matmul_softmax(a, b, f"{dtype} {mnk}")
+        check_matmul_softmax(a, b, f"{dtype} {mnk} causal scale", is_causal=True, scale=0.3)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_matmul_softmax_masks(dev):
+    m, n, k = 37, 70, 32
+    for dtype in dtypes_for(dev):
+        a = torch.randn(2, 3, m, k, device=dev, dtype=dtype)
+        b = torch.randn(2, 3, n, k, device=dev, dtype=dtype)
+        bool_mask = torch.rand(m, n, device=dev) > 0.4
+        bool_mask[5] = False  # a fully masked row: zeros
+        out = check_matmul_softmax(a, b, f"{dtype} bool", attn_mask=bool_mask)
+        assert (out[:, :, 5] == 0).all()
+        per_batch = torch.rand(2, 1, 1, n, device=dev) > 0.5
+        check_matmul_softmax(a, b, f"{dtype} bool (B,1,1,N) causal", attn_mask=per_batch, is_causal=True)
+        additive = torch.randn(3, m, n, device=dev, dtype=dtype)
+        check_matmul_softmax(a, b, f"{dtype} additive", attn_mask=additive)
+        if dtype in (torch.float16, torch.bfloat16):
+            check_matmul_softmax(a, b, f"{dtype} fp32 additive", attn_mask=additive.float())
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_matmul_softmax_non_contiguous_and_empty(dev):
+    a = torch.randn(2, 9, 3, 16, device=dev).transpose(1, 2)  # (B, H, M, K) view of (B, M, H, K)
+    b = torch.randn(2, 16, 3, 11, device=dev).permute(0, 2, 3, 1)  # last dim strided
+    check_matmul_softmax(a, b, "strided")
+    for m, n in ((0, 5), (5, 0)):
+        out = flashmod.matmul_softmax(torch.randn(1, 2, m, 8, device=dev), torch.randn(1, 2, n, 8, device=dev))
+        assert out.shape == (1, 2, m, n)
+
+
+def test_matmul_softmax_gradcheck():
+    f64 = {"dtype": torch.float64, "requires_grad": True}
+    a, b = torch.randn(1, 4, 5, 3, **f64), torch.randn(1, 2, 6, 3, **f64)
+    mask = torch.rand(5, 6) > 0.3
+    mask[2] = False
+    for kw in ({}, {"is_causal": True, "scale": 0.7}, {"attn_mask": mask}, {"attn_mask": torch.randn(4, 5, 6, dtype=torch.float64)}):
+        assert torch.autograd.gradcheck(partial(flashmod.matmul_softmax, **kw), (a, b))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_matmul_softmax_grad_matches_torch(dev):
+    a = torch.randn(2, 4, 20, 16, device=dev, requires_grad=True)
+    b = torch.randn(2, 4, 30, 16, device=dev, requires_grad=True)
+    g = torch.randn(2, 4, 20, 30, device=dev)
+    ours = torch.autograd.grad(flashmod.matmul_softmax(a, b, is_causal=True), (a, b), g)
+    ref = torch.autograd.grad(matmul_softmax_ref(a, b, is_causal=True), (a, b), g)
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_matmul_softmax_opcheck_and_compile(dev):
+    a = torch.randn(1, 4, 6, 8, device=dev, requires_grad=True)
+    b = torch.randn(1, 2, 7, 8, device=dev, requires_grad=True)
+    mask = torch.rand(6, 7, device=dev) > 0.2
+    op = torch.ops.flashmod.matmul_softmax.default
+    torch.library.opcheck(op, (a, b), {"is_causal": True})
+    torch.library.opcheck(op, (a, b), {"scale": 0.5, "attn_mask": mask})
+    compiled = torch.compile(
+        lambda x, y: flashmod.matmul_softmax(x + 1, y, attn_mask=mask), fullgraph=True, backend=compile_backend(dev)
+    )
+    torch.testing.assert_close(compiled(a, b), matmul_softmax_ref(a + 1, b, attn_mask=mask))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_matmul_softmax_bad_inputs(dev):
+    a = torch.randn(1, 4, 6, 8, device=dev)
+    b = torch.randn(1, 2, 7, 8, device=dev)
+    flashmod.matmul_softmax(a, b, attn_mask=torch.ones(6, 7, dtype=torch.bool, device=dev))  # positive control
+    op = "flashmod.matmul_softmax: "
+    cases = [
+        ((a[0], b), {}, op + r"a must be a 4-D tensor \(batch, heads, seqlen, depth\), got a 3-D tensor"),
+        ((a, b.half()), {}, op + "b must have a's dtype torch.float32, got torch.float16"),
+        ((a, b[..., :5]), {}, op + r"b must have a's depth \(last dimension\) 8, got 5"),
+        ((a, torch.randn(1, 3, 7, 8, device=dev)), {}, op + "a's heads must be a multiple of b's heads"),
+        ((a, b), {"attn_mask": torch.ones(6, 5, dtype=torch.bool, device=dev)}, op + r"attn_mask must be broadcastable to \(batch, a_heads, M, N\) = \[1, 4, 6, 7\], got shape \[6, 5\]"),
+        ((a, b), {"attn_mask": torch.ones(6, 7, dtype=torch.int32, device=dev)}, op + "attn_mask must be bool or a's dtype torch.float32, got torch.int32"),
+        ((a, b), {"scale": float("inf")}, op + "scale must be finite, got inf"),
+    ]
+    for args, kw, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            flashmod.matmul_softmax(*args, **kw)
+    with pytest.raises(NotImplementedError, match="gradients with respect to attn_mask are not supported"):
+        flashmod.matmul_softmax(a, b, attn_mask=torch.randn(6, 7, device=dev, requires_grad=True))
