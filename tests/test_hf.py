@@ -367,3 +367,13 @@ def test_torch_export_of_patched_model():
     valid = mask.bool()
     expected = wrapper(ids, mask)
     assert _max_err(exported.module()(ids, mask), expected, valid) <= 1e-5 * expected[valid].abs().max().item()
+
+
+def test_backward_fake_matches_real_for_hf_layouts():
+    """HF's q/k/v are (B, S, H, D) buffers viewed as (B, H, S, D): the backward's fake must report the strides the
+    real op returns, or inductor's stride asserts fail in a compiled training step."""
+    q = torch.randn(2, 16, 4, 8).transpose(1, 2)
+    k = torch.randn(2, 16, 2, 8).transpose(1, 2)
+    out, lse = flashmod.attention_op(q, k, k, None, None, True, False)
+    args = (torch.randn_like(out), None, q, k, k, out, lse, None, None, True, False, -1, -1, 0.0)
+    torch.library.opcheck(torch.ops.flashmod.attention_backward.default, args, test_utils=("test_faketensor",))

@@ -85,7 +85,12 @@ def test_mha_matches_torch(device, batch_first, self_attn, masks, need_weights, 
     q, k, v = _qkv(device, batch_first, self_attn)
     seqlen_q = q.shape[1] if batch_first else q.shape[0]
     attn_mask, kpm = _masks(masks, B, seqlen_q, S, device)
-    kwargs = {"key_padding_mask": kpm, "attn_mask": attn_mask, "need_weights": need_weights, "average_attn_weights": average}
+    kwargs = {
+        "key_padding_mask": kpm,
+        "attn_mask": attn_mask,
+        "need_weights": need_weights,
+        "average_attn_weights": average,
+    }
     out_ref, w_ref = ref(q, k, v, **kwargs)
     out, w = ours(q, k, v, **kwargs)
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
