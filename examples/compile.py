@@ -5,6 +5,9 @@
 ``flashmod.attention`` is a custom op with a fake (meta) implementation and a registered autograd formula,
 so dynamo keeps it as one node: ``fullgraph=True`` compiles a patched model's forward and its training step
 without graph breaks, and ``torch.export`` captures it (the op appears as ``torch.ops.flashmod.attention``).
+
+On a small CPU machine inductor's first compilations (forward, then forward + backward) take minutes;
+``--backend aot_eager`` checks the same full-graph capture in seconds.
 """
 
 from __future__ import annotations
@@ -21,9 +24,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import flashmod
 
 
+def default_device() -> str:
+    """CUDA when there is a GPU and flashmod was built with its CUDA kernel, else CPU."""
+    has_cuda_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("flashmod::attention", "CUDA")
+    return "cuda" if torch.cuda.is_available() and has_cuda_kernel else "cpu"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=default_device())
     parser.add_argument("--backend", default="inductor")
     args = parser.parse_args()
     device = torch.device(args.device)

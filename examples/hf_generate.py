@@ -23,6 +23,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import flashmod
 
 
+def default_device() -> str:
+    """CUDA when there is a GPU and flashmod was built with its CUDA kernel, else CPU."""
+    has_cuda_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("flashmod::attention", "CUDA")
+    return "cuda" if torch.cuda.is_available() and has_cuda_kernel else "cpu"
+
+
 def timed(fn, device: torch.device, repeats: int = 3) -> tuple[object, float]:
     """Result of fn() and its best wall time in ms over `repeats` runs (after one warm-up)."""
     result = fn()
@@ -40,7 +46,7 @@ def timed(fn, device: torch.device, repeats: int = 3) -> tuple[object, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=default_device())
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)

@@ -19,6 +19,12 @@ from torch import Tensor, nn
 import flashmod
 
 
+def default_device() -> str:
+    """CUDA when there is a GPU and flashmod was built with its CUDA kernel, else CPU."""
+    has_cuda_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("flashmod::attention", "CUDA")
+    return "cuda" if torch.cuda.is_available() and has_cuda_kernel else "cpu"
+
+
 class DecoderBlock(nn.Module):
     """Pre-norm decoder block: x + Attn(LN(x)), then x + MLP(LN(x)). GQA with ``heads // kv_heads`` groups."""
 
@@ -71,7 +77,7 @@ def sdpa_block(block: DecoderBlock, x: Tensor, cache=None, key_padding_mask=None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=default_device())
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)

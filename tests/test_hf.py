@@ -144,6 +144,39 @@ def test_import_without_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
+def test_import_after_transformers_registers():
+    code = (
+        "import sys, transformers.modeling_utils, flashmod\n"
+        "from transformers import AttentionInterface\n"
+        f"assert {NAME!r} in AttentionInterface._global_mapping\n"
+        "assert 'transformers.masking_utils' not in sys.modules\n"
+        "from transformers.masking_utils import AttentionMaskInterface\n"
+        f"assert {NAME!r} in AttentionMaskInterface._global_mapping\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_from_pretrained_with_attn_implementation(tmp_path):
+    model = _build("qwen2", "cpu")
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=NAME).eval()
+    assert loaded.config._attn_implementation == NAME
+    ids, mask = _inputs("qwen2", "cpu")
+    ref = _output(model, "qwen2", ids, mask)
+    valid = mask.bool()
+    assert _max_err(_output(loaded, "qwen2", ids, mask), ref, valid) <= 1e-4 * ref[valid].abs().max().item()
+
+
+def test_patch_container_with_hf_model_and_multihead_attention():
+    container = torch.nn.ModuleDict({"lm": _build("gpt2", "cpu"), "mha": torch.nn.MultiheadAttention(16, 2)})
+    with flashmod.patched(container):
+        assert container["lm"].config._attn_implementation == NAME
+        assert isinstance(container["mha"], flashmod.FlashMultiheadAttention)
+    assert container["lm"].config._attn_implementation == "eager"
+    assert type(container["mha"]) is torch.nn.MultiheadAttention
+
+
 def test_entry_points_route_to_flashmod(monkeypatch):
     calls = []
     real = fhf.attention_bhsd
@@ -242,7 +275,7 @@ def test_output_attentions_match_eager(family, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama_gqa", "mistral", "gemma2", "gpt2", "bert"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_logits_bf16_error_within_3x_eager(family, device):
     """flash-attn's rule: our bf16 error vs fp32 eager is at most 3x bf16 eager's error."""
     model32 = _build(family, device)
@@ -298,7 +331,7 @@ def _grads(model, family, ids, mask, call=None):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama_gqa", "qwen3", "mistral", "gemma2", "gpt2", "bert"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_training_step_gradients_match_eager(family, device):
     model = _build(family, device).train()
     ids, mask = _inputs(family, device)

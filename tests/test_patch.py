@@ -283,3 +283,20 @@ def test_patch_decoder_and_bare_mha_and_mixed_container():
     with pytest.warns(UserWarning, match="found no"):
         flashmod.patch(holder)
     assert type(holder[0]) is Custom  # subclasses with their own forward are left alone
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_transformer_encoder_bf16_error_within_3x_torch(device):
+    """flash-attn's rule: our bf16 error vs fp32 torch is at most 3x torch's own bf16 error."""
+    model32 = _encoder(device).eval()
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    x = torch.randn(B, S, E, device=device)
+    _, pad = _masks("bool_kpm", B, S, S, device)
+    valid = ~pad
+    with torch.no_grad():
+        ref = model32(x, src_key_padding_mask=pad)
+        torch_err = (model16(x.bfloat16(), src_key_padding_mask=pad).float() - ref)[valid].abs().max().item()
+        with flashmod.patched(model16):
+            ours = model16(x.bfloat16(), src_key_padding_mask=pad)
+    ours_err = (ours.float() - ref)[valid].abs().max().item()
+    assert ours_err <= 3 * torch_err + 1e-6, (ours_err, torch_err)
