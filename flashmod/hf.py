@@ -33,11 +33,15 @@ masks give the same results):
 * without a mask, a causal layer (``module.is_causal`` or the ``is_causal`` kwarg) is causal: top-left
   aligned when several queries are given (transformers drops the mask only when the cache was empty, e.g.
   a StaticCache prefill whose key length is the cache size) and unrestricted for one query (decoding: the
-  query is the newest token). ``sliding_window`` (which counts the token itself) then becomes a left window
-  of ``sliding_window - 1`` with the same alignment;
+  query is the newest token). ``sliding_window`` then becomes a window with the same alignment, as
+  transformers' mask functions define it: ``q - k < sliding_window`` (left ``sliding_window - 1``) for causal
+  layers, ``|q - k| <= sliding_window`` for bidirectional ones. (transformers drops the mask only when the
+  window cannot bind, so this matters for direct calls only);
 * ``softcap`` (Gemma 2/3) is applied to the scores before the mask; ``scaling`` defaults to ``1/sqrt(D)``;
 * ``dropout > 0`` (transformers passes it in training only) uses the reference fallback;
-* ``output_attentions=True`` also returns the probabilities, computed by :func:`_attention_weights`;
+* ``output_attentions=True`` also returns the probabilities, computed by :func:`_attention_weights` (also
+  for models such as GPT-2 that do not forward the flag but record what the attention returns); with
+  dropout in training they are the probabilities before dropout;
 * rows with no visible key (the padding queries of left-padded batches) have output 0 and zero gradients.
 """
 
@@ -217,7 +221,10 @@ def hf_attention_forward(
         # alignment is right even when the keys are a longer static cache) or, for one query, everything.
         causal = bool(is_causal) and seqlen_q > 1
         bottom_right = seqlen_q == 1
-        window = (sliding_window - 1 if sliding_window else -1, -1)
+        window = (-1, -1)
+        if sliding_window:
+            # transformers' window patterns: causal keeps q - k < w, bidirectional keeps |q - k| <= w.
+            window = (sliding_window - 1, -1) if is_causal else (sliding_window, sliding_window)
     else:
         # The mask already encodes causality, padding and any sliding window (what transformers' sdpa does).
         causal, bottom_right, window = False, True, (-1, -1)

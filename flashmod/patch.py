@@ -360,7 +360,7 @@ def patch(model: nn.Module, *, hf: bool = True, multihead_attention: bool = True
                         "AttentionInterface); it keeps its own attention"
                     )
         if multihead_attention:
-            for parent_name, parent in list(model.named_modules()):
+            for parent in list(model.modules()):
                 for name, child in list(parent.named_children()):
                     if _is_plain_mha(child):
                         setattr(parent, name, FlashMultiheadAttention.from_torch(child))

@@ -1,7 +1,8 @@
 """flashmod inside HuggingFace transformers models: parity with eager attention on tiny random models.
 
 Every model is built from a config (nothing is downloaded) with hidden size 64 and 2 layers. Each check compares
-the same weights under attn_implementation="eager" and flashmod's, so nothing is hard-coded.
+the same weights under attn_implementation="eager" and flashmod's, so nothing is hard-coded. Tests taking a
+``device`` argument run on every available device (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -17,26 +18,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-import flashmod
-from flashmod import hf as fhf
+import flashmod  # noqa: E402  (after importorskip: the whole file needs transformers)
+from flashmod import hf as fhf  # noqa: E402
 
 NAME = flashmod.HF_ATTN_IMPLEMENTATION
 VOCAB = 128
-
-
-def _devices() -> list:
-    devices = ["cpu"]
-    cuda = pytest.mark.skipif(
-        not (
-            torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key("flashmod::attention", "CUDA")
-        ),
-        reason="needs CUDA and flashmod's CUDA kernel",
-    )
-    devices.append(pytest.param("cuda", marks=cuda))
-    return devices
-
-
-DEVICES = _devices()
 
 
 def _config(family: str):
@@ -228,7 +214,6 @@ def test_unsupported_features_raise_clearly():
 # ---------------------------------------------------------------------------------- the function, directly
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_no_mask_semantics_match_sdpa_integration(device):
     """Without a mask: causal top-left for several queries, everything for one query (HF sdpa's contract)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -244,10 +229,29 @@ def test_no_mask_semantics_match_sdpa_integration(device):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_no_mask_sliding_window_matches_transformers_mask_functions(device, causal):
+    """A direct call without a mask applies ``sliding_window`` exactly as transformers' mask functions do."""
+    from transformers import masking_utils as mu
+
+    window = 3
+    module = torch.nn.Module()
+    module.is_causal = causal
+    q, k, v = (torch.randn(2, 4, 9, 16, device=device) for _ in range(3))
+    pattern = (mu.sliding_window_causal_mask_function if causal else mu.sliding_window_bidirectional_mask_function)(
+        window
+    )
+    mask = mu.sdpa_mask(2, 9, 9, mask_function=pattern, allow_is_causal_skip=False, device=device)
+    ours, _ = fhf.hf_attention_forward(module, q, k, v, None, sliding_window=window)
+    ref, _ = fhf.hf_attention_forward(module, q, k, v, mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(ref, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------- model parity
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_fp32_match_eager(family, device):
     model = _build(family, device)
@@ -259,7 +263,6 @@ def test_logits_fp32_match_eager(family, device):
     assert _max_err(ours, ref, valid) <= 1e-4 * ref[valid].abs().max().item()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama_gqa", "gemma2", "gpt2", "bert"])
 def test_output_attentions_match_eager(family, device):
     model = _build(family, device)
@@ -274,7 +277,6 @@ def test_output_attentions_match_eager(family, device):
         torch.testing.assert_close(a * rows, b * rows, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_bf16_error_within_3x_eager(family, device):
     """flash-attn's rule: our bf16 error vs fp32 eager is at most 3x bf16 eager's error."""
@@ -289,7 +291,6 @@ def test_logits_bf16_error_within_3x_eager(family, device):
     assert ours_err <= 3 * eager_err + 1e-6, (ours_err, eager_err)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", CAUSAL)
 def test_greedy_generate_matches_eager(family, device):
     """32+ new tokens with a KV cache (prefill with padding mask, then one-query decode steps)."""
@@ -303,7 +304,6 @@ def test_greedy_generate_matches_eager(family, device):
     assert torch.equal(ours, ref)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_generate_static_cache_matches_eager(device):
     """StaticCache prefill is where transformers drops the mask with more keys than queries (top-left case)."""
     model = _build("llama_gqa", device)
@@ -330,7 +330,6 @@ def _grads(model, family, ids, mask, call=None):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_step_gradients_match_eager(family, device):
     model = _build(family, device).train()
@@ -408,5 +407,5 @@ def test_backward_fake_matches_real_for_hf_layouts():
     q = torch.randn(2, 16, 4, 8).transpose(1, 2)
     k = torch.randn(2, 16, 2, 8).transpose(1, 2)
     out, lse = flashmod.attention_op(q, k, k, None, None, True, False)
-    args = (torch.randn_like(out), None, q, k, k, out, lse, None, None, True, False, -1, -1, 0.0)
+    args = (torch.randn_like(out), None, q, k, k, lse, None, None, True, False, -1, -1, 0.0)
     torch.library.opcheck(torch.ops.flashmod.attention_backward.default, args, test_utils=("test_faketensor",))

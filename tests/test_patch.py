@@ -1,4 +1,6 @@
-"""flashmod.patch on plain PyTorch models: nn.MultiheadAttention -> FlashMultiheadAttention, against torch."""
+"""flashmod.patch on plain PyTorch models: nn.MultiheadAttention -> FlashMultiheadAttention, against torch.
+
+Tests taking a ``device`` argument run on every available device (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +14,6 @@ from torch import nn
 import flashmod
 from flashmod import FlashMultiheadAttention
 
-
-def _devices() -> list:
-    has_cuda_kernel = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "flashmod::attention", "CUDA"
-    )
-    cuda = pytest.mark.skipif(not has_cuda_kernel, reason="needs CUDA and flashmod's CUDA kernel")
-    return ["cpu", pytest.param("cuda", marks=cuda)]
-
-
-DEVICES = _devices()
 E, H, B, L, S = 32, 4, 3, 7, 9
 
 
@@ -68,7 +60,6 @@ def _qkv(device: str, batch_first: bool, self_attn: bool, kdim: int = E, vdim: i
     return q, make(S, kdim), make(S, vdim)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("batch_first", "self_attn", "masks", "need_weights", "average"),
     [
@@ -107,7 +98,6 @@ def test_mha_matches_torch(device, batch_first, self_attn, masks, need_weights, 
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("add_bias_kv", "add_zero_attn", "kdim", "bias"),
     itertools.product([False, True], [False, True], [None, 24], [True, False]),
@@ -124,7 +114,6 @@ def test_mha_options_match_torch(device, add_bias_kv, add_zero_attn, kdim, bias)
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_mha_causal_and_unbatched(device):
     ref, ours = _pair(device, batch_first=True)
     q, k, v = _qkv(device, True, True)
@@ -189,7 +178,6 @@ def _encoder(device: str, norm_first: bool = False) -> nn.TransformerEncoder:
     return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).to(device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad", [False, True])
 def test_transformer_encoder_eval_uses_flashmod_and_matches(device, grad, monkeypatch):
     """Eval mode without grad is where torch takes its fused / nested-tensor fast paths."""
@@ -220,7 +208,6 @@ def test_transformer_encoder_eval_uses_flashmod_and_matches(device, grad, monkey
     torch.testing.assert_close(out_causal, ref_causal, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_transformer_encoder_training_step_matches(device):
     model = _encoder(device, norm_first=True).train()
     x = torch.randn(B, S, E, device=device)
@@ -285,7 +272,6 @@ def test_patch_decoder_and_bare_mha_and_mixed_container():
     assert type(holder[0]) is Custom  # subclasses with their own forward are left alone
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_transformer_encoder_bf16_error_within_3x_torch(device):
     """flash-attn's rule: our bf16 error vs fp32 torch is at most 3x torch's own bf16 error."""
     model32 = _encoder(device).eval()
