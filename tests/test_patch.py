@@ -286,3 +286,17 @@ def test_transformer_encoder_bf16_error_within_3x_torch(device):
             ours = model16(x.bfloat16(), src_key_padding_mask=pad)
     ours_err = (ours.float() - ref)[valid].abs().max().item()
     assert ours_err <= 3 * torch_err + 1e-6, (ours_err, torch_err)
+
+
+def test_patched_encoder_compiles_fullgraph():
+    model = _encoder("cpu").train()
+    x = torch.randn(B, S, E)
+    _, pad = _masks("bool_kpm", B, S, S, "cpu")
+    flashmod.patch(model)
+    expected = model(x, src_key_padding_mask=pad)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # raises on a graph break
+    out = compiled(x, src_key_padding_mask=pad)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out[~pad].sum().backward()
+    assert model.layers[0].self_attn.in_proj_weight.grad is not None
