@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -305,16 +306,17 @@ def _is_plain_mha(module: nn.Module) -> bool:
 
 def _hf_models(model: nn.Module) -> list[nn.Module]:
     """The outermost transformers PreTrainedModels in ``model`` (set_attn_implementation covers their submodels)."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
+    # A model holding PreTrainedModels means transformers was imported: never import it (seconds) just to look.
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if modeling_utils is None:
         return []
+    pretrained_class = modeling_utils.PreTrainedModel
     found: list[nn.Module] = []
     skip: set[str] = set()
     for name, module in model.named_modules():
         if any(name == s or name.startswith(s + ".") for s in skip):
             continue
-        if isinstance(module, PreTrainedModel):
+        if isinstance(module, pretrained_class):
             found.append(module)
             skip.add(name)
             if name == "":
