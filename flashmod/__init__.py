@@ -2,13 +2,38 @@
 
 ``torch.ops.flashmod.attention(q, k, v, attn_mask, scale, is_causal, bottom_right, window_left,
 window_right, softcap) -> (out, lse)`` is the operator; the functions below are its front doors.
+
+Inside real models:
+
+* HuggingFace transformers: ``attn_implementation=flashmod.HF_ATTN_IMPLEMENTATION`` (``"fmod_attention"``) in
+  ``from_pretrained`` / ``from_config`` / ``set_attn_implementation``, registered on import (see
+  :mod:`flashmod.hf`; transformers itself is not imported by ``import flashmod``);
+* :func:`patch` / :func:`unpatch` / :func:`patched`: switch a whole model over, HF models and
+  ``nn.MultiheadAttention`` (:class:`FlashMultiheadAttention`) alike (see :mod:`flashmod.patch`);
+* :class:`FlashAttention`: the attention core for hand-written blocks.
 """
 
+from . import hf as _hf
 from .functional import attention, flash_attn_func
+from .hf import HF_ATTN_IMPLEMENTATION
 from .modules import FlashAttention
 from .ops import attention_op
+from .patch import FlashMultiheadAttention, patch, patched, unpatch
 from .reference import attention_reference
 from .softmax_ops import matmul_softmax, softmax  # noqa: F401  (issue 5: softmax ops)
 
-__all__ = ["FlashAttention", "attention", "attention_op", "attention_reference", "flash_attn_func"]
+_hf._install()
+
+__all__ = [
+    "HF_ATTN_IMPLEMENTATION",
+    "FlashAttention",
+    "FlashMultiheadAttention",
+    "attention",
+    "attention_op",
+    "attention_reference",
+    "flash_attn_func",
+    "patch",
+    "patched",
+    "unpatch",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,354 @@
+"""HuggingFace transformers (v5) integration: flashmod as an ``attn_implementation``.
+
+After ``import flashmod``, any transformers model that uses the ``AttentionInterface`` runs its attention on
+flashmod's kernel with::
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fmod_attention")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="fmod_attention")
+    model.set_attn_implementation("fmod_attention")
+    flashmod.patch(model)  # the same, plus nn.MultiheadAttention swapping (see flashmod.patch)
+
+The name is exported as ``flashmod.HF_ATTN_IMPLEMENTATION``. It deliberately does not contain "flash":
+transformers treats every implementation whose name contains "flash" as a FlashAttention kernel to load
+(``is_flash_attention_requested``) and one containing "sdpa" as torch SDPA with its dispatch checks.
+
+Two registrations are made, both needed:
+
+* ``AttentionInterface.register(NAME, hf_attention_forward)``: the attention itself;
+* ``AttentionMaskInterface.register(NAME, sdpa_mask)``: the mask builder. Without it transformers builds no
+  mask at all for an unknown name (causal masking included). SDPA's builder gives a 4-D bool mask
+  (True = attend) or ``None`` when the pattern is a plain causal (or full) one that ``is_causal`` expresses.
+
+Registration is lazy: ``import flashmod`` never imports transformers (which takes seconds). If transformers'
+modules are already loaded they are registered at once, otherwise an import hook registers them the moment
+``transformers.modeling_utils`` / ``transformers.masking_utils`` are first imported. :func:`register` does it
+explicitly.
+
+Semantics of :func:`hf_attention_forward` (they follow transformers' own ``sdpa`` integration, so the same
+masks give the same results):
+
+* inputs ``(B, H, S, D)``; returns ``((B, S, H, D) output, attention weights or None)``;
+* GQA through flashmod's kernel (kv head ``h // num_key_value_groups``), never ``repeat_kv``;
+* with a mask, the mask is the whole truth (it already holds causality, padding and sliding windows);
+* without a mask, a causal layer (``module.is_causal`` or the ``is_causal`` kwarg) is causal: top-left
+  aligned when several queries are given (transformers drops the mask only when the cache was empty, e.g.
+  a StaticCache prefill whose key length is the cache size) and unrestricted for one query (decoding: the
+  query is the newest token). ``sliding_window`` then becomes a window with the same alignment, as
+  transformers' mask functions define it: ``q - k < sliding_window`` (left ``sliding_window - 1``) for causal
+  layers, ``|q - k| <= sliding_window`` for bidirectional ones. (transformers drops the mask only when the
+  window cannot bind, so this matters for direct calls only);
+* ``softcap`` (Gemma 2/3) is applied to the scores before the mask; ``scaling`` defaults to ``1/sqrt(D)``;
+* ``dropout > 0`` (transformers passes it in training only) uses the reference fallback;
+* ``output_attentions=True`` also returns the probabilities, computed by :func:`_attention_weights` (also
+  for models such as GPT-2 that do not forward the flag but record what the attention returns); with
+  dropout in training they are the probabilities before dropout;
+* rows with no visible key (the padding queries of left-padded batches) have output 0 and zero gradients.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import math
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .functional import attention_bhsd
+from .reference import attention_reference
+
+HF_ATTN_IMPLEMENTATION = "fmod_attention"
+"""The ``attn_implementation`` name under which flashmod is registered in transformers."""
+
+__all__ = ["HF_ATTN_IMPLEMENTATION", "hf_attention_forward", "is_registered", "register"]
+
+
+def _attention_weights(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    scale: float | None,
+    is_causal: bool,
+    bottom_right: bool,
+    window: tuple[int, int],
+    softcap: float,
+) -> Tensor:
+    """Attention probabilities ``(B, Hq, Nq, Nk)`` in ``query``'s dtype, for ``output_attentions``/``need_weights``.
+
+    The one place that materializes the weights: swap this body for a fused ``matmul_softmax`` op when it
+    exists. Rows with no visible key are all zeros (eager implementations give a uniform row there).
+    """
+    _, _, probs = attention_reference(
+        query.detach(), key.detach(), value.detach(), attn_mask, scale, is_causal, bottom_right,
+        window[0], window[1], softcap, return_probs=True,
+    )  # fmt: skip
+    return probs.to(query.dtype)
+
+
+def _mask_for(query: Tensor, attention_mask: Tensor | None, seqlen_k: int) -> Tensor | None:
+    """transformers' 4-D mask in a form the op accepts: bool stays bool, additive goes to q's dtype (or fp32)."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor):
+        raise TypeError(
+            f"flashmod ({HF_ATTN_IMPLEMENTATION}): attention_mask must be a torch.Tensor or None, got "
+            f"{type(attention_mask).__name__} (a flex_attention BlockMask? use attn_implementation='flex_attention')"
+        )
+    mask = attention_mask
+    if mask.shape[-1] != seqlen_k:  # eager implementations slice a longer mask the same way
+        mask = mask[..., :seqlen_k]
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():  # 0/1 integer masks: 1 = attend
+        return mask.bool()
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if mask.dtype != query.dtype and not (half and mask.dtype == torch.float32):
+        mask = mask.to(query.dtype)
+    return mask
+
+
+def _with_position_bias(mask: Tensor | None, bias: Tensor, query: Tensor) -> Tensor:
+    """Fold an additive position bias (T5-style) into the mask, as transformers' sdpa integration does."""
+    dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    bias = bias.to(dtype)
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, -math.inf)
+    return bias + mask.to(dtype)
+
+
+_UNRESOLVED = object()
+_collector: Any = _UNRESOLVED
+
+
+def _output_collector() -> Any:
+    """transformers' collector of ``output_*`` tensors (what ``capture_outputs`` fills from module outputs)."""
+    global _collector
+    if _collector is _UNRESOLVED:
+        _collector = None
+        for name in ("transformers.utils.output_capturing", "transformers.utils.generic"):
+            module = sys.modules.get(name)
+            if module is not None and hasattr(module, "_active_collector"):
+                _collector = module._active_collector
+                break
+    return _collector
+
+
+def _attentions_requested(module: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether the caller wants attention weights back.
+
+    Llama-style models forward ``output_attentions`` in the kwargs, others (GPT-2) drop it and only record the
+    weights the attention returns; for those the request is visible in transformers' output collector.
+    """
+    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
+        return True
+    collector = _output_collector()
+    if collector is None:
+        return False
+    if torch.compiler.is_compiling():  # ContextVar.get is not traceable; capture_outputs then uses a global
+        collected = collector.global_var if getattr(collector, "compiling", False) else None
+    else:
+        collected = collector.get()
+    return bool(collected) and ("attentions" in collected or "cross_attentions" in collected)
+
+
+def hf_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """transformers ``AttentionInterface`` function running flashmod's kernel.
+
+    Args:
+        module: the calling attention layer; ``is_causal`` and ``config.output_attentions`` are read from it.
+        query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hkv, Nk, D)`` (``Hq`` a multiple of ``Hkv``: GQA/MQA).
+        attention_mask: transformers' 4-D mask (bool True = attend, or additive float) broadcastable to
+            ``(B, Hq, Nq, Nk)``, or None (see the module docstring for what None means).
+        dropout: attention dropout probability (transformers passes 0 outside training).
+        scaling: score scale, default ``1 / sqrt(D)``.
+        sliding_window: window size counting the token itself (used only when ``attention_mask`` is None: a
+            given mask already contains the window).
+        softcap: logit soft-capping (``softcap * tanh(score / softcap)``) before the mask; None or 0 = off.
+        is_causal: overrides ``module.is_causal`` when given.
+        **kwargs: ``output_attentions`` (return the weights), ``position_bias`` (additive bias folded into the
+            mask); other transformers kwargs (``position_ids``, ``use_cache``, ...) are ignored.
+
+    Returns:
+        ``(output (B, Nq, Hq, D) contiguous, weights (B, Hq, Nq, Nk) or None)``.
+
+    Raises:
+        NotImplementedError: for attention sinks (``s_aux``) and paged (continuous-batching) caches.
+    """
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            f"flashmod ({HF_ATTN_IMPLEMENTATION}): attention sinks (s_aux, e.g. gpt-oss) are not supported; "
+            "use attn_implementation='eager'"
+        )
+    cache = kwargs.get("cache")
+    if cache is not None and type(cache).__name__ == "PagedAttentionCache":
+        raise NotImplementedError(
+            f"flashmod ({HF_ATTN_IMPLEMENTATION}): paged caches (continuous batching) are not supported; "
+            "use attn_implementation='sdpa' or 'eager' for generate_batch / continuous batching"
+        )
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            f"flashmod ({HF_ATTN_IMPLEMENTATION}): expected 4-D (batch, heads, seqlen, head_dim) query/key/value, "
+            f"got {list(query.shape)}, {list(key.shape)}, {list(value.shape)}"
+        )
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    mask = _mask_for(query, attention_mask, seqlen_k)
+
+    if mask is None:
+        # transformers' mask builder returned None: the pattern is plain causal (cache empty, so top-left
+        # alignment is right even when the keys are a longer static cache) or, for one query, everything.
+        causal = bool(is_causal) and seqlen_q > 1
+        bottom_right = seqlen_q == 1
+        window = (-1, -1)
+        if sliding_window:
+            # transformers' window patterns: causal keeps q - k < w, bidirectional keeps |q - k| <= w.
+            window = (sliding_window - 1, -1) if is_causal else (sliding_window, sliding_window)
+    else:
+        # The mask already encodes causality, padding and any sliding window (what transformers' sdpa does).
+        causal, bottom_right, window = False, True, (-1, -1)
+
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        mask = _with_position_bias(mask, position_bias, query)
+
+    cap = float(softcap) if softcap else 0.0
+    out, _ = attention_bhsd(query, key, value, mask, float(dropout), scaling, causal, bottom_right, window, cap)
+
+    weights = None
+    if _attentions_requested(module, kwargs):
+        weights = _attention_weights(query, key, value, mask, scaling, causal, bottom_right, window, cap)
+    # The op's output keeps q's memory layout, which for transformers' transposed projections is already
+    # (B, S, H, D): this transpose + contiguous is then free.
+    return out.transpose(1, 2).contiguous(), weights
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------------------
+
+_ATTENTION_MODULE = "transformers.modeling_utils"
+_MASK_MODULE = "transformers.masking_utils"
+_registered: set[str] = set()
+_lock = threading.Lock()
+
+
+def _register_attention(modeling_utils: ModuleType) -> None:
+    modeling_utils.AttentionInterface.register(HF_ATTN_IMPLEMENTATION, hf_attention_forward)
+    _registered.add(_ATTENTION_MODULE)
+
+
+def _register_mask(masking_utils: ModuleType) -> None:
+    # sdpa's builder: 4-D bool masks, or None when is_causal (or nothing) expresses the pattern.
+    masking_utils.AttentionMaskInterface.register(HF_ATTN_IMPLEMENTATION, masking_utils.sdpa_mask)
+    _registered.add(_MASK_MODULE)
+
+
+_CALLBACKS: dict[str, Callable[[ModuleType], None]] = {
+    _ATTENTION_MODULE: _register_attention,
+    _MASK_MODULE: _register_mask,
+}
+
+
+def register() -> bool:
+    """Register flashmod with transformers now (importing it). Idempotent.
+
+    Returns:
+        True if transformers is installed (and flashmod is now registered), False otherwise.
+    """
+    if importlib.util.find_spec("transformers") is None:
+        return False
+    for name, callback in _CALLBACKS.items():
+        callback(importlib.import_module(name))
+    return True
+
+
+def is_registered() -> bool:
+    """Whether both the attention function and the mask builder are registered in transformers."""
+    return _registered >= set(_CALLBACKS)
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    """Runs the real loader, then a callback on the freshly executed module."""
+
+    def __init__(self, loader: importlib.abc.Loader, callback: Callable[[ModuleType], None]) -> None:
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        try:
+            self._callback(module)
+        except Exception as err:  # noqa: BLE001 (never break importing transformers because of us)
+            warnings.warn(
+                f"flashmod: could not register with transformers ({type(err).__name__}: {err}); "
+                f"call flashmod.hf.register() to see the full error",
+                stacklevel=2,
+            )
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for linecache/inspect
+        return getattr(self._loader, name)
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Import hook that registers flashmod when transformers' interface modules are first imported."""
+
+    def __init__(self) -> None:
+        self._resolving: set[str] = set()
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        callback = _CALLBACKS.get(fullname)
+        if callback is None or fullname in self._resolving:
+            return None
+        self._resolving.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)  # the other finders' answer (we skip ourselves above)
+        finally:
+            self._resolving.discard(fullname)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _CallbackLoader(spec.loader, callback)
+        return spec
+
+
+_hook: _RegisterOnImport | None = None
+
+
+def _install() -> None:
+    """Called by ``import flashmod``: register now for modules already imported, later for the others."""
+    global _hook
+    with _lock:
+        for name, callback in _CALLBACKS.items():
+            module = sys.modules.get(name)
+            if module is not None:
+                try:
+                    callback(module)
+                except Exception as err:  # noqa: BLE001 (a failed registration must not fail import flashmod)
+                    warnings.warn(f"flashmod: could not register with transformers: {err}", stacklevel=3)
+        if not is_registered() and _hook is None and importlib.util.find_spec("transformers") is not None:
+            _hook = _RegisterOnImport()
+            sys.meta_path.insert(0, _hook)
