@@ -38,14 +38,14 @@ def cuda_gencode_flags() -> list[str]:
     return flags
 
 
-cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden"]
+# No -std flag: torch's cpp_extension adds the standard its own headers were built with (C++17
+# for torch 2.11, C++20 for 2.13); forcing another one broke exception messages at run time.
+cxx_flags = ["-O3", "-fvisibility=hidden"]
 ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
-define_macros: list = []
 
 if want_cuda():
     nvcc_flags = [
         "-O3",
-        "-std=c++17",
         "--use_fast_math",
         "--expt-relaxed-constexpr",
         "-lineinfo",
@@ -58,7 +58,6 @@ if want_cuda():
         "flashmod._C",
         ext_sources + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
         extra_compile_args={"cxx": cxx_flags + ["-DFLASHMOD_WITH_CUDA"], "nvcc": nvcc_flags},
-        define_macros=define_macros,
         py_limited_api=True,
     )
 else:
@@ -66,7 +65,6 @@ else:
         "flashmod._C",
         ext_sources,
         extra_compile_args={"cxx": cxx_flags},
-        define_macros=define_macros,
         py_limited_api=True,
     )
 

@@ -32,8 +32,10 @@ from flashmod.ops import attention_op  # noqa: E402
 try:
     from tqdm import tqdm
 except ImportError:  # pragma: no cover
+
     def tqdm(x, **_):
         return x
+
 
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
@@ -58,22 +60,37 @@ def cuda_shapes(quick: bool):
                 if quick and n not in (1024, 4096):
                     continue
                 for causal in (False, True):
-                    shapes.append(dict(kind="paper", dtype=dtype, b=16384 // n, hq=2048 // d, hkv=2048 // d,
-                                       nq=n, nk=n, d=d, causal=causal, mask=False))
+                    shapes.append(
+                        dict(
+                            kind="paper",
+                            dtype=dtype,
+                            b=16384 // n,
+                            hq=2048 // d,
+                            hkv=2048 // d,
+                            nq=n,
+                            nk=n,
+                            d=d,
+                            causal=causal,
+                            mask=False,
+                        )
+                    )
     for nq in (1, 4, 16):
         for nk in (4096, 16384, 65536):
             if quick and nk != 16384:
                 continue
-            shapes.append(dict(kind="decode", dtype="bf16", b=8, hq=32, hkv=8, nq=nq, nk=nk, d=128,
-                               causal=False, mask=False))
+            shapes.append(
+                dict(kind="decode", dtype="bf16", b=8, hq=32, hkv=8, nq=nq, nk=nk, d=128, causal=False, mask=False)
+            )
     for d in (64, 128):  # fp32: flashmod's FFMA kernel against SDPA's fp32-capable backends
         for n in (1024, 4096):
             for causal in (False, True):
-                shapes.append(dict(kind="fp32", dtype="fp32", b=4, hq=16, hkv=16, nq=n, nk=n, d=d,
-                                   causal=causal, mask=False))
+                shapes.append(
+                    dict(kind="fp32", dtype="fp32", b=4, hq=16, hkv=16, nq=n, nk=n, d=d, causal=causal, mask=False)
+                )
     for n in (1024, 4096):
-        shapes.append(dict(kind="padding", dtype="bf16", b=8, hq=16, hkv=16, nq=n, nk=n, d=128,
-                           causal=False, mask=True))
+        shapes.append(
+            dict(kind="padding", dtype="bf16", b=8, hq=16, hkv=16, nq=n, nk=n, d=128, causal=False, mask=True)
+        )
     return shapes
 
 
@@ -82,8 +99,9 @@ def cpu_shapes(quick: bool):
     for dtype in ("fp32", "bf16"):
         for n in (128, 512, 1024) if not quick else (512,):
             for causal in (False, True):
-                shapes.append(dict(kind="cpu", dtype=dtype, b=1, hq=8, hkv=8, nq=n, nk=n, d=64,
-                                   causal=causal, mask=False))
+                shapes.append(
+                    dict(kind="cpu", dtype=dtype, b=1, hq=8, hkv=8, nq=n, nk=n, d=64, causal=causal, mask=False)
+                )
     return shapes
 
 
@@ -167,8 +185,14 @@ def main():
         timer = time_cpu
         backends = ["SDPA_CPU"]
     dims = {int(x) for x in args.dims.split(",") if x}
-    shapes = [s for s in shapes if s["kind"] in args.kinds.split(",") and s["dtype"] in args.dtypes.split(",")
-              and (not dims or s["d"] in dims) and (s["kind"] != "paper" or s["nq"] >= args.min_n)]
+    shapes = [
+        s
+        for s in shapes
+        if s["kind"] in args.kinds.split(",")
+        and s["dtype"] in args.dtypes.split(",")
+        and (not dims or s["d"] in dims)
+        and (s["kind"] != "paper" or s["nq"] >= args.min_n)
+    ]
     tag = args.tag or f"{datetime.date.today().isoformat()}-{device}"
     print(f"device: {name}; torch {torch.__version__}; {len(shapes)} shapes; backends: flashmod, {', '.join(backends)}")
 
@@ -185,8 +209,9 @@ def main():
                 continue
             if bname == "SDPA_CPU":
                 gqa = s["hq"] != s["hkv"]
-                cands[bname] = (lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, is_causal=s["causal"], enable_gqa=gqa))
+                cands[bname] = lambda q=q, k=k, v=v, m=mask, c=s["causal"], g=gqa: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=m, is_causal=c, enable_gqa=g
+                )
             else:
                 cands[bname] = fn_sdpa(s, q, k, v, mask, BACKENDS[bname])
         for bname, fn in cands.items():
@@ -211,13 +236,22 @@ def main():
     # Table
     cols = ["flashmod"] + backends
     print()
-    print(f"{'shape':60s} " + " ".join(f"{c:>10s}" for c in cols) + "   " + " ".join(f"{'fm/' + c:>12s}" for c in backends))
+    print(
+        f"{'shape':60s} "
+        + " ".join(f"{c:>10s}" for c in cols)
+        + "   "
+        + " ".join(f"{'fm/' + c:>12s}" for c in backends)
+    )
     for row in rows:
         r = row["results"]
         cells = []
         for c in cols:
             x = r.get(c, {})
-            cells.append((f"{x['tflops']:10.1f}" if x.get("tflops", 0) >= 10 else f"{x.get('tflops', 0):10.4f}") if x.get("status") == "ok" else f"{x.get('status', '-')[:10]:>10s}")
+            cells.append(
+                (f"{x['tflops']:10.1f}" if x.get("tflops", 0) >= 10 else f"{x.get('tflops', 0):10.4f}")
+                if x.get("status") == "ok"
+                else f"{x.get('status', '-')[:10]:>10s}"
+            )
         ratios = []
         fm = r.get("flashmod", {})
         for c in backends:
@@ -230,8 +264,13 @@ def main():
     print("(TFLOP/s; fm/X = time of X / time of flashmod, > 1 means flashmod is faster)")
 
     os.makedirs(args.out_dir, exist_ok=True)
-    meta = dict(device=name, torch=torch.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                backends=cols, rows=rows)
+    meta = dict(
+        device=name,
+        torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        backends=cols,
+        rows=rows,
+    )
     jpath = os.path.join(args.out_dir, f"{tag}.json")
     with open(jpath, "w") as f:
         json.dump(meta, f, indent=1)

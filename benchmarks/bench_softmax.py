@@ -171,22 +171,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per case (default: cpu 15, cuda 50)")
-    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/<date>-<device>-softmax.json)")
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default: benchmarks/results/<date>-<device>-softmax.json)"
+    )
     args = parser.parse_args()
     device = args.device
     if device == "cuda":
         assert torch.cuda.is_available(), "--device cuda needs a CUDA build of torch and a GPU"
         dtypes = [torch.float32, torch.float16, torch.bfloat16]
         total, warmup, reps = 1 << 27, 10, args.reps or 50  # 512 MiB of fp32: far beyond L2
-        mm_shapes = [((4, 16, 1024, 1024, 64), False), ((2, 16, 2048, 2048, 128), False),
-                     ((2, 16, 2048, 2048, 128), True), ((1, 32, 512, 4096, 64), False)]
+        mm_shapes = [
+            ((4, 16, 1024, 1024, 64), False),
+            ((2, 16, 2048, 2048, 128), False),
+            ((2, 16, 2048, 2048, 128), True),
+            ((1, 32, 512, 4096, 64), False),
+        ]
     else:
         # glibc serves big blocks from mmap and unmaps them at free, so RSS follows live tensors.
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB
         dtypes = [torch.float32, torch.bfloat16]
         total, warmup, reps = 1 << 22, 3, args.reps or 15
-        mm_shapes = [((1, 8, 512, 512, 64), False), ((1, 8, 1024, 1024, 64), False),
-                     ((1, 8, 1024, 1024, 64), True), ((1, 4, 256, 4096, 128), False)]
+        mm_shapes = [
+            ((1, 8, 512, 512, 64), False),
+            ((1, 8, 1024, 1024, 64), False),
+            ((1, 8, 1024, 1024, 64), True),
+            ((1, 4, 256, 4096, 128), False),
+        ]
 
     print(f"device: {device_name(device)}  torch {torch.__version__}")
     softmax_rows = bench_softmax(device, dtypes, total, warmup, reps)
@@ -199,8 +209,17 @@ def main() -> None:
     path = args.out or os.path.join(RESULTS, f"{date}-{device}-softmax.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"device": device_name(device), "torch": torch.__version__, "date": date,
-                   "softmax": softmax_rows, "matmul_softmax": mm_rows}, f, indent=1)
+        json.dump(
+            {
+                "device": device_name(device),
+                "torch": torch.__version__,
+                "date": date,
+                "softmax": softmax_rows,
+                "matmul_softmax": mm_rows,
+            },
+            f,
+            indent=1,
+        )
     print(f"\nwrote {path}")
 
 

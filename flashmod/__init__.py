@@ -20,7 +20,7 @@ from .modules import FlashAttention
 from .ops import attention_op
 from .patch import FlashMultiheadAttention, patch, patched, unpatch
 from .reference import attention_reference
-from .softmax_ops import matmul_softmax, softmax  # noqa: F401  (issue 5: softmax ops)
+from .softmax_ops import matmul_softmax, softmax
 
 _hf._install()
 
@@ -32,7 +32,9 @@ __all__ = [
     "attention_op",
     "attention_reference",
     "flash_attn_func",
+    "matmul_softmax",
     "patch",
+    "softmax",
     "patched",
     "unpatch",
 ]

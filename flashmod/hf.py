@@ -62,6 +62,7 @@ from torch import Tensor, nn
 
 from .functional import attention_bhsd
 from .reference import attention_reference
+from .softmax_ops import matmul_softmax
 
 HF_ATTN_IMPLEMENTATION = "fmod_attention"
 """The ``attn_implementation`` name under which flashmod is registered in transformers."""
@@ -82,9 +83,13 @@ def _attention_weights(
 ) -> Tensor:
     """Attention probabilities ``(B, Hq, Nq, Nk)`` in ``query``'s dtype, for ``output_attentions``/``need_weights``.
 
-    The one place that materializes the weights: swap this body for a fused ``matmul_softmax`` op when it
-    exists. Rows with no visible key are all zeros (eager implementations give a uniform row there).
+    The one place that materializes the weights. The fused ``flashmod.matmul_softmax`` op writes them without a
+    separate logits tensor; it has no soft cap or window and aligns causal top-left, so other cases take the
+    reference. Rows with no visible key are all zeros (eager implementations give a uniform row there).
     """
+    top_left_causal = is_causal and (not bottom_right or query.shape[2] == key.shape[2])
+    if softcap == 0 and window == (-1, -1) and (top_left_causal or not is_causal):
+        return matmul_softmax(query.detach(), key.detach(), scale, is_causal, attn_mask)
     _, _, probs = attention_reference(
         query.detach(), key.detach(), value.detach(), attn_mask, scale, is_causal, bottom_right,
         window[0], window[1], softcap, return_probs=True,

@@ -128,7 +128,10 @@ def attention_reference(
         effective_window(is_causal, window_left, window_right),
         bottom_right,
     )
-    lse = torch.logsumexp(s, dim=-1)
+    # A row with no visible key: logsumexp's gradient there would be 0 * NaN, so such rows take the
+    # log-sum-exp of zeros (no gradient flows back through masked_fill) and are set to -inf after.
+    empty_rows = torch.isneginf(s).all(-1, keepdim=True)
+    lse = torch.logsumexp(s.masked_fill(empty_rows, 0), dim=-1).masked_fill(empty_rows.squeeze(-1), -math.inf)
     p = torch.exp(s - _finite_lse(lse)[..., None])
     if dropout_p > 0:
         p = torch.nn.functional.dropout(p, dropout_p)

@@ -46,8 +46,10 @@ def _check_matmul_softmax(a: Tensor, b: Tensor, scale: float | None, attn_mask: 
     for name, t in (("a", a), ("b", b)):
         torch._check(
             t.dim() == 4,
-            lambda n=name, t=t: f"{op}: {n} must be a 4-D tensor (batch, heads, seqlen, depth), "
-            f"got a {t.dim()}-D tensor of shape {list(t.shape)}",
+            lambda n=name, t=t: (
+                f"{op}: {n} must be a 4-D tensor (batch, heads, seqlen, depth), "
+                f"got a {t.dim()}-D tensor of shape {list(t.shape)}"
+            ),
         )
     torch._check(
         a.dtype in _FLOAT_DTYPES,
@@ -64,8 +66,10 @@ def _check_matmul_softmax(a: Tensor, b: Tensor, scale: float | None, attn_mask: 
     )
     torch._check(
         b.shape[1] > 0 and a.shape[1] % b.shape[1] == 0,
-        lambda: f"{op}: a's heads must be a multiple of b's heads (GQA/MQA), got a heads {a.shape[1]} "
-        f"and b heads {b.shape[1]}",
+        lambda: (
+            f"{op}: a's heads must be a multiple of b's heads (GQA/MQA), got a heads {a.shape[1]} "
+            f"and b heads {b.shape[1]}"
+        ),
     )
     torch._check(scale is None or math.isfinite(scale), lambda: f"{op}: scale must be finite, got {scale}")
     if attn_mask is not None:
@@ -76,8 +80,10 @@ def _check_matmul_softmax(a: Tensor, b: Tensor, scale: float | None, attn_mask: 
         half = a.dtype in (torch.float16, torch.bfloat16)
         torch._check(
             attn_mask.dtype in (torch.bool, a.dtype) or (half and attn_mask.dtype == torch.float32),
-            lambda: f"{op}: attn_mask must be bool or a's dtype {a.dtype}"
-            f"{' (or float32)' if half else ''}, got {attn_mask.dtype}",
+            lambda: (
+                f"{op}: attn_mask must be bool or a's dtype {a.dtype}"
+                f"{' (or float32)' if half else ''}, got {attn_mask.dtype}"
+            ),
         )
         target = (a.shape[0], a.shape[1], a.shape[2], b.shape[2])
         ok = 1 <= attn_mask.dim() <= 4 and all(
@@ -85,8 +91,10 @@ def _check_matmul_softmax(a: Tensor, b: Tensor, scale: float | None, attn_mask: 
         )
         torch._check(
             ok,
-            lambda: f"{op}: attn_mask must be broadcastable to (batch, a_heads, M, N) = {list(target)}, "
-            f"got shape {list(attn_mask.shape)}",
+            lambda: (
+                f"{op}: attn_mask must be broadcastable to (batch, a_heads, M, N) = {list(target)}, "
+                f"got shape {list(attn_mask.shape)}"
+            ),
         )
 
 

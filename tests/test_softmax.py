@@ -141,7 +141,11 @@ def test_low_precision_grads_within_rule(dev):
         b = torch.randn(1, 2, 90, 64, device=dev, dtype=dtype)
         gp = torch.randn(1, 4, 50, 90, device=dev, dtype=dtype)
         results = []
-        for fn, dt in ((flashmod.matmul_softmax, dtype), (matmul_softmax_ref, dtype), (matmul_softmax_ref, torch.float64)):
+        for fn, dt in (
+            (flashmod.matmul_softmax, dtype),
+            (matmul_softmax_ref, dtype),
+            (matmul_softmax_ref, torch.float64),
+        ):
             ta, tb = a.to(dt).requires_grad_(), b.to(dt).requires_grad_()
             results.append(torch.autograd.grad(fn(ta, tb, is_causal=True), (ta, tb), gp.to(dt)))
         for i, name in enumerate("ab"):
@@ -199,7 +203,9 @@ def check_matmul_softmax(a, b, what, **kw):
 @pytest.mark.parametrize("dev", DEVICES)
 # Depths <= 256 that are multiples of 8 take the fused tensor-core kernel for fp16/bf16 on CUDA;
 # 264 takes the cuBLAS + in-place fallback. N % 8 == 0 exercises its vectorized stores.
-@pytest.mark.parametrize("mnk", [(1, 1, 8), (17, 33, 16), (64, 257, 64), (130, 75, 40), (70, 128, 64), (5, 1100, 128), (9, 20, 264)])
+@pytest.mark.parametrize(
+    "mnk", [(1, 1, 8), (17, 33, 16), (64, 257, 64), (130, 75, 40), (70, 128, 64), (5, 1100, 128), (9, 20, 264)]
+)
 def test_matmul_softmax_shapes(dev, mnk):
     m, n, k = mnk
     for dtype in dtypes_for(dev):
@@ -242,7 +248,12 @@ def test_matmul_softmax_gradcheck():
     a, b = torch.randn(1, 4, 5, 3, **f64), torch.randn(1, 2, 6, 3, **f64)
     mask = torch.rand(5, 6) > 0.3
     mask[2] = False
-    for kw in ({}, {"is_causal": True, "scale": 0.7}, {"attn_mask": mask}, {"attn_mask": torch.randn(4, 5, 6, dtype=torch.float64)}):
+    for kw in (
+        {},
+        {"is_causal": True, "scale": 0.7},
+        {"attn_mask": mask},
+        {"attn_mask": torch.randn(4, 5, 6, dtype=torch.float64)},
+    ):
         assert torch.autograd.gradcheck(partial(flashmod.matmul_softmax, **kw), (a, b))
 
 
@@ -282,8 +293,16 @@ def test_matmul_softmax_bad_inputs(dev):
         ((a, b.half()), {}, op + "b must have a's dtype torch.float32, got torch.float16"),
         ((a, b[..., :5]), {}, op + r"b must have a's depth \(last dimension\) 8, got 5"),
         ((a, torch.randn(1, 3, 7, 8, device=dev)), {}, op + "a's heads must be a multiple of b's heads"),
-        ((a, b), {"attn_mask": torch.ones(6, 5, dtype=torch.bool, device=dev)}, op + r"attn_mask must be broadcastable to \(batch, a_heads, M, N\) = \[1, 4, 6, 7\], got shape \[6, 5\]"),
-        ((a, b), {"attn_mask": torch.ones(6, 7, dtype=torch.int32, device=dev)}, op + "attn_mask must be bool or a's dtype torch.float32, got torch.int32"),
+        (
+            (a, b),
+            {"attn_mask": torch.ones(6, 5, dtype=torch.bool, device=dev)},
+            op + r"attn_mask must be broadcastable to \(batch, a_heads, M, N\) = \[1, 4, 6, 7\], got shape \[6, 5\]",
+        ),
+        (
+            (a, b),
+            {"attn_mask": torch.ones(6, 7, dtype=torch.int32, device=dev)},
+            op + "attn_mask must be bool or a's dtype torch.float32, got torch.int32",
+        ),
         ((a, b), {"scale": float("inf")}, op + "scale must be finite, got inf"),
     ]
     for args, kw, message in cases:
