@@ -4,68 +4,57 @@
 
 #include <cmath>
 #include <limits>
-#include <sstream>
+
+#include "error_message.h"
 
 namespace flashmod {
 namespace {
 
-// dtype names as Python prints them, so the C++ and register_fake messages read the same.
-std::string dtype_str(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kDouble: return "torch.float64";
-    case at::kBool: return "torch.bool";
-    case at::kByte: return "torch.uint8";
-    case at::kChar: return "torch.int8";
-    case at::kShort: return "torch.int16";
-    case at::kInt: return "torch.int32";
-    case at::kLong: return "torch.int64";
-    default: return c10::toString(t);
-  }
-}
-
-std::string shape_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
-
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}}) {
-    TORCH_CHECK(t->dim() == 4, "flashmod.attention: ", name,
-                " must be a 4-D tensor (batch, heads, seqlen, head_dim), got a ", t->dim(),
-                "-D tensor of shape ", shape_str(*t));
+    TORCH_CHECK(t->dim() == 4, flashmod::error_message(
+                                   "flashmod.attention: ", name,
+                                   " must be a 4-D tensor (batch, heads, seqlen, head_dim), got a ",
+                                   t->dim(), "-D tensor of shape ", t->sizes()));
   }
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
-                  dtype == at::kDouble,
-              "flashmod.attention: q must be float32, float16, bfloat16 or float64, got ",
-              dtype_str(dtype));
-  TORCH_CHECK(k.scalar_type() == dtype, "flashmod.attention: k must have q's dtype ",
-              dtype_str(dtype), ", got ", dtype_str(k.scalar_type()));
-  TORCH_CHECK(v.scalar_type() == dtype, "flashmod.attention: v must have q's dtype ",
-              dtype_str(dtype), ", got ", dtype_str(v.scalar_type()));
-  TORCH_CHECK(k.device() == q.device(), "flashmod.attention: k must be on q's device ", q.device(),
-              ", got ", k.device());
-  TORCH_CHECK(v.device() == q.device(), "flashmod.attention: v must be on q's device ", q.device(),
-              ", got ", v.device());
+  TORCH_CHECK(
+      dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
+      flashmod::error_message(
+          "flashmod.attention: q must be float32, float16, bfloat16 or float64, got ", (dtype)));
+  TORCH_CHECK(k.scalar_type() == dtype,
+              flashmod::error_message("flashmod.attention: k must have q's dtype ", (dtype),
+                                      ", got ", (k.scalar_type())));
+  TORCH_CHECK(v.scalar_type() == dtype,
+              flashmod::error_message("flashmod.attention: v must have q's dtype ", (dtype),
+                                      ", got ", (v.scalar_type())));
+  TORCH_CHECK(k.device() == q.device(),
+              flashmod::error_message("flashmod.attention: k must be on q's device ", q.device(),
+                                      ", got ", k.device()));
+  TORCH_CHECK(v.device() == q.device(),
+              flashmod::error_message("flashmod.attention: v must be on q's device ", q.device(),
+                                      ", got ", v.device()));
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0),
-              "flashmod.attention: k and v must have q's batch size ", q.size(0), ", got k ",
-              k.size(0), " and v ", v.size(0));
-  TORCH_CHECK(q.size(3) > 0, "flashmod.attention: q's head_dim (last dimension) must be positive, got ",
-              q.size(3));
+              flashmod::error_message("flashmod.attention: k and v must have q's batch size ",
+                                      q.size(0), ", got k ", k.size(0), " and v ", v.size(0)));
+  TORCH_CHECK(
+      q.size(3) > 0,
+      flashmod::error_message(
+          "flashmod.attention: q's head_dim (last dimension) must be positive, got ", q.size(3)));
   TORCH_CHECK(k.size(3) == q.size(3) && v.size(3) == q.size(3),
-              "flashmod.attention: k and v must have q's head_dim ", q.size(3), ", got k ", k.size(3),
-              " and v ", v.size(3));
-  TORCH_CHECK(v.size(1) == k.size(1), "flashmod.attention: v must have k's number of heads ",
-              k.size(1), ", got ", v.size(1));
-  TORCH_CHECK(v.size(2) == k.size(2), "flashmod.attention: v must have k's sequence length ",
-              k.size(2), ", got ", v.size(2));
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
-              "flashmod.attention: q's heads must be a multiple of k's heads (GQA/MQA), got q heads ",
-              q.size(1), " and k/v heads ", k.size(1));
+              flashmod::error_message("flashmod.attention: k and v must have q's head_dim ",
+                                      q.size(3), ", got k ", k.size(3), " and v ", v.size(3)));
+  TORCH_CHECK(v.size(1) == k.size(1),
+              flashmod::error_message("flashmod.attention: v must have k's number of heads ",
+                                      k.size(1), ", got ", v.size(1)));
+  TORCH_CHECK(v.size(2) == k.size(2),
+              flashmod::error_message("flashmod.attention: v must have k's sequence length ",
+                                      k.size(2), ", got ", v.size(2)));
+  TORCH_CHECK(
+      k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+      flashmod::error_message(
+          "flashmod.attention: q's heads must be a multiple of k's heads (GQA/MQA), got q heads ",
+          q.size(1), " and k/v heads ", k.size(1)));
 }
 
 // Returns the mask expanded (by strides only) to (B, Hq, Nq, Nk), or an undefined tensor.
@@ -74,20 +63,25 @@ at::Tensor check_and_expand_mask(const std::optional<at::Tensor>& attn_mask, con
   *kind = MaskKind::kNone;
   if (!attn_mask.has_value() || !attn_mask->defined()) return {};
   const at::Tensor& mask = *attn_mask;
-  TORCH_CHECK(mask.device() == q.device(), "flashmod.attention: attn_mask must be on q's device ",
-              q.device(), ", got ", mask.device());
+  TORCH_CHECK(mask.device() == q.device(),
+              flashmod::error_message("flashmod.attention: attn_mask must be on q's device ",
+                                      q.device(), ", got ", mask.device()));
   const auto dtype = mask.scalar_type();
   if (dtype == at::kBool) {
     *kind = MaskKind::kBool;
   } else if (dtype == q.scalar_type()) {
     *kind = MaskKind::kAdditive;
-  } else if (dtype == at::kFloat && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16)) {
+  } else if (dtype == at::kFloat &&
+             (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16)) {
     *kind = MaskKind::kAdditiveF32;
   } else {
-    TORCH_CHECK(false, "flashmod.attention: attn_mask must be bool or q's dtype ",
-                dtype_str(q.scalar_type()),
-                (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16 ? " (or float32)" : ""),
-                ", got ", dtype_str(dtype));
+    TORCH_CHECK(
+        false,
+        flashmod::error_message(
+            "flashmod.attention: attn_mask must be bool or q's dtype ", (q.scalar_type()),
+            (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16 ? " (or float32)"
+                                                                              : ""),
+            ", got ", (dtype)));
   }
   const std::vector<int64_t> target = {q.size(0), q.size(1), q.size(2), seqlen_k};
   bool ok = mask.dim() >= 1 && mask.dim() <= 4;
@@ -95,8 +89,11 @@ at::Tensor check_and_expand_mask(const std::optional<at::Tensor>& attn_mask, con
     const int64_t have = mask.size(-i), want = target[4 - i];
     ok = have == want || have == 1;
   }
-  TORCH_CHECK(ok, "flashmod.attention: attn_mask must be broadcastable to (batch, q_heads, seqlen_q, "
-              "seqlen_k) = ", at::IntArrayRef(target), ", got shape ", shape_str(mask));
+  TORCH_CHECK(
+      ok, flashmod::error_message(
+              "flashmod.attention: attn_mask must be broadcastable to (batch, q_heads, seqlen_q, "
+              "seqlen_k) = ",
+              at::IntArrayRef(target), ", got shape ", mask.sizes()));
   at::Tensor expanded = mask.expand(target);
   if (dtype == at::kBool) expanded = expanded.view(at::kByte);  // same storage, 1 byte per element
   return expanded;
@@ -119,14 +116,21 @@ PreparedAttention prepare_attention(const at::Tensor& q_in, const at::Tensor& k_
                                     std::optional<double> scale, bool is_causal, bool bottom_right,
                                     int64_t window_left, int64_t window_right, double softcap) {
   check_qkv(q_in, k_in, v_in);
-  TORCH_CHECK(window_left >= -1, "flashmod.attention: window_left must be >= -1 (-1 = unbounded), got ",
-              window_left);
-  TORCH_CHECK(window_right >= -1,
-              "flashmod.attention: window_right must be >= -1 (-1 = unbounded), got ", window_right);
-  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap),
-              "flashmod.attention: softcap must be a finite number >= 0 (0 = off), got ", softcap);
+  TORCH_CHECK(
+      window_left >= -1,
+      flashmod::error_message(
+          "flashmod.attention: window_left must be >= -1 (-1 = unbounded), got ", window_left));
+  TORCH_CHECK(
+      window_right >= -1,
+      flashmod::error_message(
+          "flashmod.attention: window_right must be >= -1 (-1 = unbounded), got ", window_right));
+  TORCH_CHECK(
+      softcap >= 0.0 && std::isfinite(softcap),
+      flashmod::error_message(
+          "flashmod.attention: softcap must be a finite number >= 0 (0 = off), got ", softcap));
   TORCH_CHECK(!scale.has_value() || std::isfinite(*scale),
-              "flashmod.attention: scale must be finite, got ", scale.value_or(0.0));
+              flashmod::error_message("flashmod.attention: scale must be finite, got ",
+                                      scale.value_or(0.0)));
 
   PreparedAttention r;
   // The kernels read rows as contiguous vectors; any other layout is copied once here.

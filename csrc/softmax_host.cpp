@@ -3,21 +3,13 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "error_message.h"
+
 namespace flashmod {
 namespace {
-
-std::string shape_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
-
-// Python's spelling ("torch.float32"), so messages read the same from eager and compiled code.
-std::string py_dtype(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
 
 bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
@@ -25,8 +17,10 @@ bool is_supported_float(at::ScalarType t) {
 
 // float64 exists for gradcheck on CPU; the CUDA kernels are written for fp32/fp16/bf16.
 void check_fp64_device(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(!(t.scalar_type() == at::kDouble && t.is_cuda()), op, ": ", name,
-              "'s dtype float64 is supported on CPU only, got it on ", t.device());
+  TORCH_CHECK(
+      !(t.scalar_type() == at::kDouble && t.is_cuda()),
+      flashmod::error_message(op, ": ", name,
+                              "'s dtype float64 is supported on CPU only, got it on ", t.device()));
 }
 
 }  // namespace
@@ -42,13 +36,15 @@ ScalarKind scalar_kind_of(at::ScalarType t) {
 
 PreparedSoftmax prepare_softmax(const at::Tensor& x, int64_t dim) {
   TORCH_CHECK(is_supported_float(x.scalar_type()),
-              "flashmod.softmax: x must be float32, float16, bfloat16 or float64, got ",
-              py_dtype(x.scalar_type()));
+              flashmod::error_message(
+                  "flashmod.softmax: x must be float32, float16, bfloat16 or float64, got ",
+                  (x.scalar_type())));
   check_fp64_device("flashmod.softmax", "x", x);
   // A 0-d tensor is a single row of one element, as in torch.softmax.
   const int64_t ndim = std::max<int64_t>(x.dim(), 1);
-  TORCH_CHECK(dim >= -ndim && dim < ndim, "flashmod.softmax: dim must be in [", -ndim, ", ",
-              ndim - 1, "] for a ", x.dim(), "-D tensor, got ", dim);
+  TORCH_CHECK(dim >= -ndim && dim < ndim,
+              flashmod::error_message("flashmod.softmax: dim must be in [", -ndim, ", ", ndim - 1,
+                                      "] for a ", x.dim(), "-D tensor, got ", dim));
   const int64_t d = dim < 0 ? dim + ndim : dim;
 
   PreparedSoftmax r;
@@ -71,29 +67,37 @@ PreparedMatmulSoftmax prepare_matmul_softmax(const at::Tensor& a_in, const at::T
                                              const std::optional<at::Tensor>& attn_mask) {
   constexpr const char* op = "flashmod.matmul_softmax";
   for (auto [name, t] : {std::pair{"a", &a_in}, std::pair{"b", &b_in}}) {
-    TORCH_CHECK(t->dim() == 4, op, ": ", name,
-                " must be a 4-D tensor (batch, heads, seqlen, depth), got a ", t->dim(),
-                "-D tensor of shape ", shape_str(*t));
+    TORCH_CHECK(t->dim() == 4,
+                flashmod::error_message(
+                    op, ": ", name, " must be a 4-D tensor (batch, heads, seqlen, depth), got a ",
+                    t->dim(), "-D tensor of shape ", t->sizes()));
   }
   const auto dtype = a_in.scalar_type();
-  TORCH_CHECK(is_supported_float(dtype), op,
-              ": a must be float32, float16, bfloat16 or float64, got ", py_dtype(dtype));
-  TORCH_CHECK(b_in.scalar_type() == dtype, op, ": b must have a's dtype ", py_dtype(dtype), ", got ",
-              py_dtype(b_in.scalar_type()));
-  TORCH_CHECK(b_in.device() == a_in.device(), op, ": b must be on a's device ", a_in.device(),
-              ", got ", b_in.device());
+  TORCH_CHECK(is_supported_float(dtype),
+              flashmod::error_message(op, ": a must be float32, float16, bfloat16 or float64, got ",
+                                      (dtype)));
+  TORCH_CHECK(b_in.scalar_type() == dtype,
+              flashmod::error_message(op, ": b must have a's dtype ", (dtype), ", got ",
+                                      (b_in.scalar_type())));
+  TORCH_CHECK(b_in.device() == a_in.device(),
+              flashmod::error_message(op, ": b must be on a's device ", a_in.device(), ", got ",
+                                      b_in.device()));
   check_fp64_device(op, "a", a_in);
-  TORCH_CHECK(b_in.size(0) == a_in.size(0), op, ": b must have a's batch size ", a_in.size(0),
-              ", got ", b_in.size(0));
-  TORCH_CHECK(a_in.size(3) > 0, op, ": a's depth (last dimension) must be positive, got ",
-              a_in.size(3));
-  TORCH_CHECK(b_in.size(3) == a_in.size(3), op, ": b must have a's depth (last dimension) ",
-              a_in.size(3), ", got ", b_in.size(3));
-  TORCH_CHECK(b_in.size(1) > 0 && a_in.size(1) % b_in.size(1) == 0, op,
-              ": a's heads must be a multiple of b's heads (GQA/MQA), got a heads ", a_in.size(1),
-              " and b heads ", b_in.size(1));
-  TORCH_CHECK(!scale.has_value() || std::isfinite(*scale), op, ": scale must be finite, got ",
-              scale.value_or(0.0));
+  TORCH_CHECK(b_in.size(0) == a_in.size(0),
+              flashmod::error_message(op, ": b must have a's batch size ", a_in.size(0), ", got ",
+                                      b_in.size(0)));
+  TORCH_CHECK(a_in.size(3) > 0,
+              flashmod::error_message(op, ": a's depth (last dimension) must be positive, got ",
+                                      a_in.size(3)));
+  TORCH_CHECK(b_in.size(3) == a_in.size(3),
+              flashmod::error_message(op, ": b must have a's depth (last dimension) ", a_in.size(3),
+                                      ", got ", b_in.size(3)));
+  TORCH_CHECK(b_in.size(1) > 0 && a_in.size(1) % b_in.size(1) == 0,
+              flashmod::error_message(
+                  op, ": a's heads must be a multiple of b's heads (GQA/MQA), got a heads ",
+                  a_in.size(1), " and b heads ", b_in.size(1)));
+  TORCH_CHECK(!scale.has_value() || std::isfinite(*scale),
+              flashmod::error_message(op, ": scale must be finite, got ", scale.value_or(0.0)));
 
   PreparedMatmulSoftmax r;
   MatmulSoftmaxParams& p = r.params;
@@ -108,8 +112,9 @@ PreparedMatmulSoftmax prepare_matmul_softmax(const at::Tensor& a_in, const at::T
   p.mask_kind = MaskKind::kNone;
   if (attn_mask.has_value() && attn_mask->defined()) {
     const at::Tensor& mask = *attn_mask;
-    TORCH_CHECK(mask.device() == a_in.device(), op, ": attn_mask must be on a's device ",
-                a_in.device(), ", got ", mask.device());
+    TORCH_CHECK(mask.device() == a_in.device(),
+                flashmod::error_message(op, ": attn_mask must be on a's device ", a_in.device(),
+                                        ", got ", mask.device()));
     const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
     if (mask.scalar_type() == at::kBool) {
       p.mask_kind = MaskKind::kBool;
@@ -118,16 +123,18 @@ PreparedMatmulSoftmax prepare_matmul_softmax(const at::Tensor& a_in, const at::T
     } else if (half && mask.scalar_type() == at::kFloat) {
       p.mask_kind = MaskKind::kAdditiveF32;
     } else {
-      TORCH_CHECK(false, op, ": attn_mask must be bool or a's dtype ", py_dtype(dtype),
-                  (half ? " (or float32)" : ""), ", got ", py_dtype(mask.scalar_type()));
+      TORCH_CHECK(false, flashmod::error_message(op, ": attn_mask must be bool or a's dtype ",
+                                                 (dtype), (half ? " (or float32)" : ""), ", got ",
+                                                 (mask.scalar_type())));
     }
     bool ok = mask.dim() >= 1 && mask.dim() <= 4;
     for (int64_t i = 1; ok && i <= mask.dim(); ++i) {
       const int64_t have = mask.size(-i), want = target[4 - i];
       ok = have == want || have == 1;
     }
-    TORCH_CHECK(ok, op, ": attn_mask must be broadcastable to (batch, a_heads, M, N) = ",
-                at::IntArrayRef(target), ", got shape ", shape_str(mask));
+    TORCH_CHECK(ok, flashmod::error_message(
+                        op, ": attn_mask must be broadcastable to (batch, a_heads, M, N) = ",
+                        at::IntArrayRef(target), ", got shape ", mask.sizes()));
     r.mask = mask.expand(target);
     if (mask.scalar_type() == at::kBool) r.mask = r.mask.view(at::kByte);  // same bytes
     p.mask = r.mask.data_ptr();

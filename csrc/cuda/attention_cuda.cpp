@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "../attention_host.h"
+#include "../error_message.h"
 #include "launch.h"
 
 namespace flashmod {
@@ -17,7 +18,9 @@ namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
 
 // cp.async copies 16-byte chunks from 16-byte aligned addresses, so every row start of q/k/v must
 // be 16-byte aligned: base pointer aligned and batch/head/row strides multiples of 8 elements.
@@ -48,10 +51,12 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
                                                  window_left, window_right, softcap);
   // Same order and wording as flashmod/ops.py's fake implementation.
   TORCH_CHECK(q.scalar_type() != at::kDouble,
-              "flashmod.attention: q's dtype float64 is supported on CPU only, got it on ",
-              q.device());
-  TORCH_CHECK(q.size(3) <= kMaxHeadDim, "flashmod.attention: q's head_dim must be <= ", kMaxHeadDim,
-              " on CUDA, got ", q.size(3));
+              flashmod::error_message(
+                  "flashmod.attention: q's dtype float64 is supported on CPU only, got it on ",
+                  q.device()));
+  TORCH_CHECK(q.size(3) <= kMaxHeadDim,
+              flashmod::error_message("flashmod.attention: q's head_dim must be <= ", kMaxHeadDim,
+                                      " on CUDA, got ", q.size(3)));
   if (nothing_to_compute(prepared)) return {prepared.out, prepared.lse};
 
   AttentionParams& p = prepared.params;
@@ -75,10 +80,10 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
     flags.out_vec16 = rows_aligned16(prepared.out) && p.head_dim % 8 == 0;
     const bool bf16 = p.dtype == ScalarKind::kBFloat16;
     const int padded = cuda_kernels::padded_head_dim(p.head_dim);
-#define FLASHMOD_DISPATCH(D)                                                          \
-  case D:                                                                             \
-    err = bf16 ? cuda_kernels::run_attention_fwd<__nv_bfloat16, D>(p, flags, stream)  \
-               : cuda_kernels::run_attention_fwd<__half, D>(p, flags, stream);        \
+#define FLASHMOD_DISPATCH(D)                                                         \
+  case D:                                                                            \
+    err = bf16 ? cuda_kernels::run_attention_fwd<__nv_bfloat16, D>(p, flags, stream) \
+               : cuda_kernels::run_attention_fwd<__half, D>(p, flags, stream);       \
     break;
     switch (padded) {
       FLASHMOD_DISPATCH(32)
@@ -89,13 +94,16 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
       FLASHMOD_DISPATCH(192)
       FLASHMOD_DISPATCH(224)
       FLASHMOD_DISPATCH(256)
-      default: TORCH_CHECK(false, "flashmod.attention: unsupported head_dim ", p.head_dim);
+      default:
+        TORCH_CHECK(false, flashmod::error_message("flashmod.attention: unsupported head_dim ",
+                                                   p.head_dim));
     }
 #undef FLASHMOD_DISPATCH
   }
   TORCH_CHECK(err != cudaErrorInvalidConfiguration,
-              "flashmod.attention: too many query blocks for one launch (batch * heads * "
-              "ceil(seqlen_q / Br) must be < 2^31)");
+              flashmod::error_message(
+                  "flashmod.attention: too many query blocks for one launch (batch * heads * "
+                  "ceil(seqlen_q / Br) must be < 2^31)"));
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {prepared.out, prepared.lse};
@@ -104,4 +112,6 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
 }  // namespace
 }  // namespace flashmod
 
-TORCH_LIBRARY_IMPL(flashmod, CUDA, m) { m.impl("attention", &flashmod::attention_cuda); }
+TORCH_LIBRARY_IMPL(flashmod, CUDA, m) {
+  m.impl("attention", &flashmod::attention_cuda);
+}
