@@ -1,0 +1,31 @@
+// Interface between the torch-side glue (attention_cpu.cpp) and the per-ISA kernel translation
+// units (kernel_avx512.cpp, kernel_avx2.cpp, kernel_baseline.cpp).
+//
+// The kernel TUs are compiled for their instruction set with `#pragma GCC target`, so they must
+// not include torch (or any header with out-of-line inline functions): an AVX-512 copy of such a
+// function could win at link time and be called on a machine without AVX-512. They include only
+// C-level standard headers, and keep all their code in an anonymous namespace.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "../attention_params.h"
+
+namespace flashmod::cpu {
+
+// One implementation of the fp32/fp16/bf16 forward for one instruction set.
+struct KernelInfo {
+  const char* name;
+  int64_t block_rows;  // Br: a task is one (batch, head, block of Br queries)
+  // Runs tasks [begin, end) of batch * heads_q * ceil(seqlen_q / Br), in a stable order.
+  void (*run)(const AttentionParams& p, int64_t begin, int64_t end);
+};
+
+extern const KernelInfo kAvx512Kernel;
+extern const KernelInfo kAvx2Kernel;
+extern const KernelInfo kBaselineKernel;
+
+}  // namespace flashmod::cpu

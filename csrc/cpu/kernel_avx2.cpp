@@ -1,0 +1,30 @@
+// The forward kernel for AVX2 + FMA (Haswell and later, Zen): 8 fp32 lanes, 16 registers.
+#include <immintrin.h>
+
+#include "kernel.h"
+
+#pragma GCC target("avx2,fma,f16c")
+
+namespace flashmod::cpu {
+namespace {
+
+constexpr int kW = 8;
+using vf = float __attribute__((vector_size(32)));
+using vi = int32_t __attribute__((vector_size(32)));
+
+inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+inline vf load_f16(const uint16_t* p) {
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Scores: 4 keys x 2 vectors = 8 accumulators + 2 Q vectors of the 16 registers.
+// P V: 4 rows x 2 vectors = 8 accumulators + 4 broadcasts + 1 row of V.
+constexpr int kNV = 2, kKB = 4, kRB = 4, kDV = 2;
+
+#include "kernel_impl.h"
+
+}  // namespace
+
+const KernelInfo kAvx2Kernel = {"avx2", kBr, &run_tasks};
+
+}  // namespace flashmod::cpu

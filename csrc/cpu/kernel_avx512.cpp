@@ -1,0 +1,30 @@
+// The forward kernel for AVX-512 (Skylake-SP and later, Zen 4): 16 fp32 lanes, 32 registers.
+#include <immintrin.h>
+
+#include "kernel.h"
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+
+namespace flashmod::cpu {
+namespace {
+
+constexpr int kW = 16;
+using vf = float __attribute__((vector_size(64)));
+using vi = int32_t __attribute__((vector_size(64)));
+
+inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+inline vf load_f16(const uint16_t* p) {
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Scores: 8 keys x 2 vectors = 16 accumulators + 2 Q vectors of the 32 registers.
+// P V: 4 rows x 4 vectors (64 columns) = 16 accumulators + 4 broadcasts.
+constexpr int kNV = 2, kKB = 8, kRB = 4, kDV = 4;
+
+#include "kernel_impl.h"
+
+}  // namespace
+
+const KernelInfo kAvx512Kernel = {"avx512", kBr, &run_tasks};
+
+}  // namespace flashmod::cpu

@@ -1,0 +1,30 @@
+// The forward kernel for any x86-64 (SSE2): 4 fp32 lanes, 16 registers, no FMA.
+#include "kernel.h"
+
+namespace flashmod::cpu {
+namespace {
+
+constexpr int kW = 4;
+using vf = float __attribute__((vector_size(16)));
+using vi = int32_t __attribute__((vector_size(16)));
+
+inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }
+inline vf load_f16(const uint16_t* p) {
+  vf v;
+  for (int i = 0; i < kW; ++i) {
+    _Float16 h;
+    std::memcpy(&h, p + i, 2);
+    v[i] = float(h);
+  }
+  return v;
+}
+
+constexpr int kNV = 2, kKB = 4, kRB = 4, kDV = 2;
+
+#include "kernel_impl.h"
+
+}  // namespace
+
+const KernelInfo kBaselineKernel = {"baseline", kBr, &run_tasks};
+
+}  // namespace flashmod::cpu

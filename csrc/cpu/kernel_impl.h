@@ -1,0 +1,407 @@
+// The CPU forward (FlashAttention's algorithm), written once over GCC vector extensions and
+// compiled once per instruction set. Included by kernel_<isa>.cpp inside an anonymous namespace,
+// after it defined:
+//   kW                 lanes of one fp32 vector
+//   vf, vi             vectors of kW floats / int32s
+//   fmadd(a, b, c)     a * b + c, fused where the ISA has FMA
+//   load_f16(p)        kW fp16 values at p widened to fp32
+//   kNV, kKB, kRB, kDV tile shapes, see below
+//
+// Layout: the task owns Br = kNV * kW queries. Q_i is packed transposed (D x Br, pre-scaled), so
+// S_ij is computed as K_j Q_i^T with the queries in the vector lanes: the row max, exp and row
+// sum of the online softmax are then plain lane-wise vector operations (no horizontal
+// reductions), and each K_j element is a broadcast operand. P V_j broadcasts P entries over rows
+// of V_j. K_j and V_j are read in place for fp32 inputs and widened into fp32 tiles otherwise.
+
+constexpr int64_t kBr = kNV * kW;
+// Bc = 64: with Br = 32 (AVX-512) S_ij is 8 KiB and a D=128 fp32 K_j/V_j tile 32 KiB, so a key
+// block stays in L1/L2; 32 and 128 measured within noise of 64 at N=2048, D=64/128.
+constexpr int64_t kBc = 64;
+static_assert(kBc % kKB == 0, "key blocks must split into whole register blocks");
+static_assert(kBr % kRB == 0, "query blocks must split into whole register blocks");
+
+constexpr float kNegInf = -__builtin_inff();
+
+struct F32 {
+  using storage = float;
+  static float to_float(float x) { return x; }
+  static float from_float(float x) { return x; }
+  static vf load(const float* p) {
+    vf v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+};
+
+struct BF16 {
+  using storage = uint16_t;
+  static float to_float(uint16_t x) {
+    const uint32_t u = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static uint16_t from_float(float f) {  // round to nearest even, NaN stays a (quiet) NaN
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  static vf load(const uint16_t* p) {
+    using vh = uint16_t __attribute__((vector_size(kW * 2)));
+    vh h;
+    std::memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vi) << 16);
+  }
+};
+
+struct F16 {
+  using storage = uint16_t;
+  static float to_float(uint16_t x) {
+    _Float16 h;
+    std::memcpy(&h, &x, 2);
+    return float(h);
+  }
+  static uint16_t from_float(float f) {
+    const _Float16 h = _Float16(f);
+    uint16_t x;
+    std::memcpy(&x, &h, 2);
+    return x;
+  }
+  static vf load(const uint16_t* p) { return load_f16(p); }
+};
+
+inline vf splat(float s) { return vf{} + s; }
+inline vf loadu(const float* p) { return F32::load(p); }
+inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return min64(max64(x, lo), hi); }
+
+// e^x for x <= 0 (or -inf), about 1 ulp. exp(-80) ~ 2e-35 is below fp32 resolution next to
+// the row maximum's exp(0) = 1, so everything under -80 becomes an exact 0: masked scores (-inf)
+// must contribute nothing, and the clamp keeps 2^n normal (no denormal stalls).
+inline vf exp_neg(vf x) {
+  const vf xc = vmax(x, splat(-80.0f));
+  // n = round(x / ln 2) by the 1.5 * 2^23 trick; its low mantissa bits then hold n.
+  const vf magic = splat(12582912.0f);
+  const vf t = fmadd(xc, splat(1.44269504088896341f), magic);
+  const vf n = t - magic;
+  // Cody-Waite: r = x - n ln2 in two steps so r keeps full precision.
+  vf r = fmadd(n, splat(-0.693145751953125f), xc);
+  r = fmadd(n, splat(-1.428606765330187e-6f), r);
+  // Taylor to r^7: the truncation error is < 6e-9 relative on |r| <= ln2 / 2.
+  vf e = splat(1.0f / 5040);
+  e = fmadd(e, r, splat(1.0f / 720));
+  e = fmadd(e, r, splat(1.0f / 120));
+  e = fmadd(e, r, splat(1.0f / 24));
+  e = fmadd(e, r, splat(1.0f / 6));
+  e = fmadd(e, r, splat(0.5f));
+  e = fmadd(e, r, splat(1.0f));
+  e = fmadd(e, r, splat(1.0f));
+  const vi pow2n = (((vi)t - (vi)magic) + 127) << 23;
+  const vf y = e * (vf)pow2n;
+  return x < splat(-80.0f) ? splat(0.0f) : y;
+}
+
+// Per-thread buffers, 64-byte aligned, sized for one task.
+struct Workspace {
+  float* QT;     // D x Br: Q_i^T * scale
+  float* S;      // Bc x Br: S_ij, then P_ij, key-major
+  float* O;      // Br x Dp: unnormalized output accumulator
+  float* K;      // Bc x D: K_j widened to fp32 (fp16/bf16 inputs)
+  float* V;      // Bc x Dp: V_j widened to fp32 and zero-padded to whole vectors
+  float* alpha;  // Br: exp(m_old - m_new) of the last key block
+  float* m;      // Br
+  float* l;      // Br
+  void* base;
+
+  Workspace(int64_t D, int64_t Dp) {
+    const int64_t sizes[] = {D * kBr, kBc * kBr, kBr * Dp, kBc * D, kBc * Dp, kBr, kBr, kBr};
+    int64_t total = 0;
+    for (int64_t s : sizes) total += (s + 15) / 16 * 16;
+    base = std::aligned_alloc(64, total * sizeof(float));
+    float* cursor = static_cast<float*>(base);
+    float** slots[] = {&QT, &S, &O, &K, &V, &alpha, &m, &l};
+    for (int i = 0; i < 8; ++i) {
+      *slots[i] = cursor;
+      cursor += (sizes[i] + 15) / 16 * 16;
+    }
+  }
+  ~Workspace() { std::free(base); }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+};
+
+// S[KB keys x Br queries] = K (KB rows, stride ldk) . Q_i^T. KB * kNV accumulators stay in
+// registers; each step loads kNV vectors of Q_i^T and broadcasts KB elements of K.
+template <int KB>
+inline void scores_block(const float* QT, const float* K, int64_t ldk, int64_t D, float* S) {
+  vf acc[KB][kNV] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    vf q[kNV];
+#pragma GCC unroll 8
+    for (int nv = 0; nv < kNV; ++nv) q[nv] = loadu(QT + d * kBr + nv * kW);
+#pragma GCC unroll 16
+    for (int kb = 0; kb < KB; ++kb) {
+      const vf k = splat(K[kb * ldk + d]);
+#pragma GCC unroll 8
+      for (int nv = 0; nv < kNV; ++nv) acc[kb][nv] = fmadd(k, q[nv], acc[kb][nv]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int kb = 0; kb < KB; ++kb) {
+#pragma GCC unroll 8
+    for (int nv = 0; nv < kNV; ++nv) storeu(S + kb * kBr + nv * kW, acc[kb][nv]);
+  }
+}
+
+// The cols x Br block of S: whole register blocks, then the tail key by key halving.
+inline void scores(const float* QT, const float* K, int64_t ldk, int64_t D, int64_t cols,
+                   float* S) {
+  int64_t c = 0;
+  for (; c + kKB <= cols; c += kKB) scores_block<kKB>(QT, K + c * ldk, ldk, D, S + c * kBr);
+  for (; c + 4 <= cols; c += 4) scores_block<4>(QT, K + c * ldk, ldk, D, S + c * kBr);
+  for (; c < cols; ++c) scores_block<1>(QT, K + c * ldk, ldk, D, S + c * kBr);
+}
+
+// O[r .. r+kRB, dcol .. dcol+DV*kW] = alpha * O + P^T(cols keys) V. The block's sum starts from
+// zero and joins O once: summing all Nk terms into O one by one doubled the fp32 error at
+// Nk=4096 compared with a BLAS P V (measured 2.7x plain attention's max error before, see notes).
+template <int DV>
+inline void pv_block(const float* P, const float* V, int64_t ldv, int64_t cols, const float* alpha,
+                     float* O, int64_t ldo) {
+  vf acc[kRB][DV] = {};
+  for (int64_t c = 0; c < cols; ++c) {
+    vf p[kRB];
+#pragma GCC unroll 8
+    for (int rb = 0; rb < kRB; ++rb) p[rb] = splat(P[c * kBr + rb]);
+#pragma GCC unroll 8
+    for (int dv = 0; dv < DV; ++dv) {
+      const vf v = loadu(V + c * ldv + dv * kW);
+#pragma GCC unroll 8
+      for (int rb = 0; rb < kRB; ++rb) acc[rb][dv] = fmadd(p[rb], v, acc[rb][dv]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int rb = 0; rb < kRB; ++rb) {
+    const vf a = splat(alpha[rb]);
+#pragma GCC unroll 8
+    for (int dv = 0; dv < DV; ++dv) {
+      float* o = O + rb * ldo + dv * kW;
+      storeu(o, fmadd(loadu(o), a, acc[rb][dv]));
+    }
+  }
+}
+
+template <int DV>
+inline void pv_rows(const float* P, const float* V, int64_t ldv, int64_t cols, const float* alpha,
+                    float* O, int64_t ldo, int64_t rows) {
+  for (int64_t r = 0; r < rows; r += kRB) {
+    pv_block<DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
+  }
+}
+
+// O_i = diag(alpha) O_i + P_ij V_j over the first `rows` (rounded up to kRB) rows, Dp columns.
+inline void pv(const float* P, const float* V, int64_t ldv, int64_t cols, const float* alpha,
+               float* O, int64_t Dp, int64_t rows) {
+  rows = min64(kBr, (rows + kRB - 1) / kRB * kRB);
+  int64_t d = 0;
+  for (; d + kDV * kW <= Dp; d += kDV * kW) pv_rows<kDV>(P, V + d, ldv, cols, alpha, O + d, Dp, rows);
+  switch ((Dp - d) / kW) {
+    case 3: pv_rows<3>(P, V + d, ldv, cols, alpha, O + d, Dp, rows); break;
+    case 2: pv_rows<2>(P, V + d, ldv, cols, alpha, O + d, Dp, rows); break;
+    case 1: pv_rows<1>(P, V + d, ldv, cols, alpha, O + d, Dp, rows); break;
+    default: break;
+  }
+}
+
+// Turns S_ij (cols x Br) into P_ij = exp(S_ij - m_new) in place and updates m, l; alpha gets
+// exp(m_old - m_new) for rescaling O_i. A query whose keys so far are all masked keeps m = -inf;
+// it then subtracts 0 instead, so every exponent is -inf (giving 0), never NaN.
+inline void online_softmax(float* S, int64_t cols, float* m, float* l, float* alpha) {
+#pragma GCC unroll 8
+  for (int nv = 0; nv < kNV; ++nv) {
+    float* s = S + nv * kW;
+    vf mx0 = splat(kNegInf), mx1 = mx0;  // two chains: the max's latency dominates otherwise
+    int64_t c = 0;
+    for (; c + 2 <= cols; c += 2) {
+      mx0 = vmax(mx0, loadu(s + c * kBr));
+      mx1 = vmax(mx1, loadu(s + (c + 1) * kBr));
+    }
+    if (c < cols) mx0 = vmax(mx0, loadu(s + c * kBr));
+    const vf m_old = loadu(m + nv * kW);
+    const vf m_new = vmax(m_old, vmax(mx0, mx1));
+    const vf m_use = m_new == splat(kNegInf) ? splat(0.0f) : m_new;
+    const vf a = exp_neg(m_old - m_use);
+    vf sum0 = splat(0.0f), sum1 = sum0;
+    for (c = 0; c + 2 <= cols; c += 2) {
+      const vf p0 = exp_neg(loadu(s + c * kBr) - m_use);
+      const vf p1 = exp_neg(loadu(s + (c + 1) * kBr) - m_use);
+      storeu(s + c * kBr, p0);
+      storeu(s + (c + 1) * kBr, p1);
+      sum0 += p0;
+      sum1 += p1;
+    }
+    if (c < cols) {
+      const vf p0 = exp_neg(loadu(s + c * kBr) - m_use);
+      storeu(s + c * kBr, p0);
+      sum0 += p0;
+    }
+    storeu(l + nv * kW, fmadd(loadu(l + nv * kW), a, sum0 + sum1));
+    storeu(m + nv * kW, m_new);
+    storeu(alpha + nv * kW, a);
+  }
+}
+
+// Widens rows x D elements (row stride ld) into dst (row stride ldd), zero-filling columns
+// D .. ldd so that whole vectors can be read.
+template <class Tag>
+void widen_rows(const typename Tag::storage* src, int64_t ld, int64_t rows, int64_t D, float* dst,
+                int64_t ldd) {
+  for (int64_t c = 0; c < rows; ++c) {
+    const auto* s = src + c * ld;
+    float* o = dst + c * ldd;
+    int64_t d = 0;
+    for (; d + kW <= D; d += kW) storeu(o + d, Tag::load(s + d));
+    for (; d < D; ++d) o[d] = Tag::to_float(s[d]);
+    for (; d < ldd; ++d) o[d] = 0.0f;
+  }
+}
+
+// Applies the soft cap, the mask and the window to S_ij (before the softmax) for queries
+// r0 .. r0+rows and keys c0 .. c0+cols.
+template <class Tag>
+void transform_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t r0, int64_t rows,
+                      int64_t c0, int64_t cols, bool window_interior, float* S) {
+  if (p.softcap > 0) {
+    const float cap = static_cast<float>(p.softcap), inv_cap = 1.0f / cap;
+    for (int64_t i = 0; i < cols * kBr; ++i) S[i] = cap * tanhf(S[i] * inv_cap);
+  }
+  if (p.mask_kind != MaskKind::kNone) {
+    const int64_t base = b * p.mask_batch_stride + h * p.mask_head_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = base + (r0 + r) * p.mask_row_stride + c0 * p.mask_col_stride;
+      const int64_t cs = p.mask_col_stride;
+      float* s = S + r;
+      if (p.mask_kind == MaskKind::kBool) {
+        const auto* mk = static_cast<const uint8_t*>(p.mask) + row;
+        for (int64_t c = 0; c < cols; ++c) {
+          if (!mk[c * cs]) s[c * kBr] = kNegInf;
+        }
+      } else if (p.mask_kind == MaskKind::kAdditive) {
+        const auto* mk = static_cast<const typename Tag::storage*>(p.mask) + row;
+        for (int64_t c = 0; c < cols; ++c) s[c * kBr] += Tag::to_float(mk[c * cs]);
+      } else {
+        const auto* mk = static_cast<const float*>(p.mask) + row;
+        for (int64_t c = 0; c < cols; ++c) s[c * kBr] += mk[c * cs];
+      }
+    }
+  }
+  if (!window_interior) {
+    // Key j sees queries i with j - off - wr <= i <= j - off + wl: one run of lanes per key.
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t j = c0 + c - p.diag_offset - r0;
+      const int64_t lo = p.window_right >= 0 ? clamp64(j - p.window_right, 0, kBr) : 0;
+      const int64_t hi = p.window_left >= 0 ? clamp64(j + p.window_left + 1, 0, kBr) : kBr;
+      float* s = S + c * kBr;
+      for (int64_t r = 0; r < kBr; ++r) {
+        if (r < lo || r >= hi) s[r] = kNegInf;
+      }
+    }
+  }
+}
+
+template <class Tag>
+void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
+  using T = typename Tag::storage;
+  const int64_t D = p.head_dim, Dp = (D + kW - 1) / kW * kW;
+  const int64_t Nq = p.seqlen_q, Nk = p.seqlen_k, off = p.diag_offset;
+  const int64_t Tr = (Nq + kBr - 1) / kBr;
+  const int64_t bh = task / Tr, t = task % Tr;
+  // A thread runs a contiguous range of tasks; alternating early and late query blocks gives each
+  // range a similar share of causal work.
+  const int64_t i_block = t % 2 == 0 ? t / 2 : Tr - 1 - t / 2;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
+  const int64_t r0 = i_block * kBr, rows = min64(kBr, Nq - r0);
+
+  const T* Q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+  const T* K = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const T* V = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  T* O = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
+  float* lse = p.lse + (b * p.heads_q + h) * Nq;
+
+  const float scale = static_cast<float>(p.scale);
+  for (int64_t r = 0; r < kBr; ++r) {
+    if (r < rows) {
+      const T* q = Q + (r0 + r) * p.q_row_stride;
+      for (int64_t d = 0; d < D; ++d) ws.QT[d * kBr + r] = Tag::to_float(q[d]) * scale;
+    } else {
+      for (int64_t d = 0; d < D; ++d) ws.QT[d * kBr + r] = 0.0f;
+    }
+    ws.m[r] = kNegInf;
+    ws.l[r] = 0.0f;
+  }
+  std::memset(ws.O, 0, sizeof(float) * kBr * Dp);
+
+  // Keys outside every row's window are never visited; blocks wholly inside it skip the test.
+  const int64_t diag_first = r0 + off, diag_last = r0 + rows - 1 + off;
+  const int64_t lo = p.window_left >= 0 ? max64(0, diag_first - p.window_left) : 0;
+  const int64_t hi = p.window_right >= 0 ? min64(Nk, diag_last + p.window_right + 1) : Nk;
+  // fp32 K_j/V_j are read in place; V only when whole vectors of a row stay inside the row.
+  constexpr bool kIsF32 = sizeof(T) == 4;
+  const bool v_in_place = kIsF32 && Dp == D;
+  for (int64_t c0 = lo; c0 < hi; c0 += kBc) {
+    const int64_t cols = min64(kBc, hi - c0);
+    const T* K_j = K + c0 * p.k_row_stride;
+    const T* V_j = V + c0 * p.v_row_stride;
+    const float* Kf;
+    int64_t ldk;
+    if constexpr (kIsF32) {
+      Kf = reinterpret_cast<const float*>(K_j), ldk = p.k_row_stride;
+    } else {
+      widen_rows<Tag>(K_j, p.k_row_stride, cols, D, ws.K, D);
+      Kf = ws.K, ldk = D;
+    }
+    const float* Vf;
+    int64_t ldv;
+    if (v_in_place) {
+      Vf = reinterpret_cast<const float*>(V_j), ldv = p.v_row_stride;
+    } else {
+      widen_rows<Tag>(V_j, p.v_row_stride, cols, D, ws.V, Dp);
+      Vf = ws.V, ldv = Dp;
+    }
+
+    scores(ws.QT, Kf, ldk, D, cols, ws.S);
+    const bool interior = (p.window_left < 0 || c0 >= diag_last - p.window_left) &&
+                          (p.window_right < 0 || c0 + cols - 1 <= diag_first + p.window_right);
+    if (p.softcap > 0 || p.mask_kind != MaskKind::kNone || !interior) {
+      transform_scores<Tag>(p, b, h, r0, rows, c0, cols, interior, ws.S);
+    }
+    online_softmax(ws.S, cols, ws.m, ws.l, ws.alpha);
+    pv(ws.S, Vf, ldv, cols, ws.alpha, ws.O, Dp, rows);
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const float l = ws.l[r];
+    const bool empty = !(l > 0.0f);  // no visible key: out = 0, lse = -inf
+    T* o = O + (r0 + r) * p.out_row_stride;
+    const float* acc = ws.O + r * Dp;
+    for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(empty ? 0.0f : acc[d] / l);
+    lse[r0 + r] = empty ? kNegInf : ws.m[r] + logf(l);
+  }
+}
+
+void run_tasks(const AttentionParams& p, int64_t begin, int64_t end) {
+  const int64_t Dp = (p.head_dim + kW - 1) / kW * kW;
+  Workspace ws(p.head_dim, Dp);
+  for (int64_t task = begin; task < end; ++task) {
+    switch (p.dtype) {
+      case ScalarKind::kFloat32: run_task<F32>(p, task, ws); break;
+      case ScalarKind::kBFloat16: run_task<BF16>(p, task, ws); break;
+      case ScalarKind::kFloat16: run_task<F16>(p, task, ws); break;
+      case ScalarKind::kFloat64: break;  // the glue runs fp64 on its own path
+    }
+  }
+}
