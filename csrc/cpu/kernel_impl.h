@@ -3,6 +3,7 @@
 // after it defined:
 //   kW                 lanes of one fp32 vector
 //   vf, vi             vectors of kW floats / int32s
+//   splat(s)           s in every lane
 //   fmadd(a, b, c)     a * b + c, fused where the ISA has FMA
 //   load_f16(p)        kW fp16 values at p widened to fp32
 //   kNV, kKB, kRB, kDV tile shapes, see below
@@ -71,7 +72,6 @@ struct F16 {
   static vf load(const uint16_t* p) { return load_f16(p); }
 };
 
-inline vf splat(float s) { return vf{} + s; }
 inline vf loadu(const float* p) { return F32::load(p); }
 inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
