@@ -12,13 +12,32 @@
 #include <string>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "../attention_host.h"
 #include "kernel.h"
 
 namespace flashmod {
 namespace {
 
-// The widest kernel this CPU (and OS) supports. FLASHMOD_CPU_ISA=avx2|baseline forces a
+// AMX needs the kernel's permission to use the tile data state (Linux 5.16+), once per process.
+bool amx_usable() {
+  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+      !__builtin_cpu_supports("avx512bf16")) {
+    return false;
+  }
+#ifdef __linux__
+  constexpr long kArchReqXcompPerm = 0x1023, kXFeatureXTileData = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXFeatureXTileData) == 0;
+#else
+  return false;
+#endif
+}
+
+// The widest kernel this CPU (and OS) supports. FLASHMOD_CPU_ISA=avx512|avx2|baseline forces a
 // narrower one, so that every variant can be tested on one machine.
 const cpu::KernelInfo& pick_kernel() {
   static const cpu::KernelInfo* kernel = [] {
@@ -30,6 +49,7 @@ const cpu::KernelInfo& pick_kernel() {
                         __builtin_cpu_supports("avx512dq");
     const char* forced = std::getenv("FLASHMOD_CPU_ISA");
     const std::string want = forced ? forced : "";
+    if (avx512 && want.empty() && amx_usable()) return &cpu::kAmxBf16Kernel;
     if (avx512 && (want.empty() || want == "avx512")) return &cpu::kAvx512Kernel;
     if (avx2 && (want.empty() || want == "avx512" || want == "avx2")) return &cpu::kAvx2Kernel;
     return &cpu::kBaselineKernel;

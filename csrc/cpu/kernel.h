@@ -1,5 +1,5 @@
 // Interface between the torch-side glue (attention_cpu.cpp) and the per-ISA kernel translation
-// units (kernel_avx512.cpp, kernel_avx2.cpp, kernel_baseline.cpp).
+// units (kernel_amx.cpp, kernel_avx512.cpp, kernel_avx2.cpp, kernel_baseline.cpp).
 //
 // The kernel TUs are compiled for their instruction set with `#pragma GCC target`, so they must
 // not include torch (or any header with out-of-line inline functions): an AVX-512 copy of such a
@@ -24,6 +24,7 @@ struct KernelInfo {
   void (*run)(const AttentionParams& p, int64_t begin, int64_t end);
 };
 
+extern const KernelInfo kAmxBf16Kernel;  // bf16 on AMX tiles, the rest as kAvx512Kernel
 extern const KernelInfo kAvx512Kernel;
 extern const KernelInfo kAvx2Kernel;
 extern const KernelInfo kBaselineKernel;

@@ -115,16 +115,19 @@ struct Workspace {
   float* alpha;  // Br: exp(m_old - m_new) of the last key block
   float* m;      // Br
   float* l;      // Br
+  float* Ot;     // Br x Dp: one key block's P_ij V_j (AMX engine)
+  float* Pb;     // Br x Bc bf16: P_ij query-major (AMX engine)
   void* base;
 
   Workspace(int64_t D, int64_t Dp) {
-    const int64_t sizes[] = {D * kBr, kBc * kBr, kBr * Dp, kBc * D, kBc * Dp, kBr, kBr, kBr};
+    const int64_t sizes[] = {D * kBr, kBc * kBr, kBr * Dp, kBc * D, kBc * Dp, kBr, kBr, kBr,
+                             kBr * Dp, kBr * kBc / 2};
     int64_t total = 0;
     for (int64_t s : sizes) total += (s + 15) / 16 * 16;
     base = std::aligned_alloc(64, total * sizeof(float));
     float* cursor = static_cast<float*>(base);
-    float** slots[] = {&QT, &S, &O, &K, &V, &alpha, &m, &l};
-    for (int i = 0; i < 8; ++i) {
+    float** slots[] = {&QT, &S, &O, &K, &V, &alpha, &m, &l, &Ot, &Pb};
+    for (int i = 0; i < 10; ++i) {
       *slots[i] = cursor;
       cursor += (sizes[i] + 15) / 16 * 16;
     }
@@ -313,7 +316,51 @@ void transform_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t r0
   }
 }
 
+// The generic engine: fp32 register-blocked micro-kernels on widened tiles.
 template <class Tag>
+struct VecEngine {
+  using T = typename Tag::storage;
+  static constexpr bool kIsF32 = sizeof(T) == 4;
+
+  static bool supports(const AttentionParams&) { return true; }
+
+  static void pack_q(const T* Q, int64_t ldq, int64_t rows, int64_t D, float scale, Workspace& ws) {
+    for (int64_t r = 0; r < kBr; ++r) {
+      if (r < rows) {
+        const T* q = Q + r * ldq;
+        for (int64_t d = 0; d < D; ++d) ws.QT[d * kBr + r] = Tag::to_float(q[d]) * scale;
+      } else {
+        for (int64_t d = 0; d < D; ++d) ws.QT[d * kBr + r] = 0.0f;
+      }
+    }
+  }
+
+  // fp32 K_j is read in place.
+  static void scores(const T* K_j, int64_t ldk, int64_t cols, int64_t D, float /*scale: in QT*/,
+                     Workspace& ws) {
+    if constexpr (kIsF32) {
+      ::flashmod::cpu::scores(ws.QT, reinterpret_cast<const float*>(K_j), ldk, D, cols, ws.S);
+    } else {
+      widen_rows<Tag>(K_j, ldk, cols, D, ws.K, D);
+      ::flashmod::cpu::scores(ws.QT, ws.K, D, D, cols, ws.S);
+    }
+  }
+
+  // fp32 V_j is read in place when whole vectors of a row stay inside the row.
+  static void pv(const T* V_j, int64_t ldv, int64_t cols, int64_t D, int64_t Dp, int64_t rows,
+                 Workspace& ws) {
+    if (kIsF32 && Dp == D) {
+      ::flashmod::cpu::pv(ws.S, reinterpret_cast<const float*>(V_j), ldv, cols, ws.alpha, ws.O, Dp,
+                          rows);
+    } else {
+      widen_rows<Tag>(V_j, ldv, cols, D, ws.V, Dp);
+      ::flashmod::cpu::pv(ws.S, ws.V, Dp, cols, ws.alpha, ws.O, Dp, rows);
+    }
+  }
+};
+
+// One task: queries r0 .. r0+Br of one (batch, head) against all its visible keys.
+template <class Tag, template <class> class Engine>
 void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
   using T = typename Tag::storage;
   const int64_t D = p.head_dim, Dp = (D + kW - 1) / kW * kW;
@@ -333,13 +380,8 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
   float* lse = p.lse + (b * p.heads_q + h) * Nq;
 
   const float scale = static_cast<float>(p.scale);
+  Engine<Tag>::pack_q(Q + r0 * p.q_row_stride, p.q_row_stride, rows, D, scale, ws);
   for (int64_t r = 0; r < kBr; ++r) {
-    if (r < rows) {
-      const T* q = Q + (r0 + r) * p.q_row_stride;
-      for (int64_t d = 0; d < D; ++d) ws.QT[d * kBr + r] = Tag::to_float(q[d]) * scale;
-    } else {
-      for (int64_t d = 0; d < D; ++d) ws.QT[d * kBr + r] = 0.0f;
-    }
     ws.m[r] = kNegInf;
     ws.l[r] = 0.0f;
   }
@@ -349,38 +391,16 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
   const int64_t diag_first = r0 + off, diag_last = r0 + rows - 1 + off;
   const int64_t lo = p.window_left >= 0 ? max64(0, diag_first - p.window_left) : 0;
   const int64_t hi = p.window_right >= 0 ? min64(Nk, diag_last + p.window_right + 1) : Nk;
-  // fp32 K_j/V_j are read in place; V only when whole vectors of a row stay inside the row.
-  constexpr bool kIsF32 = sizeof(T) == 4;
-  const bool v_in_place = kIsF32 && Dp == D;
   for (int64_t c0 = lo; c0 < hi; c0 += kBc) {
     const int64_t cols = min64(kBc, hi - c0);
-    const T* K_j = K + c0 * p.k_row_stride;
-    const T* V_j = V + c0 * p.v_row_stride;
-    const float* Kf;
-    int64_t ldk;
-    if constexpr (kIsF32) {
-      Kf = reinterpret_cast<const float*>(K_j), ldk = p.k_row_stride;
-    } else {
-      widen_rows<Tag>(K_j, p.k_row_stride, cols, D, ws.K, D);
-      Kf = ws.K, ldk = D;
-    }
-    const float* Vf;
-    int64_t ldv;
-    if (v_in_place) {
-      Vf = reinterpret_cast<const float*>(V_j), ldv = p.v_row_stride;
-    } else {
-      widen_rows<Tag>(V_j, p.v_row_stride, cols, D, ws.V, Dp);
-      Vf = ws.V, ldv = Dp;
-    }
-
-    scores(ws.QT, Kf, ldk, D, cols, ws.S);
+    Engine<Tag>::scores(K + c0 * p.k_row_stride, p.k_row_stride, cols, D, scale, ws);
     const bool interior = (p.window_left < 0 || c0 >= diag_last - p.window_left) &&
                           (p.window_right < 0 || c0 + cols - 1 <= diag_first + p.window_right);
     if (p.softcap > 0 || p.mask_kind != MaskKind::kNone || !interior) {
       transform_scores<Tag>(p, b, h, r0, rows, c0, cols, interior, ws.S);
     }
     online_softmax(ws.S, cols, ws.m, ws.l, ws.alpha);
-    pv(ws.S, Vf, ldv, cols, ws.alpha, ws.O, Dp, rows);
+    Engine<Tag>::pv(V + c0 * p.v_row_stride, p.v_row_stride, cols, D, Dp, rows, ws);
   }
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -393,14 +413,23 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
   }
 }
 
-void run_tasks(const AttentionParams& p, int64_t begin, int64_t end) {
+// Runs tasks [begin, end); bf16 goes to BF16Engine where it supports the shape.
+template <template <class> class BF16Engine>
+void run_tasks_with(const AttentionParams& p, int64_t begin, int64_t end) {
   const int64_t Dp = (p.head_dim + kW - 1) / kW * kW;
   Workspace ws(p.head_dim, Dp);
+  const bool bf16_engine = BF16Engine<BF16>::supports(p);
   for (int64_t task = begin; task < end; ++task) {
     switch (p.dtype) {
-      case ScalarKind::kFloat32: run_task<F32>(p, task, ws); break;
-      case ScalarKind::kBFloat16: run_task<BF16>(p, task, ws); break;
-      case ScalarKind::kFloat16: run_task<F16>(p, task, ws); break;
+      case ScalarKind::kFloat32: run_task<F32, VecEngine>(p, task, ws); break;
+      case ScalarKind::kBFloat16:
+        if (bf16_engine) {
+          run_task<BF16, BF16Engine>(p, task, ws);
+        } else {
+          run_task<BF16, VecEngine>(p, task, ws);
+        }
+        break;
+      case ScalarKind::kFloat16: run_task<F16, VecEngine>(p, task, ws); break;
       case ScalarKind::kFloat64: break;  // the glue runs fp64 on its own path
     }
   }

@@ -1,0 +1,16 @@
+// AVX-512 definitions for kernel_impl.h, shared by kernel_avx512.cpp and kernel_amx.cpp. Included
+// inside their anonymous namespace, after their `#pragma GCC target`.
+
+constexpr int kW = 16;
+using vf = float __attribute__((vector_size(64)));
+using vi = int32_t __attribute__((vector_size(64)));
+
+inline vf splat(float s) { return (vf)_mm512_set1_ps(s); }
+inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+inline vf load_f16(const uint16_t* p) {
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Scores: 8 keys x 2 vectors = 16 accumulators + 2 Q vectors of the 32 registers.
+// P V: 4 rows x 4 vectors (64 columns) = 16 accumulators + 4 broadcasts.
+constexpr int kNV = 2, kKB = 8, kRB = 4, kDV = 4;
