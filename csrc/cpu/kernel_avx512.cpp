@@ -9,6 +9,11 @@ namespace flashmod::cpu {
 namespace {
 
 #include "simd_avx512.h"
+
+// Scores: 8 keys x 2 vectors = 16 accumulators + 2 Q vectors of the 32 registers.
+// P V: 4 rows x 4 vectors (64 columns) = 16 accumulators + 4 broadcasts.
+constexpr int kNV = 2, kKB = 8, kRB = 4, kDV = 4;
+
 #include "kernel_impl.h"
 
 }  // namespace

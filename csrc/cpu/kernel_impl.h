@@ -336,8 +336,8 @@ struct VecEngine {
   }
 
   // fp32 K_j is read in place.
-  static void scores(const T* K_j, int64_t ldk, int64_t cols, int64_t D, float /*scale: in QT*/,
-                     Workspace& ws) {
+  static void scores(const T* K_j, int64_t ldk, int64_t cols, int64_t D, int64_t /*rows*/,
+                     float /*scale: in QT*/, Workspace& ws) {
     if constexpr (kIsF32) {
       ::flashmod::cpu::scores(ws.QT, reinterpret_cast<const float*>(K_j), ldk, D, cols, ws.S);
     } else {
@@ -393,7 +393,7 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
   const int64_t hi = p.window_right >= 0 ? min64(Nk, diag_last + p.window_right + 1) : Nk;
   for (int64_t c0 = lo; c0 < hi; c0 += kBc) {
     const int64_t cols = min64(kBc, hi - c0);
-    Engine<Tag>::scores(K + c0 * p.k_row_stride, p.k_row_stride, cols, D, scale, ws);
+    Engine<Tag>::scores(K + c0 * p.k_row_stride, p.k_row_stride, cols, D, rows, scale, ws);
     const bool interior = (p.window_left < 0 || c0 >= diag_last - p.window_left) &&
                           (p.window_right < 0 || c0 + cols - 1 <= diag_first + p.window_right);
     if (p.softcap > 0 || p.mask_kind != MaskKind::kNone || !interior) {

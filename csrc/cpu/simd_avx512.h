@@ -10,7 +10,3 @@ inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m51
 inline vf load_f16(const uint16_t* p) {
   return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-
-// Scores: 8 keys x 2 vectors = 16 accumulators + 2 Q vectors of the 32 registers.
-// P V: 4 rows x 4 vectors (64 columns) = 16 accumulators + 4 broadcasts.
-constexpr int kNV = 2, kKB = 8, kRB = 4, kDV = 4;
