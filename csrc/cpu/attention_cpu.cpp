@@ -59,8 +59,19 @@ const cpu::KernelInfo& pick_kernel() {
 
 void attention_cpu_vectorized(const AttentionParams& p) {
   const cpu::KernelInfo& kernel = pick_kernel();
-  const int64_t tasks = p.batch * p.heads_q * ((p.seqlen_q + kernel.block_rows - 1) / kernel.block_rows);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { kernel.run(p, begin, end); });
+  const int64_t shared_bytes = kernel.shared_bytes ? kernel.shared_bytes(p) : 0;
+  at::Tensor shared;
+  if (shared_bytes > 0) {
+    shared = at::empty({shared_bytes}, at::TensorOptions().dtype(at::kByte));
+    at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
+      kernel.prepare(p, shared.data_ptr(), begin, end);
+    });
+  }
+  const void* shared_ptr = shared_bytes > 0 ? shared.data_ptr() : nullptr;
+  const int64_t row_blocks = (p.seqlen_q + kernel.block_rows - 1) / kernel.block_rows;
+  at::parallel_for(0, p.batch * p.heads_q * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    kernel.run(p, shared_ptr, begin, end);
+  });
 }
 
 // fp64: the same blocked online softmax with scalar loops.

@@ -20,8 +20,12 @@ namespace flashmod::cpu {
 struct KernelInfo {
   const char* name;
   int64_t block_rows;  // Br: a task is one (batch, head, block of Br queries)
+  // Optional data shared by every task (V transposed once per kv-head for AMX): its size in bytes
+  // (0: none), and the fill of kv-heads [begin, end) of batch * heads_kv. May be null.
+  int64_t (*shared_bytes)(const AttentionParams& p);
+  void (*prepare)(const AttentionParams& p, void* shared, int64_t begin, int64_t end);
   // Runs tasks [begin, end) of batch * heads_q * ceil(seqlen_q / Br), in a stable order.
-  void (*run)(const AttentionParams& p, int64_t begin, int64_t end);
+  void (*run)(const AttentionParams& p, const void* shared, int64_t begin, int64_t end);
 };
 
 extern const KernelInfo kAmxBf16Kernel;  // bf16 on AMX tiles, the rest as kAvx512Kernel

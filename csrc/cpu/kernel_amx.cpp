@@ -36,6 +36,10 @@ struct alignas(64) TileConfig {
 // complete (not kept in registers or sunk) before them.
 inline void memory_barrier() { asm volatile("" ::: "memory"); }
 
+// Row stride of V^T in the shared buffer: a key chunk of 32 starting anywhere below Nk stays
+// inside the row, and rows start 64-byte aligned.
+inline int64_t transposed_v_stride(int64_t Nk) { return (Nk + 32 + 31) / 32 * 32; }
+
 // S_ij^T = K_j Q_i^T with K_j rows as the A operand straight from memory (no packing) and Q_i^T
 // in pair layout (packed once per task), so S_ij lands key-major like the vector engine's. Q_i
 // is not pre-scaled (bf16 would round it); the scores are scaled in fp32 after the product.
@@ -102,82 +106,115 @@ struct AmxEngine {
     for (int64_t i = 0; i < cols * kBr; i += kW) storeu(ws.S + i, loadu(ws.S + i) * s);
   }
 
-  // O_i = diag(alpha) O_i + P_ij V_j: P_ij is transposed to query-major bf16 (the A operand), V_j
-  // interleaved into row pairs (the B operand); the block's product joins O_i in fp32.
-  static void pv(const uint16_t* V_j, int64_t ldv, int64_t cols, int64_t D, int64_t /*Dp*/,
-                 int64_t rows, Workspace& ws) {
-    if (cols < kBc) std::memset(ws.S + cols * kBr, 0, sizeof(float) * (kBc - cols) * kBr);
-    auto* P = reinterpret_cast<uint16_t*>(ws.Pb);  // [query][key], row stride Bc
-    const __m512i key_rows = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(kBr));
+  // O_i^T = V_j^T P_ij^T, so that neither operand needs a transpose per task: V^T is the A
+  // operand, transposed once per call by prepare_amx; P_ij^T (key-major, as the softmax leaves it)
+  // becomes the B operand by interleaving consecutive key rows. O_i is kept transposed (D x Br),
+  // so its rescaling by alpha is lane-wise too.
+  static void pv(const uint16_t* /*V_j*/, int64_t /*ldv*/, int64_t kv_head, int64_t c0,
+                 int64_t cols, int64_t D, int64_t /*Dp*/, int64_t rows, Workspace& ws) {
     const int64_t rows32 = (rows + 31) / 32 * 32, cols32 = (cols + 31) / 32 * 32;
-    for (int64_t r = 0; r < rows32; ++r) {
-      for (int64_t c = 0; c < cols32; c += 32) {
-        const __m512 lo = _mm512_i32gather_ps(key_rows, ws.S + c * kBr + r, 4);
-        const __m512 hi = _mm512_i32gather_ps(key_rows, ws.S + (c + 16) * kBr + r, 4);
-        _mm512_storeu_si512(P + r * kBc + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      }
-    }
-    // V pairs: Vp[c / 2][d] = (V[c][d], V[c + 1][d]), row stride 2 D bf16.
-    auto* Vp = reinterpret_cast<uint16_t*>(ws.V);
+    if (cols < cols32) std::memset(ws.S + cols * kBr, 0, sizeof(float) * (cols32 - cols) * kBr);
+    // Pp[c / 2][r] = (P[c][r], P[c + 1][r]), row stride 2 Br bf16.
+    auto* Pp = reinterpret_cast<uint16_t*>(ws.Pb);
     const __m512i first = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003,
                                             0x00240004, 0x00250005, 0x00260006, 0x00270007,
                                             0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
                                             0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
     const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
-    const __m512i zero = _mm512_setzero_si512();
     for (int64_t c = 0; c < cols32; c += 2) {
-      for (int64_t d = 0; d < D; d += 32) {
-        const __m512i a = c < cols ? _mm512_loadu_si512(V_j + c * ldv + d) : zero;
-        const __m512i b = c + 1 < cols ? _mm512_loadu_si512(V_j + (c + 1) * ldv + d) : zero;
-        _mm512_storeu_si512(Vp + c * D + 2 * d, _mm512_permutex2var_epi16(a, first, b));
-        _mm512_storeu_si512(Vp + c * D + 2 * d + 32, _mm512_permutex2var_epi16(a, second, b));
+      const float* s0 = ws.S + c * kBr;
+      const float* s1 = s0 + kBr;
+      uint16_t* pp = Pp + c * kBr;
+      for (int64_t r = 0; r < rows32; r += 32) {
+        const __m512i a = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s0 + r + 16),
+                                                       _mm512_loadu_ps(s0 + r));
+        const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s1 + r + 16),
+                                                       _mm512_loadu_ps(s1 + r));
+        _mm512_storeu_si512(pp + 2 * r, _mm512_permutex2var_epi16(a, first, b));
+        _mm512_storeu_si512(pp + 2 * r + 32, _mm512_permutex2var_epi16(a, second, b));
       }
     }
     memory_barrier();
-    for (int64_t r = 0; r < rows32; r += 32) {
-      for (int64_t d = 0; d < D; d += 32) {
+    const int64_t ldvt = transposed_v_stride(ws.seqlen_k);
+    const uint16_t* Vt = static_cast<const uint16_t*>(ws.shared) + kv_head * D * ldvt + c0;
+    for (int64_t d = 0; d < D; d += 32) {
+      for (int64_t r = 0; r < rows32; r += 32) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t c = 0; c < cols32; c += 32) {
-          _tile_loadd(4, P + r * kBc + c, kBc * 2);
-          _tile_loadd(5, P + (r + 16) * kBc + c, kBc * 2);
-          _tile_loadd(6, Vp + c * D + 2 * d, D * 4);
-          _tile_loadd(7, Vp + c * D + 2 * d + 32, D * 4);
+          _tile_loadd(4, Vt + d * ldvt + c, ldvt * 2);
+          _tile_loadd(5, Vt + (d + 16) * ldvt + c, ldvt * 2);
+          _tile_loadd(6, Pp + c * kBr + 2 * r, kBr * 4);
+          _tile_loadd(7, Pp + c * kBr + 2 * r + 32, kBr * 4);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
         }
-        float* Ot = ws.Ot + r * D + d;
-        _tile_stored(0, Ot, D * 4);
-        _tile_stored(1, Ot + 16, D * 4);
-        _tile_stored(2, Ot + 16 * D, D * 4);
-        _tile_stored(3, Ot + 16 * D + 16, D * 4);
+        float* Ot = ws.Ot + d * kBr + r;
+        _tile_stored(0, Ot, kBr * 4);
+        _tile_stored(1, Ot + 16, kBr * 4);
+        _tile_stored(2, Ot + 16 * kBr, kBr * 4);
+        _tile_stored(3, Ot + 16 * kBr + 16, kBr * 4);
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const vf a = splat(ws.alpha[r]);
-      float* o = ws.O + r * D;
-      const float* t = ws.Ot + r * D;
-      for (int64_t d = 0; d < D; d += kW) storeu(o + d, fmadd(loadu(o + d), a, loadu(t + d)));
+    for (int64_t d = 0; d < D; ++d) {
+      float* o = ws.O + d * kBr;
+      const float* t = ws.Ot + d * kBr;
+      for (int64_t r = 0; r < rows32; r += kW) {
+        storeu(o + r, fmadd(loadu(o + r), loadu(ws.alpha + r), loadu(t + r)));
+      }
     }
+  }
+
+  // O_i is transposed, D x Br.
+  static float o_at(const Workspace& ws, int64_t r, int64_t d, int64_t /*Dp*/) {
+    return ws.O[d * kBr + r];
   }
 };
 
-void run_tasks_amx(const AttentionParams& p, int64_t begin, int64_t end) {
+bool uses_transposed_v(const AttentionParams& p) {
+  return p.dtype == ScalarKind::kBFloat16 && AmxEngine<BF16>::supports(p);
+}
+
+int64_t shared_bytes_amx(const AttentionParams& p) {
+  if (!uses_transposed_v(p)) return 0;
+  return p.batch * p.heads_kv * p.head_dim * transposed_v_stride(p.seqlen_k) * 2;
+}
+
+// V^T per kv-head: D rows of Nk keys, zero-padded to transposed_v_stride.
+void prepare_amx(const AttentionParams& p, void* shared, int64_t begin, int64_t end) {
+  if (!uses_transposed_v(p)) return;
+  const int64_t D = p.head_dim, Nk = p.seqlen_k, ldvt = transposed_v_stride(Nk);
+  for (int64_t kv_head = begin; kv_head < end; ++kv_head) {
+    const int64_t b = kv_head / p.heads_kv, hk = kv_head % p.heads_kv;
+    const auto* V = static_cast<const uint16_t*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+    uint16_t* Vt = static_cast<uint16_t*>(shared) + kv_head * D * ldvt;
+    // 16 x 16 blocks keep both the rows read and the rows written in L1.
+    for (int64_t c = 0; c < Nk; c += 16) {
+      for (int64_t d = 0; d < D; d += 16) {
+        for (int64_t cc = c; cc < min64(c + 16, Nk); ++cc) {
+          for (int64_t dd = d; dd < d + 16; ++dd) Vt[dd * ldvt + cc] = V[cc * p.v_row_stride + dd];
+        }
+      }
+    }
+    for (int64_t d = 0; d < D; ++d) std::memset(Vt + d * ldvt + Nk, 0, (ldvt - Nk) * 2);
+  }
+}
+
+void run_tasks_amx(const AttentionParams& p, const void* shared, int64_t begin, int64_t end) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
   _tile_loadconfig(&config);
-  run_tasks_with<AmxEngine>(p, begin, end);
+  run_tasks_with<AmxEngine>(p, shared, begin, end);
   _tile_release();
 }
 
 }  // namespace
 
-const KernelInfo kAmxBf16Kernel = {"amx-bf16", kBr, &run_tasks_amx};
+const KernelInfo kAmxBf16Kernel = {"amx-bf16", kBr, &shared_bytes_amx, &prepare_amx,
+                                   &run_tasks_amx};
 
 }  // namespace flashmod::cpu

@@ -18,6 +18,6 @@ constexpr int kNV = 2, kKB = 8, kRB = 4, kDV = 4;
 
 }  // namespace
 
-const KernelInfo kAvx512Kernel = {"avx512", kBr, &run_tasks_with<VecEngine>};
+const KernelInfo kAvx512Kernel = {"avx512", kBr, nullptr, nullptr, &run_tasks_with<VecEngine>};
 
 }  // namespace flashmod::cpu

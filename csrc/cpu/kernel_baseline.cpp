@@ -26,6 +26,6 @@ constexpr int kNV = 2, kKB = 4, kRB = 4, kDV = 2;
 
 }  // namespace
 
-const KernelInfo kBaselineKernel = {"baseline", kBr, &run_tasks_with<VecEngine>};
+const KernelInfo kBaselineKernel = {"baseline", kBr, nullptr, nullptr, &run_tasks_with<VecEngine>};
 
 }  // namespace flashmod::cpu

@@ -116,7 +116,9 @@ struct Workspace {
   float* m;      // Br
   float* l;      // Br
   float* Ot;     // Br x Dp: one key block's P_ij V_j (AMX engine)
-  float* Pb;     // Br x Bc bf16: P_ij query-major (AMX engine)
+  float* Pb;     // Bc x Br bf16: P_ij in key pairs (AMX engine)
+  const void* shared = nullptr;  // KernelInfo::prepare's output
+  int64_t seqlen_k = 0;
   void* base;
 
   Workspace(int64_t D, int64_t Dp) {
@@ -347,8 +349,8 @@ struct VecEngine {
   }
 
   // fp32 V_j is read in place when whole vectors of a row stay inside the row.
-  static void pv(const T* V_j, int64_t ldv, int64_t cols, int64_t D, int64_t Dp, int64_t rows,
-                 Workspace& ws) {
+  static void pv(const T* V_j, int64_t ldv, int64_t /*kv_head*/, int64_t /*c0*/, int64_t cols,
+                 int64_t D, int64_t Dp, int64_t rows, Workspace& ws) {
     if (kIsF32 && Dp == D) {
       ::flashmod::cpu::pv(ws.S, reinterpret_cast<const float*>(V_j), ldv, cols, ws.alpha, ws.O, Dp,
                           rows);
@@ -357,6 +359,9 @@ struct VecEngine {
       ::flashmod::cpu::pv(ws.S, ws.V, Dp, cols, ws.alpha, ws.O, Dp, rows);
     }
   }
+
+  // O_i is row-major, Br x Dp.
+  static float o_at(const Workspace& ws, int64_t r, int64_t d, int64_t Dp) { return ws.O[r * Dp + d]; }
 };
 
 // One task: queries r0 .. r0+Br of one (batch, head) against all its visible keys.
@@ -400,24 +405,28 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
       transform_scores<Tag>(p, b, h, r0, rows, c0, cols, interior, ws.S);
     }
     online_softmax(ws.S, cols, ws.m, ws.l, ws.alpha);
-    Engine<Tag>::pv(V + c0 * p.v_row_stride, p.v_row_stride, cols, D, Dp, rows, ws);
+    Engine<Tag>::pv(V + c0 * p.v_row_stride, p.v_row_stride, b * p.heads_kv + hk, c0, cols, D, Dp,
+                    rows, ws);
   }
 
   for (int64_t r = 0; r < rows; ++r) {
     const float l = ws.l[r];
     const bool empty = !(l > 0.0f);  // no visible key: out = 0, lse = -inf
     T* o = O + (r0 + r) * p.out_row_stride;
-    const float* acc = ws.O + r * Dp;
-    for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(empty ? 0.0f : acc[d] / l);
+    for (int64_t d = 0; d < D; ++d) {
+      o[d] = Tag::from_float(empty ? 0.0f : Engine<Tag>::o_at(ws, r, d, Dp) / l);
+    }
     lse[r0 + r] = empty ? kNegInf : ws.m[r] + logf(l);
   }
 }
 
 // Runs tasks [begin, end); bf16 goes to BF16Engine where it supports the shape.
 template <template <class> class BF16Engine>
-void run_tasks_with(const AttentionParams& p, int64_t begin, int64_t end) {
+void run_tasks_with(const AttentionParams& p, const void* shared, int64_t begin, int64_t end) {
   const int64_t Dp = (p.head_dim + kW - 1) / kW * kW;
   Workspace ws(p.head_dim, Dp);
+  ws.shared = shared;
+  ws.seqlen_k = p.seqlen_k;
   const bool bf16_engine = BF16Engine<BF16>::supports(p);
   for (int64_t task = begin; task < end; ++task) {
     switch (p.dtype) {
