@@ -134,15 +134,30 @@ struct AmxEngine {
         _mm512_storeu_si512(pp + 2 * r + 32, _mm512_permutex2var_epi16(a, second, b));
       }
     }
+    // O_i accumulates in the tiles directly (loaded and stored per block); a fp32 sum of fp32
+    // block products loses nothing next to the bf16 output. Rescaling by alpha is needed only
+    // when some row's maximum moved, which becomes rare after the first blocks.
+    const __mmask16 moved = _mm512_cmpneq_ps_mask(_mm512_loadu_ps(ws.alpha), _mm512_set1_ps(1.0f));
+    bool rescale = moved != 0;
+    for (int64_t r = 16; r < rows32; r += 16) {
+      rescale |= _mm512_cmpneq_ps_mask(_mm512_loadu_ps(ws.alpha + r), _mm512_set1_ps(1.0f)) != 0;
+    }
+    if (rescale) {
+      for (int64_t d = 0; d < D; ++d) {
+        float* o = ws.O + d * kBr;
+        for (int64_t r = 0; r < rows32; r += kW) storeu(o + r, loadu(o + r) * loadu(ws.alpha + r));
+      }
+    }
     memory_barrier();
     const int64_t ldvt = transposed_v_stride(ws.seqlen_k);
     const uint16_t* Vt = static_cast<const uint16_t*>(ws.shared) + kv_head * D * ldvt + c0;
     for (int64_t d = 0; d < D; d += 32) {
       for (int64_t r = 0; r < rows32; r += 32) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        float* O = ws.O + d * kBr + r;
+        _tile_loadd(0, O, kBr * 4);
+        _tile_loadd(1, O + 16, kBr * 4);
+        _tile_loadd(2, O + 16 * kBr, kBr * 4);
+        _tile_loadd(3, O + 16 * kBr + 16, kBr * 4);
         for (int64_t c = 0; c < cols32; c += 32) {
           _tile_loadd(4, Vt + d * ldvt + c, ldvt * 2);
           _tile_loadd(5, Vt + (d + 16) * ldvt + c, ldvt * 2);
@@ -153,18 +168,10 @@ struct AmxEngine {
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
         }
-        float* Ot = ws.Ot + d * kBr + r;
-        _tile_stored(0, Ot, kBr * 4);
-        _tile_stored(1, Ot + 16, kBr * 4);
-        _tile_stored(2, Ot + 16 * kBr, kBr * 4);
-        _tile_stored(3, Ot + 16 * kBr + 16, kBr * 4);
-      }
-    }
-    for (int64_t d = 0; d < D; ++d) {
-      float* o = ws.O + d * kBr;
-      const float* t = ws.Ot + d * kBr;
-      for (int64_t r = 0; r < rows32; r += kW) {
-        storeu(o + r, fmadd(loadu(o + r), loadu(ws.alpha + r), loadu(t + r)));
+        _tile_stored(0, O, kBr * 4);
+        _tile_stored(1, O + 16, kBr * 4);
+        _tile_stored(2, O + 16 * kBr, kBr * 4);
+        _tile_stored(3, O + 16 * kBr + 16, kBr * 4);
       }
     }
   }

@@ -115,7 +115,6 @@ struct Workspace {
   float* alpha;  // Br: exp(m_old - m_new) of the last key block
   float* m;      // Br
   float* l;      // Br
-  float* Ot;     // Br x Dp: one key block's P_ij V_j (AMX engine)
   float* Pb;     // Bc x Br bf16: P_ij in key pairs (AMX engine)
   const void* shared = nullptr;  // KernelInfo::prepare's output
   int64_t seqlen_k = 0;
@@ -123,13 +122,13 @@ struct Workspace {
 
   Workspace(int64_t D, int64_t Dp) {
     const int64_t sizes[] = {D * kBr, kBc * kBr, kBr * Dp, kBc * D, kBc * Dp, kBr, kBr, kBr,
-                             kBr * Dp, kBr * kBc / 2};
+                             kBr * kBc / 2};
     int64_t total = 0;
     for (int64_t s : sizes) total += (s + 15) / 16 * 16;
     base = std::aligned_alloc(64, total * sizeof(float));
     float* cursor = static_cast<float*>(base);
-    float** slots[] = {&QT, &S, &O, &K, &V, &alpha, &m, &l, &Ot, &Pb};
-    for (int i = 0; i < 10; ++i) {
+    float** slots[] = {&QT, &S, &O, &K, &V, &alpha, &m, &l, &Pb};
+    for (int i = 0; i < 9; ++i) {
       *slots[i] = cursor;
       cursor += (sizes[i] + 15) / 16 * 16;
     }
@@ -413,8 +412,11 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
     const float l = ws.l[r];
     const bool empty = !(l > 0.0f);  // no visible key: out = 0, lse = -inf
     T* o = O + (r0 + r) * p.out_row_stride;
-    for (int64_t d = 0; d < D; ++d) {
-      o[d] = Tag::from_float(empty ? 0.0f : Engine<Tag>::o_at(ws, r, d, Dp) / l);
+    if constexpr (sizeof(T) == 4) {  // a division rounds once, a multiply by 1/l twice
+      for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : Engine<Tag>::o_at(ws, r, d, Dp) / l;
+    } else {  // ... which fp16/bf16 rounding swamps; divisions would cost 10% at D=128
+      const float inv_l = empty ? 0.0f : 1.0f / l;
+      for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(Engine<Tag>::o_at(ws, r, d, Dp) * inv_l);
     }
     lse[r0 + r] = empty ? kNegInf : ws.m[r] + logf(l);
   }
