@@ -22,6 +22,9 @@ inline vf load_f16(const uint16_t* p) {
 // P V: 4 rows x 2 vectors = 8 accumulators + 4 broadcasts + 1 row of V.
 constexpr int kNV = 2, kKB = 4, kRB = 4, kDV = 2;
 
+// Bc = 64: S_ij (Bc x Br fp32) and a D=128 fp32 K_j/V_j tile (32 KiB) stay near L1.
+constexpr int64_t kBc = 64;
+
 #include "kernel_impl.h"
 
 }  // namespace

@@ -14,6 +14,9 @@ namespace {
 // P V: 4 rows x 4 vectors (64 columns) = 16 accumulators + 4 broadcasts.
 constexpr int kNV = 2, kKB = 8, kRB = 4, kDV = 4;
 
+// Bc = 64: S_ij (Bc x Br fp32) and a D=128 fp32 K_j/V_j tile (32 KiB) stay near L1.
+constexpr int64_t kBc = 64;
+
 #include "kernel_impl.h"
 
 }  // namespace

@@ -6,7 +6,9 @@
 //   splat(s)           s in every lane
 //   fmadd(a, b, c)     a * b + c, fused where the ISA has FMA
 //   load_f16(p)        kW fp16 values at p widened to fp32
-//   kNV, kKB, kRB, kDV tile shapes, see below
+//   kNV, kKB, kRB, kDV register tile shapes: Br = kNV * kW queries per task, kKB keys per
+//                      score register block, kRB rows x kDV vectors per P V register block
+//   kBc                keys per block
 //
 // Layout: the task owns Br = kNV * kW queries. Q_i is packed transposed (D x Br, pre-scaled), so
 // S_ij is computed as K_j Q_i^T with the queries in the vector lanes: the row max, exp and row
@@ -15,9 +17,6 @@
 // of V_j. K_j and V_j are read in place for fp32 inputs and widened into fp32 tiles otherwise.
 
 constexpr int64_t kBr = kNV * kW;
-// Bc = 64: with Br = 32 (AVX-512) S_ij is 8 KiB and a D=128 fp32 K_j/V_j tile 32 KiB, so a key
-// block stays in L1/L2; 32 and 128 measured within noise of 64 at N=2048, D=64/128.
-constexpr int64_t kBc = 64;
 static_assert(kBc % kKB == 0, "key blocks must split into whole register blocks");
 static_assert(kBr % kRB == 0, "query blocks must split into whole register blocks");
 
@@ -359,8 +358,22 @@ struct VecEngine {
     }
   }
 
-  // O_i is row-major, Br x Dp.
-  static float o_at(const Workspace& ws, int64_t r, int64_t d, int64_t Dp) { return ws.O[r * Dp + d]; }
+  // out rows r0 .. r0+rows = O_i / l.
+  static void finalize(const Workspace& ws, T* out, int64_t ldo, int64_t rows, int64_t D,
+                       int64_t Dp) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float l = ws.l[r];
+      const bool empty = !(l > 0.0f);  // no visible key: out = 0
+      T* o = out + r * ldo;
+      const float* acc = ws.O + r * Dp;
+      if constexpr (kIsF32) {  // a division rounds once, a multiply by 1/l twice
+        for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : acc[d] / l;
+      } else {  // ... which fp16/bf16 rounding swamps; divisions would cost 10% at D=128
+        const float inv_l = empty ? 0.0f : 1.0f / l;
+        for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(acc[d] * inv_l);
+      }
+    }
+  }
 };
 
 // One task: queries r0 .. r0+Br of one (batch, head) against all its visible keys.
@@ -408,17 +421,10 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
                     rows, ws);
   }
 
+  Engine<Tag>::finalize(ws, O + r0 * p.out_row_stride, p.out_row_stride, rows, D, Dp);
   for (int64_t r = 0; r < rows; ++r) {
     const float l = ws.l[r];
-    const bool empty = !(l > 0.0f);  // no visible key: out = 0, lse = -inf
-    T* o = O + (r0 + r) * p.out_row_stride;
-    if constexpr (sizeof(T) == 4) {  // a division rounds once, a multiply by 1/l twice
-      for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : Engine<Tag>::o_at(ws, r, d, Dp) / l;
-    } else {  // ... which fp16/bf16 rounding swamps; divisions would cost 10% at D=128
-      const float inv_l = empty ? 0.0f : 1.0f / l;
-      for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(Engine<Tag>::o_at(ws, r, d, Dp) * inv_l);
-    }
-    lse[r0 + r] = empty ? kNegInf : ws.m[r] + logf(l);
+    lse[r0 + r] = l > 0.0f ? ws.m[r] + logf(l) : kNegInf;  // no visible key: -inf
   }
 }
 
