@@ -220,10 +220,11 @@ inline void pv(const float* P, const float* V, int64_t ldv, int64_t cols, const 
   }
 }
 
-// Turns S_ij (cols x Br) into P_ij = exp(S_ij - m_new) in place and updates m, l; alpha gets
-// exp(m_old - m_new) for rescaling O_i. A query whose keys so far are all masked keeps m = -inf;
-// it then subtracts 0 instead, so every exponent is -inf (giving 0), never NaN.
-inline void online_softmax(float* S, int64_t cols, float* m, float* l, float* alpha) {
+// Turns S_ij (cols x Br) into P_ij = exp(scale S_ij - m_new) in place and updates m, l; alpha
+// gets exp(m_old - m_new) for rescaling O_i. scale > 0 (the engines whose scores come unscaled
+// fold the scale in here for free). A query whose keys so far are all masked keeps m = -inf; it
+// then subtracts 0 instead, so every exponent is -inf (giving 0), never NaN.
+inline void online_softmax(float* S, int64_t cols, float scale, float* m, float* l, float* alpha) {
 #pragma GCC unroll 8
   for (int nv = 0; nv < kNV; ++nv) {
     float* s = S + nv * kW;
@@ -235,20 +236,20 @@ inline void online_softmax(float* S, int64_t cols, float* m, float* l, float* al
     }
     if (c < cols) mx0 = vmax(mx0, loadu(s + c * kBr));
     const vf m_old = loadu(m + nv * kW);
-    const vf m_new = vmax(m_old, vmax(mx0, mx1));
+    const vf m_new = vmax(m_old, vmax(mx0, mx1) * splat(scale));
     const vf m_use = m_new == splat(kNegInf) ? splat(0.0f) : m_new;
-    const vf a = exp_neg(m_old - m_use);
+    const vf a = exp_neg(m_old - m_use), neg_m = -m_use, sc = splat(scale);
     vf sum0 = splat(0.0f), sum1 = sum0;
     for (c = 0; c + 2 <= cols; c += 2) {
-      const vf p0 = exp_neg(loadu(s + c * kBr) - m_use);
-      const vf p1 = exp_neg(loadu(s + (c + 1) * kBr) - m_use);
+      const vf p0 = exp_neg(fmadd(loadu(s + c * kBr), sc, neg_m));
+      const vf p1 = exp_neg(fmadd(loadu(s + (c + 1) * kBr), sc, neg_m));
       storeu(s + c * kBr, p0);
       storeu(s + (c + 1) * kBr, p1);
       sum0 += p0;
       sum1 += p1;
     }
     if (c < cols) {
-      const vf p0 = exp_neg(loadu(s + c * kBr) - m_use);
+      const vf p0 = exp_neg(fmadd(loadu(s + c * kBr), sc, neg_m));
       storeu(s + c * kBr, p0);
       sum0 += p0;
     }
@@ -323,6 +324,7 @@ struct VecEngine {
   static constexpr bool kIsF32 = sizeof(T) == 4;
 
   static bool supports(const AttentionParams&) { return true; }
+  static constexpr bool kScaledScores = true;  // the scale is in QT
 
   static void pack_q(const T* Q, int64_t ldq, int64_t rows, int64_t D, float scale, Workspace& ws) {
     for (int64_t r = 0; r < kBr; ++r) {
@@ -344,6 +346,10 @@ struct VecEngine {
       widen_rows<Tag>(K_j, ldk, cols, D, ws.K, D);
       ::flashmod::cpu::scores(ws.QT, ws.K, D, D, cols, ws.S);
     }
+  }
+
+  static void softmax(int64_t cols, int64_t /*rows*/, float scale, Workspace& ws) {
+    online_softmax(ws.S, cols, scale, ws.m, ws.l, ws.alpha);
   }
 
   // fp32 V_j is read in place when whole vectors of a row stay inside the row.
@@ -413,10 +419,18 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
     Engine<Tag>::scores(K + c0 * p.k_row_stride, p.k_row_stride, cols, D, rows, scale, ws);
     const bool interior = (p.window_left < 0 || c0 >= diag_last - p.window_left) &&
                           (p.window_right < 0 || c0 + cols - 1 <= diag_first + p.window_right);
-    if (p.softcap > 0 || p.mask_kind != MaskKind::kNone || !interior) {
+    // The soft cap and masks apply to scaled scores, and a scale <= 0 would flip the maximum:
+    // then the scale is applied first, else the softmax folds it in.
+    const float score_scale = Engine<Tag>::kScaledScores ? 1.0f : scale;
+    if (p.softcap > 0 || p.mask_kind != MaskKind::kNone || !interior || !(score_scale > 0.0f)) {
+      if (score_scale != 1.0f) {
+        for (int64_t i = 0; i < cols * kBr; i += kW) storeu(ws.S + i, loadu(ws.S + i) * splat(scale));
+      }
       transform_scores<Tag>(p, b, h, r0, rows, c0, cols, interior, ws.S);
+      Engine<Tag>::softmax(cols, rows, 1.0f, ws);
+    } else {
+      Engine<Tag>::softmax(cols, rows, score_scale, ws);
     }
-    online_softmax(ws.S, cols, ws.m, ws.l, ws.alpha);
     Engine<Tag>::pv(V + c0 * p.v_row_stride, p.v_row_stride, b * p.heads_kv + hk, c0, cols, D, Dp,
                     rows, ws);
   }
