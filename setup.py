@@ -37,6 +37,8 @@ def cuda_gencode_flags() -> list[str]:
     return flags
 
 
+# No -march: the wheel must run on any x86-64. csrc/cpu/kernel_<isa>.cpp select their instruction
+# sets with `#pragma GCC target`, and csrc/cpu/attention_cpu.cpp picks one at run time.
 cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden"]
 ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
 define_macros: list = []

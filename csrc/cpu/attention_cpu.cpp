@@ -69,9 +69,8 @@ void attention_cpu_vectorized(const AttentionParams& p) {
   }
   const void* shared_ptr = shared_bytes > 0 ? shared.data_ptr() : nullptr;
   const int64_t row_blocks = (p.seqlen_q + kernel.block_rows - 1) / kernel.block_rows;
-  at::parallel_for(0, p.batch * p.heads_q * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    kernel.run(p, shared_ptr, begin, end);
-  });
+  at::parallel_for(0, p.batch * p.heads_q * row_blocks, 1,
+                   [&](int64_t begin, int64_t end) { kernel.run(p, shared_ptr, begin, end); });
 }
 
 // fp64: the same blocked online softmax with scalar loops.
@@ -80,7 +79,7 @@ void attention_cpu_fp64(const AttentionParams& p) {
   const int64_t D = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t Tr = (Nq + Br - 1) / Br;
-  const double scale = (p.scale), softcap = (p.softcap);
+  const double scale = p.scale, softcap = p.softcap;
   const double neg_inf = -std::numeric_limits<double>::infinity();
 
   at::parallel_for(0, p.batch * p.heads_q * Tr, 1, [&](int64_t begin, int64_t end) {
@@ -111,7 +110,7 @@ void attention_cpu_fp64(const AttentionParams& p) {
             if (visible) {
               const double* k_row = K + j * p.k_row_stride;
               double dot = 0;
-              for (int64_t d = 0; d < D; ++d) dot += double(q_row[d]) * double(k_row[d]);
+              for (int64_t d = 0; d < D; ++d) dot += q_row[d] * k_row[d];
               s = dot * scale;
               if (softcap > 0) s = softcap * std::tanh(s / softcap);
               if (p.mask_kind != MaskKind::kNone) {
@@ -119,10 +118,8 @@ void attention_cpu_fp64(const AttentionParams& p) {
                                     i * p.mask_row_stride + j * p.mask_col_stride;
                 if (p.mask_kind == MaskKind::kBool) {
                   if (!static_cast<const uint8_t*>(p.mask)[off]) s = neg_inf;
-                } else if (p.mask_kind == MaskKind::kAdditive) {
-                  s += double(static_cast<const double*>(p.mask)[off]);
-                } else {
-                  s += double(static_cast<const float*>(p.mask)[off]);
+                } else {  // additive masks of fp64 inputs are fp64
+                  s += static_cast<const double*>(p.mask)[off];
                 }
               }
             }
@@ -141,7 +138,7 @@ void attention_cpu_fp64(const AttentionParams& p) {
             row_sum += pij;
             if (pij == 0.0) continue;
             const double* v_row = V + (c0 + c) * p.v_row_stride;
-            for (int64_t d = 0; d < D; ++d) o_row[d] += pij * double(v_row[d]);
+            for (int64_t d = 0; d < D; ++d) o_row[d] += pij * v_row[d];
           }
           l[r] = l[r] * alpha + row_sum;
           m[r] = m_new;
@@ -182,4 +179,6 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
 }  // namespace
 }  // namespace flashmod
 
-TORCH_LIBRARY_IMPL(flashmod, CPU, m) { m.impl("attention", &flashmod::attention_cpu); }
+TORCH_LIBRARY_IMPL(flashmod, CPU, m) {
+  m.impl("attention", &flashmod::attention_cpu);
+}

@@ -35,11 +35,15 @@ struct alignas(64) TileConfig {
 
 // The tile loads are asm without a memory operand: stores that fill a tile's source must be
 // complete (not kept in registers or sunk) before them.
-inline void memory_barrier() { asm volatile("" ::: "memory"); }
+inline void memory_barrier() {
+  asm volatile("" ::: "memory");
+}
 
 // Row stride of V^T in the shared buffer: a key chunk of 32 starting anywhere below Nk stays
 // inside the row, and rows start 64-byte aligned.
-inline int64_t transposed_v_stride(int64_t Nk) { return (Nk + 32 + 31) / 32 * 32; }
+inline int64_t transposed_v_stride(int64_t Nk) {
+  return (Nk + 32 + 31) / 32 * 32;
+}
 
 // S_ij^T = K_j Q_i^T with K_j rows as the A operand straight from memory (no packing) and Q_i^T
 // in pair layout (packed once per task), so S_ij lands key-major like the vector engine's. Q_i
@@ -49,7 +53,8 @@ struct AmxEngine {
   static bool supports(const AttentionParams& p) { return p.head_dim % 32 == 0; }
   static constexpr bool kScaledScores = false;
 
-  // QT as uint32 pairs: [d / 2][query], row stride Br.
+  // QT holds Q_i^T as bf16 pairs: [d / 2][query] uint32, row stride Br. K holds K_j when the
+  // block is cut short, V the rounded output in finalize; O is O_i^T (D x Br).
   static void pack_q(const uint16_t* Q, int64_t ldq, int64_t rows, int64_t D, float /*scale*/,
                      Workspace& ws) {
     auto* qv = reinterpret_cast<uint32_t*>(ws.QT);
@@ -131,10 +136,10 @@ struct AmxEngine {
       sum[nv] = splat(0.0f);
     }
     auto* Pp = reinterpret_cast<uint16_t*>(ws.Pb);
-    const __m512i first = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003,
-                                            0x00240004, 0x00250005, 0x00260006, 0x00270007,
-                                            0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
-                                            0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+    const __m512i first =
+        _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                          0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                          0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
     const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
     for (int64_t c = 0; c < cols32; c += 2) {
       const float* s0 = S + c * kBr;
@@ -219,7 +224,8 @@ struct AmxEngine {
     auto* rounded = reinterpret_cast<uint16_t*>(ws.V);  // D x Br bf16
     for (int64_t d = 0; d < D; ++d) {
       for (int64_t r = 0; r < rows16; r += 16) {
-        const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ws.O + d * kBr + r), _mm512_loadu_ps(inv_l + r));
+        const __m512 o =
+            _mm512_mul_ps(_mm512_loadu_ps(ws.O + d * kBr + r), _mm512_loadu_ps(inv_l + r));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded + d * kBr + r),
                             (__m256i)_mm512_cvtneps_pbh(o));
       }

@@ -12,8 +12,12 @@ constexpr int kW = 8;
 using vf = float __attribute__((vector_size(32)));
 using vi = int32_t __attribute__((vector_size(32)));
 
-inline vf splat(float s) { return (vf)_mm256_set1_ps(s); }
-inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+inline vf splat(float s) {
+  return (vf)_mm256_set1_ps(s);
+}
+inline vf fmadd(vf a, vf b, vf c) {
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
 inline vf load_f16(const uint16_t* p) {
   return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }

@@ -8,8 +8,12 @@ constexpr int kW = 4;
 using vf = float __attribute__((vector_size(16)));
 using vi = int32_t __attribute__((vector_size(16)));
 
-inline vf splat(float s) { return vf{s, s, s, s}; }
-inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }
+inline vf splat(float s) {
+  return vf{s, s, s, s};
+}
+inline vf fmadd(vf a, vf b, vf c) {
+  return a * b + c;
+}
 inline vf load_f16(const uint16_t* p) {
   vf v;
   for (int i = 0; i < kW; ++i) {

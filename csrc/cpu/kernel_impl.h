@@ -71,12 +71,24 @@ struct F16 {
   static vf load(const uint16_t* p) { return load_f16(p); }
 };
 
-inline vf loadu(const float* p) { return F32::load(p); }
-inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return min64(max64(x, lo), hi); }
+inline vf loadu(const float* p) {
+  return F32::load(p);
+}
+inline void storeu(float* p, vf v) {
+  std::memcpy(p, &v, sizeof v);
+}
+inline vf vmax(vf a, vf b) {
+  return a > b ? a : b;
+}
+inline int64_t min64(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+inline int64_t max64(int64_t a, int64_t b) {
+  return a > b ? a : b;
+}
+inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
+  return min64(max64(x, lo), hi);
+}
 
 // e^x for x <= 0 (or -inf), about 1 ulp. exp(-80) ~ 2e-35 is below fp32 resolution next to
 // the row maximum's exp(0) = 1, so everything under -80 becomes an exact 0: masked scores (-inf)
@@ -104,24 +116,25 @@ inline vf exp_neg(vf x) {
   return x < splat(-80.0f) ? splat(0.0f) : y;
 }
 
-// Per-thread buffers, 64-byte aligned, sized for one task.
+// Per-thread buffers, 64-byte aligned, sized for one task. The layouts are the vector engine's;
+// the AMX engine (kernel_amx.cpp) reuses the same slots with the layouts it documents.
 struct Workspace {
-  float* QT;     // D x Br: Q_i^T * scale
-  float* S;      // Bc x Br: S_ij, then P_ij, key-major
-  float* O;      // Br x Dp: unnormalized output accumulator
-  float* K;      // Bc x D: K_j widened to fp32 (fp16/bf16 inputs)
-  float* V;      // Bc x Dp: V_j widened to fp32 and zero-padded to whole vectors
-  float* alpha;  // Br: exp(m_old - m_new) of the last key block
-  float* m;      // Br
-  float* l;      // Br
-  float* Pb;     // Bc x Br bf16: P_ij in key pairs (AMX engine)
+  float* QT;                     // D x Br: Q_i^T * scale
+  float* S;                      // Bc x Br: S_ij, then P_ij, key-major
+  float* O;                      // Br x Dp: unnormalized output accumulator
+  float* K;                      // Bc x D: K_j widened to fp32 (fp16/bf16 inputs)
+  float* V;                      // Bc x Dp: V_j widened to fp32 and zero-padded to whole vectors
+  float* alpha;                  // Br: exp(m_old - m_new) of the last key block
+  float* m;                      // Br: running max of the scaled scores
+  float* l;                      // Br: running sum of exp(score - m)
+  float* Pb;                     // Br x Bc bf16: P_ij for the AMX engine
   const void* shared = nullptr;  // KernelInfo::prepare's output
   int64_t seqlen_k = 0;
   void* base;
 
   Workspace(int64_t D, int64_t Dp) {
-    const int64_t sizes[] = {D * kBr, kBc * kBr, kBr * Dp, kBc * D, kBc * Dp, kBr, kBr, kBr,
-                             kBr * kBc / 2};
+    const int64_t sizes[] = {D * kBr, kBc * kBr, kBr * Dp, kBc * D,      kBc * Dp,
+                             kBr,     kBr,       kBr,      kBr * kBc / 2};
     int64_t total = 0;
     for (int64_t s : sizes) total += (s + 15) / 16 * 16;
     base = std::aligned_alloc(64, total * sizeof(float));
@@ -211,7 +224,8 @@ inline void pv(const float* P, const float* V, int64_t ldv, int64_t cols, const 
                float* O, int64_t Dp, int64_t rows) {
   rows = min64(kBr, (rows + kRB - 1) / kRB * kRB);
   int64_t d = 0;
-  for (; d + kDV * kW <= Dp; d += kDV * kW) pv_rows<kDV>(P, V + d, ldv, cols, alpha, O + d, Dp, rows);
+  for (; d + kDV * kW <= Dp; d += kDV * kW)
+    pv_rows<kDV>(P, V + d, ldv, cols, alpha, O + d, Dp, rows);
   switch ((Dp - d) / kW) {
     case 3: pv_rows<3>(P, V + d, ldv, cols, alpha, O + d, Dp, rows); break;
     case 2: pv_rows<2>(P, V + d, ldv, cols, alpha, O + d, Dp, rows); break;
@@ -424,7 +438,8 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
     const float score_scale = Engine<Tag>::kScaledScores ? 1.0f : scale;
     if (p.softcap > 0 || p.mask_kind != MaskKind::kNone || !interior || !(score_scale > 0.0f)) {
       if (score_scale != 1.0f) {
-        for (int64_t i = 0; i < cols * kBr; i += kW) storeu(ws.S + i, loadu(ws.S + i) * splat(scale));
+        for (int64_t i = 0; i < cols * kBr; i += kW)
+          storeu(ws.S + i, loadu(ws.S + i) * splat(scale));
       }
       transform_scores<Tag>(p, b, h, r0, rows, c0, cols, interior, ws.S);
       Engine<Tag>::softmax(cols, rows, 1.0f, ws);

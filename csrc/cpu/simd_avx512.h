@@ -5,8 +5,13 @@ constexpr int kW = 16;
 using vf = float __attribute__((vector_size(64)));
 using vi = int32_t __attribute__((vector_size(64)));
 
-inline vf splat(float s) { return (vf)_mm512_set1_ps(s); }
-inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+inline vf splat(float s) {
+  return (vf)_mm512_set1_ps(s);
+}
+inline vf fmadd(vf a, vf b, vf c) {
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
 inline vf load_f16(const uint16_t* p) {
-  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  // The maskz form: GCC 12's _mm512_cvtph_ps trips -Wmaybe-uninitialized on its undefined source.
+  return (vf)_mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
