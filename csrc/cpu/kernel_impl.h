@@ -17,8 +17,7 @@
 // of V_j. K_j and V_j are read in place for fp32 inputs and widened into fp32 tiles otherwise.
 
 constexpr int64_t kBr = kNV * kW;
-static_assert(kBc % kKB == 0, "key blocks must split into whole register blocks");
-static_assert(kBr % kRB == 0, "query blocks must split into whole register blocks");
+static_assert(kBr % 2 == 0, "the P V row tail works in pairs of rows");
 
 constexpr float kNegInf = -__builtin_inff();
 
@@ -179,29 +178,30 @@ inline void scores(const float* QT, const float* K, int64_t ldk, int64_t D, int6
   int64_t c = 0;
   for (; c + kKB <= cols; c += kKB) scores_block<kKB>(QT, K + c * ldk, ldk, D, S + c * kBr);
   for (; c + 4 <= cols; c += 4) scores_block<4>(QT, K + c * ldk, ldk, D, S + c * kBr);
+  for (; c + 2 <= cols; c += 2) scores_block<2>(QT, K + c * ldk, ldk, D, S + c * kBr);
   for (; c < cols; ++c) scores_block<1>(QT, K + c * ldk, ldk, D, S + c * kBr);
 }
 
 // O[r .. r+kRB, dcol .. dcol+DV*kW] = alpha * O + P^T(cols keys) V. The block's sum starts from
 // zero and joins O once: summing all Nk terms into O one by one doubled the fp32 error at
 // Nk=4096 compared with a BLAS P V (measured 2.7x plain attention's max error before, see notes).
-template <int DV>
+template <int RB, int DV>
 inline void pv_block(const float* P, const float* V, int64_t ldv, int64_t cols, const float* alpha,
                      float* O, int64_t ldo) {
-  vf acc[kRB][DV] = {};
+  vf acc[RB][DV] = {};
   for (int64_t c = 0; c < cols; ++c) {
-    vf p[kRB];
+    vf p[RB];
 #pragma GCC unroll 8
-    for (int rb = 0; rb < kRB; ++rb) p[rb] = splat(P[c * kBr + rb]);
+    for (int rb = 0; rb < RB; ++rb) p[rb] = splat(P[c * kBr + rb]);
 #pragma GCC unroll 8
     for (int dv = 0; dv < DV; ++dv) {
       const vf v = loadu(V + c * ldv + dv * kW);
 #pragma GCC unroll 8
-      for (int rb = 0; rb < kRB; ++rb) acc[rb][dv] = fmadd(p[rb], v, acc[rb][dv]);
+      for (int rb = 0; rb < RB; ++rb) acc[rb][dv] = fmadd(p[rb], v, acc[rb][dv]);
     }
   }
 #pragma GCC unroll 8
-  for (int rb = 0; rb < kRB; ++rb) {
+  for (int rb = 0; rb < RB; ++rb) {
     const vf a = splat(alpha[rb]);
 #pragma GCC unroll 8
     for (int dv = 0; dv < DV; ++dv) {
@@ -214,15 +214,17 @@ inline void pv_block(const float* P, const float* V, int64_t ldv, int64_t cols, 
 template <int DV>
 inline void pv_rows(const float* P, const float* V, int64_t ldv, int64_t cols, const float* alpha,
                     float* O, int64_t ldo, int64_t rows) {
-  for (int64_t r = 0; r < rows; r += kRB) {
-    pv_block<DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
+  int64_t r = 0;
+  for (; r + kRB <= rows; r += kRB) {
+    pv_block<kRB, DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
   }
+  for (; r < rows; r += 2) pv_block<2, DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
 }
 
-// O_i = diag(alpha) O_i + P_ij V_j over the first `rows` (rounded up to kRB) rows, Dp columns.
+// O_i = diag(alpha) O_i + P_ij V_j over the first `rows` (rounded up to even) rows, Dp columns.
 inline void pv(const float* P, const float* V, int64_t ldv, int64_t cols, const float* alpha,
                float* O, int64_t Dp, int64_t rows) {
-  rows = min64(kBr, (rows + kRB - 1) / kRB * kRB);
+  rows = (rows + 1) / 2 * 2;
   int64_t d = 0;
   for (; d + kDV * kW <= Dp; d += kDV * kW)
     pv_rows<kDV>(P, V + d, ldv, cols, alpha, O + d, Dp, rows);
