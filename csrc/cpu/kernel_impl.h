@@ -218,6 +218,10 @@ inline void pv_rows(const float* P, const float* V, int64_t ldv, int64_t cols, c
   for (; r + kRB <= rows; r += kRB) {
     pv_block<kRB, DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
   }
+  if (r + 4 <= rows) {  // Br = 64 with kRB = 6 leaves 4
+    pv_block<4, DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
+    r += 4;
+  }
   for (; r < rows; r += 2) pv_block<2, DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
 }
 
