@@ -70,7 +70,9 @@ inline int64_t transposed_v_stride(int64_t Nk) {
 // is not pre-scaled (bf16 would round it); the softmax scales the fp32 scores.
 template <class Tag>
 struct AmxEngine {
-  static bool supports(const AttentionParams& p) { return p.head_dim % 32 == 0; }
+  // Decode-sized query counts go to the vector engine's dot products: transposing V for them
+  // would cost as much as the attention.
+  static bool supports(const AttentionParams& p) { return p.head_dim % 32 == 0 && p.seqlen_q > kW; }
   static constexpr bool kScaledScores = false;
 
   // QT holds Q_i^T as bf16 pairs: [d / 2][query] uint32, row stride Br. K holds K_j when the

@@ -18,6 +18,11 @@ inline vf splat(float s) {
 inline vf fmadd(vf a, vf b, vf c) {
   return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 }
+inline float hsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 inline vf load_f16(const uint16_t* p) {
   return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }

@@ -14,6 +14,9 @@ inline vf splat(float s) {
 inline vf fmadd(vf a, vf b, vf c) {
   return a * b + c;
 }
+inline float hsum(vf v) {
+  return (v[0] + v[2]) + (v[1] + v[3]);
+}
 inline vf load_f16(const uint16_t* p) {
   vf v;
   for (int i = 0; i < kW; ++i) {

@@ -6,6 +6,7 @@
 //   splat(s)           s in every lane
 //   fmadd(a, b, c)     a * b + c, fused where the ISA has FMA
 //   load_f16(p)        kW fp16 values at p widened to fp32
+//   hsum(v)            the sum of v's lanes
 //   kNV, kKB, kRB, kDV register tile shapes: Br = kNV * kW queries per task, kKB keys per
 //                      score register block, kRB rows x kDV vectors per P V register block
 //   kBc                keys per block
@@ -127,19 +128,21 @@ struct Workspace {
   float* m;                      // Br: running max of the scaled scores
   float* l;                      // Br: running sum of exp(score - m)
   float* Pb;                     // Br x Bc bf16: P_ij for the AMX engine
+  float* Qr;                     // kW x Dp: Q_i * scale row-major, for at most kW queries
   const void* shared = nullptr;  // KernelInfo::prepare's output
   int64_t seqlen_k = 0;
   void* base;
 
   Workspace(int64_t D, int64_t Dp) {
-    const int64_t sizes[] = {D * kBr, kBc * kBr, kBr * Dp, kBc * D,      kBc * Dp,
-                             kBr,     kBr,       kBr,      kBr * kBc / 2};
+    const int64_t sizes[] = {D * kBr, kBc * kBr, kBr * Dp, kBc * D,       kBc * Dp,
+                             kBr,     kBr,       kBr,      kBr * kBc / 2, kW * Dp};
+    static_assert(sizeof(sizes) / sizeof(sizes[0]) == 10, "one size per slot");
     int64_t total = 0;
     for (int64_t s : sizes) total += (s + 15) / 16 * 16;
     base = std::aligned_alloc(64, total * sizeof(float));
     float* cursor = static_cast<float*>(base);
-    float** slots[] = {&QT, &S, &O, &K, &V, &alpha, &m, &l, &Pb};
-    for (int i = 0; i < 9; ++i) {
+    float** slots[] = {&QT, &S, &O, &K, &V, &alpha, &m, &l, &Pb, &Qr};
+    for (int i = 0; i < 10; ++i) {
       *slots[i] = cursor;
       cursor += (sizes[i] + 15) / 16 * 16;
     }
@@ -180,6 +183,35 @@ inline void scores(const float* QT, const float* K, int64_t ldk, int64_t D, int6
   for (; c + 4 <= cols; c += 4) scores_block<4>(QT, K + c * ldk, ldk, D, S + c * kBr);
   for (; c + 2 <= cols; c += 2) scores_block<2>(QT, K + c * ldk, ldk, D, S + c * kBr);
   for (; c < cols; ++c) scores_block<1>(QT, K + c * ldk, ldk, D, S + c * kBr);
+}
+
+// S_ij for a task of at most kW queries (decode): dot products along D, one horizontal sum per
+// score, instead of Br lanes of which all but `rows` would be padding. Lanes rows .. kW are 0;
+// they are zeroed by a vector store before the scalar ones (a vector built lane by lane in
+// registers stalled on store forwarding, a quarter of the decode time).
+inline void scores_few_rows(const float* Qr, int64_t Dp, const float* K, int64_t ldk, int64_t D,
+                            int64_t cols, int64_t rows, float* S) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const float* k = K + c * ldk;
+    float* s = S + c * kBr;
+    storeu(s, splat(0.0f));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* q = Qr + r * Dp;
+      vf acc0 = splat(0.0f), acc1 = acc0;
+      int64_t d = 0;
+      for (; d + 2 * kW <= D; d += 2 * kW) {
+        acc0 = fmadd(loadu(k + d), loadu(q + d), acc0);
+        acc1 = fmadd(loadu(k + d + kW), loadu(q + d + kW), acc1);
+      }
+      if (d + kW <= D) {
+        acc0 = fmadd(loadu(k + d), loadu(q + d), acc0);
+        d += kW;
+      }
+      float dot = hsum(acc0 + acc1);
+      for (; d < D; ++d) dot += k[d] * q[d];
+      s[r] = dot;
+    }
+  }
 }
 
 // O[r .. r+kRB, dcol .. dcol+DV*kW] = alpha * O + P^T(cols keys) V. The block's sum starts from
@@ -244,9 +276,9 @@ inline void pv(const float* P, const float* V, int64_t ldv, int64_t cols, const 
 // gets exp(m_old - m_new) for rescaling O_i. scale > 0 (the engines whose scores come unscaled
 // fold the scale in here for free). A query whose keys so far are all masked keeps m = -inf; it
 // then subtracts 0 instead, so every exponent is -inf (giving 0), never NaN.
-inline void online_softmax(float* S, int64_t cols, float scale, float* m, float* l, float* alpha) {
-#pragma GCC unroll 8
-  for (int nv = 0; nv < kNV; ++nv) {
+inline void online_softmax(float* S, int64_t cols, int64_t rows, float scale, float* m, float* l,
+                           float* alpha) {
+  for (int64_t nv = 0; nv * kW < rows; ++nv) {
     float* s = S + nv * kW;
     vf mx0 = splat(kNegInf), mx1 = mx0;  // two chains: the max's latency dominates otherwise
     int64_t c = 0;
@@ -347,6 +379,15 @@ struct VecEngine {
   static constexpr bool kScaledScores = true;  // the scale is in QT
 
   static void pack_q(const T* Q, int64_t ldq, int64_t rows, int64_t D, float scale, Workspace& ws) {
+    if (rows <= kW) {  // scores_few_rows
+      const int64_t Dp = (D + kW - 1) / kW * kW;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < Dp; ++d) {
+          ws.Qr[r * Dp + d] = d < D ? Tag::to_float(Q[r * ldq + d]) * scale : 0.0f;
+        }
+      }
+      return;
+    }
     for (int64_t r = 0; r < kBr; ++r) {
       if (r < rows) {
         const T* q = Q + r * ldq;
@@ -358,9 +399,17 @@ struct VecEngine {
   }
 
   // fp32 K_j is read in place.
-  static void scores(const T* K_j, int64_t ldk, int64_t cols, int64_t D, int64_t /*rows*/,
+  static void scores(const T* K_j, int64_t ldk, int64_t cols, int64_t D, int64_t rows,
                      float /*scale: in QT*/, Workspace& ws) {
-    if constexpr (kIsF32) {
+    if (rows <= kW) {
+      const int64_t Dp = (D + kW - 1) / kW * kW;
+      if constexpr (kIsF32) {
+        scores_few_rows(ws.Qr, Dp, reinterpret_cast<const float*>(K_j), ldk, D, cols, rows, ws.S);
+      } else {
+        widen_rows<Tag>(K_j, ldk, cols, D, ws.K, D);
+        scores_few_rows(ws.Qr, Dp, ws.K, D, D, cols, rows, ws.S);
+      }
+    } else if constexpr (kIsF32) {
       ::flashmod::cpu::scores(ws.QT, reinterpret_cast<const float*>(K_j), ldk, D, cols, ws.S);
     } else {
       widen_rows<Tag>(K_j, ldk, cols, D, ws.K, D);
@@ -368,8 +417,8 @@ struct VecEngine {
     }
   }
 
-  static void softmax(int64_t cols, int64_t /*rows*/, float scale, Workspace& ws) {
-    online_softmax(ws.S, cols, scale, ws.m, ws.l, ws.alpha);
+  static void softmax(int64_t cols, int64_t rows, float scale, Workspace& ws) {
+    online_softmax(ws.S, cols, rows, scale, ws.m, ws.l, ws.alpha);
   }
 
   // fp32 V_j is read in place when whole vectors of a row stay inside the row.

@@ -11,6 +11,9 @@ inline vf splat(float s) {
 inline vf fmadd(vf a, vf b, vf c) {
   return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 }
+inline float hsum(vf v) {
+  return _mm512_reduce_add_ps((__m512)v);
+}
 inline vf load_f16(const uint16_t* p) {
   // The maskz form: GCC 12's _mm512_cvtph_ps trips -Wmaybe-uninitialized on its undefined source.
   return (vf)_mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
