@@ -39,7 +39,10 @@ def cuda_gencode_flags() -> list[str]:
 
 # No -march: the wheel must run on any x86-64. csrc/cpu/kernel_<isa>.cpp select their instruction
 # sets with `#pragma GCC target`, and csrc/cpu/attention_cpu.cpp picks one at run time.
-cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden"]
+# -fopenmp: at::parallel_for is inline in ATen's headers and runs serially unless _OPENMP is
+# defined here. The libgomp.so.1 it links resolves to the one torch already loaded (same soname).
+cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden", "-fopenmp"]
+link_flags = ["-fopenmp"]
 ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
 define_macros: list = []
 
@@ -56,6 +59,7 @@ if want_cuda():
         "flashmod._C",
         ext_sources + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
         extra_compile_args={"cxx": cxx_flags + ["-DFLASHMOD_WITH_CUDA"], "nvcc": nvcc_flags},
+        extra_link_args=link_flags,
         define_macros=define_macros,
         py_limited_api=True,
     )
@@ -64,6 +68,7 @@ else:
         "flashmod._C",
         ext_sources,
         extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
         define_macros=define_macros,
         py_limited_api=True,
     )
