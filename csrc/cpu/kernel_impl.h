@@ -188,11 +188,13 @@ inline void scores(const float* QT, const float* K, int64_t ldk, int64_t D, int6
 // S_ij for a task of at most kW queries (decode): dot products along D, one horizontal sum per
 // score, instead of Br lanes of which all but `rows` would be padding. Lanes rows .. kW are 0;
 // they are zeroed by a vector store before the scalar ones (a vector built lane by lane in
-// registers stalled on store forwarding, a quarter of the decode time).
-inline void scores_few_rows(const float* Qr, int64_t Dp, const float* K, int64_t ldk, int64_t D,
-                            int64_t cols, int64_t rows, float* S) {
+// registers stalled on store forwarding, a quarter of the decode time). K is widened as it is
+// loaded: with one query per key there is no reuse that a widened tile would serve.
+template <class Tag>
+void scores_few_rows(const float* Qr, int64_t Dp, const typename Tag::storage* K, int64_t ldk,
+                     int64_t D, int64_t cols, int64_t rows, float* S) {
   for (int64_t c = 0; c < cols; ++c) {
-    const float* k = K + c * ldk;
+    const auto* k = K + c * ldk;
     float* s = S + c * kBr;
     storeu(s, splat(0.0f));
     for (int64_t r = 0; r < rows; ++r) {
@@ -200,15 +202,15 @@ inline void scores_few_rows(const float* Qr, int64_t Dp, const float* K, int64_t
       vf acc0 = splat(0.0f), acc1 = acc0;
       int64_t d = 0;
       for (; d + 2 * kW <= D; d += 2 * kW) {
-        acc0 = fmadd(loadu(k + d), loadu(q + d), acc0);
-        acc1 = fmadd(loadu(k + d + kW), loadu(q + d + kW), acc1);
+        acc0 = fmadd(Tag::load(k + d), loadu(q + d), acc0);
+        acc1 = fmadd(Tag::load(k + d + kW), loadu(q + d + kW), acc1);
       }
       if (d + kW <= D) {
-        acc0 = fmadd(loadu(k + d), loadu(q + d), acc0);
+        acc0 = fmadd(Tag::load(k + d), loadu(q + d), acc0);
         d += kW;
       }
       float dot = hsum(acc0 + acc1);
-      for (; d < D; ++d) dot += k[d] * q[d];
+      for (; d < D; ++d) dot += Tag::to_float(k[d]) * q[d];
       s[r] = dot;
     }
   }
@@ -402,13 +404,7 @@ struct VecEngine {
   static void scores(const T* K_j, int64_t ldk, int64_t cols, int64_t D, int64_t rows,
                      float /*scale: in QT*/, Workspace& ws) {
     if (rows <= kW) {
-      const int64_t Dp = (D + kW - 1) / kW * kW;
-      if constexpr (kIsF32) {
-        scores_few_rows(ws.Qr, Dp, reinterpret_cast<const float*>(K_j), ldk, D, cols, rows, ws.S);
-      } else {
-        widen_rows<Tag>(K_j, ldk, cols, D, ws.K, D);
-        scores_few_rows(ws.Qr, Dp, ws.K, D, D, cols, rows, ws.S);
-      }
+      scores_few_rows<Tag>(ws.Qr, (D + kW - 1) / kW * kW, K_j, ldk, D, cols, rows, ws.S);
     } else if constexpr (kIsF32) {
       ::flashmod::cpu::scores(ws.QT, reinterpret_cast<const float*>(K_j), ldk, D, cols, ws.S);
     } else {
