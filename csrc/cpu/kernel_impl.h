@@ -16,6 +16,10 @@
 // sum of the online softmax are then plain lane-wise vector operations (no horizontal
 // reductions), and each K_j element is a broadcast operand. P V_j broadcasts P entries over rows
 // of V_j. K_j and V_j are read in place for fp32 inputs and widened into fp32 tiles otherwise.
+// Tasks with at most kW queries (decode) take dot products along D instead.
+//
+// run_task is the loop over key blocks; an engine (VecEngine here, AmxEngine in kernel_amx.cpp)
+// supplies the packing of Q_i, S_ij, the softmax, P_ij V_j and the final division by l.
 
 constexpr int64_t kBr = kNV * kW;
 static_assert(kBr % 2 == 0, "the P V row tail works in pairs of rows");
@@ -439,7 +443,7 @@ struct VecEngine {
       const float* acc = ws.O + r * Dp;
       if constexpr (kIsF32) {  // a division rounds once, a multiply by 1/l twice
         for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : acc[d] / l;
-      } else {  // ... which fp16/bf16 rounding swamps; divisions would cost 10% at D=128
+      } else {  // ... which fp16/bf16 rounding swamps, and divisions are slow
         const float inv_l = empty ? 0.0f : 1.0f / l;
         for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(acc[d] * inv_l);
       }
