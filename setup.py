@@ -39,8 +39,13 @@ def cuda_gencode_flags() -> list[str]:
 
 
 # No -std flag: torch's cpp_extension adds the standard its own headers were built with (C++17
-# for torch 2.11, C++20 for 2.13); forcing another one broke exception messages at run time.
-cxx_flags = ["-O3", "-fvisibility=hidden"]
+# for torch 2.11, C++20 for 2.13).
+# No -march: the wheel must run on any x86-64. csrc/cpu/kernel_<isa>.cpp select their instruction
+# sets with `#pragma GCC target`, and csrc/cpu/attention_cpu.cpp picks one at run time.
+# -fopenmp: at::parallel_for is inline in ATen's headers and runs serially unless _OPENMP is
+# defined here. The libgomp.so.1 it links resolves to the one torch already loaded (same soname).
+cxx_flags = ["-O3", "-fvisibility=hidden", "-fopenmp"]
+link_flags = ["-fopenmp"]
 ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
 
 if want_cuda():
@@ -58,6 +63,7 @@ if want_cuda():
         "flashmod._C",
         ext_sources + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
         extra_compile_args={"cxx": cxx_flags + ["-DFLASHMOD_WITH_CUDA"], "nvcc": nvcc_flags},
+        extra_link_args=link_flags,
         py_limited_api=True,
     )
 else:
@@ -65,6 +71,7 @@ else:
         "flashmod._C",
         ext_sources,
         extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
         py_limited_api=True,
     )
 

@@ -1,60 +1,116 @@
-// CPU forward: tiled online softmax (FlashAttention's forward) over a block of Br queries
-// against blocks of Bc keys, parallel over (batch, head, query block).
+// CPU forward: FlashAttention's tiled online softmax. fp32/fp16/bf16 run the vectorized kernel
+// of kernel_impl.h, compiled per instruction set and picked at run time; fp64 (used for gradcheck,
+// not for speed) runs the scalar loop below.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "../attention_host.h"
+#include "kernel.h"
 
 namespace flashmod {
 namespace {
 
-template <typename T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
+// AMX needs the kernel's permission to use the tile data state (Linux 5.16+), once per process.
+bool amx_usable() {
+  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+      !__builtin_cpu_supports("avx512bf16")) {
+    return false;
+  }
+#ifdef __linux__
+  constexpr long kArchReqXcompPerm = 0x1023, kXFeatureXTileData = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXFeatureXTileData) == 0;
+#else
+  return false;
+#endif
+}
 
-template <typename scalar_t>
-void attention_cpu_impl(const AttentionParams& p) {
-  using acc_t = typename Acc<scalar_t>::type;
+// The widest kernel this CPU (and OS) supports. FLASHMOD_CPU_ISA=avx512|avx2|baseline forces a
+// narrower one, so that every variant can be tested on one machine.
+const cpu::KernelInfo& pick_kernel() {
+  static const cpu::KernelInfo* kernel = [] {
+    __builtin_cpu_init();
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("f16c");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512dq");
+    const char* forced = std::getenv("FLASHMOD_CPU_ISA");
+    const std::string want = forced ? forced : "";
+    if (avx512 && want.empty() && amx_usable()) return &cpu::kAmxBf16Kernel;
+    if (avx512 && (want.empty() || want == "avx512")) return &cpu::kAvx512Kernel;
+    if (avx2 && (want.empty() || want == "avx512" || want == "avx2")) return &cpu::kAvx2Kernel;
+    return &cpu::kBaselineKernel;
+  }();
+  return *kernel;
+}
+
+void attention_cpu_vectorized(const AttentionParams& p) {
+  const cpu::KernelInfo& kernel = pick_kernel();
+  const int64_t shared_bytes = kernel.shared_bytes ? kernel.shared_bytes(p) : 0;
+  at::Tensor shared;
+  if (shared_bytes > 0) {
+    shared = at::empty({shared_bytes}, at::TensorOptions().dtype(at::kByte));
+    at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
+      kernel.prepare(p, shared.data_ptr(), begin, end);
+    });
+  }
+  const void* shared_ptr = shared_bytes > 0 ? shared.data_ptr() : nullptr;
+  const int64_t row_blocks = (p.seqlen_q + kernel.block_rows - 1) / kernel.block_rows;
+  at::parallel_for(0, p.batch * p.heads_q * row_blocks, 1,
+                   [&](int64_t begin, int64_t end) { kernel.run(p, shared_ptr, begin, end); });
+}
+
+// fp64: the same blocked online softmax with scalar loops.
+void attention_cpu_fp64(const AttentionParams& p) {
   constexpr int64_t Br = 32, Bc = 64;
   const int64_t D = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t Tr = (Nq + Br - 1) / Br;
-  const acc_t scale = static_cast<acc_t>(p.scale), softcap = static_cast<acc_t>(p.softcap);
-  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  const double scale = p.scale, softcap = p.softcap;
+  const double neg_inf = -std::numeric_limits<double>::infinity();
 
   at::parallel_for(0, p.batch * p.heads_q * Tr, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> O_i(Br * D), S_ij(Br * Bc), m(Br), l(Br);
+    std::vector<double> O_i(Br * D), S_ij(Br * Bc), m(Br), l(Br);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i_block = task % Tr, h = (task / Tr) % p.heads_q, b = task / (Tr * p.heads_q);
       const int64_t hk = h / group;
-      const auto* Q = static_cast<const scalar_t*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-      const auto* K = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-      const auto* V = static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-      auto* O = static_cast<scalar_t*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
+      const auto* Q = static_cast<const double*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+      const auto* K = static_cast<const double*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+      const auto* V = static_cast<const double*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+      auto* O = static_cast<double*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
       float* lse = p.lse + (b * p.heads_q + h) * Nq;
       const int64_t r0 = i_block * Br, rows = std::min(Br, Nq - r0);
-      std::fill(O_i.begin(), O_i.end(), acc_t(0));
+      std::fill(O_i.begin(), O_i.end(), 0.0);
       std::fill(m.begin(), m.end(), neg_inf);
-      std::fill(l.begin(), l.end(), acc_t(0));
+      std::fill(l.begin(), l.end(), 0.0);
       for (int64_t c0 = 0; c0 < Nk; c0 += Bc) {
         const int64_t cols = std::min(Bc, Nk - c0);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t i = r0 + r;
-          const scalar_t* q_row = Q + i * p.q_row_stride;
-          acc_t row_max = neg_inf;
+          const double* q_row = Q + i * p.q_row_stride;
+          double row_max = neg_inf;
           for (int64_t c = 0; c < cols; ++c) {
             const int64_t j = c0 + c;
             bool visible = (p.window_left < 0 || j >= i + p.diag_offset - p.window_left) &&
                            (p.window_right < 0 || j <= i + p.diag_offset + p.window_right);
-            acc_t s = neg_inf;
+            double s = neg_inf;
             if (visible) {
-              const scalar_t* k_row = K + j * p.k_row_stride;
-              acc_t dot = 0;
-              for (int64_t d = 0; d < D; ++d) dot += acc_t(q_row[d]) * acc_t(k_row[d]);
+              const double* k_row = K + j * p.k_row_stride;
+              double dot = 0;
+              for (int64_t d = 0; d < D; ++d) dot += q_row[d] * k_row[d];
               s = dot * scale;
               if (softcap > 0) s = softcap * std::tanh(s / softcap);
               if (p.mask_kind != MaskKind::kNone) {
@@ -62,10 +118,8 @@ void attention_cpu_impl(const AttentionParams& p) {
                                     i * p.mask_row_stride + j * p.mask_col_stride;
                 if (p.mask_kind == MaskKind::kBool) {
                   if (!static_cast<const uint8_t*>(p.mask)[off]) s = neg_inf;
-                } else if (p.mask_kind == MaskKind::kAdditive) {
-                  s += acc_t(static_cast<const scalar_t*>(p.mask)[off]);
-                } else {
-                  s += acc_t(static_cast<const float*>(p.mask)[off]);
+                } else {  // additive masks of fp64 inputs are fp64
+                  s += static_cast<const double*>(p.mask)[off];
                 }
               }
             }
@@ -73,18 +127,18 @@ void attention_cpu_impl(const AttentionParams& p) {
             row_max = std::max(row_max, s);
           }
           // Online softmax: rescale what was accumulated for earlier key blocks.
-          const acc_t m_new = std::max(m[r], row_max);
+          const double m_new = std::max(m[r], row_max);
           if (m_new == neg_inf) continue;  // every key so far is masked: nothing to add
-          const acc_t alpha = std::exp(m[r] - m_new);
-          acc_t* o_row = &O_i[r * D];
+          const double alpha = std::exp(m[r] - m_new);
+          double* o_row = &O_i[r * D];
           for (int64_t d = 0; d < D; ++d) o_row[d] *= alpha;
-          acc_t row_sum = 0;
+          double row_sum = 0;
           for (int64_t c = 0; c < cols; ++c) {
-            const acc_t pij = std::exp(S_ij[r * Bc + c] - m_new);
+            const double pij = std::exp(S_ij[r * Bc + c] - m_new);
             row_sum += pij;
-            if (pij == acc_t(0)) continue;
-            const scalar_t* v_row = V + (c0 + c) * p.v_row_stride;
-            for (int64_t d = 0; d < D; ++d) o_row[d] += pij * acc_t(v_row[d]);
+            if (pij == 0.0) continue;
+            const double* v_row = V + (c0 + c) * p.v_row_stride;
+            for (int64_t d = 0; d < D; ++d) o_row[d] += pij * v_row[d];
           }
           l[r] = l[r] * alpha + row_sum;
           m[r] = m_new;
@@ -92,10 +146,10 @@ void attention_cpu_impl(const AttentionParams& p) {
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r0 + r;
-        scalar_t* o_out = O + i * p.out_row_stride;
-        const bool empty = l[r] == acc_t(0);  // all keys masked: out = 0, lse = -inf
-        const acc_t inv_l = empty ? acc_t(0) : acc_t(1) / l[r];
-        for (int64_t d = 0; d < D; ++d) o_out[d] = static_cast<scalar_t>(O_i[r * D + d] * inv_l);
+        double* o_out = O + i * p.out_row_stride;
+        const bool empty = l[r] == 0.0;  // all keys masked: out = 0, lse = -inf
+        const double inv_l = empty ? 0.0 : 1.0 / l[r];
+        for (int64_t d = 0; d < D; ++d) o_out[d] = O_i[r * D + d] * inv_l;
         lse[i] = empty ? -std::numeric_limits<float>::infinity()
                        : static_cast<float>(m[r] + std::log(l[r]));
       }
@@ -113,11 +167,10 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
                                                  window_left, window_right, softcap);
   if (!nothing_to_compute(prepared)) {
     const AttentionParams& p = prepared.params;
-    switch (p.dtype) {
-      case ScalarKind::kFloat32: attention_cpu_impl<float>(p); break;
-      case ScalarKind::kFloat64: attention_cpu_impl<double>(p); break;
-      case ScalarKind::kFloat16: attention_cpu_impl<at::Half>(p); break;
-      case ScalarKind::kBFloat16: attention_cpu_impl<at::BFloat16>(p); break;
+    if (p.dtype == ScalarKind::kFloat64) {
+      attention_cpu_fp64(p);
+    } else {
+      attention_cpu_vectorized(p);
     }
   }
   return {prepared.out, prepared.lse};
@@ -126,4 +179,6 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
 }  // namespace
 }  // namespace flashmod
 
-TORCH_LIBRARY_IMPL(flashmod, CPU, m) { m.impl("attention", &flashmod::attention_cpu); }
+TORCH_LIBRARY_IMPL(flashmod, CPU, m) {
+  m.impl("attention", &flashmod::attention_cpu);
+}

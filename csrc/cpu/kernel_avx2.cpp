@@ -1,0 +1,43 @@
+// The forward kernel for AVX2 + FMA (Haswell and later, Zen): 8 fp32 lanes, 16 registers.
+#include <immintrin.h>
+
+#include "kernel.h"
+
+#pragma GCC target("avx2,fma,f16c")
+
+namespace flashmod::cpu {
+namespace {
+
+constexpr int kW = 8;
+using vf = float __attribute__((vector_size(32)));
+using vi = int32_t __attribute__((vector_size(32)));
+
+inline vf splat(float s) {
+  return (vf)_mm256_set1_ps(s);
+}
+inline vf fmadd(vf a, vf b, vf c) {
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
+inline float hsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline vf load_f16(const uint16_t* p) {
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Scores: 4 keys x 2 vectors = 8 accumulators + 2 Q vectors of the 16 registers.
+// P V: 4 rows x 2 vectors = 8 accumulators + 4 broadcasts + 1 row of V.
+constexpr int kNV = 2, kKB = 4, kRB = 4, kDV = 2;
+
+// Bc = 64: S_ij (Bc x Br fp32) and a D=128 fp32 K_j/V_j tile (32 KiB) stay near L1.
+constexpr int64_t kBc = 64;
+
+#include "kernel_impl.h"
+
+}  // namespace
+
+const KernelInfo kAvx2Kernel = {"avx2", kBr, nullptr, nullptr, &run_tasks_with<VecEngine>};
+
+}  // namespace flashmod::cpu
