@@ -164,7 +164,7 @@ def attention_backward_chunked(
     softcap: float,
     chunk_rows: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of (out, lse) w.r.t. q, k, v, recomputing P = exp(S - lse) chunk by chunk.
+    """Gradients of (out, lse) w.r.t. q, k, v, recomputing P from exp(S - lse) chunk by chunk.
 
     Extra memory is O(chunk_rows x Nk) per head: nothing of size Nq x Nk is allocated unless a
     single chunk covers every query. GQA gradients are summed over each kv-head's query group.
@@ -188,8 +188,13 @@ def attention_backward_chunked(
         do_i = _grouped(grad_out[:, :, r0:r1].to(dtype), heads_kv)
         lse_i = _grouped(lse[:, :, r0:r1].to(dtype), heads_kv)
         s, tanh_s = _masked_scores(q_i, kc, attn_mask, rows, seqlen_q, scale, softcap, window, bottom_right)
+        # The chunk holds whole rows, so the saved lse serves as the shift and each row is then
+        # normalized exactly: the kernel's lse carries fast-exp rounding (~1e-6 relative in fp32
+        # on CUDA) that would otherwise scale every gradient of the row by the same error.
         p = torch.exp(s - _finite_lse(lse_i)[..., None])
         del s
+        row_sum = p.sum(-1, keepdim=True)
+        p = p / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
         dp = torch.matmul(do_i, vc.unsqueeze(2).transpose(-1, -2))
         # sum_j p_ij dp_ij equals dO_i . O_i, but taken from the same p it stays consistent with
         # it (exactly 0 for a single visible key); the chunk is in memory, so it costs one pass.
