@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# Absolute slack for cases where the plain error is (nearly) zero, e.g. single-key rows.
+# Slack, relative to the largest reference value (at least 1), for cases where the plain error is
+# (nearly) zero, e.g. single-key rows, or where both errors are a few ulps of large gradients
+# (a GQA group's summed dk/dv): then summation order alone decides the ratio.
 SLACK = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-4, torch.bfloat16: 2e-3}
 
 
@@ -22,5 +24,6 @@ def assert_within_rule(
     assert ours.shape == truth.shape, f"{what}: shape {tuple(ours.shape)} != {tuple(truth.shape)}"
     assert not torch.isnan(ours).any(), f"{what}: NaN in our result (unwritten or invalid elements)"
     ours_err, plain_err = max_abs_err(ours, truth), max_abs_err(plain, truth)
-    bound = factor * plain_err + SLACK[dtype]
+    scale = max(1.0, truth.double().abs().max().item()) if truth.numel() else 1.0
+    bound = factor * plain_err + SLACK[dtype] * scale
     assert ours_err <= bound, f"{what}: error {ours_err:.3e} > {factor}x plain {plain_err:.3e} + slack"
