@@ -93,10 +93,10 @@ def main() -> None:
                 q, k, v = (torch.randn(b, h, n, d, generator=gen).to(dtype) for _ in range(3))
                 err_ratio = validate(q, k, v, causal)
 
-                def ours():
+                def ours(q=q, k=k, v=v, causal=causal):
                     attention_op(q, k, v, is_causal=causal, bottom_right=False)
 
-                def theirs():
+                def theirs(q=q, k=k, v=v, causal=causal):
                     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                         F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "error_message.h"
+#include "mask_check.h"
 
 namespace flashmod {
 namespace {
@@ -57,48 +58,6 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
           q.size(1), " and k/v heads ", k.size(1)));
 }
 
-// Returns the mask expanded (by strides only) to (B, Hq, Nq, Nk), or an undefined tensor.
-at::Tensor check_and_expand_mask(const std::optional<at::Tensor>& attn_mask, const at::Tensor& q,
-                                 int64_t seqlen_k, MaskKind* kind) {
-  *kind = MaskKind::kNone;
-  if (!attn_mask.has_value() || !attn_mask->defined()) return {};
-  const at::Tensor& mask = *attn_mask;
-  TORCH_CHECK(mask.device() == q.device(),
-              flashmod::error_message("flashmod.attention: attn_mask must be on q's device ",
-                                      q.device(), ", got ", mask.device()));
-  const auto dtype = mask.scalar_type();
-  if (dtype == at::kBool) {
-    *kind = MaskKind::kBool;
-  } else if (dtype == q.scalar_type()) {
-    *kind = MaskKind::kAdditive;
-  } else if (dtype == at::kFloat &&
-             (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16)) {
-    *kind = MaskKind::kAdditiveF32;
-  } else {
-    TORCH_CHECK(
-        false,
-        flashmod::error_message(
-            "flashmod.attention: attn_mask must be bool or q's dtype ", (q.scalar_type()),
-            (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16 ? " (or float32)"
-                                                                              : ""),
-            ", got ", (dtype)));
-  }
-  const std::vector<int64_t> target = {q.size(0), q.size(1), q.size(2), seqlen_k};
-  bool ok = mask.dim() >= 1 && mask.dim() <= 4;
-  for (int64_t i = 1; ok && i <= mask.dim(); ++i) {
-    const int64_t have = mask.size(-i), want = target[4 - i];
-    ok = have == want || have == 1;
-  }
-  TORCH_CHECK(
-      ok, flashmod::error_message(
-              "flashmod.attention: attn_mask must be broadcastable to (batch, q_heads, seqlen_q, "
-              "seqlen_k) = ",
-              at::IntArrayRef(target), ", got shape ", mask.sizes()));
-  at::Tensor expanded = mask.expand(target);
-  if (dtype == at::kBool) expanded = expanded.view(at::kByte);  // same storage, 1 byte per element
-  return expanded;
-}
-
 ScalarKind scalar_kind(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return ScalarKind::kFloat32;
@@ -147,7 +106,11 @@ PreparedAttention prepare_attention(const at::Tensor& q_in, const at::Tensor& k_
   p.seqlen_k = k.size(2);
   p.head_dim = q.size(3);
   p.mask = nullptr;
-  r.mask = check_and_expand_mask(attn_mask, q, p.seqlen_k, &p.mask_kind);
+  CheckedMask mask = check_and_expand_mask("flashmod.attention", attn_mask, q, "q",
+                                           {p.batch, p.heads_q, p.seqlen_q, p.seqlen_k},
+                                           "(batch, q_heads, seqlen_q, seqlen_k)");
+  r.mask = mask.expanded;
+  p.mask_kind = mask.kind;
 
   // Preserves q's layout when q is dense, so (B, S, H, D) inputs give (B, S, H, D) outputs.
   r.out = at::empty_like(q);

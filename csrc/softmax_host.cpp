@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "error_message.h"
+#include "mask_check.h"
 
 namespace flashmod {
 namespace {
@@ -109,34 +110,11 @@ PreparedMatmulSoftmax prepare_matmul_softmax(const at::Tensor& a_in, const at::T
   p.depth = a_in.size(3);
   const std::vector<int64_t> target = {p.batch, p.heads_a, p.rows, p.cols};
 
-  p.mask_kind = MaskKind::kNone;
-  if (attn_mask.has_value() && attn_mask->defined()) {
-    const at::Tensor& mask = *attn_mask;
-    TORCH_CHECK(mask.device() == a_in.device(),
-                flashmod::error_message(op, ": attn_mask must be on a's device ", a_in.device(),
-                                        ", got ", mask.device()));
-    const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
-    if (mask.scalar_type() == at::kBool) {
-      p.mask_kind = MaskKind::kBool;
-    } else if (mask.scalar_type() == dtype) {
-      p.mask_kind = MaskKind::kAdditive;
-    } else if (half && mask.scalar_type() == at::kFloat) {
-      p.mask_kind = MaskKind::kAdditiveF32;
-    } else {
-      TORCH_CHECK(false, flashmod::error_message(op, ": attn_mask must be bool or a's dtype ",
-                                                 (dtype), (half ? " (or float32)" : ""), ", got ",
-                                                 (mask.scalar_type())));
-    }
-    bool ok = mask.dim() >= 1 && mask.dim() <= 4;
-    for (int64_t i = 1; ok && i <= mask.dim(); ++i) {
-      const int64_t have = mask.size(-i), want = target[4 - i];
-      ok = have == want || have == 1;
-    }
-    TORCH_CHECK(ok, flashmod::error_message(
-                        op, ": attn_mask must be broadcastable to (batch, a_heads, M, N) = ",
-                        at::IntArrayRef(target), ", got shape ", mask.sizes()));
-    r.mask = mask.expand(target);
-    if (mask.scalar_type() == at::kBool) r.mask = r.mask.view(at::kByte);  // same bytes
+  const CheckedMask mask = check_and_expand_mask(op, attn_mask, a_in, "a", target,
+                                                 "(batch, a_heads, M, N)");
+  p.mask_kind = mask.kind;
+  r.mask = mask.expanded;
+  if (r.mask.defined()) {
     p.mask = r.mask.data_ptr();
     p.mask_batch_stride = r.mask.stride(0), p.mask_head_stride = r.mask.stride(1);
     p.mask_row_stride = r.mask.stride(2), p.mask_col_stride = r.mask.stride(3);

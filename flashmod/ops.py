@@ -21,6 +21,37 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 CUDA_MAX_HEAD_DIM = 256
 
 
+ATTENTION_MASK_DIMS = "(batch, q_heads, seqlen_q, seqlen_k)"
+
+
+def check_mask(op: str, attn_mask: Tensor | None, ref: Tensor, ref_name: str, target: tuple, target_names: str) -> None:
+    """Mirror of csrc/mask_check.cpp: the attn_mask rules every op with a mask shares."""
+    if attn_mask is None:
+        return
+    torch._check(
+        attn_mask.device == ref.device,
+        lambda: f"{op}: attn_mask must be on {ref_name}'s device {ref.device}, got {attn_mask.device}",
+    )
+    half = ref.dtype in (torch.float16, torch.bfloat16)
+    torch._check(
+        attn_mask.dtype in (torch.bool, ref.dtype) or (half and attn_mask.dtype == torch.float32),
+        lambda: (
+            f"{op}: attn_mask must be bool or {ref_name}'s dtype {ref.dtype}"
+            f"{' (or float32)' if half else ''}, got {attn_mask.dtype}"
+        ),
+    )
+    ok = 1 <= attn_mask.dim() <= len(target) and all(
+        attn_mask.shape[-i] in (1, target[-i]) for i in range(1, attn_mask.dim() + 1)
+    )
+    torch._check(
+        ok,
+        lambda: (
+            f"{op}: attn_mask must be broadcastable to {target_names} = {list(target)}, "
+            f"got shape {list(attn_mask.shape)}"
+        ),
+    )
+
+
 def _check_inputs(
     q: Tensor,
     k: Tensor,
@@ -67,30 +98,9 @@ def _check_inputs(
             f"and k/v heads {k.shape[1]}"
         ),
     )
-    if attn_mask is not None:
-        torch._check(
-            attn_mask.device == q.device,
-            lambda: f"{p}attn_mask must be on q's device {q.device}, got {attn_mask.device}",
-        )
-        half = q.dtype in (torch.float16, torch.bfloat16)
-        torch._check(
-            attn_mask.dtype in (torch.bool, q.dtype) or (half and attn_mask.dtype == torch.float32),
-            lambda: (
-                f"{p}attn_mask must be bool or q's dtype {q.dtype}"
-                f"{' (or float32)' if half else ''}, got {attn_mask.dtype}"
-            ),
-        )
-        target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        ok = 1 <= attn_mask.dim() <= 4 and all(
-            attn_mask.shape[-i] in (1, target[4 - i]) for i in range(1, attn_mask.dim() + 1)
-        )
-        torch._check(
-            ok,
-            lambda: (
-                f"{p}attn_mask must be broadcastable to (batch, q_heads, seqlen_q, seqlen_k) = "
-                f"{list(target)}, got shape {list(attn_mask.shape)}"
-            ),
-        )
+    check_mask(
+        "flashmod.attention", attn_mask, q, "q", (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), ATTENTION_MASK_DIMS
+    )
     torch._check(window_left >= -1, lambda: f"{p}window_left must be >= -1 (-1 = unbounded), got {window_left}")
     torch._check(window_right >= -1, lambda: f"{p}window_right must be >= -1 (-1 = unbounded), got {window_right}")
     torch._check(

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (loading the library registers the operators)
+from .ops import check_mask
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -72,30 +73,7 @@ def _check_matmul_softmax(a: Tensor, b: Tensor, scale: float | None, attn_mask: 
         ),
     )
     torch._check(scale is None or math.isfinite(scale), lambda: f"{op}: scale must be finite, got {scale}")
-    if attn_mask is not None:
-        torch._check(
-            attn_mask.device == a.device,
-            lambda: f"{op}: attn_mask must be on a's device {a.device}, got {attn_mask.device}",
-        )
-        half = a.dtype in (torch.float16, torch.bfloat16)
-        torch._check(
-            attn_mask.dtype in (torch.bool, a.dtype) or (half and attn_mask.dtype == torch.float32),
-            lambda: (
-                f"{op}: attn_mask must be bool or a's dtype {a.dtype}"
-                f"{' (or float32)' if half else ''}, got {attn_mask.dtype}"
-            ),
-        )
-        target = (a.shape[0], a.shape[1], a.shape[2], b.shape[2])
-        ok = 1 <= attn_mask.dim() <= 4 and all(
-            attn_mask.shape[-i] in (1, target[4 - i]) for i in range(1, attn_mask.dim() + 1)
-        )
-        torch._check(
-            ok,
-            lambda: (
-                f"{op}: attn_mask must be broadcastable to (batch, a_heads, M, N) = {list(target)}, "
-                f"got shape {list(attn_mask.shape)}"
-            ),
-        )
+    check_mask(op, attn_mask, a, "a", (a.shape[0], a.shape[1], a.shape[2], b.shape[2]), "(batch, a_heads, M, N)")
 
 
 @torch.library.register_fake("flashmod::softmax")
