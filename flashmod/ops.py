@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -101,6 +103,7 @@ def _check_inputs(
     check_mask(
         "flashmod.attention", attn_mask, q, "q", (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), ATTENTION_MASK_DIMS
     )
+    torch._check(scale is None or math.isfinite(scale), lambda: f"{p}scale must be finite, got {scale}")
     torch._check(window_left >= -1, lambda: f"{p}window_left must be >= -1 (-1 = unbounded), got {window_left}")
     torch._check(window_right >= -1, lambda: f"{p}window_right must be >= -1 (-1 = unbounded), got {window_right}")
     torch._check(

@@ -67,6 +67,11 @@ BAD_INPUTS = [
         r"window_right must be >= -1 \(-1 = unbounded\), got -5",
     ),
     (
+        "scale",
+        lambda q, k, v: ((q, k, v), {"scale": float("nan")}),
+        r"scale must be finite, got nan",
+    ),
+    (
         "softcap",
         lambda q, k, v: ((q, k, v), {"softcap": -1.0}),
         r"softcap must be a finite number >= 0 \(0 = off\), got -1",
