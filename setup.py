@@ -30,12 +30,13 @@ def want_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
-def cuda_gencode_flags() -> list[str]:
+def cuda_archs() -> list[str]:
     archs = os.environ.get("FLASHMOD_CUDA_ARCHS", "80;90a").replace(",", ";").split(";")
-    flags = []
-    for arch in filter(None, (a.strip() for a in archs)):
-        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
-    return flags
+    return [a.strip() for a in archs if a.strip()]
+
+
+def cuda_gencode_flags() -> list[str]:
+    return [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in cuda_archs()]
 
 
 # No -std flag: torch's cpp_extension adds the standard its own headers were built with (C++17
@@ -59,10 +60,13 @@ if want_cuda():
         # -DFLASHMOD_TUNE_<D>=v of csrc/cuda/fwd_launch.h.
         *os.environ.get("FLASHMOD_NVCC_EXTRA", "").split(),
     ]
+    cuda_defines = ["-DFLASHMOD_WITH_CUDA"] + (["-DFLASHMOD_BUILT_SM90A"] if "90a" in cuda_archs() else [])
     extension = CUDAExtension(
         "flashmod._C",
         ext_sources + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
-        extra_compile_args={"cxx": cxx_flags + ["-DFLASHMOD_WITH_CUDA"], "nvcc": nvcc_flags},
+        # FLASHMOD_BUILT_SM90A tells the host launcher that the Hopper (wgmma) kernels exist as
+        # machine code; without sm_90a in the build, H100s run the portable kernel.
+        extra_compile_args={"cxx": cxx_flags + cuda_defines, "nvcc": nvcc_flags},
         extra_link_args=link_flags,
         py_limited_api=True,
     )

@@ -87,6 +87,11 @@ def cuda_shapes(quick: bool):
                 shapes.append(
                     dict(kind="fp32", dtype="fp32", b=4, hq=16, hkv=16, nq=n, nk=n, d=d, causal=causal, mask=False)
                 )
+    for n in (1024, 4096):  # grouped-query prefill (32 query heads on 8 key/value heads)
+        for causal in (False, True):
+            shapes.append(
+                dict(kind="gqa", dtype="bf16", b=16384 // n, hq=32, hkv=8, nq=n, nk=n, d=128, causal=causal, mask=False)
+            )
     for n in (1024, 4096):
         shapes.append(
             dict(kind="padding", dtype="bf16", b=8, hq=16, hkv=16, nq=n, nk=n, d=128, causal=False, mask=True)
@@ -167,10 +172,15 @@ def main():
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--tag", default=None, help="file name stem (default: <date>-<device>)")
     ap.add_argument("--backends", default="FLASH,CUDNN,EFFICIENT,MATH")
-    ap.add_argument("--kinds", default="paper,decode,padding,fp32,cpu", help="shape groups to run")
+    ap.add_argument("--kinds", default="paper,decode,gqa,padding,fp32,cpu", help="shape groups to run")
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
     ap.add_argument("--dims", default="", help="head dims to keep (default: all)")
     ap.add_argument("--min-n", type=int, default=0, help="skip paper shapes with N below this")
+    ap.add_argument(
+        "--portable",
+        action="store_true",
+        help="also time flashmod's portable mma.sync kernel (FLASHMOD_DISABLE_SM90=1) where the wgmma one runs",
+    )
     args = ap.parse_args()
 
     device = args.device
@@ -179,6 +189,8 @@ def main():
         shapes = cuda_shapes(args.quick)
         timer = time_cuda
         backends = [b for b in args.backends.split(",") if b]
+        if args.portable:
+            backends = ["flashmod-mma"] + backends
     else:
         name = f"CPU ({torch.get_num_threads()} threads)"
         shapes = cpu_shapes(args.quick)
@@ -207,7 +219,9 @@ def main():
             if bname == "MATH" and s["b"] * s["hq"] * s["nq"] * s["nk"] > MATH_MAX_SCORES:
                 row["results"][bname] = {"status": "skip (too large for MATH)"}
                 continue
-            if bname == "SDPA_CPU":
+            if bname == "flashmod-mma":
+                cands[bname] = fn_flashmod(s, q, k, v, mask)
+            elif bname == "SDPA_CPU":
                 gqa = s["hq"] != s["hkv"]
                 cands[bname] = lambda q=q, k=k, v=v, m=mask, c=s["causal"], g=gqa: F.scaled_dot_product_attention(
                     q, k, v, attn_mask=m, is_causal=c, enable_gqa=g
@@ -215,6 +229,9 @@ def main():
             else:
                 cands[bname] = fn_sdpa(s, q, k, v, mask, BACKENDS[bname])
         for bname, fn in cands.items():
+            portable = bname == "flashmod-mma"
+            if portable:
+                os.environ["FLASHMOD_DISABLE_SM90"] = "1"
             try:
                 out = fn()
                 if bname != "flashmod":
@@ -228,6 +245,9 @@ def main():
                 row["results"][bname] = {"status": "ok", "ms": ms, "tflops": row["flops"] / ms / 1e9}
             except Exception as e:  # unsupported shape/dtype/mask for that backend
                 row["results"][bname] = {"status": "n/a: " + str(e).splitlines()[0][:80] if str(e) else "n/a"}
+            finally:
+                if portable:
+                    del os.environ["FLASHMOD_DISABLE_SM90"]
         rows.append(row)
         del q, k, v, mask, ref, cands
         if device == "cuda":

@@ -78,13 +78,16 @@ def main() -> None:
     args = ap.parse_args()
 
     threads = torch.get_num_threads()
-    print(f"CPU: {cpu_name()}  threads: {threads}  torch {torch.__version__} "
-          f"({torch.backends.cpu.get_cpu_capability()})")
+    print(
+        f"CPU: {cpu_name()}  threads: {threads}  torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
+    )
     shapes = QUICK_SHAPES if args.quick else SHAPES
     min_runs = 3 if args.quick else 5
     rows = []
-    print(f"{'dtype':5} {'causal':6} {'B':>2} {'H':>3} {'N':>5} {'D':>4} | {'flashmod GF/s':>13} "
-          f"{'torch GF/s':>10} {'ratio':>6} | err/plain")
+    print(
+        f"{'dtype':5} {'causal':6} {'B':>2} {'H':>3} {'N':>5} {'D':>4} | {'flashmod GF/s':>13} "
+        f"{'torch GF/s':>10} {'ratio':>6} | err/plain"
+    )
     for name in args.dtypes:
         dtype = DTYPES[name]
         for causal in (False, True):
@@ -102,14 +105,27 @@ def main() -> None:
 
                 t_ours, t_torch = time_interleaved([ours, theirs], min_runs, args.budget)
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                row = dict(dtype=name, causal=causal, B=b, H=h, N=n, D=d, flashmod_s=t_ours,
-                           torch_s=t_torch, flashmod_gflops=flops / t_ours / 1e9,
-                           torch_gflops=flops / t_torch / 1e9, ratio=t_torch / t_ours,
-                           err_vs_plain=err_ratio)
+                row = dict(
+                    dtype=name,
+                    causal=causal,
+                    B=b,
+                    H=h,
+                    N=n,
+                    D=d,
+                    flashmod_s=t_ours,
+                    torch_s=t_torch,
+                    flashmod_gflops=flops / t_ours / 1e9,
+                    torch_gflops=flops / t_torch / 1e9,
+                    ratio=t_torch / t_ours,
+                    err_vs_plain=err_ratio,
+                )
                 rows.append(row)
-                print(f"{name:5} {str(causal):6} {b:>2} {h:>3} {n:>5} {d:>4} | "
-                      f"{row['flashmod_gflops']:13.1f} {row['torch_gflops']:10.1f} {row['ratio']:6.2f} | "
-                      f"{err_ratio:.2f}", flush=True)
+                print(
+                    f"{name:5} {str(causal):6} {b:>2} {h:>3} {n:>5} {d:>4} | "
+                    f"{row['flashmod_gflops']:13.1f} {row['torch_gflops']:10.1f} {row['ratio']:6.2f} | "
+                    f"{err_ratio:.2f}",
+                    flush=True,
+                )
     geomeans = {}
     for name in args.dtypes:
         ratios = [r["ratio"] for r in rows if r["dtype"] == name]
@@ -119,8 +135,18 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{date}-cpu-{args.tag}.json")
     with open(path, "w") as f:
-        json.dump(dict(cpu=cpu_name(), threads=threads, torch=torch.__version__, tag=args.tag,
-                       rows=rows, geomean_ratio=geomeans), f, indent=1)
+        json.dump(
+            dict(
+                cpu=cpu_name(),
+                threads=threads,
+                torch=torch.__version__,
+                tag=args.tag,
+                rows=rows,
+                geomean_ratio=geomeans,
+            ),
+            f,
+            indent=1,
+        )
     print(f"wrote {path}")
 
 

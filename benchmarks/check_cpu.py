@@ -21,8 +21,24 @@ from flashmod.reference import attention_reference
 SLACK = {torch.float32: 1e-6, torch.float64: 1e-12, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
 
-def check(dtype, b, hq, hkv, nq, nk, d, *, causal=False, bottom_right=True, wl=-1, wr=-1,
-          softcap=0.0, mask=None, layout="bhsd", seed=0) -> tuple[bool, str]:
+def check(
+    dtype,
+    b,
+    hq,
+    hkv,
+    nq,
+    nk,
+    d,
+    *,
+    causal=False,
+    bottom_right=True,
+    wl=-1,
+    wr=-1,
+    softcap=0.0,
+    mask=None,
+    layout="bhsd",
+    seed=0,
+) -> tuple[bool, str]:
     gen = torch.Generator().manual_seed(seed)
 
     def make(h, n):
@@ -39,8 +55,14 @@ def check(dtype, b, hq, hkv, nq, nk, d, *, causal=False, bottom_right=True, wl=-
         attn_mask = (torch.randn(1, hq, nq, nk, generator=gen)).to(dtype)
     elif mask == "addf32":
         attn_mask = torch.randn(nq, nk, generator=gen)
-    kw = dict(attn_mask=attn_mask, is_causal=causal, bottom_right=bottom_right, window_left=wl,
-              window_right=wr, softcap=softcap)
+    kw = dict(
+        attn_mask=attn_mask,
+        is_causal=causal,
+        bottom_right=bottom_right,
+        window_left=wl,
+        window_right=wr,
+        softcap=softcap,
+    )
     out, lse = attention_op(q, k, v, **kw)
     ref, ref_lse = attention_reference(q, k, v, compute_dtype=torch.float64, **kw)
     low = torch.float64 if dtype == torch.float64 else dtype
@@ -51,7 +73,8 @@ def check(dtype, b, hq, hkv, nq, nk, d, *, causal=False, bottom_right=True, wl=-
     plain_err = (plain.double() - ref).nan_to_num(0.0).abs().max().item() if out.numel() else 0.0
     fin = torch.isfinite(ref_lse)
     lse_ok = torch.equal(torch.isfinite(lse), fin) and (
-        not fin.any() or (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-3)
+        not fin.any() or (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-3
+    )
     ok = err <= 2 * plain_err + SLACK[dtype] and lse_ok
     return ok, f"err {err:.3g} plain {plain_err:.3g} lse_ok {lse_ok}"
 
@@ -68,9 +91,17 @@ def main() -> None:
     ):
         cases.append(dict(dtype=dtype, b=2, hq=4, hkv=2, nq=nq, nk=nk, d=d))
     features = [
-        dict(causal=True), dict(causal=True, bottom_right=False), dict(wl=37, wr=5),
-        dict(wl=0, wr=0), dict(wl=100), dict(softcap=5.0), dict(mask="bool"), dict(mask="add"),
-        dict(mask="addf32"), dict(layout="bshd"), dict(causal=True, mask="bool", softcap=3.0),
+        dict(causal=True),
+        dict(causal=True, bottom_right=False),
+        dict(wl=37, wr=5),
+        dict(wl=0, wr=0),
+        dict(wl=100),
+        dict(softcap=5.0),
+        dict(mask="bool"),
+        dict(mask="add"),
+        dict(mask="addf32"),
+        dict(layout="bshd"),
+        dict(causal=True, mask="bool", softcap=3.0),
         dict(wl=20, wr=70, bottom_right=False, layout="bshd"),
     ]
     for dtype, feat in itertools.product(dtypes, features):

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build (all cores, sm_80 + sm_90a), the whole test suite, benchmarks.
+# One call on the GPU machine: build (all cores, sm_80 + sm_90a), tests, benchmarks.
 # Usage: bash benchmarks/gpu_check.sh [tests|bench|all]   (logs go to $OUT, or ./gpu_logs)
+#   TEST_K      pytest -k filter (default: every test id with "cuda", and the CUDA-only file)
+#   BENCH_ARGS  arguments of bench_attention.py (default: the speed-bar subset, all backends)
+#   TEST_SECONDS / BENCH_SECONDS   time limits
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_logs}
@@ -9,10 +12,13 @@ what=${1:-all}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 start=$(date +%s)
 if ! MAX_JOBS=$(nproc) FLASHMOD_CUDA_ARCHS="80;90a" python setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"
+  grep -B2 -A6 -m5 "error" "$OUT/build.log" | head -60
   exit 1
 fi
 echo "build: $(($(date +%s) - start)) s"
+# The Hopper kernel must be wgmma (HGMMA) in the machine code, not an mma.sync fallback.
+obj=$(find build -name 'attention_fwd_sm90_bf16_hd128.o' | head -1)
+[[ -n $obj ]] && echo "HGMMA in sm90 object: $(cuobjdump --dump-sass "$obj" 2>/dev/null | grep -c HGMMA)"
 export PYTHONPATH=$PWD
 # A bad input must raise, not crash the process (it once did on this image).
 python -c "
@@ -24,11 +30,15 @@ except RuntimeError as e:
     print('bad input raises:', e)
 "
 if [[ $what == tests || $what == all ]]; then
-  # CPU tests run in CI; here the CUDA ones (every test id with 'cuda', and the CUDA-only file).
-  OMP_NUM_THREADS=2 timeout ${TEST_SECONDS:-240} python -m pytest tests -q -n 12 -p no:cacheprovider -k cuda \
-    2>&1 | tee "$OUT/tests.log" | tail -25
+  OMP_NUM_THREADS=2 timeout ${TEST_SECONDS:-240} python -m pytest tests -q -n 12 -p no:cacheprovider -x \
+    -k "${TEST_K:-cuda}" 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout ${BENCH_SECONDS:-75} python benchmarks/bench_softmax.py --device cuda --out "$OUT/cuda-softmax.json" 2>&1 |
+  timeout ${BENCH_SECONDS:-200} python benchmarks/bench_attention.py --out-dir "$OUT" --tag cuda-attention \
+    ${BENCH_ARGS:---kinds paper,gqa,padding --dtypes bf16,fp16 --dims 64,128 --min-n 1024 --portable} 2>/dev/null |
+    tee "$OUT/attention-bench.log" | tail -45
+fi
+if [[ $what == softmax || $what == all ]]; then
+  timeout ${SOFTMAX_SECONDS:-75} python benchmarks/bench_softmax.py --device cuda --out "$OUT/cuda-softmax.json" 2>&1 |
     tee "$OUT/softmax-bench.log" | tail -30
 fi

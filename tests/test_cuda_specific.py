@@ -78,6 +78,19 @@ def test_all_head_dims(dtype, d, nq, nk):
     run_and_check(q, k, v, is_causal=True)
 
 
+# On an H100/H200 head dims 33..64 and 97..128 run the wgmma kernel (fwd_tile_loop_sm90.h), so the
+# suite above tests it there; FLASHMOD_DISABLE_SM90=1 sends the same shapes to the portable
+# mma.sync kernel, which A100-class GPUs run.
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("d", [40, 64, 111, 128])
+@pytest.mark.parametrize("nq,nk", [(1, 1023), (203, 113), (1023, 203)])
+@pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"softcap": 5.0, "window_left": 50}], ids=str)
+def test_portable_kernel_where_sm90_exists(monkeypatch, dtype, d, nq, nk, opts):
+    monkeypatch.setenv("FLASHMOD_DISABLE_SM90", "1")
+    q, k, v = rand(2, 4, nq, d, dtype=dtype), rand(2, 2, nk, d, dtype=dtype), rand(2, 2, nk, d, dtype=dtype)
+    run_and_check(q, k, v, **opts)
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize(

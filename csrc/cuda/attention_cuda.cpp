@@ -8,6 +8,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "../attention_host.h"
 #include "../error_message.h"
@@ -38,6 +40,22 @@ at::Tensor aligned_copy(const at::Tensor& t) {
   at::Tensor view = buf.narrow(3, 0, d);
   view.copy_(t);
   return view;
+}
+
+// The wgmma kernels run on sm_90 (H100/H200) when the build carries their sm_90a machine code.
+// FLASHMOD_DISABLE_SM90=1 forces the portable mma.sync kernel (tests compare the two; benchmarks
+// time both).
+bool use_sm90_kernel(int padded_head_dim) {
+#ifdef FLASHMOD_BUILT_SM90A
+  if (padded_head_dim != 64 && padded_head_dim != 128) return false;
+  const char* disable = std::getenv("FLASHMOD_DISABLE_SM90");
+  if (disable != nullptr && std::strcmp(disable, "1") == 0) return false;
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  return prop->major == 9 && prop->minor == 0;
+#else
+  (void)padded_head_dim;
+  return false;
+#endif
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k,
@@ -85,18 +103,28 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
     err = bf16 ? cuda_kernels::run_attention_fwd<__nv_bfloat16, D>(p, flags, stream) \
                : cuda_kernels::run_attention_fwd<__half, D>(p, flags, stream);       \
     break;
-    switch (padded) {
-      FLASHMOD_DISPATCH(32)
-      FLASHMOD_DISPATCH(64)
-      FLASHMOD_DISPATCH(96)
-      FLASHMOD_DISPATCH(128)
-      FLASHMOD_DISPATCH(160)
-      FLASHMOD_DISPATCH(192)
-      FLASHMOD_DISPATCH(224)
-      FLASHMOD_DISPATCH(256)
-      default:
-        TORCH_CHECK(false, flashmod::error_message("flashmod.attention: unsupported head_dim ",
-                                                   p.head_dim));
+    if (use_sm90_kernel(padded)) {
+      if (padded == 64) {
+        err = bf16 ? cuda_kernels::run_attention_fwd_sm90<__nv_bfloat16, 64>(p, flags, stream)
+                   : cuda_kernels::run_attention_fwd_sm90<__half, 64>(p, flags, stream);
+      } else {
+        err = bf16 ? cuda_kernels::run_attention_fwd_sm90<__nv_bfloat16, 128>(p, flags, stream)
+                   : cuda_kernels::run_attention_fwd_sm90<__half, 128>(p, flags, stream);
+      }
+    } else {
+      switch (padded) {
+        FLASHMOD_DISPATCH(32)
+        FLASHMOD_DISPATCH(64)
+        FLASHMOD_DISPATCH(96)
+        FLASHMOD_DISPATCH(128)
+        FLASHMOD_DISPATCH(160)
+        FLASHMOD_DISPATCH(192)
+        FLASHMOD_DISPATCH(224)
+        FLASHMOD_DISPATCH(256)
+        default:
+          TORCH_CHECK(false, flashmod::error_message("flashmod.attention: unsupported head_dim ",
+                                                     p.head_dim));
+      }
     }
 #undef FLASHMOD_DISPATCH
   }

@@ -19,6 +19,11 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd(const AttentionParams& p, const FwdLaunchFlags& flags,
                               cudaStream_t stream);
 
+// The Hopper variant (wgmma, sm_90a machine code only) for kHeadDim = 64 and 128; same contract.
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_fwd_sm90(const AttentionParams& p, const FwdLaunchFlags& flags,
+                                   cudaStream_t stream);
+
 // fp32 on CUDA cores (FFMA), any alignment.
 cudaError_t run_attention_fwd_fp32(const AttentionParams& p, cudaStream_t stream);
 

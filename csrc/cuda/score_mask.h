@@ -1,0 +1,74 @@
+// Scores of one key block -> logit units with hidden keys at -inf, over the mma accumulator
+// layout (shared by the mma.sync and the wgmma kernels: both hold, per warp, m16 tiles whose
+// lane owns rows lane/4 and lane/4 + 8 and columns 2 * (lane % 4) + {0, 1} of every n8 tile).
+#pragma once
+
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "../attention_params.h"
+#include "visibility.h"
+
+namespace flashmod::cuda_kernels {
+
+// Per-kernel constants of the score transform.
+struct ScoreTransform {
+  float scale, softcap, inv_softcap;
+  __device__ __forceinline__ explicit ScoreTransform(const AttentionParams& p)
+      : scale(static_cast<float>(p.scale)),
+        softcap(static_cast<float>(p.softcap)),
+        inv_softcap(p.softcap > 0.0 ? static_cast<float>(1.0 / p.softcap) : 0.f) {}
+};
+
+// kGeneral (a mask tensor, a soft cap or a non-positive scale): every score is scaled, capped
+// and masked. Otherwise scores stay raw q.k (the scale is folded into the softmax's exp2) and
+// only key blocks that straddle the window or seqlen_k pay for per-element checks.
+// warp_row0: query index of the warp's first row; cta_rows: the CTA's query rows (for the
+// block-level test); key_block: index of the Bc-wide key block.
+template <typename Elem, bool kGeneral, int MT, int NT>
+__device__ __forceinline__ void mask_scores(float (&S)[MT][NT][4], const AttentionParams& p,
+                                            const ScoreTransform& tf, int64_t b, int64_t h,
+                                            int64_t warp_row0, int64_t cta_row_first,
+                                            int64_t cta_row_last, int key_block, int Bc, int lane) {
+  const int g = lane >> 2, key0 = key_block * Bc + 2 * (lane & 3);
+  if constexpr (kGeneral) {
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int64_t i = warp_row0 + mi * 16 + g + 8 * hh;
+        const RowWindow win = row_window(p, i);
+        const int64_t ic =
+            i < p.seqlen_q ? i : p.seqlen_q - 1;  // rows past Nq are computed, never stored
+        const int64_t mask_row =
+            b * p.mask_batch_stride + h * p.mask_head_stride + ic * p.mask_row_stride;
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = key0 + ni * 8 + e;
+            float x = S[mi][ni][2 * hh + e] * tf.scale;
+            if (tf.softcap > 0.f) x = soft_cap(x, tf.softcap, tf.inv_softcap);
+            bool visible = win.contains(j);
+            if (visible && p.mask_kind != MaskKind::kNone)
+              visible = apply_mask<Elem>(p, mask_row + j * p.mask_col_stride, x);
+            S[mi][ni][2 * hh + e] = visible ? x : -CUDART_INF_F;
+          }
+      }
+  } else if (!key_block_unmasked(p, cta_row_first, cta_row_last, key_block, Bc)) {
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const RowWindow win = row_window(p, warp_row0 + mi * 16 + g + 8 * hh);
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (!win.contains(key0 + ni * 8 + e)) S[mi][ni][2 * hh + e] = -CUDART_INF_F;
+      }
+  }
+}
+
+}  // namespace flashmod::cuda_kernels
