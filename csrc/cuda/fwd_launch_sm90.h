@@ -10,24 +10,24 @@
 namespace flashmod::cuda_kernels {
 namespace sm90 {
 
-// (Bc, warpgroups, stages) per head dim; Br = 64 * warpgroups.
+// (Bc, warpgroups, stages, overlap) per head dim; Br = 64 * warpgroups.
 // Tuning hook: -DFLASHMOD_TUNE_SM90_<D>=v picks candidate v (benchmarks/tune_variants.sh).
-#define FLASHMOD_SM90_CAND_1 128, 2, 2
-#define FLASHMOD_SM90_CAND_2 64, 2, 2
-#define FLASHMOD_SM90_CAND_3 64, 2, 3
-#define FLASHMOD_SM90_CAND_4 128, 3, 2
-#define FLASHMOD_SM90_CAND_5 64, 3, 2
+#define FLASHMOD_SM90_CAND_1 128, 2, 2, false
+#define FLASHMOD_SM90_CAND_2 64, 2, 2, false
+#define FLASHMOD_SM90_CAND_3 128, 2, 3, true
+#define FLASHMOD_SM90_CAND_4 64, 2, 3, true
+#define FLASHMOD_SM90_CAND_5 128, 2, 3, false
 #define FLASHMOD_SM90_CAND_(v) FLASHMOD_SM90_CAND_##v
 #define FLASHMOD_SM90_CAND(v) FLASHMOD_SM90_CAND_(v)
 #ifdef FLASHMOD_TUNE_SM90_64
 #define FLASHMOD_SM90_TILE_64 FLASHMOD_SM90_CAND(FLASHMOD_TUNE_SM90_64)
 #else
-#define FLASHMOD_SM90_TILE_64 128, 2, 2
+#define FLASHMOD_SM90_TILE_64 128, 2, 2, false
 #endif
 #ifdef FLASHMOD_TUNE_SM90_128
 #define FLASHMOD_SM90_TILE_128 FLASHMOD_SM90_CAND(FLASHMOD_TUNE_SM90_128)
 #else
-#define FLASHMOD_SM90_TILE_128 128, 2, 2
+#define FLASHMOD_SM90_TILE_128 128, 2, 2, false
 #endif
 
 template <typename Elem, int kHeadDim>

@@ -26,7 +26,7 @@
 
 namespace flashmod::cuda_kernels::sm90 {
 
-template <typename Elem_, int kHeadDim_, int kBc, int kWarpgroups_, int kStages_>
+template <typename Elem_, int kHeadDim_, int kBc, int kWarpgroups_, int kStages_, bool kOverlap_>
 struct FwdTraitsSm90 {
   using Elem = Elem_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -35,6 +35,10 @@ struct FwdTraitsSm90 {
   static constexpr int Bc = kBc;
   static constexpr int kNThreads = 128 * kWarpgroups;
   static constexpr int kStages = kStages_;
+  // Issue S_{j+1} = Q K_{j+1}^T before the softmax of S_j, so the tensor cores work while this
+  // warpgroup does exp2 and rescaling: costs a second S in registers and a third smem stage
+  // (K_{j+1} must be resident while K_j/V_j are still in use and K_{j+2} is loading).
+  static constexpr bool kOverlap = kOverlap_;
   static constexpr int kNTiles = Bc / 8;        // n8 tiles of S per thread
   static constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of O per thread
   static constexpr int kKSteps = kHeadDim / 16;
@@ -47,6 +51,7 @@ struct FwdTraitsSm90 {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "whole 64-column swizzle blocks; wgmma N of O");
   static_assert(Bc == 64 || Bc == 128, "wgmma N of S");
   static_assert(kStages >= 2, "one buffer computing, at least one loading");
+  static_assert(!kOverlap || kStages == 3, "overlap keeps blocks j and j+1 resident while j+2 loads");
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
 };
 
@@ -183,56 +188,88 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   OnlineSoftmax<1> softmax;
   softmax.init();
 
-  for (int n = range.lo; n < range.hi; ++n) {
-    const int stage = (n - range.lo) % Tr::kStages;
-    cp_async_wait<Tr::kStages - 2>();
-    fence_proxy_async_smem();  // this thread's copies of K_j/V_j (and Q_i) -> visible to wgmma
-    // Publishes every thread's copies, and guarantees both warpgroups are done with the buffer
-    // the prefetch below overwrites (block n-1's).
-    __syncthreads();
-    {
-      const int next = n + Tr::kStages - 1;
-      if (next < range.hi) load_kv(next, (next - range.lo) % Tr::kStages);
-      cp_async_commit();
-    }
-
-    // S = Q_i K_j^T
-    float S[1][NT][4];
-    const uint64_t k_desc = desc_advance(k_desc0, stage * kStageBytes);
-    wgmma_fence();  // S's registers were last touched by ordinary instructions
+  // S = Q_i K_j^T, issued and committed; the caller waits.
+  auto issue_scores = [&](float (&Sx)[1][NT][4], int n) {
+    const uint64_t k_desc = desc_advance(k_desc0, ((n - range.lo) % Tr::kStages) * kStageBytes);
+    wgmma_fence();  // Sx's registers were last touched by ordinary instructions
 #pragma unroll
     for (int ks = 0; ks < Tr::kKSteps; ++ks)
-      Wgmma<Elem, Bc>::ss(S[0], desc_advance(q_desc, k_step(ks, Br)),
-                          desc_advance(k_desc, k_step(ks, Bc)), ks > 0);
+      Wgmma<Elem, Bc>::ss(Sx[0], desc_advance(q_desc, k_step(ks, Br)), desc_advance(k_desc, k_step(ks, Bc)), ks > 0);
     wgmma_commit();
-    wgmma_wait<0>();
-    pin_registers(S[0]);
-
-    mask_scores<Elem, kGeneral>(S, p, tf, b, h, r0 + warp_row0, r0, r0 + Br - 1, n, Bc, lane);
-    softmax.update(S, O, c);
-
-    // O += P V_j, P straight from the S registers.
-    uint32_t pa[Bc / 16][4];
+  };
+  // Mask and online softmax of block n's scores, then O += P V_j issued and committed with P
+  // packed straight from the S registers into pa; the caller waits.
+  auto softmax_and_issue_pv = [&](float (&Sx)[1][NT][4], uint32_t (&pa)[Bc / 16][4], int n) {
+    mask_scores<Elem, kGeneral>(Sx, p, tf, b, h, r0 + warp_row0, r0, r0 + Br - 1, n, Bc, lane);
+    softmax.update(Sx, O, c);
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) {
-      pa[kk][0] = Mma::pack(S[0][2 * kk][0], S[0][2 * kk][1]);
-      pa[kk][1] = Mma::pack(S[0][2 * kk][2], S[0][2 * kk][3]);
-      pa[kk][2] = Mma::pack(S[0][2 * kk + 1][0], S[0][2 * kk + 1][1]);
-      pa[kk][3] = Mma::pack(S[0][2 * kk + 1][2], S[0][2 * kk + 1][3]);
+      pa[kk][0] = Mma::pack(Sx[0][2 * kk][0], Sx[0][2 * kk][1]);
+      pa[kk][1] = Mma::pack(Sx[0][2 * kk][2], Sx[0][2 * kk][3]);
+      pa[kk][2] = Mma::pack(Sx[0][2 * kk + 1][0], Sx[0][2 * kk + 1][1]);
+      pa[kk][3] = Mma::pack(Sx[0][2 * kk + 1][2], Sx[0][2 * kk + 1][3]);
     }
-    const uint64_t v_desc = desc_advance(v_desc0, stage * kStageBytes);
+    const uint64_t v_desc = desc_advance(v_desc0, ((n - range.lo) % Tr::kStages) * kStageBytes);
     // O (rescaled) and P were written by ordinary instructions: pinning them first keeps those
     // writes ahead of the fence that orders them before the wgmma reads.
     pin_registers(O[0]);
     pin_registers(pa);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < Bc / 16; ++kk)
-      Wgmma<Elem, D>::rs_accumulate(O[0], pa[kk], desc_advance(v_desc, kk * 2048));
+    for (int kk = 0; kk < Bc / 16; ++kk) Wgmma<Elem, D>::rs_accumulate(O[0], pa[kk], desc_advance(v_desc, kk * 2048));
     wgmma_commit();
+  };
+
+  if constexpr (!Tr::kOverlap) {
+    for (int n = range.lo; n < range.hi; ++n) {
+      cp_async_wait<Tr::kStages - 2>();
+      fence_proxy_async_smem();  // this thread's copies of K_j/V_j (and Q_i) -> visible to wgmma
+      // Publishes every thread's copies, and guarantees both warpgroups are done with the buffer
+      // the prefetch below overwrites (block n-1's).
+      __syncthreads();
+      {
+        const int next = n + Tr::kStages - 1;
+        if (next < range.hi) load_kv(next, (next - range.lo) % Tr::kStages);
+        cp_async_commit();
+      }
+      float S[1][NT][4];
+      issue_scores(S, n);
+      wgmma_wait<0>();
+      pin_registers(S[0]);
+      uint32_t pa[Bc / 16][4];
+      softmax_and_issue_pv(S, pa, n);
+      wgmma_wait<0>();
+      pin_registers(O[0]);
+      pin_registers(pa);
+    }
+  } else {
+    float S[1][NT][4], S_next[1][NT][4];
+    cp_async_wait<Tr::kStages - 2>();  // Q_i and K_lo/V_lo (the oldest group)
+    fence_proxy_async_smem();
+    __syncthreads();  // publishes every thread's copies of them
+    issue_scores(S, range.lo);
     wgmma_wait<0>();
-    pin_registers(O[0]);
-    pin_registers(pa);
+    pin_registers(S[0]);
+    for (int n = range.lo; n < range.hi; ++n) {
+      cp_async_wait<0>();  // K_{j+1}/V_{j+1}: the only group that can be pending here
+      fence_proxy_async_smem();
+      // Publishes K_{j+1}/V_{j+1}, and guarantees both warpgroups are done with block j-1's
+      // buffer, which the prefetch of block j+2 overwrites.
+      __syncthreads();
+      if (n + 2 < range.hi) load_kv(n + 2, (n + 2 - range.lo) % Tr::kStages);
+      cp_async_commit();
+      if (n + 1 < range.hi) issue_scores(S_next, n + 1);
+      uint32_t pa[Bc / 16][4];
+      softmax_and_issue_pv(S, pa, n);
+      wgmma_wait<0>();
+      pin_registers(O[0]);
+      pin_registers(pa);
+      pin_registers(S_next[0]);
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) S[0][ni][e] = S_next[0][ni][e];
+    }
   }
   cp_async_wait<0>();  // only empty groups can be pending; retire them before exit
 
