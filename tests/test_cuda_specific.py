@@ -78,11 +78,11 @@ def test_all_head_dims(dtype, d, nq, nk):
     run_and_check(q, k, v, is_causal=True)
 
 
-# On an H100/H200 head dims 33..64 and 97..128 run the wgmma kernel (fwd_tile_loop_sm90.h), so the
+# On an H100/H200 head dims 33..64, 97..128 and 225..256 run the wgmma kernel (fwd_tile_loop_sm90.h), so the
 # suite above tests it there; FLASHMOD_DISABLE_SM90=1 sends the same shapes to the portable
 # mma.sync kernel, which A100-class GPUs run.
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("d", [40, 64, 111, 128])
+@pytest.mark.parametrize("d", [40, 64, 111, 128, 256])
 @pytest.mark.parametrize("nq,nk", [(1, 1023), (203, 113), (1023, 203)])
 @pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"softcap": 5.0, "window_left": 50}], ids=str)
 def test_portable_kernel_where_sm90_exists(monkeypatch, dtype, d, nq, nk, opts):

@@ -47,7 +47,7 @@ at::Tensor aligned_copy(const at::Tensor& t) {
 // time both).
 bool use_sm90_kernel(int padded_head_dim) {
 #ifdef FLASHMOD_BUILT_SM90A
-  if (padded_head_dim != 64 && padded_head_dim != 128) return false;
+  if (padded_head_dim != 64 && padded_head_dim != 128 && padded_head_dim != 256) return false;
   const char* disable = std::getenv("FLASHMOD_DISABLE_SM90");
   if (disable != nullptr && std::strcmp(disable, "1") == 0) return false;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
@@ -104,13 +104,17 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
                : cuda_kernels::run_attention_fwd<__half, D>(p, flags, stream);       \
     break;
     if (use_sm90_kernel(padded)) {
-      if (padded == 64) {
-        err = bf16 ? cuda_kernels::run_attention_fwd_sm90<__nv_bfloat16, 64>(p, flags, stream)
-                   : cuda_kernels::run_attention_fwd_sm90<__half, 64>(p, flags, stream);
-      } else {
-        err = bf16 ? cuda_kernels::run_attention_fwd_sm90<__nv_bfloat16, 128>(p, flags, stream)
-                   : cuda_kernels::run_attention_fwd_sm90<__half, 128>(p, flags, stream);
+#define FLASHMOD_DISPATCH_SM90(D)                                                         \
+  case D:                                                                                 \
+    err = bf16 ? cuda_kernels::run_attention_fwd_sm90<__nv_bfloat16, D>(p, flags, stream) \
+               : cuda_kernels::run_attention_fwd_sm90<__half, D>(p, flags, stream);       \
+    break;
+      switch (padded) {
+        FLASHMOD_DISPATCH_SM90(64)
+        FLASHMOD_DISPATCH_SM90(128)
+        FLASHMOD_DISPATCH_SM90(256)
       }
+#undef FLASHMOD_DISPATCH_SM90
     } else {
       switch (padded) {
         FLASHMOD_DISPATCH(32)

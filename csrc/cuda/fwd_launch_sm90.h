@@ -10,24 +10,45 @@
 namespace flashmod::cuda_kernels {
 namespace sm90 {
 
-// (Bc, warpgroups, stages, overlap) per head dim; Br = 64 * warpgroups.
+// (Bc, warpgroups, stages[, CTAs per SM]) per head dim; Br = 64 * warpgroups.
+// Measured on an H100 (bf16, N = 1k..16k, causal and not, ratio to SDPA FLASH in the same process;
+// benchmarks/results/NOTES.md "v5"/"v6"):
+//   D = 64:  64 x 64-key tiles, 2 warpgroups, 2 CTAs per SM (109 registers)  1.18-1.30x
+//            Br 128 x Bc 128, 1 CTA per SM                                  0.95-1.14x
+//            Br 64 (1 warpgroup) x Bc 64, 3 CTAs per SM                      1.06-1.16x
+//            Br 64 x Bc 128, 2 CTAs per SM                                   1.05-1.15x
+//            S_{j+1} overlapped with the softmax of S_j (3 stages)           0.80-1.07x
+//            (that variant, FA3's intra-warpgroup overlap, was removed after it lost)
+//   D = 128: Br 128 x Bc 128, 2 warpgroups, 1 CTA per SM (232 registers)    1.13-1.43x
+//            the same with 3 stages                                          1.18-1.36x (no gain)
+//            Br 64 x Bc 64, 2 CTAs per SM                                    1.08-1.21x
+//            Br 64 x Bc 128 (smem allows 1 CTA per SM)                       0.81-1.08x
+//            S_{j+1} overlapped (Bc 64 or 128)                               1.01-1.40x (no gain)
+//            2 CTAs per SM at 128 registers spills (48-120 bytes): not run.
 // Tuning hook: -DFLASHMOD_TUNE_SM90_<D>=v picks candidate v (benchmarks/tune_variants.sh).
-#define FLASHMOD_SM90_CAND_1 128, 2, 2, false
-#define FLASHMOD_SM90_CAND_2 64, 2, 2, false
-#define FLASHMOD_SM90_CAND_3 128, 2, 3, true
-#define FLASHMOD_SM90_CAND_4 64, 2, 3, true
-#define FLASHMOD_SM90_CAND_5 128, 2, 3, false
+#define FLASHMOD_SM90_CAND_1 128, 2, 2
+#define FLASHMOD_SM90_CAND_2 64, 2, 2
+#define FLASHMOD_SM90_CAND_5 128, 2, 3
+#define FLASHMOD_SM90_CAND_6 128, 1, 2
+#define FLASHMOD_SM90_CAND_7 64, 2, 2, 2
+#define FLASHMOD_SM90_CAND_8 64, 1, 2
 #define FLASHMOD_SM90_CAND_(v) FLASHMOD_SM90_CAND_##v
 #define FLASHMOD_SM90_CAND(v) FLASHMOD_SM90_CAND_(v)
 #ifdef FLASHMOD_TUNE_SM90_64
 #define FLASHMOD_SM90_TILE_64 FLASHMOD_SM90_CAND(FLASHMOD_TUNE_SM90_64)
 #else
-#define FLASHMOD_SM90_TILE_64 128, 2, 2, false
+#define FLASHMOD_SM90_TILE_64 64, 2, 2, 2
 #endif
 #ifdef FLASHMOD_TUNE_SM90_128
 #define FLASHMOD_SM90_TILE_128 FLASHMOD_SM90_CAND(FLASHMOD_TUNE_SM90_128)
 #else
-#define FLASHMOD_SM90_TILE_128 128, 2, 2, false
+#define FLASHMOD_SM90_TILE_128 128, 2, 2
+#endif
+
+#ifdef FLASHMOD_TUNE_SM90_256
+#define FLASHMOD_SM90_TILE_256 FLASHMOD_SM90_CAND(FLASHMOD_TUNE_SM90_256)
+#else
+#define FLASHMOD_SM90_TILE_256 64, 2, 2
 #endif
 
 template <typename Elem, int kHeadDim>
@@ -39,6 +60,10 @@ struct FwdConfigSm90<Elem, 64> {
 template <typename Elem>
 struct FwdConfigSm90<Elem, 128> {
   using Traits = FwdTraitsSm90<Elem, 128, FLASHMOD_SM90_TILE_128>;
+};
+template <typename Elem>
+struct FwdConfigSm90<Elem, 256> {
+  using Traits = FwdTraitsSm90<Elem, 256, FLASHMOD_SM90_TILE_256>;
 };
 
 template <class Tr>

@@ -26,7 +26,8 @@
 
 namespace flashmod::cuda_kernels::sm90 {
 
-template <typename Elem_, int kHeadDim_, int kBc, int kWarpgroups_, int kStages_, bool kOverlap_>
+template <typename Elem_, int kHeadDim_, int kBc, int kWarpgroups_, int kStages_,
+          int kMinBlocks_ = 1>
 struct FwdTraitsSm90 {
   using Elem = Elem_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -35,10 +36,9 @@ struct FwdTraitsSm90 {
   static constexpr int Bc = kBc;
   static constexpr int kNThreads = 128 * kWarpgroups;
   static constexpr int kStages = kStages_;
-  // Issue S_{j+1} = Q K_{j+1}^T before the softmax of S_j, so the tensor cores work while this
-  // warpgroup does exp2 and rescaling: costs a second S in registers and a third smem stage
-  // (K_{j+1} must be resident while K_j/V_j are still in use and K_{j+2} is loading).
-  static constexpr bool kOverlap = kOverlap_;
+  // CTAs per SM the register allocation must allow (__launch_bounds__): independent CTAs overlap
+  // one's softmax with another's matmuls without any scheduling code.
+  static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kNTiles = Bc / 8;        // n8 tiles of S per thread
   static constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of O per thread
   static constexpr int kKSteps = kHeadDim / 16;
@@ -48,10 +48,13 @@ struct FwdTraitsSm90 {
   static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV + 1024;
 
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "whole 64-column swizzle blocks; wgmma N of O");
+  // O += P V is issued in column chunks of at most 128 (wgmma's N): one for D = 64 or 128, two for
+  // 256.
+  static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+                "whole 64-column swizzle blocks");
   static_assert(Bc == 64 || Bc == 128, "wgmma N of S");
   static_assert(kStages >= 2, "one buffer computing, at least one loading");
-  static_assert(!kOverlap || kStages == 3, "overlap keeps blocks j and j+1 resident while j+2 loads");
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
 };
 
@@ -94,7 +97,7 @@ struct Sw128TileCopy {
 };
 
 template <class Tr, bool kGeneral>
-__global__ void __launch_bounds__(Tr::kNThreads, 1)
+__global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_fwd_sm90_kernel(const AttentionParams p, const FwdLaunchFlags flags) {
 #ifdef FLASHMOD_SM90A
   using Elem = typename Tr::Elem;
@@ -194,7 +197,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     wgmma_fence();  // Sx's registers were last touched by ordinary instructions
 #pragma unroll
     for (int ks = 0; ks < Tr::kKSteps; ++ks)
-      Wgmma<Elem, Bc>::ss(Sx[0], desc_advance(q_desc, k_step(ks, Br)), desc_advance(k_desc, k_step(ks, Bc)), ks > 0);
+      Wgmma<Elem, Bc>::ss(Sx[0], desc_advance(q_desc, k_step(ks, Br)),
+                          desc_advance(k_desc, k_step(ks, Bc)), ks > 0);
     wgmma_commit();
   };
   // Mask and online softmax of block n's scores, then O += P V_j issued and committed with P
@@ -216,60 +220,42 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     pin_registers(pa);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < Bc / 16; ++kk) Wgmma<Elem, D>::rs_accumulate(O[0], pa[kk], desc_advance(v_desc, kk * 2048));
+    for (int kk = 0; kk < Bc / 16; ++kk)
+#pragma unroll
+      for (int oc = 0; oc < D / Tr::kOChunk; ++oc) {
+        // Columns [oc * kOChunk, ...) of O and of V_j: n8 tiles from oc * kOChunk / 8, V's
+        // 64-wide column blocks from oc * kOChunk / 64 (each Bc * 128 bytes).
+        auto& o_chunk =
+            *reinterpret_cast<float (*)[Tr::kOChunk / 8][4]>(&O[0][oc * Tr::kOChunk / 8]);
+        Wgmma<Elem, Tr::kOChunk>::rs_accumulate(
+            o_chunk, pa[kk], desc_advance(v_desc, kk * 2048 + (oc * Tr::kOChunk / 64) * Bc * 128));
+      }
     wgmma_commit();
   };
 
-  if constexpr (!Tr::kOverlap) {
-    for (int n = range.lo; n < range.hi; ++n) {
-      cp_async_wait<Tr::kStages - 2>();
-      fence_proxy_async_smem();  // this thread's copies of K_j/V_j (and Q_i) -> visible to wgmma
-      // Publishes every thread's copies, and guarantees both warpgroups are done with the buffer
-      // the prefetch below overwrites (block n-1's).
-      __syncthreads();
-      {
-        const int next = n + Tr::kStages - 1;
-        if (next < range.hi) load_kv(next, (next - range.lo) % Tr::kStages);
-        cp_async_commit();
-      }
-      float S[1][NT][4];
-      issue_scores(S, n);
-      wgmma_wait<0>();
-      pin_registers(S[0]);
-      uint32_t pa[Bc / 16][4];
-      softmax_and_issue_pv(S, pa, n);
-      wgmma_wait<0>();
-      pin_registers(O[0]);
-      pin_registers(pa);
+  // Softmax and matmuls of one warpgroup run back to back; the overlap comes from the other
+  // warpgroup and, where registers allow, a second CTA on the SM. (Issuing S_{j+1} before the
+  // softmax of S_j, FlashAttention-3's intra-warpgroup overlap, measured slower here: NOTES v6.)
+  for (int n = range.lo; n < range.hi; ++n) {
+    cp_async_wait<Tr::kStages - 2>();
+    fence_proxy_async_smem();  // this thread's copies of K_j/V_j (and Q_i) -> visible to wgmma
+    // Publishes every thread's copies, and guarantees both warpgroups are done with the buffer
+    // the prefetch below overwrites (block n-1's).
+    __syncthreads();
+    {
+      const int next = n + Tr::kStages - 1;
+      if (next < range.hi) load_kv(next, (next - range.lo) % Tr::kStages);
+      cp_async_commit();
     }
-  } else {
-    float S[1][NT][4], S_next[1][NT][4];
-    cp_async_wait<Tr::kStages - 2>();  // Q_i and K_lo/V_lo (the oldest group)
-    fence_proxy_async_smem();
-    __syncthreads();  // publishes every thread's copies of them
-    issue_scores(S, range.lo);
+    float S[1][NT][4];
+    issue_scores(S, n);
     wgmma_wait<0>();
     pin_registers(S[0]);
-    for (int n = range.lo; n < range.hi; ++n) {
-      cp_async_wait<0>();  // K_{j+1}/V_{j+1}: the only group that can be pending here
-      fence_proxy_async_smem();
-      // Publishes K_{j+1}/V_{j+1}, and guarantees both warpgroups are done with block j-1's
-      // buffer, which the prefetch of block j+2 overwrites.
-      __syncthreads();
-      if (n + 2 < range.hi) load_kv(n + 2, (n + 2 - range.lo) % Tr::kStages);
-      cp_async_commit();
-      if (n + 1 < range.hi) issue_scores(S_next, n + 1);
-      uint32_t pa[Bc / 16][4];
-      softmax_and_issue_pv(S, pa, n);
-      wgmma_wait<0>();
-      pin_registers(O[0]);
-      pin_registers(pa);
-      pin_registers(S_next[0]);
-#pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) S[0][ni][e] = S_next[0][ni][e];
-    }
+    uint32_t pa[Bc / 16][4];
+    softmax_and_issue_pv(S, pa, n);
+    wgmma_wait<0>();
+    pin_registers(O[0]);
+    pin_registers(pa);
   }
   cp_async_wait<0>();  // only empty groups can be pending; retire them before exit
 
