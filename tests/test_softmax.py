@@ -12,6 +12,7 @@ from functools import partial
 
 import pytest
 import torch
+from tolerance import assert_within_rule
 
 import flashmod
 
@@ -52,9 +53,9 @@ def assert_rule(ours: torch.Tensor, truth: torch.Tensor, plain: torch.Tensor, wh
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-# On CUDA: warp per row, block per row, sm_90 cluster (40000, 131072 vectorized), two-kernel (65537
-# scalar, 300000).
-@pytest.mark.parametrize("n", [1, 17, 255, 256, 1023, 4097, 40000, 65537, 131072, 300000])
+# On CUDA: warp per row (<= 1023), block per row (4097, 16384), then the long-row paths that
+# test_softmax_long_row_paths checks by name.
+@pytest.mark.parametrize("n", [1, 17, 255, 256, 1023, 4097, 16384, 40000, 65537, 131072, 262143, 300000])
 def test_softmax_rows(dev, n):
     for dtype in dtypes_for(dev):
         x = (torch.randn(3, n, device=dev) * 4).to(dtype)
@@ -78,6 +79,61 @@ def test_softmax_non_contiguous_and_scalar(dev):
     torch.testing.assert_close(flashmod.softmax(x, 1), torch.softmax(x, 1))
     s = torch.randn((), device=dev)
     assert flashmod.softmax(s, 0).item() == 1.0 and flashmod.softmax(s, -1).shape == ()
+
+
+def long_path(n: int, capability: tuple[int, int]) -> tuple[str, int, int] | None:
+    """(path, threads, blocks per row) that csrc/cuda/softmax.cu's FLASHMOD_SOFTMAX_TRACE reports
+    for a row of n > 16384 elements (32 per thread); None where the build has no kernel of its own."""
+    if capability == (9, 0):
+        if n <= 8 * 256 * 32:
+            return ("cluster", 256, math.ceil(n / (256 * 32)))
+        if n <= 16 * 512 * 32:
+            return ("cluster", 512, math.ceil(n / (512 * 32)))  # 16: the non-portable cluster size
+    elif capability[0] != 8:
+        return None
+    elif n <= 1024 * 32:
+        return ("block", 1024, 1)
+    return ("two-kernel", 256, math.ceil(n / (256 * 32)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA launch paths")
+# (n, rows, FLASHMOD_SOFTMAX_CLUSTER_WAVES): odd n loads one element at a time. Waves "1" launches
+# only as many clusters as fit at once, so each loops over several rows (the parity buffers).
+@pytest.mark.parametrize(
+    "n,rows,waves",
+    [
+        (20000, 6, ""),
+        (65536, 6, ""),
+        (65537, 6, ""),
+        (262143, 6, ""),
+        (262144, 6, ""),
+        (300001, 6, ""),
+        (65536, 300, "1"),
+        (262144, 40, "1"),
+    ],
+)
+def test_softmax_long_row_paths(n, rows, waves, monkeypatch, capfd):
+    monkeypatch.setenv("FLASHMOD_SOFTMAX_TRACE", "1")
+    monkeypatch.setenv("FLASHMOD_SOFTMAX_CLUSTER_WAVES", waves)
+    capfd.readouterr()
+    expected = long_path(n, torch.cuda.get_device_capability())
+    for dtype in LOW:
+        x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
+        x[0] = NEG_INF  # all -inf: zeros
+        x[1, ::3] = NEG_INF  # partly -inf: exact zeros there
+        x[2, n - 1] = float("nan")  # NaN in the last block of the row: the whole row NaN
+        y = flashmod.softmax(x, -1)
+        trace = capfd.readouterr().err
+        if expected is not None:
+            path, threads, blocks = expected
+            assert f"n={n} path={path} threads={threads} blocks_per_row={blocks}" in trace, (dtype, trace)
+        assert (y[0] == 0).all()
+        assert (y[1, ::3] == 0).all()
+        assert torch.isnan(y[2]).all() and not torch.isnan(y[3:]).any()
+        keep = [1] + list(range(3, rows))
+        xk = x[keep]
+        what = f"{dtype} n={n} rows={rows} waves={waves!r}"
+        assert_within_rule(y[keep], torch.softmax(xk.double(), -1), torch.softmax(xk, -1), 2, dtype, what)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -1,31 +1,59 @@
 // CUDA softmax with the online normalizer.
 //
-// Last-dimension rows: every thread caches up to kPacks 16-byte packs of its row in registers, so
-// the row is read from memory once and written once (the copy-bandwidth bound). Each thread
-// summarises its elements as (max, sum of exp(x - max)); the summaries are merged with warp
-// shuffles (and through shared memory across warps), then every thread writes its cached
-// elements. Row length picks the shape: a warp per row (up to 32 * 8 packs), a block per row (up
-// to 1024 * 8 packs), or for longer rows several blocks per row. On sm_90 those blocks form a
-// thread-block cluster (up to 8, so 256k fp32 / 512k fp16 elements) and swap their (max, sum)
-// through distributed shared memory: still one read and one write. Elsewhere, or for longer rows,
-// one kernel writes each block's (max, sum) and a second merges them and writes (x read twice).
+// Last-dimension rows are read from memory once and written once (the copy-bandwidth bound):
+// every thread caches its share of a row in registers, summarises it as (max, sum of exp(x - max)),
+// the summaries are merged (warp shuffles, then shared memory across warps), and every thread
+// writes its cached elements.
+//
+// Rows up to 16k elements (4k where unaligned rows load one element at a time): a warp per row, or
+// a block of <= 512 threads per row, 8 loads per thread. Longer rows are split over the blocks of
+// a thread-block cluster (sm_90), which swap their (max, sum) through distributed shared memory:
+// still one read and one write. Those blocks are small (256 threads for clusters of <= 8, 512 for
+// up to 16, H100's non-portable size) and keep 32 elements per thread whatever the dtype, so that
+// the 64 registers per thread that 1024 resident threads per SM allow hold the row without
+// spilling, and so that each SM runs 2-4 blocks at different phases: while one waits on its loads
+// or on the cluster barrier, another's loads and stores keep memory busy. A single 1024-thread
+// block per SM cannot overlap its phases, and at 64 registers spilled 16-bit rows. A cluster of
+// 16 x 512 x 32 covers 256k elements. Where clusters are unavailable (pre-sm_90, or no room for
+// one), rows up to 32k take one 1024-thread block, longer rows two kernels: one writes each
+// segment's (max, sum) to a workspace, the other merges them and writes (x read twice).
+//
 // Rows along a non-last dimension (stride `inner`) get a thread each, neighbouring threads on
 // neighbouring rows so loads coalesce, with the element-by-element online update.
 #include <cooperative_groups.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <type_traits>
+
 #include "softmax_common.cuh"
 #include "softmax_launch.cuh"
-
-#include <algorithm>
 
 namespace flashmod::cuda {
 namespace {
 
-constexpr int kPacks = 8;              // packs each thread keeps in registers
-constexpr int kWarpRowsPerBlock = 4;   // rows per 128-thread block in the warp-per-row kernel
-constexpr int kSegmentThreads = 512;   // block size of the two-kernel multi-block path
-constexpr int kClusterThreads = 1024;  // block size of the cluster path
-constexpr int kMaxCluster = 8;         // the portable cluster size limit
+constexpr int kPacks = 8;             // 16-byte packs per thread on the short-row paths
+constexpr int kWarpRowsPerBlock = 4;  // rows per 128-thread block in the warp-per-row kernel
+constexpr int64_t kShortRow = 16384;  // longest row for the block-per-row paths of <= 512 threads
+// Elements per thread on every long-row path: 32 fp32 registers once widened, about half of the
+// 64-register budget that __launch_bounds__(threads, 1024 / threads) gives.
+constexpr int kLongElems = 32;
+constexpr int kSmallClusterThreads = 256;  // clusters of up to kPortableCluster blocks
+constexpr int kLargeClusterThreads = 512;  // clusters of up to kMaxCluster blocks
+constexpr int kPortableCluster = 8;
+constexpr int kMaxCluster = 16;          // H100's non-portable limit
+constexpr int kNoClusterThreads = 1024;  // one block per row, where clusters are unavailable
+constexpr int kSegmentThreads = 256;     // the two-kernel path
+constexpr int kMaxDevices = 64;          // launch_cluster caches its occupancy answer per device
+
+// Blocks per SM that leave each thread 64 registers (65536 per SM): what the long-row kernels need
+// to keep 1024 threads resident. The short-row kernels pass 0 (no minimum): an explicit 1 makes
+// ptxas spend ~25 more registers on them for nothing.
+constexpr int long_min_blocks(int threads) {
+  return 1024 / threads;
+}
 
 template <typename T, int kVec>
 struct alignas(sizeof(T) * kVec) Pack {
@@ -34,16 +62,39 @@ struct alignas(sizeof(T) * kVec) Pack {
 
 enum class Phase { kWhole, kPartialStats, kFinish, kCluster };
 
-// One row segment [begin, end) per group of kThreadsPerRow threads. kWhole: the segment is the
-// row. kPartialStats: write the segment's (max, sum) to stats. kFinish: merge all the row's
-// segment stats, then write this segment's probabilities. kCluster (sm_90): the row's segments
-// are the blocks of one cluster, which merge their stats through distributed shared memory.
-template <typename T, int kVec, int kThreadsPerRow, int kRowsPerBlock, Phase kPhase>
-__global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock)
-softmax_lastdim_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t n,
-                       int64_t segment, int segments, float* __restrict__ stats) {
+template <typename To, typename From>
+__device__ __forceinline__ To convert(From v) {
+  if constexpr (std::is_same_v<To, From>) {
+    return v;
+  } else {
+    return from_float<To>(to_float(v));
+  }
+}
+
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();
+#else
+  __trap();  // the host launches kCluster only where the kernel's binary is sm_90 or newer
+#endif
+}
+
+// One row segment [begin, end) per group of kThreadsPerRow threads, kPacksPerThread packs of kVec
+// elements per thread. kWhole: the segment is the row. kPartialStats: write the segment's
+// (max, sum) to stats. kFinish: merge all the row's segment stats, then write this segment's
+// probabilities. kCluster (sm_90): the row's segments are the blocks of one cluster, which merge
+// their stats through distributed shared memory.
+template <typename T, int kVec, int kPacksPerThread, int kThreadsPerRow, int kRowsPerBlock,
+          int kMinBlocks, Phase kPhase>
+__global__ void __launch_bounds__(kThreadsPerRow* kRowsPerBlock, kMinBlocks)
+    softmax_lastdim_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t n,
+                           int64_t segment, int segments, float* __restrict__ stats) {
   constexpr int kWarps = kThreadsPerRow / 32;
-  __shared__ float warp_m[kWarps > 1 ? kWarps : 1], warp_s[kWarps > 1 ? kWarps : 1];
+  constexpr int kSlots = kWarps > 1 ? kWarps : 1;
+  // Double-buffered by row parity, so one barrier per row is enough: a warp can only write row
+  // r + 2's slot after the barrier of row r + 1, which every thread passes after reading row r's.
+  // (kWhole gives each group one row, so its slot stays 0.)
+  __shared__ float warp_m[2][kSlots], warp_s[2][kSlots];
   const int lane = threadIdx.x % kThreadsPerRow;
   const int seg = kPhase == Phase::kWhole ? 0 : blockIdx.x;
   const int64_t begin = seg * segment, end = begin + segment < n ? begin + segment : n;
@@ -52,56 +103,61 @@ softmax_lastdim_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows,
                                 : blockIdx.y;
   const int64_t row_step = kPhase == Phase::kWhole ? rows : gridDim.y;  // one row per group there
 
-  for (int64_t row = row_first; row < rows; row += row_step) {
-    const T* xr = x + row * n;
-    // Kept in the input type: 16-bit rows take half the registers, widened when used.
-    Pack<T, kVec> v[kPacks];
+  // Pack i of this thread is pack i * kThreadsPerRow + lane of the segment. 32-bit indices (a
+  // segment never holds 2^31 packs) leave one base address per row and constant offsets.
+  const int packs = static_cast<int>((end - begin) / kVec);
+  int parity = 0;
+  for (int64_t row = row_first; row < rows; row += row_step, parity ^= kPhase != Phase::kWhole) {
+    const auto* xs = reinterpret_cast<const Pack<T, kVec>*>(x + row * n + begin) + lane;
+    // Packs stay in the input type (16-bit rows take half the registers) and are widened when
+    // used; single 16-bit elements are widened at once, as they fill a register either way.
+    using Cached = std::conditional_t<kVec == 1, float, T>;
+    Pack<Cached, kVec> v[kPacksPerThread];
 #pragma unroll
-    for (int i = 0; i < kPacks; ++i) {
-      const int64_t idx = begin + (int64_t(i) * kThreadsPerRow + lane) * kVec;
-      if (idx < end) {
-        v[i] = *reinterpret_cast<const Pack<T, kVec>*>(xr + idx);
+    for (int i = 0; i < kPacksPerThread; ++i) {
+      if (i * kThreadsPerRow + lane < packs) {
+        const Pack<T, kVec> pk = xs[i * kThreadsPerRow];
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) v[i].v[k] = convert<Cached>(pk.v[k]);
       } else {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) v[i].v[k] = from_float<T>(-INFINITY);
+        for (int k = 0; k < kVec; ++k) v[i].v[k] = from_float<Cached>(-INFINITY);
       }
     }
     // This thread's summary: max first (no exp), then one exp per element for the sum.
     float m = -INFINITY, s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kPacks; ++i)
+    for (int i = 0; i < kPacksPerThread; ++i)
 #pragma unroll
       for (int k = 0; k < kVec; ++k) m = fmaxf(m, to_float(v[i].v[k]));
 #pragma unroll
-    for (int i = 0; i < kPacks; ++i)
+    for (int i = 0; i < kPacksPerThread; ++i)
 #pragma unroll
       for (int k = 0; k < kVec; ++k) s += exp_from(to_float(v[i].v[k]), m);
 
     warp_merge(m, s, kThreadsPerRow < 32 ? kThreadsPerRow : 32);
     if constexpr (kWarps > 1) {
-      const int warp = lane / 32;
-      if (lane % 32 == 0) warp_m[warp] = m, warp_s[warp] = s;
+      if (lane % 32 == 0) warp_m[parity][lane / 32] = m, warp_s[parity][lane / 32] = s;
       __syncthreads();
-      m = warp_m[0], s = warp_s[0];
-      for (int w = 1; w < kWarps; ++w) merge(m, s, warp_m[w], warp_s[w]);
-      __syncthreads();  // warp_m/warp_s are reused by the next row of this block
+      m = warp_m[parity][0], s = warp_s[parity][0];
+      for (int w = 1; w < kWarps; ++w) merge(m, s, warp_m[parity][w], warp_s[parity][w]);
     }
 
     if constexpr (kPhase == Phase::kCluster) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      __shared__ float block_stats[2];
-      namespace cg = cooperative_groups;
-      const cg::cluster_group cluster = cg::this_cluster();
-      if (threadIdx.x == 0) block_stats[0] = m, block_stats[1] = s;
-      cluster.sync();
-      m = -INFINITY, s = 0.0f;
-      for (int g = 0; g < segments; ++g) {
-        const float* remote = cluster.map_shared_rank(block_stats, g);
-        merge(m, s, remote[0], remote[1]);
+      __shared__ float2 block_stats[2];  // this block's (max, sum); same parity rule as warp_m
+      if (threadIdx.x == 0) block_stats[parity] = make_float2(m, s);
+      cluster_sync();
+      // Every warp gathers the cluster's summaries itself, lane g from block g, and merges them
+      // with shuffles: no second block barrier to broadcast one warp's result. The butterfly gives
+      // every lane of every block bit-identical (max, sum).
+      const int g = threadIdx.x % 32;
+      float2 remote = make_float2(-INFINITY, 0.0f);
+      if (g < segments) {
+        remote = *cooperative_groups::this_cluster().map_shared_rank(&block_stats[parity], g);
       }
-      cluster.sync();  // no block moves on (or exits) while another still reads its stats
-#else
-      __trap();  // the host launches this phase only where the kernel's binary is sm_90 or newer
+      m = remote.x, s = remote.y;
+      warp_merge(m, s);
 #endif
     }
 
@@ -114,22 +170,27 @@ softmax_lastdim_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows,
     } else {
       if constexpr (kPhase == Phase::kFinish) {
         m = -INFINITY, s = 0.0f;
-        for (int g = 0; g < segments; ++g) merge(m, s, stats[(row * segments + g) * 2], stats[(row * segments + g) * 2 + 1]);
+        for (int g = 0; g < segments; ++g) {
+          merge(m, s, stats[(row * segments + g) * 2], stats[(row * segments + g) * 2 + 1]);
+        }
       }
       const float inv = inv_sum(m, s);
-      T* yr = y + row * n;
+      auto* ys = reinterpret_cast<Pack<T, kVec>*>(y + row * n + begin) + lane;
 #pragma unroll
-      for (int i = 0; i < kPacks; ++i) {
-        const int64_t idx = begin + (int64_t(i) * kThreadsPerRow + lane) * kVec;
-        if (idx < end) {
+      for (int i = 0; i < kPacksPerThread; ++i) {
+        if (i * kThreadsPerRow + lane < packs) {
           Pack<T, kVec> pk;
 #pragma unroll
-          for (int k = 0; k < kVec; ++k) pk.v[k] = from_float<T>(exp_from(to_float(v[i].v[k]), m) * inv);
-          *reinterpret_cast<Pack<T, kVec>*>(yr + idx) = pk;
+          for (int k = 0; k < kVec; ++k) {
+            pk.v[k] = from_float<T>(exp_from(to_float(v[i].v[k]), m) * inv);
+          }
+          ys[i * kThreadsPerRow] = pk;
         }
       }
     }
   }
+  // No block exits (freeing its shared memory) while another may still read its block_stats.
+  if constexpr (kPhase == Phase::kCluster) cluster_sync();
 }
 
 template <typename T>
@@ -147,38 +208,74 @@ __global__ void softmax_strided_kernel(const T* __restrict__ x, T* __restrict__ 
       m = mn;
     }
     const float inv = inv_sum(m, s);
-    for (int64_t d = 0; d < n; ++d) y[base + d * inner] = from_float<T>(exp_from(to_float(x[base + d * inner]), m) * inv);
+    for (int64_t d = 0; d < n; ++d)
+      y[base + d * inner] = from_float<T>(exp_from(to_float(x[base + d * inner]), m) * inv);
   }
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
-// Segments per row on the multi-block path for a per-thread capacity of `per_thread` elements.
-int64_t segments_for(int64_t n, int64_t per_thread) { return ceil_div(n, int64_t(kSegmentThreads) * per_thread); }
+// Segments per row on the two-kernel path.
+int64_t segments_for(int64_t n) {
+  return ceil_div(n, int64_t(kSegmentThreads) * kLongElems);
+}
 
-template <typename T, int kVec, int kThreads>
+// FLASHMOD_SOFTMAX_TRACE (any value): print which long-row path each call takes, to stderr.
+// tests/test_softmax.py uses it to check that each path is taken where expected. Read per call,
+// and only on the long-row paths, whose kernels take far longer than a getenv.
+void trace(int64_t n, const char* path, int threads, int64_t blocks_per_row) {
+  if (std::getenv("FLASHMOD_SOFTMAX_TRACE") == nullptr) return;
+  std::fprintf(stderr, "flashmod softmax: n=%lld path=%s threads=%d blocks_per_row=%lld\n",
+               static_cast<long long>(n), path, threads, static_cast<long long>(blocks_per_row));
+}
+
+template <typename T, int kVec, int kPacksPerThread, int kThreads, int kMinBlocks>
 void launch_block_per_row(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
-  softmax_lastdim_kernel<T, kVec, kThreads, 1, Phase::kWhole>
+  softmax_lastdim_kernel<T, kVec, kPacksPerThread, kThreads, 1, kMinBlocks, Phase::kWhole>
       <<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, y, rows, n, n, 1, nullptr);
 }
 
-// The cluster path for one row per cluster of up to 8 blocks of 1024 threads. Returns false,
-// launching nothing, where it does not apply: rows too long, a device or a kernel binary older
-// than sm_90, or no cluster of that size fits on the device.
-template <typename T, int kVec>
-bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
-  constexpr int64_t kPerBlock = int64_t(kClusterThreads) * kPacks * kVec;
-  const int64_t cluster = ceil_div(n, kPerBlock);
-  if (cluster > kMaxCluster) return false;
-  const auto kernel = softmax_lastdim_kernel<T, kVec, kClusterThreads, 1, Phase::kCluster>;
+// How many clusters of config's shape fit on the device at once; 0 where none does or the
+// kernel's binary predates sm_90. Errors are cleared: the caller then takes another path.
+template <typename Kernel>
+int max_active_clusters(Kernel kernel, const cudaLaunchConfig_t& config, int cluster) {
   cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess || attributes.binaryVersion < 90) {
+  int active = 0;
+  const bool ok =
+      cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess && attributes.binaryVersion >= 90 &&
+      (cluster <= kPortableCluster ||
+       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+           cudaSuccess) &&
+      cudaOccupancyMaxActiveClusters(&active, kernel, &config) == cudaSuccess;
+  if (!ok) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return active;
+}
+
+// One row per cluster of kThreads-thread blocks: up to kPortableCluster blocks of 256 threads, or
+// kMaxCluster of 512. Returns false, launching nothing, where the row needs more blocks, or no
+// cluster of that size can run (device, kernel binary or occupancy).
+//
+// FLASHMOD_SOFTMAX_CLUSTER_WAVES=w (tuning hook, default 0): launch only w times as many clusters
+// as fit at once, each looping over rows, instead of one cluster per row.
+template <typename T, int kVec, int kThreads>
+bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
+  constexpr int kLimit = kThreads == kLargeClusterThreads ? kMaxCluster : kPortableCluster;
+  const int64_t cluster = ceil_div(n, int64_t(kThreads) * kLongElems);
+  int device = 0;
+  if (cluster > kLimit || cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) {
     (void)cudaGetLastError();
     return false;
   }
+  const auto kernel = softmax_lastdim_kernel<T, kVec, kLongElems / kVec, kThreads, 1,
+                                             long_min_blocks(kThreads), Phase::kCluster>;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(cluster), static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
-  config.blockDim = dim3(kClusterThreads);
+  config.gridDim = dim3(static_cast<unsigned>(cluster), 1);
+  config.blockDim = dim3(kThreads);
   config.stream = stream;
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeClusterDimension;
@@ -187,43 +284,61 @@ bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stre
   attribute.val.clusterDim.z = 1;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  int active_clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&active_clusters, kernel, &config) != cudaSuccess || active_clusters < 1) {
-    (void)cudaGetLastError();
-    return false;
+  // Clusters resident at once, plus one (0: not asked yet); the driver queries cost microseconds.
+  static std::atomic<int> fit_cache[kMaxDevices][kMaxCluster + 1];
+  int fit = fit_cache[device][cluster].load(std::memory_order_relaxed);
+  if (fit == 0) {
+    fit = 1 + max_active_clusters(kernel, config, static_cast<int>(cluster));
+    fit_cache[device][cluster].store(fit, std::memory_order_relaxed);
   }
-  const int64_t segment = ceil_div(ceil_div(n, cluster), kVec) * kVec;  // packs never straddle blocks
+  if (fit == 1) return false;
+  int64_t grid_rows = std::min<int64_t>(rows, 65535);  // the kernel loops over the rest
+  if (const char* waves = std::getenv("FLASHMOD_SOFTMAX_CLUSTER_WAVES")) {
+    const int64_t w = std::atoll(waves);
+    if (w > 0) grid_rows = std::min<int64_t>(grid_rows, (fit - 1) * w);
+  }
+  config.gridDim = dim3(static_cast<unsigned>(cluster), static_cast<unsigned>(grid_rows));
+  const int64_t segment = ceil_div(ceil_div(n, cluster), kVec) * kVec;  // packs never straddle
   if (cudaLaunchKernelEx(&config, kernel, x, y, rows, n, segment, static_cast<int>(cluster),
                          static_cast<float*>(nullptr)) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
+  trace(n, "cluster", kThreads, cluster);
   return true;
 }
 
 template <typename T, int kVec>
-void launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace, cudaStream_t stream) {
+void launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
+                    cudaStream_t stream) {
   constexpr int64_t kPerThread = int64_t(kPacks) * kVec;
+  constexpr int kLongPacks = kLongElems / kVec;
   if (n <= 32 * kPerThread) {
-    softmax_lastdim_kernel<T, kVec, 32, kWarpRowsPerBlock, Phase::kWhole>
-        <<<static_cast<unsigned>(ceil_div(rows, kWarpRowsPerBlock)), 32 * kWarpRowsPerBlock, 0, stream>>>(
-            x, y, rows, n, n, 1, nullptr);
+    softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 0, Phase::kWhole>
+        <<<static_cast<unsigned>(ceil_div(rows, kWarpRowsPerBlock)), 32 * kWarpRowsPerBlock, 0,
+           stream>>>(x, y, rows, n, n, 1, nullptr);
   } else if (n <= 128 * kPerThread) {
-    launch_block_per_row<T, kVec, 128>(x, y, rows, n, stream);
+    launch_block_per_row<T, kVec, kPacks, 128, 0>(x, y, rows, n, stream);
   } else if (n <= 256 * kPerThread) {
-    launch_block_per_row<T, kVec, 256>(x, y, rows, n, stream);
-  } else if (n <= 512 * kPerThread) {
-    launch_block_per_row<T, kVec, 512>(x, y, rows, n, stream);
-  } else if (n <= 1024 * kPerThread) {
-    launch_block_per_row<T, kVec, 1024>(x, y, rows, n, stream);
-  } else if (!launch_cluster<T, kVec>(x, y, rows, n, stream)) {
-    const int segments = static_cast<int>(segments_for(n, kPerThread));
-    const int64_t segment = ceil_div(ceil_div(n, segments), kVec) * kVec;  // packs never straddle segments
+    launch_block_per_row<T, kVec, kPacks, 256, 0>(x, y, rows, n, stream);
+  } else if (n <= 512 * kPerThread && n <= kShortRow) {
+    launch_block_per_row<T, kVec, kPacks, 512, 0>(x, y, rows, n, stream);
+  } else if (launch_cluster<T, kVec, kSmallClusterThreads>(x, y, rows, n, stream) ||
+             launch_cluster<T, kVec, kLargeClusterThreads>(x, y, rows, n, stream)) {
+    return;
+  } else if (n <= int64_t(kNoClusterThreads) * kLongElems) {
+    launch_block_per_row<T, kVec, kLongPacks, kNoClusterThreads, 1>(x, y, rows, n, stream);
+    trace(n, "block", kNoClusterThreads, 1);
+  } else {
+    const int segments = static_cast<int>(segments_for(n));
+    const int64_t segment = ceil_div(ceil_div(n, segments), kVec) * kVec;  // packs never straddle
     const dim3 grid(segments, static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
-    softmax_lastdim_kernel<T, kVec, kSegmentThreads, 1, Phase::kPartialStats>
+    constexpr int kMin = long_min_blocks(kSegmentThreads);
+    softmax_lastdim_kernel<T, kVec, kLongPacks, kSegmentThreads, 1, kMin, Phase::kPartialStats>
         <<<grid, kSegmentThreads, 0, stream>>>(x, y, rows, n, segment, segments, workspace);
-    softmax_lastdim_kernel<T, kVec, kSegmentThreads, 1, Phase::kFinish>
+    softmax_lastdim_kernel<T, kVec, kLongPacks, kSegmentThreads, 1, kMin, Phase::kFinish>
         <<<grid, kSegmentThreads, 0, stream>>>(x, y, rows, n, segment, segments, workspace);
+    trace(n, "two-kernel", kSegmentThreads, segments);
   }
 }
 
@@ -234,7 +349,8 @@ void launch_typed(const SoftmaxParams& p, float* workspace, cudaStream_t stream)
   if (p.inner != 1) {
     constexpr int kThreads = 256;
     const int64_t blocks = std::min<int64_t>(ceil_div(p.outer * p.inner, kThreads), 65535);
-    softmax_strided_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, y, p.outer, p.dim_size, p.inner);
+    softmax_strided_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        x, y, p.outer, p.dim_size, p.inner);
     return;
   }
   constexpr int kVec = 16 / sizeof(T);
@@ -250,9 +366,9 @@ void launch_typed(const SoftmaxParams& p, float* workspace, cudaStream_t stream)
 }  // namespace
 
 int64_t softmax_workspace_floats(const SoftmaxParams& p) {
-  // Sized for the scalar (kVec = 1) variant, which needs the most segments.
-  if (p.inner != 1 || p.dim_size <= 1024 * kPacks) return 0;
-  return p.outer * segments_for(p.dim_size, kPacks) * 2;
+  // Only the two-kernel path uses it; sized for any row it might take.
+  if (p.inner != 1 || p.dim_size <= int64_t(kNoClusterThreads) * kLongElems) return 0;
+  return p.outer * segments_for(p.dim_size) * 2;
 }
 
 void launch_softmax(const SoftmaxParams& p, float* workspace, cudaStream_t stream) {

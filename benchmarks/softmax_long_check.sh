@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU check for long softmax rows (NOTES.md "softmax long rows (v2)"): build, the CUDA softmax
+# tests (every launch path by name), the path each benchmark shape takes, then the softmax benchmark
+# with one cluster per row (default) and with FLASHMOD_SOFTMAX_CLUSTER_WAVES=1 (persistent clusters).
+# Usage: bash benchmarks/softmax_long_check.sh   (logs go to $OUT, or ./gpu_logs)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+OUT=${OUT:-gpu_logs}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+if ! MAX_JOBS=$(nproc) FLASHMOD_CUDA_ARCHS="80;90a" FLASHMOD_NVCC_EXTRA="-Xptxas -v" \
+  python setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  exit 1
+fi
+timeout 240 python -m pytest tests/test_softmax.py -q -p no:cacheprovider -k cuda 2>&1 | tee "$OUT/tests.log" | tail -15
+FLASHMOD_SOFTMAX_TRACE=1 python -c "
+import torch, flashmod
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for rows, n in ((2048, 65536), (512, 262144)):
+        flashmod.softmax(torch.randn(rows, n, device='cuda', dtype=dtype), -1)
+torch.cuda.synchronize()
+" 2>&1 | tee "$OUT/paths.log"
+for waves in "" 1; do
+  FLASHMOD_SOFTMAX_CLUSTER_WAVES=$waves timeout 120 python benchmarks/bench_softmax.py --device cuda \
+    --out "$OUT/cuda-softmax-waves${waves:-0}.json" 2>&1 | tee "$OUT/softmax-bench-waves${waves:-0}.log" | sed -n 1,20p
+done
