@@ -40,6 +40,8 @@ def main() -> int:
         (2, 4, 1024, 4096, 128, {}),
         (1, 2, 17, 300, 59, {"softcap": 5.0}),
         (2, 4, 777, 1023, 111, {"window_left": 100, "window_right": 30}),
+        (2, 2, 203, 1023, 256, {"is_causal": True}),
+        (1, 2, 300, 77, 250, {"softcap": 5.0}),
     ]
     for dtype in (torch.bfloat16, torch.float16):
         for b, h, nq, nk, d, opts in shapes:
