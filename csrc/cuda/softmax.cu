@@ -27,11 +27,6 @@ constexpr int kSegmentThreads = 512;   // block size of the two-kernel multi-blo
 constexpr int kClusterThreads = 1024;  // block size of the cluster path
 constexpr int kMaxCluster = 8;         // the portable cluster size limit
 
-template <typename T, int kVec>
-struct alignas(sizeof(T) * kVec) Pack {
-  T v[kVec];
-};
-
 enum class Phase { kWhole, kPartialStats, kFinish, kCluster };
 
 // One row segment [begin, end) per group of kThreadsPerRow threads. kWhole: the segment is the
