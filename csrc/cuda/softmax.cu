@@ -55,11 +55,6 @@ constexpr int long_min_blocks(int threads) {
   return 1024 / threads;
 }
 
-template <typename T, int kVec>
-struct alignas(sizeof(T) * kVec) Pack {
-  T v[kVec];
-};
-
 enum class Phase { kWhole, kPartialStats, kFinish, kCluster };
 
 template <typename To, typename From>

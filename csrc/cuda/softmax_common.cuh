@@ -9,6 +9,12 @@
 
 namespace flashmod::cuda {
 
+// kVec elements moved as one aligned vector (16 bytes for kVec = 16 / sizeof(T)).
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Pack {
+  T v[kVec];
+};
+
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }

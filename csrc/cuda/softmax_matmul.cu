@@ -1,204 +1,406 @@
 // CUDA matmul_softmax: out = softmax(scale * a @ b^T + mask) with `out` as the only (B, Ha, M, N)
 // buffer.
 //
-// Fused path (fp16/bf16, depth <= 256 and a multiple of 8): a CTA of 4 warps owns 64 rows of one
-// (batch, head); each warp keeps its 16 rows of `a` as WMMA fragments in registers for the whole
-// kernel. The CTA walks the columns in tiles of 32 keys staged in shared memory; tensor cores
-// (wmma m16n16k16, fp32 accumulate) give each warp a 16 x 32 logit tile, which its lanes scale,
-// mask, fold into the per-row online normalizer (max, sum) and write raw into `out`; the next
-// tile's global loads are issued before that work so they overlap it. After the last tile every
-// warp re-reads its own rows (fresh in L2) and rewrites them as probabilities.
-// Causal CTAs stop at their diagonal; the columns past it are written as zeros in the second pass.
+// Fused path (fp16/bf16, depth <= 256 and a multiple of 8): `out` is written exactly once and never
+// read. A CTA of 4 warps owns kBM rows of one (batch, head); each warp keeps the mma fragments of
+// its 16 * kMTiles rows of `a` in registers. The CTA walks the columns twice, in tiles of kBN keys
+// that cp.async double-buffers in a swizzled shared tile (ptx_ops.h / smem_tile.h, the attention
+// kernel's building blocks):
+//   pass 1: logits = a @ b_tile^T on the tensor cores (mma m16n8k16, fp32 accumulators), scaled
+//           and masked in registers, folded into each row's online normalizer (max, sum); nothing
+//           is stored.
+//   pass 2: the same logits are recomputed (the same instructions, so the same fp32 values) and
+//           written as exp(x - max) / sum. The 4 lanes of a quad transpose their accumulator words
+//           with shuffles so each lane stores 8 consecutive outputs (one 16-byte store; a warp's
+//           store covers whole 32-byte sectors).
+// The pipeline runs through the pass boundary: tile 0 of pass 2 is prefetched during the last
+// tile of pass 1. Causal CTAs stop at their diagonal; the columns past it are zero-filled.
 //
 // Fallback (fp32, other depths or layouts): cuBLAS writes the raw logits into `out`
-// (logits_into_output on the host), then normalize_logits_kernel scales, masks and normalizes
-// each row in place.
-#include <mma.h>
-
+// (logits_into_output on the host), then a normalize kernel scales, masks and normalizes each row
+// in place, caching the row in registers (one read, one write) unless it is very long.
+#include "ptx_ops.h"
+#include "smem_tile.h"
 #include "softmax_common.cuh"
 #include "softmax_launch.cuh"
 
 namespace flashmod::cuda {
 namespace {
 
-namespace wmma = nvcuda::wmma;
+using cuda_kernels::cp_async_commit;
+using cuda_kernels::cp_async_wait;
+using cuda_kernels::LaneTileOffsets;
+using cuda_kernels::ldmatrix_x4;
+using cuda_kernels::Mma16816;
+using cuda_kernels::smem_addr;
+using cuda_kernels::TileCopyPlan;
 
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
-constexpr int kBM = 16 * kWarps;  // rows per CTA: 16 per warp
-constexpr int kBN = 32;           // columns per tile: two 16-wide WMMA tiles per warp
-constexpr int kPad = 16;          // elements of padding per shared row: keeps WMMA's 32-byte alignment
-constexpr int kScratchLd = kBN + 4;
+constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxDepth = 256;
 
-// Scale, causal and mask of logit (i, j) of the CTA's (batch, head); -inf when j is not visible.
+// x with the mask element at offset `off` applied: -inf where a bool mask is false; plus the
+// value times `unit` (which converts it to x's units) for an additive mask.
 template <typename T>
-__device__ __forceinline__ float masked_logit(float raw, const MatmulSoftmaxParams& p, int64_t b, int64_t h,
-                                              int64_t i, int64_t j) {
-  if (p.causal && j > i) return -INFINITY;
-  float x = raw * static_cast<float>(p.scale);
-  if (p.mask_kind != MaskKind::kNone) {
-    const int64_t off = b * p.mask_batch_stride + h * p.mask_head_stride + i * p.mask_row_stride + j * p.mask_col_stride;
-    switch (p.mask_kind) {
-      case MaskKind::kBool: x = static_cast<const uint8_t*>(p.mask)[off] ? x : -INFINITY; break;
-      case MaskKind::kAdditive: x += to_float(static_cast<const T*>(p.mask)[off]); break;
-      case MaskKind::kAdditiveF32: x += static_cast<const float*>(p.mask)[off]; break;
-      case MaskKind::kNone: break;
-    }
+__device__ __forceinline__ float apply_mask(float x, const MatmulSoftmaxParams& p, int64_t off,
+                                            float unit) {
+  switch (p.mask_kind) {
+    case MaskKind::kBool: return static_cast<const uint8_t*>(p.mask)[off] ? x : -INFINITY;
+    case MaskKind::kAdditive: return x + to_float(static_cast<const T*>(p.mask)[off]) * unit;
+    case MaskKind::kAdditiveF32: return x + static_cast<const float*>(p.mask)[off] * unit;
+    case MaskKind::kNone: break;
   }
   return x;
 }
 
-// Tiles of a row-major matrix move to shared memory in two steps, so the global loads of the next
-// b tile can be in flight while the tensor cores work on the current one: load_tile reads rows
-// [0, count) x [0, depth) into registers, one uint4 (8 elements) per slot, zero-filling rows past
-// `count` and columns past `depth` (zeros add nothing to the dot products); store_tile writes them
-// as kRows x kDepth with row pitch kLd. Needs depth % 8 == 0 and 16-byte aligned rows.
-template <int kRows, int kDepth>
-struct Tile {
-  static constexpr int kChunks = kDepth / 8;  // uint4 per row
-  static constexpr int kPerThread = kRows * kChunks / kThreads;
-  static_assert(kRows * kChunks % kThreads == 0, "tile must split evenly over the CTA");
-  uint4 chunk[kPerThread];
+// Scale, causal and mask of logit (i, j) of the CTA's (batch, head); -inf when j is not visible.
+template <typename T>
+__device__ __forceinline__ float masked_logit(float raw, const MatmulSoftmaxParams& p, int64_t b,
+                                              int64_t h, int64_t i, int64_t j) {
+  if (p.causal && j > i) return -INFINITY;
+  const int64_t off = b * p.mask_batch_stride + h * p.mask_head_stride + i * p.mask_row_stride +
+                      j * p.mask_col_stride;
+  return apply_mask<T>(raw * static_cast<float>(p.scale), p, off, 1.0f);
+}
 
-  template <typename T>
-  __device__ __forceinline__ void load(const T* src, int64_t row_stride, int64_t count, int64_t depth) {
-#pragma unroll
-    for (int t = 0; t < kPerThread; ++t) {
-      const int c = t * kThreads + threadIdx.x, r = c / kChunks, k = (c % kChunks) * 8;
-      chunk[t] = r < count && k < depth ? *reinterpret_cast<const uint4*>(src + r * row_stride + k)
-                                        : make_uint4(0, 0, 0, 0);
-    }
-  }
+// exp2(x - m), where a max of -inf (nothing visible yet) counts as 0 so -inf - -inf is no NaN.
+__device__ __forceinline__ float exp2_from(float x, float m) {
+  return exp2f(x - (m == -INFINITY ? 0.0f : m));
+}
 
-  template <int kLd, typename T>
-  __device__ __forceinline__ void store(T* dst) const {
-#pragma unroll
-    for (int t = 0; t < kPerThread; ++t) {
-      const int c = t * kThreads + threadIdx.x, r = c / kChunks, k = (c % kChunks) * 8;
-      *reinterpret_cast<uint4*>(dst + r * kLd + k) = chunk[t];
-    }
-  }
+// Compile-time shape of the fused kernel for one depth bucket (kDepth = depth rounded up to
+// 32/64/128/256; the columns past the real depth are zero-filled in shared memory).
+template <int kDepth_>
+struct FusedShape {
+  static constexpr int kDepth = kDepth_;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  // m16 tiles per warp. Two tiles make each ldmatrix of b feed 4 mma (shared-memory bandwidth
+  // matches the tensor cores); at depth 256 their a fragments would take 128 registers.
+  static constexpr int kMTiles = kDepth <= 128 ? 2 : 1;
+  static constexpr int kBM = 16 * kMTiles * kWarps;    // rows per CTA
+  static constexpr int kBN = kDepth <= 128 ? 64 : 32;  // columns per tile
+  static constexpr int kNTiles = kBN / 8;              // n8 accumulator tiles per warp
+  static constexpr int kKSteps = kDepth / 16;
+  static constexpr int kTileBytes = kBN * kDepth * 2;  // one stage of b
+  static constexpr int kABytes = kBM * kDepth * 2;     // a, staged once to load the fragments
+  // a is read into registers before the first b tile is issued, so the two share the space.
+  static constexpr int kSmemBytes = kABytes > 2 * kTileBytes ? kABytes : 2 * kTileBytes;
+  // CTAs per SM that ptxas must fit in the register file: the most it reaches without spills on
+  // sm_80 and sm_90a (at depth 128 the a fragments and accumulators alone take 128 registers).
+  static constexpr int kMinBlocks = kDepth == 128 ? 2 : kDepth == 256 ? 4 : 3;
+  static_assert(kNTiles % 4 == 0, "stores transpose groups of 4 n8 tiles within a quad");
+  static_assert(kSmemBytes <= 48 * 1024, "static shared memory");
 };
 
-template <typename T, int kKSteps>
-__global__ void __launch_bounds__(kThreads) matmul_softmax_fused_kernel(const MatmulSoftmaxParams p) {
-  constexpr int kDepth = 16 * kKSteps;
-  constexpr int kLd = kDepth + kPad;
-  constexpr int kSmemA = kBM * kLd * sizeof(T);
-  constexpr int kSmemTile = kBN * kLd * sizeof(T);
-  constexpr int kSmemB = kSmemTile + kWarps * 16 * kScratchLd * sizeof(float);
-  // The a-staging area and the (b tile, logit scratch) pair are never live at the same time.
-  __shared__ __align__(128) unsigned char smem[kSmemA > kSmemB ? kSmemA : kSmemB];
-
-  const int64_t M = p.rows, N = p.cols, K = p.depth;
-  const int64_t bh = blockIdx.y, b = bh / p.heads_a, h = bh % p.heads_a;
-  const int64_t hb = h / (p.heads_a / p.heads_b);
-  const T* A = static_cast<const T*>(p.a) + b * p.a_batch_stride + h * p.a_head_stride;
-  const T* B = static_cast<const T*>(p.b) + b * p.b_batch_stride + hb * p.b_head_stride;
-  T* O = static_cast<T*>(p.out) + bh * M * N;
-  const int64_t row0 = int64_t(blockIdx.x) * kBM;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-
-  T* s_tile = reinterpret_cast<T*>(smem);
-  {
-    Tile<kBM, kDepth> a_tile;
-    a_tile.load(A + row0 * p.a_row_stride, p.a_row_stride, M - row0, K);
-    a_tile.template store<kLd>(s_tile);
-  }
-  __syncthreads();
-  wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> frag_a[kKSteps];
+// The quad (4 lanes sharing an accumulator row) holds 4 n8 tiles of one row, lane t words
+// w[q] = columns 8q + 2t, +1 of tile q. Afterwards lane t holds tile t: w[s] = columns 8t + 2s,
+// +1, i.e. 8 consecutive outputs. Two butterfly stages over the lane bits; all lanes take part.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t) {
+  const bool b0 = t & 1, b1 = t & 2;
 #pragma unroll
-  for (int ks = 0; ks < kKSteps; ++ks) wmma::load_matrix_sync(frag_a[ks], s_tile + warp * 16 * kLd + ks * 16, kLd);
-  __syncthreads();  // shared memory now holds b tiles
-
-  float* scratch = reinterpret_cast<float*>(smem + kSmemTile) + warp * 16 * kScratchLd;
-  const int my_row = lane / 2, my_col = (lane % 2) * 16;  // each lane: 16 columns of one row
-  const int64_t i = row0 + warp * 16 + my_row;
-  const bool row_ok = i < M;
-  const bool vec_store = N % 8 == 0;
-  float m = -INFINITY, s = 0.0f;
-  const int64_t n_end = p.causal ? (row0 + kBM < N ? row0 + kBM : N) : N;
-
-  Tile<kBN, kDepth> b_tile;
-  b_tile.load(B, p.b_row_stride, N, K);
-  for (int64_t n0 = 0; n0 < n_end; n0 += kBN) {
-    b_tile.template store<kLd>(s_tile);
-    __syncthreads();
-    if (n0 + kBN < n_end) b_tile.load(B + (n0 + kBN) * p.b_row_stride, p.b_row_stride, N - n0 - kBN, K);
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) wmma::fill_fragment(acc[c], 0.0f);
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        // b's rows are the columns of b^T: a col-major K x 16 operand with pitch kLd.
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> frag_b;
-        wmma::load_matrix_sync(frag_b, s_tile + c * 16 * kLd + ks * 16, kLd);
-        wmma::mma_sync(acc[c], frag_a[ks], frag_b, acc[c]);
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < 2; ++c) wmma::store_matrix_sync(scratch + c * 16, acc[c], kScratchLd, wmma::mem_row_major);
-    __syncwarp();
-
-    float v[16];
-    float tile_max = -INFINITY;
-#pragma unroll
-    for (int q = 0; q < 16; ++q) {
-      const int64_t j = n0 + my_col + q;
-      v[q] = row_ok && j < N ? masked_logit<T>(scratch[my_row * kScratchLd + my_col + q], p, b, h, i, j) : -INFINITY;
-      // The second pass sees the logit rounded to T (it is stored in `out`); the summary must
-      // describe the same numbers, or the row would not sum to 1.
-      v[q] = to_float(from_float<T>(v[q]));
-      tile_max = fmaxf(tile_max, v[q]);
-    }
-    float tile_sum = 0.0f;
-#pragma unroll
-    for (int q = 0; q < 16; ++q) tile_sum += exp_from(v[q], tile_max);
-    merge(m, s, tile_max, tile_sum);
-
-    if (row_ok) {  // the raw (scaled, masked) logits, normalized in place below
-      const int64_t j0 = n0 + my_col;
-      T* dst = O + i * N + j0;
-      if (vec_store && j0 + 16 <= N) {
-        alignas(16) T packed[16];
-#pragma unroll
-        for (int q = 0; q < 16; ++q) packed[q] = from_float<T>(v[q]);  // exact: v is already in T
-        reinterpret_cast<uint4*>(dst)[0] = reinterpret_cast<const uint4*>(packed)[0];
-        reinterpret_cast<uint4*>(dst)[1] = reinterpret_cast<const uint4*>(packed)[1];
-      } else {
-        for (int q = 0; q < 16 && j0 + q < N; ++q) dst[q] = from_float<T>(v[q]);
-      }
-    }
-    __syncthreads();  // the next tile overwrites s_tile and scratch
-  }
-
-  // Each row's summary is split over two lanes; merge them, then normalize the warp's 16 rows.
-  merge(m, s, __shfl_xor_sync(0xffffffffu, m, 1), __shfl_xor_sync(0xffffffffu, s, 1));
-  __syncwarp();  // the raw logits this warp wrote are visible to all its lanes
-  for (int r = 0; r < 16; ++r) {
-    const int64_t row = row0 + warp * 16 + r;
-    if (row >= M) break;  // uniform across the warp
-    const float row_m = __shfl_sync(0xffffffffu, m, 2 * r), inv = inv_sum(row_m, __shfl_sync(0xffffffffu, s, 2 * r));
-    const int64_t limit = p.causal ? (row + 1 < N ? row + 1 : N) : N;
-    T* dst = O + row * N;
-    if (vec_store) {
-      for (int64_t j = int64_t(lane) * 8; j < N; j += 32 * 8) {
-        alignas(16) T packed[8];
-        if (j < limit) *reinterpret_cast<uint4*>(packed) = *reinterpret_cast<const uint4*>(dst + j);
-#pragma unroll
-        for (int q = 0; q < 8; ++q)
-          packed[q] = from_float<T>(j + q < limit ? exp_from(to_float(packed[q]), row_m) * inv : 0.0f);
-        *reinterpret_cast<uint4*>(dst + j) = *reinterpret_cast<const uint4*>(packed);
-      }
+  for (int x = 0; x < 2; ++x) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, b0 ? w[2 * x] : w[2 * x + 1], 1);
+    if (b0) {
+      w[2 * x] = got;
     } else {
-      for (int64_t j = lane; j < N; j += 32) dst[j] = from_float<T>(j < limit ? exp_from(to_float(dst[j]), row_m) * inv : 0.0f);
+      w[2 * x + 1] = got;
+    }
+  }
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, b1 ? w[x] : w[2 + x], 2);
+    if (b1) {
+      w[x] = got;
+    } else {
+      w[2 + x] = got;
     }
   }
 }
 
+template <typename T, int kDepth, bool kMasked>
+__global__ void __launch_bounds__(FusedShape<kDepth>::kThreads, FusedShape<kDepth>::kMinBlocks)
+    matmul_softmax_fused_kernel(const MatmulSoftmaxParams p) {
+  using Shape = FusedShape<kDepth>;
+  using Mma = Mma16816<T>;
+  constexpr int kThreads = Shape::kThreads, kBM = Shape::kBM, kBN = Shape::kBN;
+  constexpr int MT = Shape::kMTiles, NT = Shape::kNTiles, KS = Shape::kKSteps;
+  __shared__ __align__(128) unsigned char smem[Shape::kSmemBytes];
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t M = p.rows, N = p.cols;
+  // Row blocks vary fastest, so the CTAs running together share their b head in L2. Causal: the
+  // last row blocks see the most columns; start them first to shorten the tail.
+  const int64_t m_blocks = (M + kBM - 1) / kBM;
+  int64_t m_block = blockIdx.x % m_blocks;
+  const int64_t bh = blockIdx.x / m_blocks;
+  if (p.causal) m_block = m_blocks - 1 - m_block;
+  const int64_t b = bh / p.heads_a, h = bh % p.heads_a, hb = h / (p.heads_a / p.heads_b);
+  const int64_t row0 = m_block * kBM;
+  const T* A = static_cast<const T*>(p.a) + b * p.a_batch_stride + h * p.a_head_stride +
+               row0 * p.a_row_stride;
+  const T* B = static_cast<const T*>(p.b) + b * p.b_batch_stride + hb * p.b_head_stride;
+  T* O = static_cast<T*>(p.out) + bh * M * N;
+  const int depth = static_cast<int>(p.depth);
+  const uint32_t s_base = smem_addr(smem);
+
+  // a's rows -> shared -> mma fragments, kept in registers for both passes.
+  const int lm_mat = lane >> 3, lm_row = lane & 7;  // ldmatrix: lanes 8i..8i+7 address matrix i
+  const int warp_row0 = warp * MT * 16;
+  uint32_t af[MT][KS][4];
+  {
+    const TileCopyPlan<kBM, kDepth, kThreads> a_copy(tid, depth);
+    a_copy.load(s_base, A, p.a_row_stride, static_cast<int>(M - row0 < kBM ? M - row0 : kBM));
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const LaneTileOffsets<kDepth> a_off(warp_row0 + lm_row + (lm_mat & 1) * 8, lm_mat >> 1);
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) ldmatrix_x4(af[mi][ks], s_base + 2 * a_off.at(mi * 16, ks));
+    __syncthreads();  // the a area now takes the b tiles
+  }
+
+  const TileCopyPlan<kBN, kDepth, kThreads> b_copy(tid, depth);
+  const LaneTileOffsets<kDepth> b_off(lm_row + (lm_mat >> 1) * 8, lm_mat & 1);
+  const int64_t n_end = p.causal ? (row0 + kBM < N ? row0 + kBM : N) : N;
+  const int64_t tiles = (n_end + kBN - 1) / kBN;
+  auto load_b = [&](int64_t tile, int stage) {
+    const int64_t n0 = tile * kBN;
+    b_copy.load(s_base + stage * Shape::kTileBytes, B + n0 * p.b_row_stride, p.b_row_stride,
+                static_cast<int>(N - n0 < kBN ? N - n0 : kBN));
+    cp_async_commit();
+  };
+
+  // Accumulator coordinates: row g (+8), columns 2t, 2t+1 of each n8 tile.
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t first_row = row0 + warp_row0;  // this warp's first row
+  const float c2 = static_cast<float>(p.scale) * kLog2e;
+  const bool vec_store = N % 8 == 0;
+  // Row (mi, hh)'s normalizer in base-2 units: max and sum in pass 1; in pass 2 the exponent base
+  // and 1 / sum.
+  float row_m[MT][2], row_s[MT][2];
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) row_m[mi][hh] = -INFINITY, row_s[mi][hh] = 0.0f;
+
+  load_b(0, 0);
+  const int64_t steps = 2 * tiles;  // pass 1, then pass 2 over the same tiles
+  for (int64_t step = 0; step < steps; ++step) {
+    const int stage = static_cast<int>(step & 1);
+    const bool pass2 = step >= tiles;
+    const int64_t n0 = (pass2 ? step - tiles : step) * kBN;
+    cp_async_wait<0>();
+    // Publishes this step's tile, and every warp is done with the other stage (the previous step).
+    __syncthreads();
+    if (step + 1 < steps) load_b(step + 1 < tiles ? step + 1 : step + 1 - tiles, stage ^ 1);
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+    const uint32_t s_tile = s_base + stage * Shape::kTileBytes;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bf[4];
+        ldmatrix_x4(bf, s_tile + 2 * b_off.at(np * 16, ks));
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          Mma::run(acc[mi][2 * np], af[mi][ks], bf[0], bf[1]);
+          Mma::run(acc[mi][2 * np + 1], af[mi][ks], bf[2], bf[3]);
+        }
+      }
+
+    // Logits in base-2 units. A tile past N or across this warp's causal diagonal hides columns
+    // c >= visible of each row (relative to n0); a mask is read per element. Both passes take the
+    // same branches for a tile, so they see the same values.
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mi][ni][e] *= c2;
+    if (n0 + kBN > N || (p.causal && n0 + kBN - 1 > first_row)) {
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int64_t i = first_row + mi * 16 + g + 8 * hh;
+          int64_t end = N - n0;
+          if (p.causal && i + 1 - n0 < end) end = i + 1 - n0;
+          const int visible = i >= M || end < 0 ? 0 : end > kBN ? kBN : static_cast<int>(end);
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (ni * 8 + 2 * t + e >= visible) acc[mi][ni][2 * hh + e] = -INFINITY;
+        }
+    }
+    if constexpr (kMasked) {
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int64_t i = first_row + mi * 16 + g + 8 * hh;
+          if (i >= M) continue;
+          const int64_t row_off =
+              b * p.mask_batch_stride + h * p.mask_head_stride + i * p.mask_row_stride;
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& x = acc[mi][ni][2 * hh + e];
+              const int64_t j = n0 + ni * 8 + 2 * t + e;
+              if (x != -INFINITY) x = apply_mask<T>(x, p, row_off + j * p.mask_col_stride, kLog2e);
+            }
+        }
+    }
+
+    if (!pass2) {
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+            mx = fmaxf(mx, fmaxf(acc[mi][ni][2 * hh], acc[mi][ni][2 * hh + 1]));
+          const float mn = fmaxf(row_m[mi][hh], mx);
+          float sum = 0.0f;
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+            sum += exp2_from(acc[mi][ni][2 * hh], mn) + exp2_from(acc[mi][ni][2 * hh + 1], mn);
+          row_s[mi][hh] = row_s[mi][hh] * exp2_from(row_m[mi][hh], mn) + sum;
+          row_m[mi][hh] = mn;
+        }
+      continue;
+    }
+
+    if (step == tiles) {
+      // Each row's summary is split over the 4 lanes of its quad: merge, then invert once.
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float& m = row_m[mi][hh];
+          float& s = row_s[mi][hh];
+#pragma unroll
+          for (int offset = 1; offset < 4; offset *= 2) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
+            const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+            const float mn = fmaxf(m, m2);
+            s = s * exp2_from(m, mn) + s2 * exp2_from(m2, mn);
+            m = mn;
+          }
+          s = inv_sum(m, s);  // 0 for a row with nothing visible
+          if (m == -INFINITY) m = 0.0f;
+        }
+    }
+
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int64_t i = first_row + mi * 16 + g + 8 * hh;
+#pragma unroll
+        for (int q4 = 0; q4 < NT / 4; ++q4) {
+          uint32_t w[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const float* x = acc[mi][4 * q4 + q] + 2 * hh;
+            w[q] = Mma::pack(exp2f(x[0] - row_m[mi][hh]) * row_s[mi][hh],
+                             exp2f(x[1] - row_m[mi][hh]) * row_s[mi][hh]);
+          }
+          quad_transpose(w, t);
+          const int64_t j = n0 + q4 * 32 + t * 8;
+          if (i >= M || j >= N) continue;
+          T* dst = O + i * N + j;
+          if (vec_store) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+          } else {
+          // Element e is the (e % 2)-th half of word e / 2 (pack puts the first in the low bits).
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+              if (j + e < N)
+                reinterpret_cast<uint16_t*>(dst)[e] =
+                    static_cast<uint16_t>(w[e / 2] >> (16 * (e % 2)));
+          }
+        }
+      }
+  }
+
+  // Causal: the columns past the CTA's last computed tile are invisible to all its rows.
+  const int64_t z0 = tiles * kBN;
+  if (z0 < N) {
+    for (int r = 0; r < MT * 16 && first_row + r < M; ++r) {
+      T* dst = O + (first_row + r) * N;
+      if (vec_store) {
+        for (int64_t j = z0 + lane * 8; j < N; j += 32 * 8)
+          *reinterpret_cast<uint4*>(dst + j) = make_uint4(0, 0, 0, 0);
+      } else {
+        for (int64_t j = z0 + lane; j < N; j += 32) dst[j] = from_float<T>(0.0f);
+      }
+    }
+  }
+}
+
+// Fallback normalize, rows up to kThreads * kPacks * kVec long: each thread caches its packs of
+// the row (scaled and masked, fp32) in registers, so `out` is read once and written once.
+constexpr int kPacks = 4;
+
+template <typename T, int kVec, int kThreads>
+__global__ void __launch_bounds__(kThreads) normalize_cached_kernel(const MatmulSoftmaxParams p) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float warp_m[kWarps], warp_s[kWarps];
+  const int64_t M = p.rows, N = p.cols;
+  const int64_t row = blockIdx.x, i = row % M, h = (row / M) % p.heads_a, b = row / (M * p.heads_a);
+  const int64_t limit = p.causal ? (i + 1 < N ? i + 1 : N) : N;
+  T* o = static_cast<T*>(p.out) + row * N;
+  float v[kPacks][kVec];
+  float m = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int64_t j0 = (int64_t(k) * kThreads + threadIdx.x) * kVec;
+    Pack<T, kVec> pk;
+    if (j0 < limit) pk = *reinterpret_cast<const Pack<T, kVec>*>(o + j0);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      v[k][e] = j0 + e < limit ? masked_logit<T>(to_float(pk.v[e]), p, b, h, i, j0 + e) : -INFINITY;
+      m = fmaxf(m, v[k][e]);
+    }
+  }
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) s += exp_from(v[k][e], m);
+  warp_merge(m, s);
+  if constexpr (kWarps > 1) {
+    if (threadIdx.x % 32 == 0) warp_m[threadIdx.x / 32] = m, warp_s[threadIdx.x / 32] = s;
+    __syncthreads();
+    m = warp_m[0], s = warp_s[0];
+    for (int w = 1; w < kWarps; ++w) merge(m, s, warp_m[w], warp_s[w]);
+  }
+  const float inv = inv_sum(m, s);
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int64_t j0 = (int64_t(k) * kThreads + threadIdx.x) * kVec;
+    if (j0 >= N) break;
+    Pack<T, kVec> pk;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e)
+      pk.v[e] = from_float<T>(j0 + e < limit ? exp_from(v[k][e], m) * inv : 0.0f);
+    *reinterpret_cast<Pack<T, kVec>*>(o + j0) = pk;
+  }
+}
+
+// Fallback normalize for longer rows: one pass for the normalizer, one to rewrite.
 template <typename T>
 __global__ void __launch_bounds__(256) normalize_logits_kernel(const MatmulSoftmaxParams p) {
   __shared__ float warp_m[8], warp_s[8];
@@ -221,54 +423,78 @@ __global__ void __launch_bounds__(256) normalize_logits_kernel(const MatmulSoftm
   const float inv = inv_sum(m, s);
   // Each thread rewrites exactly the elements it read, so reading and writing in place is safe.
   for (int64_t j = threadIdx.x; j < N; j += blockDim.x)
-    o[j] = from_float<T>(j < limit ? exp_from(masked_logit<T>(to_float(o[j]), p, b, h, i, j), m) * inv : 0.0f);
+    o[j] = from_float<T>(
+        j < limit ? exp_from(masked_logit<T>(to_float(o[j]), p, b, h, i, j), m) * inv : 0.0f);
 }
 
-template <typename T, int kKSteps>
-void launch_fused(const MatmulSoftmaxParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.rows + kBM - 1) / kBM), static_cast<unsigned>(p.batch * p.heads_a));
-  matmul_softmax_fused_kernel<T, kKSteps><<<grid, kThreads, 0, stream>>>(p);
+bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+template <typename T, int kDepth>
+bool launch_fused(const MatmulSoftmaxParams& p, cudaStream_t stream) {
+  using Shape = FusedShape<kDepth>;
+  const int64_t blocks = (p.rows + Shape::kBM - 1) / Shape::kBM * p.batch * p.heads_a;
+  if (blocks > 0x7fffffff) return false;
+  const auto grid = static_cast<unsigned>(blocks);
+  if (p.mask_kind == MaskKind::kNone) {
+    matmul_softmax_fused_kernel<T, kDepth, false><<<grid, Shape::kThreads, 0, stream>>>(p);
+  } else {
+    matmul_softmax_fused_kernel<T, kDepth, true><<<grid, Shape::kThreads, 0, stream>>>(p);
+  }
+  return true;
 }
 
 template <typename T>
-void launch_fused_typed(const MatmulSoftmaxParams& p, cudaStream_t stream) {
-  if (p.depth <= 32) {
-    launch_fused<T, 2>(p, stream);
-  } else if (p.depth <= 64) {
-    launch_fused<T, 4>(p, stream);
-  } else if (p.depth <= 128) {
-    launch_fused<T, 8>(p, stream);
-  } else {
-    launch_fused<T, 16>(p, stream);
-  }
+bool launch_fused_typed(const MatmulSoftmaxParams& p, cudaStream_t stream) {
+  if (p.depth <= 32) return launch_fused<T, 32>(p, stream);
+  if (p.depth <= 64) return launch_fused<T, 64>(p, stream);
+  if (p.depth <= 128) return launch_fused<T, 128>(p, stream);
+  return launch_fused<T, 256>(p, stream);
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+template <typename T, int kVec>
+bool launch_cached(const MatmulSoftmaxParams& p, int64_t rows, cudaStream_t stream) {
+  const auto grid = static_cast<unsigned>(rows);
+  if (p.cols <= 128 * kPacks * kVec) {
+    normalize_cached_kernel<T, kVec, 128><<<grid, 128, 0, stream>>>(p);
+  } else if (p.cols <= 512 * kPacks * kVec) {
+    normalize_cached_kernel<T, kVec, 512><<<grid, 512, 0, stream>>>(p);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+template <typename T>
+void launch_normalize(const MatmulSoftmaxParams& p, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int64_t rows = p.batch * p.heads_a * p.rows;
+  const bool vec = p.cols % kVec == 0 && aligned16(p.out);
+  if (vec ? launch_cached<T, kVec>(p, rows, stream) : launch_cached<T, 1>(p, rows, stream)) return;
+  normalize_logits_kernel<T><<<static_cast<unsigned>(rows), 256, 0, stream>>>(p);
+}
 
 }  // namespace
 
 bool launch_matmul_softmax_fused(const MatmulSoftmaxParams& p, cudaStream_t stream) {
   const bool half = p.dtype == ScalarKind::kFloat16 || p.dtype == ScalarKind::kBFloat16;
   // 16-byte loads of a's and b's rows need every row start 16-byte aligned.
-  const bool layout_ok = p.depth % 8 == 0 && p.depth <= kMaxDepth && aligned16(p.a) && aligned16(p.b) &&
-                         aligned16(p.out) && p.a_row_stride % 8 == 0 && p.a_head_stride % 8 == 0 &&
-                         p.a_batch_stride % 8 == 0 && p.b_row_stride % 8 == 0 && p.b_head_stride % 8 == 0 &&
+  const bool layout_ok = p.depth % 8 == 0 && p.depth <= kMaxDepth && aligned16(p.a) &&
+                         aligned16(p.b) && aligned16(p.out) && p.a_row_stride % 8 == 0 &&
+                         p.a_head_stride % 8 == 0 && p.a_batch_stride % 8 == 0 &&
+                         p.b_row_stride % 8 == 0 && p.b_head_stride % 8 == 0 &&
                          p.b_batch_stride % 8 == 0;
-  if (!half || !layout_ok || p.batch * p.heads_a > 65535) return false;
-  if (p.dtype == ScalarKind::kFloat16) {
-    launch_fused_typed<__half>(p, stream);
-  } else {
-    launch_fused_typed<__nv_bfloat16>(p, stream);
-  }
-  return true;
+  if (!half || !layout_ok) return false;
+  if (p.dtype == ScalarKind::kFloat16) return launch_fused_typed<__half>(p, stream);
+  return launch_fused_typed<__nv_bfloat16>(p, stream);
 }
 
 void launch_normalize_logits_in_place(const MatmulSoftmaxParams& p, cudaStream_t stream) {
-  const int64_t rows = p.batch * p.heads_a * p.rows;
   switch (p.dtype) {
-    case ScalarKind::kFloat32: normalize_logits_kernel<float><<<static_cast<unsigned>(rows), 256, 0, stream>>>(p); break;
-    case ScalarKind::kFloat16: normalize_logits_kernel<__half><<<static_cast<unsigned>(rows), 256, 0, stream>>>(p); break;
-    case ScalarKind::kBFloat16: normalize_logits_kernel<__nv_bfloat16><<<static_cast<unsigned>(rows), 256, 0, stream>>>(p); break;
+    case ScalarKind::kFloat32: launch_normalize<float>(p, stream); break;
+    case ScalarKind::kFloat16: launch_normalize<__half>(p, stream); break;
+    case ScalarKind::kBFloat16: launch_normalize<__nv_bfloat16>(p, stream); break;
     case ScalarKind::kFloat64: break;  // rejected by the host checks before any launch
   }
 }
