@@ -50,6 +50,10 @@ struct AttentionParams {
   int64_t window_left = -1;
   int64_t window_right = -1;
   int64_t diag_offset = 0;
+  // GQA packing (CUDA decode path only): when > 0, the g query heads of a kv group were folded
+  // into one head of g * pos_period rows, head-major, so row i is query position i % pos_period
+  // and the window rule above applies to that position. 0: row i is position i.
+  int64_t pos_period = 0;
 
   // Double so the fp64 CPU path keeps full precision; kernels narrow them to their accumulator type.
   double scale = 1.0;    // multiplies q·k before the soft cap

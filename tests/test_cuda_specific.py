@@ -14,6 +14,7 @@ compute-sanitizer (run by test_compute_sanitizer below, or by hand):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -269,6 +270,142 @@ def test_offsets_past_2_pow_31():
 
 
 # ---------------------------------------------------------------------------------------------
+# Decode path (Nq <= 64: csrc/cuda/fwd_launch.h's decode kernel with GQA packing and split-KV).
+# The host picks packing and the split count from the shapes; the FLASHMOD_DECODE* knobs of
+# csrc/cuda/attention_cuda.cpp force each choice, so every case runs under all of them.
+DECODE_MODES = {
+    "heuristic": {},
+    "prefill_kernel": {"FLASHMOD_DECODE": "0"},
+    "packed_1split": {"FLASHMOD_DECODE_SPLITS": "1"},
+    "unpacked_1split": {"FLASHMOD_DECODE_PACK": "0", "FLASHMOD_DECODE_SPLITS": "1"},
+    "packed_5splits": {"FLASHMOD_DECODE_SPLITS": "5"},
+    "unpacked_3splits": {"FLASHMOD_DECODE_PACK": "0", "FLASHMOD_DECODE_SPLITS": "3"},
+    "packed_64splits": {"FLASHMOD_DECODE_SPLITS": "64"},  # many empty splits at small Nk
+}
+DECODE_KNOBS = ("FLASHMOD_DECODE", "FLASHMOD_DECODE_PACK", "FLASHMOD_DECODE_SPLITS")
+
+
+@contextlib.contextmanager
+def decode_mode(mode):
+    saved = {name: os.environ.get(name) for name in DECODE_KNOBS}
+    for name in DECODE_KNOBS:
+        os.environ.pop(name, None)
+    os.environ.update(DECODE_MODES[mode])
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def check_all_decode_modes(q, k, v, mask=None, **opts):
+    """Checks every mode against one reference; returns {mode: (out, lse)}."""
+    dtype = q.dtype
+    truth_o, truth_l = attention_reference(q, k, v, mask, compute_dtype=torch.float64, **opts)
+    plain_o, plain_l = attention_reference(q, k, v, mask, compute_dtype=dtype, **opts)
+    results = {}
+    for mode in DECODE_MODES:
+        with decode_mode(mode):
+            out, lse = attention_op(q, k, v, mask, **opts)
+        assert_within_rule(out, truth_o, plain_o, 2.0, dtype, f"out [{mode}]")
+        assert_within_rule(lse, truth_l, plain_l.float(), 2.0, dtype, f"lse [{mode}]")
+        results[mode] = (out, lse)
+    return results
+
+
+DECODE_OPTS = [
+    {},
+    {"is_causal": True, "bottom_right": True},
+    {"is_causal": True, "bottom_right": False},
+    {"window_left": 700, "window_right": 0},
+    {"softcap": 8.0},
+    {"window_left": 50, "window_right": 20, "bottom_right": False, "softcap": 5.0},
+]
+
+
+@pytest.mark.parametrize("nq", [1, 3, 16])
+@pytest.mark.parametrize("nk", [1, 17, 1023, 4099, 70000])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_gqa_split(nq, nk, group):
+    case = nq * 31 + nk * 7 + group
+    dtype = LOW[case % 2]
+    d = (64, 128, 59)[case % 3]
+    opts = DECODE_OPTS[case % len(DECODE_OPTS)]
+    heads_kv = 2
+    q = rand(1, heads_kv * group, nq, d, dtype=dtype)
+    k, v = rand(1, heads_kv, nk, d, dtype=dtype), rand(1, heads_kv, nk, d, dtype=dtype)
+    check_all_decode_modes(q, k, v, **opts)
+
+
+@pytest.mark.parametrize("opts", DECODE_OPTS, ids=str)
+def test_decode_options_long_kv(opts):
+    # Every option on the shape split-KV is for: GQA 8, long Nk, D = 128.
+    q, k, v = (
+        rand(2, 16, 1, 128, dtype=torch.bfloat16),
+        rand(2, 2, 4099, 128, dtype=torch.bfloat16),
+        rand(2, 2, 4099, 128, dtype=torch.bfloat16),
+    )
+    check_all_decode_modes(q, k, v, **opts)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("nq", [1, 3, 16])
+def test_decode_bool_mask_empty_rows_and_splits(dtype, nq):
+    # A mask stops GQA packing, so this is split-KV on per-head rows. Row 0 of every head sees no
+    # key (0 / -inf); row -1 sees only keys < 40, so every split but the first is empty for it.
+    b, hkv, group, nk, d = 2, 2, 4, 4099, 64
+    q = rand(b, hkv * group, nq, d, dtype=dtype)
+    k, v = rand(b, hkv, nk, d, dtype=dtype), rand(b, hkv, nk, d, dtype=dtype)
+    mask = torch.rand(b, hkv * group, nq, nk, device="cuda") > 0.3
+    mask[:, :, 0] = False
+    mask[:, :, -1, 40:] = False
+    for mode, (out, lse) in check_all_decode_modes(q, k, v, mask, is_causal=True).items():
+        assert (out[:, :, 0] == 0).all() and torch.isneginf(lse[:, :, 0]).all(), mode
+    # Every row fully masked: all splits empty everywhere.
+    none = torch.zeros(1, 1, nq, nk, dtype=torch.bool, device="cuda")
+    for mode in DECODE_MODES:
+        with decode_mode(mode):
+            out, lse = attention_op(q, k, v, none)
+        assert (out == 0).all() and torch.isneginf(lse).all(), mode
+
+
+def test_decode_rows_without_visible_keys():
+    # Bottom-right causal with Nk < Nq: positions 0..5 see no key (0 / -inf), also when packed;
+    # then a narrow top-left window over a long Nk: most splits are empty for every row.
+    q = rand(1, 8, 16, 64, dtype=torch.float16)
+    k, v = rand(1, 2, 10, 64, dtype=torch.float16), rand(1, 2, 10, 64, dtype=torch.float16)
+    for mode, (out, lse) in check_all_decode_modes(q, k, v, is_causal=True).items():
+        assert (out[:, :, :6] == 0).all() and torch.isneginf(lse[:, :, :6]).all(), mode
+    k, v = rand(1, 2, 5000, 64, dtype=torch.float16), rand(1, 2, 5000, 64, dtype=torch.float16)
+    check_all_decode_modes(q, k, v, window_left=2, window_right=0, bottom_right=False)
+
+
+@pytest.mark.parametrize("nq", [1, 3])
+def test_decode_bshd_layout(nq):
+    # (B, S, H, D) storage: Nq = 1 packs through the head stride; Nq = 3 cannot pack (its rows
+    # are not one stride apart) and must fall back to per-head rows.
+    q = rand(2, nq, 16, 128, dtype=torch.bfloat16).transpose(1, 2)
+    kv = rand(2, 3000, 2, 2, 128, dtype=torch.bfloat16)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    for mode, (out, _) in check_all_decode_modes(q, k, v, is_causal=True).items():
+        assert out.stride() == torch.empty_like(q).stride(), mode
+
+
+def test_decode_split_deterministic():
+    q = rand(1, 32, 1, 128, dtype=torch.bfloat16)
+    k, v = rand(1, 8, 20000, 128, dtype=torch.bfloat16), rand(1, 8, 20000, 128, dtype=torch.bfloat16)
+    for mode in ("heuristic", "packed_5splits", "unpacked_3splits"):
+        with decode_mode(mode):
+            first, first_lse = attention_op(q, k, v)
+            for _ in range(20):
+                out, lse = attention_op(q, k, v)
+                assert torch.equal(out, first) and torch.equal(lse, first_lse), mode
+
+
+# ---------------------------------------------------------------------------------------------
 def sanitizer_case():
     """Small shapes covering every kernel path once (run under compute-sanitizer)."""
     torch.manual_seed(0)
@@ -279,6 +416,15 @@ def sanitizer_case():
             attention_op(q, k, v)
             attention_op(q, k, v, is_causal=True, bottom_right=False)
             attention_op(q, k, v, mask, softcap=5.0, window_left=20, window_right=3)
+        if dtype != torch.float32:  # decode kernel: GQA packing + split-KV and its combine
+            q, k = (
+                torch.randn(1, 8, 3, 59, device="cuda", dtype=dtype),
+                torch.randn(1, 2, 700, 59, device="cuda", dtype=dtype),
+            )
+            for mode in ("heuristic", "packed_5splits", "unpacked_3splits"):
+                with decode_mode(mode):
+                    attention_op(q, k, k, is_causal=True)
+                    attention_op(q, k, k, torch.rand(3, 700, device="cuda") > 0.5, softcap=3.0)
     torch.cuda.synchronize()
     print("sanitizer case done")
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "../attention_host.h"
 #include "../error_message.h"
@@ -58,6 +59,52 @@ bool use_sm90_kernel(int padded_head_dim) {
 #endif
 }
 
+// Decode-shaped calls (seqlen_q <= kDecodeMaxNq): the decode kernel, with GQA packing and
+// split-KV chosen from the shapes (launch.h: pack_gqa_rows, choose_splits). Returns false when
+// the shape is not decode-shaped; err is then untouched. Test/tuning knobs, read per call:
+// FLASHMOD_DECODE=0 (prefill kernel instead), FLASHMOD_DECODE_PACK=0 (no GQA packing),
+// FLASHMOD_DECODE_SPLITS=n (exactly n splits).
+template <typename Elem>
+bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, int padded,
+                const at::TensorOptions& options, cudaStream_t stream, cudaError_t& err) {
+  auto env_int = [](const char* name, int fallback) {
+    const char* v = std::getenv(name);
+    return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+  };
+  if (p.seqlen_q > cuda_kernels::kDecodeMaxNq || env_int("FLASHMOD_DECODE", 1) == 0) return false;
+  if (env_int("FLASHMOD_DECODE_PACK", 1) != 0) cuda_kernels::pack_gqa_rows(p);
+  cuda_kernels::DecodeOptions opt;
+  // torch caches the properties per device (one cudaGetDeviceProperties each).
+  opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  opt.forced_splits = env_int("FLASHMOD_DECODE_SPLITS", 0);
+  // The split-KV workspace comes from torch's caching allocator on the current stream; freeing
+  // it when this function returns is stream-ordered, so the kernels still queued keep it.
+  at::Tensor workspace;
+  std::pair<at::Tensor*, const at::TensorOptions*> ctx{&workspace, &options};
+  cuda_kernels::DecodeWorkspace ws;
+  ws.ctx = &ctx;
+  ws.alloc = [](void* c, size_t bytes) -> void* {
+    auto* w = static_cast<std::pair<at::Tensor*, const at::TensorOptions*>*>(c);
+    *w->first = at::empty({static_cast<int64_t>((bytes + 3) / 4)}, w->second->dtype(at::kFloat));
+    return w->first->data_ptr();
+  };
+  switch (padded) {
+#define FLASHMOD_DECODE_CASE(D) \
+  case D: err = cuda_kernels::run_attention_fwd_decode<Elem, D>(p, flags, opt, ws, stream); break;
+    FLASHMOD_DECODE_CASE(32)
+    FLASHMOD_DECODE_CASE(64)
+    FLASHMOD_DECODE_CASE(96)
+    FLASHMOD_DECODE_CASE(128)
+    FLASHMOD_DECODE_CASE(160)
+    FLASHMOD_DECODE_CASE(192)
+    FLASHMOD_DECODE_CASE(224)
+    FLASHMOD_DECODE_CASE(256)
+#undef FLASHMOD_DECODE_CASE
+    default: return false;
+  }
+  return true;
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v,
                                                   const std::optional<at::Tensor>& attn_mask,
@@ -98,12 +145,17 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
     flags.out_vec16 = rows_aligned16(prepared.out) && p.head_dim % 8 == 0;
     const bool bf16 = p.dtype == ScalarKind::kBFloat16;
     const int padded = cuda_kernels::padded_head_dim(p.head_dim);
+    const bool decoded = bf16
+                             ? run_decode<__nv_bfloat16>(p, flags, padded, q.options(), stream, err)
+                             : run_decode<__half>(p, flags, padded, q.options(), stream, err);
 #define FLASHMOD_DISPATCH(D)                                                         \
   case D:                                                                            \
     err = bf16 ? cuda_kernels::run_attention_fwd<__nv_bfloat16, D>(p, flags, stream) \
                : cuda_kernels::run_attention_fwd<__half, D>(p, flags, stream);       \
     break;
-    if (use_sm90_kernel(padded)) {
+    if (decoded) {
+      // run_decode launched it
+    } else if (use_sm90_kernel(padded)) {
 #define FLASHMOD_DISPATCH_SM90(D)                                                         \
   case D:                                                                                 \
     err = bf16 ? cuda_kernels::run_attention_fwd_sm90<__nv_bfloat16, D>(p, flags, stream) \

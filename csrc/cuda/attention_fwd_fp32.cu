@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "cta_tile.h"
 #include "launch.h"
 #include "ptx_ops.h"
 #include "visibility.h"
@@ -56,21 +57,14 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
   const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
   const int head_dim = static_cast<int>(p.head_dim);
   const int num_m_blocks = (Nq + kBr - 1) / kBr;
-  int64_t bid = blockIdx.x;
-  int m_block = static_cast<int>(bid % num_m_blocks);
-  bid /= num_m_blocks;
-  const int64_t h = bid % p.heads_q, b = bid / p.heads_q;
-  if (p.window_right >= 0) m_block = num_m_blocks - 1 - m_block;  // longest rows first
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
-  const int r0 = m_block * kBr, rows_q = min(kBr, Nq - r0);
+  const CtaTile tile = cta_tile(p, num_m_blocks, 1);  // longest rows first when right-bounded
+  const int64_t b = tile.b, h = tile.h;
+  const int r0 = tile.m_block * kBr, rows_q = min(kBr, Nq - r0);
 
-  const float* gQ = static_cast<const float*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                    static_cast<int64_t>(r0) * p.q_row_stride;
-  const float* gK = static_cast<const float*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const float* gV = static_cast<const float*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-  float* gO = static_cast<float*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride +
-              static_cast<int64_t>(r0) * p.out_row_stride;
-  float* gLse = p.lse + (b * p.heads_q + h) * p.seqlen_q + r0;
+  const TilePointers<float> gp = tile_pointers<float>(p, tile, r0);
+  const float *gQ = gp.q, *gK = gp.k, *gV = gp.v;
+  float* gO = gp.out;
+  float* gLse = gp.lse;
 
   const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, kBc);
   const int64_t i = r0 + r;

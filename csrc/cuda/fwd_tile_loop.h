@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "../attention_params.h"
+#include "cta_tile.h"
 #include "kernel_traits.h"
 #include "launch.h"
 #include "online_softmax.h"
@@ -24,9 +25,19 @@ namespace flashmod::cuda_kernels {
 // kGeneral: a mask tensor, a soft cap or a non-positive scale is present, so every score is
 // transformed (scale, cap, mask) before the softmax. Otherwise scores stay raw q.k, the scale
 // folds into exp2, and only key blocks that straddle the window or seqlen_k are masked.
-template <class Tr, bool kGeneral>
+//
+// kDecode: the decode variant (few query rows, long K/V; fwd_launch.h picks it from the shapes).
+// Two additions, both outside the key loop's per-block work:
+//   * GQA packing (p.pos_period > 0): rows are (head, position) pairs of one kv group, so the
+//     window rule is applied to the position, row % pos_period;
+//   * split-KV (sk.splits > 1): each CTA walks one part of its key blocks and writes its rows'
+//     normalized partial O and lse (fp32) to sk's workspace; attention_fwd_split_combine_kernel
+//     merges them.
+// Without kDecode, sk is unused and the kernel is the prefill kernel, unchanged.
+template <class Tr, bool kGeneral, bool kDecode = false>
 __global__ void __launch_bounds__(Tr::kNThreads)
-    attention_fwd_kernel(const AttentionParams p, const FwdLaunchFlags flags) {
+    attention_fwd_kernel(const AttentionParams p, const FwdLaunchFlags flags,
+                         const SplitKvArgs sk) {
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
@@ -41,28 +52,47 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
   const int head_dim = static_cast<int>(p.head_dim);
 
-  // Query blocks vary fastest so neighbouring CTAs share K/V in L2. With a right window bound
-  // (causal) the last query blocks see the most keys: start them first to shorten the tail.
   const int num_m_blocks = (Nq + Br - 1) / Br;
-  int64_t bid = blockIdx.x;
-  int m_block = static_cast<int>(bid % num_m_blocks);
-  bid /= num_m_blocks;
-  const int64_t h = bid % p.heads_q, b = bid / p.heads_q;
-  if (p.window_right >= 0) m_block = num_m_blocks - 1 - m_block;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
-
-  const int r0 = m_block * Br;
+  const int splits = kDecode ? sk.splits : 1;
+  const CtaTile tile = cta_tile(p, num_m_blocks, splits);
+  const int r0 = tile.m_block * Br;
   const int rows_q = min(Br, Nq - r0);
-  const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                   static_cast<int64_t>(r0) * p.q_row_stride;
-  const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-  Elem* gO = static_cast<Elem*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride +
-             static_cast<int64_t>(r0) * p.out_row_stride;
-  float* gLse = p.lse + (b * p.heads_q + h) * p.seqlen_q + r0;
+  const TilePointers<Elem> gp = tile_pointers<Elem>(p, tile, r0);
+  const Elem *gQ = gp.q, *gK = gp.k, *gV = gp.v;
+  Elem* gO = gp.out;
+  float* gLse = gp.lse;
+  const int64_t b = tile.b, h = tile.h;
 
-  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+  // Query positions of rows [r0, r0 + rows_q). A packed tile that spans heads covers every
+  // position in between, so the range is then all of [0, pos_period).
+  int64_t pos_first = r0, pos_last = r0 + rows_q - 1;
+  if constexpr (kDecode) {
+    if (p.pos_period > 0) {
+      const int64_t period = p.pos_period;
+      const bool one_head = pos_first / period == pos_last / period;
+      pos_first = one_head ? pos_first % period : 0;
+      pos_last = one_head ? pos_last % period : period - 1;
+    }
+  }
+  KeyBlockRange range = key_block_range(p, pos_first, pos_last, Bc);
+  // Split s of a (query block, head) takes the s-th run of ceil(blocks / splits) key blocks.
+  const int64_t part_row0 =
+      kDecode ? tile.split * (p.batch * p.heads_q * p.seqlen_q) + gp.row_id : 0;
+  if constexpr (kDecode) {
+    if (splits > 1) {
+      const int per = (max(0, range.hi - range.lo) + splits - 1) / splits;
+      range.lo += tile.split * per;
+      range.hi = min(range.hi, range.lo + per);
+    }
+  }
   if (range.lo >= range.hi) {
+    if constexpr (kDecode) {
+      if (splits > 1) {
+        // This split sees no key: its partial is empty (lse = -inf; the combine skips O).
+        for (int r = tid; r < rows_q; r += kThreads) sk.lse[part_row0 + r] = -CUDART_INF_F;
+        return;
+      }
+    }
     // No key is visible to any row of Q_i: out = 0, lse = -inf.
     for (int idx = tid; idx < rows_q * head_dim; idx += kThreads)
       gO[static_cast<int64_t>(idx / head_dim) * p.out_row_stride + idx % head_dim] = from_float<Elem>(0.f);
@@ -110,7 +140,16 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const float c = kGeneral ? log2e : scale * log2e;
   const float softcap = static_cast<float>(p.softcap);
   const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
-  const int64_t row_first = r0, row_last = r0 + Br - 1;
+  // Rows whose windows decide whether a key block needs masking. Prefill: the whole tile (rows
+  // past Nq are computed, never stored). Decode: the positions of the stored rows.
+  const int64_t row_first = kDecode ? pos_first : r0, row_last = kDecode ? pos_last : r0 + Br - 1;
+  // Query position of a row (GQA packing folds heads into rows). 32-bit: rows are < 2^31 and a
+  // 64-bit remainder is a called subroutine (it cost spills).
+  const int period = kDecode ? static_cast<int>(p.pos_period) : 0;
+  auto pos_of = [&](int64_t i) -> int64_t {
+    if constexpr (kDecode) return period > 0 ? static_cast<int>(i) % period : i;
+    return i;
+  };
 
   float O[MT][DT][4];
 #pragma unroll
@@ -189,7 +228,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int64_t i = row_of(mi, hh);
-          const RowWindow win = row_window(p, i);
+          const RowWindow win = row_window(p, pos_of(i));
           const int64_t ic = i < Nq ? i : Nq - 1;  // rows past Nq are computed, never stored
           const int64_t mask_row =
               b * p.mask_batch_stride + h * p.mask_head_stride + ic * p.mask_row_stride;
@@ -211,7 +250,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
       for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const RowWindow win = row_window(p, row_of(mi, hh));
+          const RowWindow win = row_window(p, pos_of(row_of(mi, hh)));
 #pragma unroll
           for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
@@ -247,6 +286,30 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     }
   }
   cp_async_wait<0>();  // only empty groups can be pending; retire them before exit
+
+  if constexpr (kDecode) {
+    if (splits > 1) {
+      // Split-KV partial: this split's normalized O rows (fp32, kHeadDim columns, the padding
+      // ones zero) and lse, straight from the accumulator layout. A quad writes 32 contiguous
+      // bytes per n8 tile.
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float inv_l, lse;
+          softmax.finish(mi, hh, c, inv_l, lse);  // all lanes: it shuffles within the quad
+          const int row = warp_row0 + mi * 16 + g + 8 * hh;
+          if (row >= rows_q) continue;
+          float* dst = sk.o + (part_row0 + row) * D + 2 * t;
+#pragma unroll
+          for (int di = 0; di < DT; ++di)
+            *reinterpret_cast<float2*>(dst + di * 8) =
+                make_float2(O[mi][di][2 * hh] * inv_l, O[mi][di][2 * hh + 1] * inv_l);
+          if (t == 0) sk.lse[part_row0 + row] = lse;
+        }
+      return;
+    }
+  }
 
   // Epilogue: normalize, stage this warp's rows of O in its own rows of sQ (no other warp reads
   // them), then write 16-byte chunks so global stores are full sectors.

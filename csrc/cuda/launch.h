@@ -4,6 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <cstdint>
+
 #include "../attention_params.h"
 
 namespace flashmod::cuda_kernels {
@@ -24,6 +27,97 @@ cudaError_t run_attention_fwd(const AttentionParams& p, const FwdLaunchFlags& fl
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_sm90(const AttentionParams& p, const FwdLaunchFlags& flags,
                                    cudaStream_t stream);
+
+// Split-KV workspace of the decode kernel. rows = batch * heads_q * seqlen_q of the params the
+// kernel gets (GQA-packed or not: same count), row id = the lse index.
+struct SplitKvArgs {
+  int splits = 1;        // > 1: CTAs write partials here; the combine kernel writes out and lse
+  float* o = nullptr;    // (splits, rows, kHeadDim): each split's normalized O (padding cols 0)
+  float* lse = nullptr;  // (splits, rows): each split's lse, -inf where it saw no visible key
+};
+
+// Host memory hooks for the decode launch, so the kernel files stay torch-free: alloc returns
+// `bytes` of device memory usable in stream order on the launch's stream (the torch caching
+// allocator in attention_cuda.cpp), or nullptr.
+struct DecodeWorkspace {
+  void* ctx = nullptr;
+  void* (*alloc)(void* ctx, size_t bytes) = nullptr;
+};
+
+struct DecodeOptions {
+  int num_sms = 1;
+  int forced_splits = 0;  // > 0: use exactly this many splits (tests, tuning); 0: heuristic
+};
+
+// The decode path: query rows per head <= kDecodeMaxNq (one 64-row tile when GQA-packed rows fit).
+constexpr int64_t kDecodeMaxNq = 64;
+constexpr int kDecodeBc = 64;  // key block of the decode config (fwd_launch.h: DecodeConfig)
+
+// Decode kernel (fp16/bf16 tensor cores, 64-row tiles) for p.seqlen_q <= kDecodeMaxNq, with
+// split-KV when the grid is small; p may be GQA-packed (pack_gqa_rows). Same alignment rules as
+// run_attention_fwd.
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
+                                     const DecodeOptions& opt, const DecodeWorkspace& ws,
+                                     cudaStream_t stream);
+
+// GQA packing: folds the g = heads_q / heads_kv query heads of each kv head into one head of
+// g * seqlen_q rows (head-major: row r is q head hk * g + r / seqlen_q at position r % seqlen_q),
+// so each kv head's K/V is streamed once per tile instead of once per q head. Only through
+// strides (no copy): needs one row stride that steps through the packed rows of q and of out,
+// i.e. seqlen_q == 1 or head stride == seqlen_q * row stride, and no mask tensor (its rows are
+// per q head). lse is contiguous (B, Hq, Nq), which is already the packed layout. Returns false
+// and leaves p alone when it does not apply.
+inline bool pack_gqa_rows(AttentionParams& p) {
+  const int64_t g = p.heads_q / p.heads_kv, nq = p.seqlen_q;
+  if (g <= 1 || p.mask_kind != MaskKind::kNone || nq > kDecodeMaxNq) return false;
+  auto packed_row_stride = [nq](int64_t head_stride, int64_t row_stride) -> int64_t {
+    if (nq == 1) return head_stride;
+    return head_stride == nq * row_stride ? row_stride : -1;
+  };
+  const int64_t q_rs = packed_row_stride(p.q_head_stride, p.q_row_stride);
+  const int64_t o_rs = packed_row_stride(p.out_head_stride, p.out_row_stride);
+  if (q_rs < 0 || o_rs < 0) return false;
+  p.q_row_stride = q_rs, p.q_head_stride *= g;
+  p.out_row_stride = o_rs, p.out_head_stride *= g;
+  p.pos_period = nq;
+  p.seqlen_q = g * nq;
+  p.heads_q = p.heads_kv;
+  return true;
+}
+
+// Key blocks the query positions can see at all (an estimate for the split heuristic: the union
+// over positions of the window rule).
+inline int64_t decode_key_blocks(const AttentionParams& p, int bc) {
+  const int64_t positions = p.pos_period > 0 ? p.pos_period : p.seqlen_q;
+  int64_t lo = 0, hi = p.seqlen_k;
+  if (p.window_left >= 0 && p.diag_offset - p.window_left > lo) lo = p.diag_offset - p.window_left;
+  if (p.window_right >= 0 && p.diag_offset + positions + p.window_right < hi)
+    hi = p.diag_offset + positions + p.window_right;
+  return hi > lo ? (hi - lo + bc - 1) / bc : 1;
+}
+
+// Split-KV heuristic. A decode grid has one CTA per (query block, head): often far fewer than
+// the SMs can hold, so most of HBM's bandwidth idles while each CTA walks all of Nk. Splitting
+// every CTA's key blocks into `splits` runs multiplies the grid; aim for about two full waves of
+// resident CTAs (slots = SMs x CTAs per SM): enough independent loads in flight everywhere, and
+// a second wave absorbs the first's uneven finish. floor() keeps the grid at or just under a
+// whole number of waves. Each split keeps >= kMinBlocksPerSplit key blocks (256 keys) so its
+// fixed costs (Q load, pipeline fill, partial write, its share of the combine) stay small next
+// to its K/V stream, and splits <= kMaxSplits bounds the workspace and the combine's loop. A
+// grid that already fills a wave is not split. Last, the count is evened out: with per =
+// ceil(blocks / splits) blocks each, ceil(blocks / per) splits cover them with no empty split.
+constexpr int64_t kMinBlocksPerSplit = 4;
+constexpr int64_t kMaxSplits = 128;
+inline int choose_splits(int64_t ctas, int64_t key_blocks, int64_t slots) {
+  if (ctas <= 0 || ctas >= slots) return 1;
+  int64_t s = 2 * slots / ctas;
+  if (s > key_blocks / kMinBlocksPerSplit) s = key_blocks / kMinBlocksPerSplit;
+  if (s > kMaxSplits) s = kMaxSplits;
+  if (s <= 1) return 1;
+  const int64_t per = (key_blocks + s - 1) / s;
+  return static_cast<int>((key_blocks + per - 1) / per);
+}
 
 // fp32 on CUDA cores (FFMA), any alignment.
 cudaError_t run_attention_fwd_fp32(const AttentionParams& p, cudaStream_t stream);
