@@ -17,6 +17,7 @@
 #include "launch.h"
 #include "online_softmax.h"
 #include "ptx_ops.h"
+#include "score_mask.h"
 #include "smem_tile.h"
 #include "visibility.h"
 
@@ -131,22 +132,16 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   // Accumulator coordinates: row lane/4 (+8), columns 2*(lane%4) (+1).
   const int g = lane >> 2, t = lane & 3;
 
-  // Query row of accumulator row half hh of m16 tile mi. Row windows are recomputed where
-  // needed rather than kept: at D = 128 every register is taken by S and O.
-  auto row_of = [&](int mi, int hh) -> int64_t { return r0 + warp_row0 + mi * 16 + g + 8 * hh; };
-
   const float log2e = 1.4426950408889634f;
-  const float scale = static_cast<float>(p.scale);
-  const float c = kGeneral ? log2e : scale * log2e;
-  const float softcap = static_cast<float>(p.softcap);
-  const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
+  const ScoreTransform tf(p);
+  const float c = kGeneral ? log2e : tf.scale * log2e;
   // Rows whose windows decide whether a key block needs masking. Prefill: the whole tile (rows
   // past Nq are computed, never stored). Decode: the positions of the stored rows.
   const int64_t row_first = kDecode ? pos_first : r0, row_last = kDecode ? pos_last : r0 + Br - 1;
   // Query position of a row (GQA packing folds heads into rows). 32-bit: rows are < 2^31 and a
   // 64-bit remainder is a called subroutine (it cost spills).
   const int period = kDecode ? static_cast<int>(p.pos_period) : 0;
-  auto pos_of = [&](int64_t i) -> int64_t {
+  auto pos_of = [period](int64_t i) -> int64_t {
     if constexpr (kDecode) return period > 0 ? static_cast<int>(i) % period : i;
     return i;
   };
@@ -221,43 +216,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     }
 
     // Scores -> logit units, hiding invisible keys.
-    const int key0 = n * Bc + 2 * t;
-    if constexpr (kGeneral) {
-#pragma unroll
-      for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int64_t i = row_of(mi, hh);
-          const RowWindow win = row_window(p, pos_of(i));
-          const int64_t ic = i < Nq ? i : Nq - 1;  // rows past Nq are computed, never stored
-          const int64_t mask_row =
-              b * p.mask_batch_stride + h * p.mask_head_stride + ic * p.mask_row_stride;
-#pragma unroll
-          for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int j = key0 + ni * 8 + e;
-              float x = S[mi][ni][2 * hh + e] * scale;
-              if (softcap > 0.f) x = soft_cap(x, softcap, inv_softcap);
-              bool visible = win.contains(j);
-              if (visible && p.mask_kind != MaskKind::kNone)
-                visible = apply_mask<Elem>(p, mask_row + j * p.mask_col_stride, x);
-              S[mi][ni][2 * hh + e] = visible ? x : -CUDART_INF_F;
-            }
-        }
-    } else if (!key_block_unmasked(p, row_first, row_last, n, Bc)) {
-#pragma unroll
-      for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const RowWindow win = row_window(p, pos_of(row_of(mi, hh)));
-#pragma unroll
-          for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              if (!win.contains(key0 + ni * 8 + e)) S[mi][ni][2 * hh + e] = -CUDART_INF_F;
-        }
-    }
+    mask_scores<Elem, kGeneral>(S, p, tf, b, h, r0 + warp_row0, row_first, row_last, n, Bc, lane,
+                                pos_of);
 
     softmax.update(S, O, c);
 

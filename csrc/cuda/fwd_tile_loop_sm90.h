@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "../attention_params.h"
+#include "cta_tile.h"
 #include "launch.h"
 #include "online_softmax.h"
 #include "ptx_ops.h"
@@ -117,25 +118,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
   const int head_dim = static_cast<int>(p.head_dim);
 
-  // Query blocks vary fastest so neighbouring CTAs share K/V in L2; with a right window bound
-  // (causal) the last query blocks see the most keys, so they start first.
   const int num_m_blocks = (Nq + Br - 1) / Br;
-  int64_t bid = blockIdx.x;
-  int m_block = static_cast<int>(bid % num_m_blocks);
-  bid /= num_m_blocks;
-  const int64_t h = bid % p.heads_q, b = bid / p.heads_q;
-  if (p.window_right >= 0) m_block = num_m_blocks - 1 - m_block;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
-
-  const int r0 = m_block * Br;
+  const CtaTile tile = cta_tile(p, num_m_blocks, 1);
+  const int r0 = tile.m_block * Br;
   const int rows_q = min(Br, Nq - r0);
-  const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                   static_cast<int64_t>(r0) * p.q_row_stride;
-  const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-  Elem* gO = static_cast<Elem*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride +
-             static_cast<int64_t>(r0) * p.out_row_stride;
-  float* gLse = p.lse + (b * p.heads_q + h) * p.seqlen_q + r0;
+  const TilePointers<Elem> gp = tile_pointers<Elem>(p, tile, r0);
+  const Elem *gQ = gp.q, *gK = gp.k, *gV = gp.v;
+  Elem* gO = gp.out;
+  float* gLse = gp.lse;
+  const int64_t b = tile.b, h = tile.h;
 
   const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
   if (range.lo >= range.hi) {
@@ -204,7 +195,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // Mask and online softmax of block n's scores, then O += P V_j issued and committed with P
   // packed straight from the S registers into pa; the caller waits.
   auto softmax_and_issue_pv = [&](float (&Sx)[1][NT][4], uint32_t (&pa)[Bc / 16][4], int n) {
-    mask_scores<Elem, kGeneral>(Sx, p, tf, b, h, r0 + warp_row0, r0, r0 + Br - 1, n, Bc, lane);
+    mask_scores<Elem, kGeneral>(Sx, p, tf, b, h, r0 + warp_row0, r0, r0 + Br - 1, n, Bc, lane,
+                                [](int64_t i) { return i; });
     softmax.update(Sx, O, c);
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) {

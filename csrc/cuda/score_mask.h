@@ -24,13 +24,15 @@ struct ScoreTransform {
 // kGeneral (a mask tensor, a soft cap or a non-positive scale): every score is scaled, capped
 // and masked. Otherwise scores stay raw q.k (the scale is folded into the softmax's exp2) and
 // only key blocks that straddle the window or seqlen_k pay for per-element checks.
-// warp_row0: query index of the warp's first row; cta_rows: the CTA's query rows (for the
-// block-level test); key_block: index of the Bc-wide key block.
-template <typename Elem, bool kGeneral, int MT, int NT>
+// warp_row0: row index of the warp's first row; block_pos_first/last: the query positions the
+// CTA's rows span (for the block-level test); key_block: index of the Bc-wide key block;
+// pos_of(row): the query position of a row (the row itself, except for GQA-packed decode rows).
+template <typename Elem, bool kGeneral, int MT, int NT, class PosOf>
 __device__ __forceinline__ void mask_scores(float (&S)[MT][NT][4], const AttentionParams& p,
                                             const ScoreTransform& tf, int64_t b, int64_t h,
-                                            int64_t warp_row0, int64_t cta_row_first,
-                                            int64_t cta_row_last, int key_block, int Bc, int lane) {
+                                            int64_t warp_row0, int64_t block_pos_first,
+                                            int64_t block_pos_last, int key_block, int Bc, int lane,
+                                            PosOf pos_of) {
   const int g = lane >> 2, key0 = key_block * Bc + 2 * (lane & 3);
   if constexpr (kGeneral) {
 #pragma unroll
@@ -38,7 +40,8 @@ __device__ __forceinline__ void mask_scores(float (&S)[MT][NT][4], const Attenti
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int64_t i = warp_row0 + mi * 16 + g + 8 * hh;
-        const RowWindow win = row_window(p, i);
+        const RowWindow win = row_window(p, pos_of(i));
+        // (Packed rows never carry a mask tensor, so the mask row is the row itself.)
         const int64_t ic =
             i < p.seqlen_q ? i : p.seqlen_q - 1;  // rows past Nq are computed, never stored
         const int64_t mask_row =
@@ -56,12 +59,12 @@ __device__ __forceinline__ void mask_scores(float (&S)[MT][NT][4], const Attenti
             S[mi][ni][2 * hh + e] = visible ? x : -CUDART_INF_F;
           }
       }
-  } else if (!key_block_unmasked(p, cta_row_first, cta_row_last, key_block, Bc)) {
+  } else if (!key_block_unmasked(p, block_pos_first, block_pos_last, key_block, Bc)) {
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const RowWindow win = row_window(p, warp_row0 + mi * 16 + g + 8 * hh);
+        const RowWindow win = row_window(p, pos_of(warp_row0 + mi * 16 + g + 8 * hh));
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
