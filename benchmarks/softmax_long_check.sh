@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check for long softmax rows (NOTES.md "softmax long rows (v2)"): build, the CUDA softmax
-# tests (every launch path by name), the path each benchmark shape takes, then the softmax benchmark
-# with one cluster per row (default) and with FLASHMOD_SOFTMAX_CLUSTER_WAVES=1 (persistent clusters).
+# The GPU check for long softmax rows (NOTES.md "softmax long rows (v3)"): build, the CUDA softmax
+# tests (every launch path by name), the path each benchmark shape takes, then the softmax benchmark.
 # Usage: bash benchmarks/softmax_long_check.sh   (logs go to $OUT, or ./gpu_logs)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -13,7 +12,7 @@ if ! MAX_JOBS=$(nproc) FLASHMOD_CUDA_ARCHS="80;90a" FLASHMOD_NVCC_EXTRA="-Xptxas
   tail -40 "$OUT/build.log"
   exit 1
 fi
-timeout 240 python -m pytest tests/test_softmax.py -q -p no:cacheprovider -k cuda 2>&1 | tee "$OUT/tests.log" | tail -15
+timeout 240 python -m pytest tests/test_softmax.py -q -p no:cacheprovider -k "cuda or long_row or past_grid" 2>&1 | tee "$OUT/tests.log" | tail -15
 FLASHMOD_SOFTMAX_TRACE=1 python -c "
 import torch, flashmod
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -21,7 +20,5 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         flashmod.softmax(torch.randn(rows, n, device='cuda', dtype=dtype), -1)
 torch.cuda.synchronize()
 " 2>&1 | tee "$OUT/paths.log"
-for waves in "" 1; do
-  FLASHMOD_SOFTMAX_CLUSTER_WAVES=$waves timeout 120 python benchmarks/bench_softmax.py --device cuda \
-    --out "$OUT/cuda-softmax-waves${waves:-0}.json" 2>&1 | tee "$OUT/softmax-bench-waves${waves:-0}.log" | sed -n 1,20p
-done
+timeout 120 python benchmarks/bench_softmax.py --device cuda --out "$OUT/cuda-softmax.json" 2>&1 |
+  tee "$OUT/softmax-bench.log" | sed -n 1,20p

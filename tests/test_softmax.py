@@ -77,14 +77,17 @@ def test_softmax_non_contiguous_and_scalar(dev):
     assert flashmod.softmax(s, 0).item() == 1.0 and flashmod.softmax(s, -1).shape == ()
 
 
-def long_path(n: int, capability: tuple[int, int]) -> tuple[str, int, int] | None:
+def long_path(n: int, dtype: torch.dtype, capability: tuple[int, int]) -> tuple[str, int, int] | None:
     """(path, threads, blocks per row) that csrc/cuda/softmax.cu's FLASHMOD_SOFTMAX_TRACE reports
-    for a row of n > 16384 elements (32 per thread); None where the build has no kernel of its own."""
+    for a row of n > 16384 elements; None where the build has no kernel of its own. Cluster threads
+    keep 64 elements of 16-bit rows that load in 16-byte packs (n % 8 == 0), 32 otherwise; the
+    fallbacks keep 32."""
     if capability == (9, 0):
-        if n <= 8 * 256 * 32:
-            return ("cluster", 256, math.ceil(n / (256 * 32)))
-        if n <= 16 * 512 * 32:
-            return ("cluster", 512, math.ceil(n / (512 * 32)))  # 16: the non-portable cluster size
+        per_thread = 64 if dtype != torch.float32 and n % 8 == 0 else 32
+        if n <= 8 * 256 * per_thread:
+            return ("cluster", 256, math.ceil(n / (256 * per_thread)))
+        if n <= 16 * 512 * per_thread:
+            return ("cluster", 512, math.ceil(n / (512 * per_thread)))  # 16: the non-portable cluster size
     elif capability[0] != 8:
         return None
     elif n <= 1024 * 32:
@@ -92,44 +95,65 @@ def long_path(n: int, capability: tuple[int, int]) -> tuple[str, int, int] | Non
     return ("two-kernel", 256, math.ceil(n / (256 * 32)))
 
 
+def assert_long_path(trace: str, n: int, dtype: torch.dtype) -> None:
+    expected = long_path(n, dtype, torch.cuda.get_device_capability())
+    if expected is not None:
+        path, threads, blocks = expected
+        assert f"n={n} path={path} threads={threads} blocks_per_row={blocks}" in trace, (dtype, trace)
+
+
+def mark_special_rows(x: torch.Tensor, all_inf: int, some_inf: int, nan: int) -> None:
+    n = x.shape[-1]
+    x[all_inf] = NEG_INF  # all -inf: zeros
+    x[some_inf, ::3] = NEG_INF  # partly -inf: exact zeros there
+    x[nan, n - 1] = float("nan")  # NaN in the last block of the row: the whole row NaN
+
+
+def check_special_rows(y: torch.Tensor, all_inf: int, some_inf: int, nan: int) -> None:
+    assert (y[all_inf] == 0).all()
+    assert (y[some_inf, ::3] == 0).all()
+    assert torch.isnan(y[nan]).all()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA launch paths")
-# (n, rows, FLASHMOD_SOFTMAX_CLUSTER_WAVES): odd n loads one element at a time. Waves "1" launches
-# only as many clusters as fit at once, so each loops over several rows (the parity buffers).
-@pytest.mark.parametrize(
-    "n,rows,waves",
-    [
-        (20000, 6, ""),
-        (65536, 6, ""),
-        (65537, 6, ""),
-        (262143, 6, ""),
-        (262144, 6, ""),
-        (300001, 6, ""),
-        (65536, 300, "1"),
-        (262144, 40, "1"),
-    ],
-)
-def test_softmax_long_row_paths(n, rows, waves, monkeypatch, capfd):
+# On H100, per dtype (fp32 / aligned 16-bit): 20000 and 65536 take clusters of 256-thread blocks,
+# 262144 clusters of 512 (16 / 8 blocks), 524288 the largest cluster for 16-bit, two kernels for
+# fp32, 600000 two kernels. Odd n loads one element at a time (32 per thread, every dtype): 65537
+# 5 x 512, 262143 the largest cluster, 300001 two kernels.
+@pytest.mark.parametrize("n", [20000, 65536, 65537, 262143, 262144, 300001, 524288, 600000])
+def test_softmax_long_row_paths(n, monkeypatch, capfd):
     monkeypatch.setenv("FLASHMOD_SOFTMAX_TRACE", "1")
-    monkeypatch.setenv("FLASHMOD_SOFTMAX_CLUSTER_WAVES", waves)
     capfd.readouterr()
-    expected = long_path(n, torch.cuda.get_device_capability())
+    rows = 6
     for dtype in LOW:
         x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
-        x[0] = NEG_INF  # all -inf: zeros
-        x[1, ::3] = NEG_INF  # partly -inf: exact zeros there
-        x[2, n - 1] = float("nan")  # NaN in the last block of the row: the whole row NaN
+        mark_special_rows(x, 0, 1, 2)
         y = flashmod.softmax(x, -1)
-        trace = capfd.readouterr().err
-        if expected is not None:
-            path, threads, blocks = expected
-            assert f"n={n} path={path} threads={threads} blocks_per_row={blocks}" in trace, (dtype, trace)
-        assert (y[0] == 0).all()
-        assert (y[1, ::3] == 0).all()
-        assert torch.isnan(y[2]).all() and not torch.isnan(y[3:]).any()
+        assert_long_path(capfd.readouterr().err, n, dtype)
+        check_special_rows(y, 0, 1, 2)
+        assert not torch.isnan(y[3:]).any()
         keep = [1] + list(range(3, rows))
         xk = x[keep]
-        what = f"{dtype} n={n} rows={rows} waves={waves!r}"
-        assert_within_rule(y[keep], torch.softmax(xk.double(), -1), torch.softmax(xk, -1), 2, dtype, what)
+        assert_within_rule(y[keep], torch.softmax(xk.double(), -1), torch.softmax(xk, -1), 2, dtype, f"{dtype} n={n}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA launch paths")
+def test_softmax_cluster_rows_past_grid(monkeypatch, capfd):
+    """More rows than the grid's 65535: clusters 0-4 take rows 65535-65539 as their second row
+    (the other parity of the shared-memory buffers), with the special rows among them."""
+    monkeypatch.setenv("FLASHMOD_SOFTMAX_TRACE", "1")
+    capfd.readouterr()
+    rows, n = 65540, 16392  # the shortest rows on the cluster path (2 x 256 x 64 for 16-bit)
+    check = [0, 1, 2, 65534, 65536, 65538, 65539]  # the NaN row's neighbours stay finite
+    for dtype in LOW:
+        x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
+        mark_special_rows(x, 65535, 65536, 65537)
+        y = flashmod.softmax(x, -1)
+        assert_long_path(capfd.readouterr().err, n, dtype)
+        check_special_rows(y, 65535, 65536, 65537)
+        xk = x[check]
+        assert_within_rule(y[check], torch.softmax(xk.double(), -1), torch.softmax(xk, -1), 2, dtype, str(dtype))
+        del x, y
 
 
 @pytest.mark.parametrize("dev", DEVICES)

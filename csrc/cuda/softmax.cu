@@ -9,14 +9,19 @@
 // a block of <= 512 threads per row, 8 loads per thread. Longer rows are split over the blocks of
 // a thread-block cluster (sm_90), which swap their (max, sum) through distributed shared memory:
 // still one read and one write. Those blocks are small (256 threads for clusters of <= 8, 512 for
-// up to 16, H100's non-portable size) and keep 32 elements per thread whatever the dtype, so that
-// the 64 registers per thread that 1024 resident threads per SM allow hold the row without
-// spilling, and so that each SM runs 2-4 blocks at different phases: while one waits on its loads
-// or on the cluster barrier, another's loads and stores keep memory busy. A single 1024-thread
-// block per SM cannot overlap its phases, and at 64 registers spilled 16-bit rows. A cluster of
-// 16 x 512 x 32 covers 256k elements. Where clusters are unavailable (pre-sm_90, or no room for
-// one), rows up to 32k take one 1024-thread block, longer rows two kernels: one writes each
-// segment's (max, sum) to a workspace, the other merges them and writes (x read twice).
+// up to 16, H100's non-portable size) and every thread keeps 32 registers of the row: 8 packs of
+// 16 bytes, i.e. 32 fp32 or 64 16-bit elements (kept as pairs, widened only when used), or 32
+// single elements of unaligned rows. That fits the 64 registers per thread that 1024 resident
+// threads per SM allow without spilling, and each SM runs 2-4 blocks at different phases: while
+// one waits on its loads or on the cluster barrier, another's loads and stores keep memory busy.
+// A single 1024-thread block per SM cannot overlap its phases. A 16-bit row has half the bytes
+// of an fp32 row of the same length; at 64 elements per thread it also takes half the blocks, so
+// its per-row costs (block and cluster barriers, exchange) weigh as much per byte as fp32's: 64k
+// elements take 4 x 256 threads, 256k take 8 x 512 (fp32: 8 x 256, 16 x 512). The largest cluster,
+// 16 x 512, covers 256k fp32 or unaligned elements and 512k aligned 16-bit ones. Where clusters are
+// unavailable (pre-sm_90, or no room for one), rows up to 32k take one 1024-thread block, longer
+// rows two kernels: one writes each segment's (max, sum) to a workspace, the other merges them and
+// writes (x read twice); both keep 32 elements per thread.
 //
 // Rows along a non-last dimension (stride `inner`) get a thread each, neighbouring threads on
 // neighbouring rows so loads coalesce, with the element-by-element online update.
@@ -37,8 +42,8 @@ namespace {
 constexpr int kPacks = 8;             // 16-byte packs per thread on the short-row paths
 constexpr int kWarpRowsPerBlock = 4;  // rows per 128-thread block in the warp-per-row kernel
 constexpr int64_t kShortRow = 16384;  // longest row for the block-per-row paths of <= 512 threads
-// Elements per thread on every long-row path: 32 fp32 registers once widened, about half of the
-// 64-register budget that __launch_bounds__(threads, 1024 / threads) gives.
+// Elements per thread on the long-row paths (cluster_elems for the cluster path): 32 registers,
+// about half of the 64-register budget that __launch_bounds__(threads, 1024 / threads) gives.
 constexpr int kLongElems = 32;
 constexpr int kSmallClusterThreads = 256;  // clusters of up to kPortableCluster blocks
 constexpr int kLargeClusterThreads = 512;  // clusters of up to kMaxCluster blocks
@@ -53,6 +58,65 @@ constexpr int kMaxDevices = 64;          // launch_cluster caches its occupancy 
 // ptxas spend ~25 more registers on them for nothing.
 constexpr int long_min_blocks(int threads) {
   return 1024 / threads;
+}
+
+// The pair types of the 16-bit dtypes, for the max on two elements at once.
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__half> {
+  using type = __half2;
+};
+template <>
+struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+};
+
+// How a thread caches a pack of kVec loaded elements: as loaded, except single 16-bit elements,
+// widened to fp32 at once (they fill a register either way), and, with kPairs (16-bit packs in
+// the long-row kernels), as kVec / 2 words of two elements each.
+template <typename T, int kVec, bool kPairs>
+struct Cache {
+  using type = std::conditional_t<kVec == 1, float, T>;
+  static constexpr int kLen = kVec;
+};
+template <typename T, int kVec>
+struct Cache<T, kVec, true> {
+  using type = uint32_t;
+  static constexpr int kLen = kVec / 2;
+};
+
+// Element k of a thread's cached pack c, in fp32.
+template <typename T, typename C>
+__device__ __forceinline__ float element(const C* c, int k) {
+  if constexpr (std::is_same_v<C, uint32_t>) {
+    const uint32_t w = c[k / 2];
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return __uint_as_float(k % 2 ? w & 0xffff0000u : w << 16);  // bf16: fp32's upper half
+    } else {
+      return __half2float(__ushort_as_half(static_cast<unsigned short>(k % 2 ? w >> 16 : w)));
+    }
+  } else {
+    return to_float(c[k]);
+  }
+}
+
+// Elementwise max of two words of 16-bit pairs.
+template <typename T>
+__device__ __forceinline__ uint32_t pair_max(uint32_t a, uint32_t b) {
+  using P2 = typename Pair<T>::type;
+  const P2 m = __hmax2(*reinterpret_cast<const P2*>(&a), *reinterpret_cast<const P2*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&m);
+}
+
+// -inf as a cached value: what a thread holds past the end of its segment.
+template <typename T, typename C>
+__device__ __forceinline__ C minus_inf() {
+  if constexpr (std::is_same_v<C, uint32_t>) {
+    return std::is_same_v<T, __nv_bfloat16> ? 0xff80ff80u : 0xfc00fc00u;  // -inf twice
+  } else {
+    return from_float<C>(-INFINITY);
+  }
 }
 
 enum class Phase { kWhole, kPartialStats, kFinish, kCluster };
@@ -98,37 +162,55 @@ __global__ void __launch_bounds__(kThreadsPerRow* kRowsPerBlock, kMinBlocks)
                                 : blockIdx.y;
   const int64_t row_step = kPhase == Phase::kWhole ? rows : gridDim.y;  // one row per group there
 
+  // The long-row kernels (a 64-register budget) keep 16-bit packs as words of two elements:
+  // with 8 packs, 64 elements in 32 registers. The max needs no widening; each exp pass widens
+  // again (see the write).
+  constexpr bool kPairs = kMinBlocks > 0 && kVec > 1 && sizeof(T) == 2;
+  using Cached = typename Cache<T, kVec, kPairs>::type;
+  constexpr int kCachedVec = Cache<T, kVec, kPairs>::kLen;
   // Pack i of this thread is pack i * kThreadsPerRow + lane of the segment. 32-bit indices (a
   // segment never holds 2^31 packs) leave one base address per row and constant offsets.
   const int packs = static_cast<int>((end - begin) / kVec);
   int parity = 0;
   for (int64_t row = row_first; row < rows; row += row_step, parity ^= kPhase != Phase::kWhole) {
     const auto* xs = reinterpret_cast<const Pack<T, kVec>*>(x + row * n + begin) + lane;
-    // Packs stay in the input type (16-bit rows take half the registers) and are widened when
-    // used; single 16-bit elements are widened at once, as they fill a register either way.
-    using Cached = std::conditional_t<kVec == 1, float, T>;
-    Pack<Cached, kVec> v[kPacksPerThread];
+    Pack<Cached, kCachedVec> v[kPacksPerThread];
 #pragma unroll
     for (int i = 0; i < kPacksPerThread; ++i) {
       if (i * kThreadsPerRow + lane < packs) {
-        const Pack<T, kVec> pk = xs[i * kThreadsPerRow];
+        if constexpr (kPairs) {
+          v[i] = reinterpret_cast<const Pack<Cached, kCachedVec>*>(xs)[i * kThreadsPerRow];
+        } else {
+          const Pack<T, kVec> pk = xs[i * kThreadsPerRow];
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) v[i].v[k] = convert<Cached>(pk.v[k]);
+          for (int k = 0; k < kVec; ++k) v[i].v[k] = convert<Cached>(pk.v[k]);
+        }
       } else {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) v[i].v[k] = from_float<Cached>(-INFINITY);
+        for (int k = 0; k < kCachedVec; ++k) v[i].v[k] = minus_inf<T, Cached>();
       }
     }
     // This thread's summary: max first (no exp), then one exp per element for the sum.
     float m = -INFINITY, s = 0.0f;
+    if constexpr (kPairs) {
+      // Exact in 16 bits, two elements an instruction. A NaN is skipped here as fmaxf skips it;
+      // the sum below makes its row NaN.
+      uint32_t pm = v[0].v[0];
+#pragma unroll
+      for (int i = 0; i < kPacksPerThread; ++i)
+#pragma unroll
+        for (int k = 0; k < kCachedVec; ++k) pm = pair_max<T>(pm, v[i].v[k]);
+      m = fmaxf(element<T>(&pm, 0), element<T>(&pm, 1));
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPacksPerThread; ++i)
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) m = fmaxf(m, element<T>(v[i].v, k));
+    }
 #pragma unroll
     for (int i = 0; i < kPacksPerThread; ++i)
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) m = fmaxf(m, to_float(v[i].v[k]));
-#pragma unroll
-    for (int i = 0; i < kPacksPerThread; ++i)
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) s += exp_from(to_float(v[i].v[k]), m);
+      for (int k = 0; k < kVec; ++k) s += exp_from(element<T>(v[i].v, k), m);
 
     warp_merge(m, s, kThreadsPerRow < 32 ? kThreadsPerRow : 32);
     if constexpr (kWarps > 1) {
@@ -170,6 +252,17 @@ __global__ void __launch_bounds__(kThreadsPerRow* kRowsPerBlock, kMinBlocks)
         }
       }
       const float inv = inv_sum(m, s);
+      if constexpr (kPairs) {
+        // Left to themselves, the compilers (ptxas included) reuse the sum's 64 widened floats
+        // here instead of widening the 32 words again, and spill them. XOR with a zero they
+        // cannot see through makes the words new values, one integer op each: n >= 0, so its
+        // sign fill is 0, but all they know is that its 32 bits are equal.
+        const uint32_t zero = static_cast<uint32_t>(n >> 63);
+#pragma unroll
+        for (int i = 0; i < kPacksPerThread; ++i)
+#pragma unroll
+          for (int k = 0; k < kCachedVec; ++k) v[i].v[k] ^= zero;
+      }
       auto* ys = reinterpret_cast<Pack<T, kVec>*>(y + row * n + begin) + lane;
 #pragma unroll
       for (int i = 0; i < kPacksPerThread; ++i) {
@@ -177,7 +270,7 @@ __global__ void __launch_bounds__(kThreadsPerRow* kRowsPerBlock, kMinBlocks)
           Pack<T, kVec> pk;
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
-            pk.v[k] = from_float<T>(exp_from(to_float(v[i].v[k]), m) * inv);
+            pk.v[k] = from_float<T>(exp_from(element<T>(v[i].v, k), m) * inv);
           }
           ys[i * kThreadsPerRow] = pk;
         }
@@ -210,6 +303,13 @@ __global__ void softmax_strided_kernel(const T* __restrict__ x, T* __restrict__ 
 
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
+}
+
+// Elements per thread on the cluster path: 8 packs of 16 bytes (32 fp32 or 64 16-bit elements,
+// 32 registers either way) where rows load in packs; kLongElems single elements, each widened to
+// fp32 at once, where they do not.
+constexpr int cluster_elems(int vec) {
+  return vec == 1 ? kLongElems : kPacks * vec;
 }
 
 // Segments per row on the two-kernel path.
@@ -251,22 +351,21 @@ int max_active_clusters(Kernel kernel, const cudaLaunchConfig_t& config, int clu
   return active;
 }
 
-// One row per cluster of kThreads-thread blocks: up to kPortableCluster blocks of 256 threads, or
-// kMaxCluster of 512. Returns false, launching nothing, where the row needs more blocks, or no
-// cluster of that size can run (device, kernel binary or occupancy).
-//
-// FLASHMOD_SOFTMAX_CLUSTER_WAVES=w (tuning hook, default 0): launch only w times as many clusters
-// as fit at once, each looping over rows, instead of one cluster per row.
+// One row per cluster of kThreads-thread blocks (clusters loop over rows past 65535): up to
+// kPortableCluster blocks of 256 threads, or kMaxCluster of 512. Returns false, launching
+// nothing, where the row needs more blocks, or no cluster of that size can run (device, kernel
+// binary or occupancy).
 template <typename T, int kVec, int kThreads>
 bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
   constexpr int kLimit = kThreads == kLargeClusterThreads ? kMaxCluster : kPortableCluster;
-  const int64_t cluster = ceil_div(n, int64_t(kThreads) * kLongElems);
+  constexpr int kElems = cluster_elems(kVec);
+  const int64_t cluster = ceil_div(n, int64_t(kThreads) * kElems);
   int device = 0;
   if (cluster > kLimit || cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) {
     (void)cudaGetLastError();
     return false;
   }
-  const auto kernel = softmax_lastdim_kernel<T, kVec, kLongElems / kVec, kThreads, 1,
+  const auto kernel = softmax_lastdim_kernel<T, kVec, kElems / kVec, kThreads, 1,
                                              long_min_blocks(kThreads), Phase::kCluster>;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(cluster), 1);
@@ -287,11 +386,7 @@ bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stre
     fit_cache[device][cluster].store(fit, std::memory_order_relaxed);
   }
   if (fit == 1) return false;
-  int64_t grid_rows = std::min<int64_t>(rows, 65535);  // the kernel loops over the rest
-  if (const char* waves = std::getenv("FLASHMOD_SOFTMAX_CLUSTER_WAVES")) {
-    const int64_t w = std::atoll(waves);
-    if (w > 0) grid_rows = std::min<int64_t>(grid_rows, (fit - 1) * w);
-  }
+  const int64_t grid_rows = std::min<int64_t>(rows, 65535);  // the kernel loops over the rest
   config.gridDim = dim3(static_cast<unsigned>(cluster), static_cast<unsigned>(grid_rows));
   const int64_t segment = ceil_div(ceil_div(n, cluster), kVec) * kVec;  // packs never straddle
   if (cudaLaunchKernelEx(&config, kernel, x, y, rows, n, segment, static_cast<int>(cluster),
@@ -319,6 +414,10 @@ void launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
   } else if (n <= 512 * kPerThread && n <= kShortRow) {
     launch_block_per_row<T, kVec, kPacks, 512, 0>(x, y, rows, n, stream);
   } else if (launch_cluster<T, kVec, kSmallClusterThreads>(x, y, rows, n, stream) ||
+             // 256-thread blocks first: a 64k 16-bit row takes 4 x 256 rather than 2 x 512. Same
+             // bytes in flight per SM, but 4 blocks at independent phases instead of 2, and an
+             // 8-warp block barrier; the 4-block cluster barrier costs little (fp32 at 8 x 256
+             // measured 0.90 of copy bandwidth).
              launch_cluster<T, kVec, kLargeClusterThreads>(x, y, rows, n, stream)) {
     return;
   } else if (n <= int64_t(kNoClusterThreads) * kLongElems) {
