@@ -68,11 +68,16 @@ struct FwdConfigSm90<Elem, 256> {
 
 template <class Tr>
 cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cudaStream_t stream) {
-  const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
+  // Plain: raw scores, scale folded into exp2. Bool mask alone: the same plus prefetched mask bits.
+  // Anything else (additive masks, soft cap, scale <= 0): every score transformed.
+  const bool transformed = p.softcap > 0.0 || !(p.scale > 0.0);
+  const bool bool_mask = p.mask_kind == MaskKind::kBool && !transformed;
+  const bool general = transformed || (p.mask_kind != MaskKind::kNone && !bool_mask);
   const int64_t blocks = (p.seqlen_q + Tr::Br - 1) / Tr::Br * p.heads_q * p.batch;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  auto kernel =
-      general ? attention_fwd_sm90_kernel<Tr, true> : attention_fwd_sm90_kernel<Tr, false>;
+  auto kernel = general     ? attention_fwd_sm90_kernel<Tr, true, false>
+                : bool_mask ? attention_fwd_sm90_kernel<Tr, false, true>
+                            : attention_fwd_sm90_kernel<Tr, false, false>;
   // Over 48 KB of dynamic shared memory is opt-in per kernel.
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);

@@ -97,9 +97,13 @@ struct Sw128TileCopy {
   }
 };
 
-template <class Tr, bool kGeneral>
+// kGeneral: an additive mask, a soft cap or a non-positive scale: every score is transformed
+// (score_mask.h). kBoolMask (only without kGeneral): a bool mask tensor, prefetched as bits per
+// key block; scores stay raw as on the plain path.
+template <class Tr, bool kGeneral, bool kBoolMask>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_fwd_sm90_kernel(const AttentionParams p, const FwdLaunchFlags flags) {
+  static_assert(!(kGeneral && kBoolMask), "the general path applies bool masks itself");
 #ifdef FLASHMOD_SM90A
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
@@ -194,9 +198,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   };
   // Mask and online softmax of block n's scores, then O += P V_j issued and committed with P
   // packed straight from the S registers into pa; the caller waits.
-  auto softmax_and_issue_pv = [&](float (&Sx)[1][NT][4], uint32_t (&pa)[Bc / 16][4], int n) {
+  auto softmax_and_issue_pv = [&](float (&Sx)[1][NT][4], uint32_t (&pa)[Bc / 16][4], int n,
+                                  const BoolMaskBits<1, NT>& mask_bits) {
     mask_scores<Elem, kGeneral>(Sx, p, tf, b, h, r0 + warp_row0, r0, r0 + Br - 1, n, Bc, lane,
                                 [](int64_t i) { return i; });
+    if constexpr (kBoolMask) mask_bits.apply(Sx);
     softmax.update(Sx, O, c);
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) {
@@ -239,12 +245,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       if (next < range.hi) load_kv(next, (next - range.lo) % Tr::kStages);
       cp_async_commit();
     }
+    BoolMaskBits<1, NT> mask_bits;
+    if constexpr (kBoolMask) mask_bits.load(p, b, h, r0 + warp_row0, n, Bc, lane);
     float S[1][NT][4];
     issue_scores(S, n);
     wgmma_wait<0>();
     pin_registers(S[0]);
     uint32_t pa[Bc / 16][4];
-    softmax_and_issue_pv(S, pa, n);
+    softmax_and_issue_pv(S, pa, n, mask_bits);
     wgmma_wait<0>();
     pin_registers(O[0]);
     pin_registers(pa);

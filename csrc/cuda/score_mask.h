@@ -74,4 +74,52 @@ __device__ __forceinline__ void mask_scores(float (&S)[MT][NT][4], const Attenti
   }
 }
 
+// A bool mask tensor as bits: bit 2 * ni + e of word [mi][hh] is the mask at this lane's row
+// (mi, hh) and column key_block * Bc + 8 * ni + 2 * (lane % 4) + e (set = attend). Loaded before
+// the block's S = Q K^T is issued, so the loads' latency hides behind the matmul; the scores
+// themselves then stay raw (the scale rides in the softmax's exp2) as on the plain path.
+// Columns past seqlen_k read as 0 (the window test hides them anyway).
+template <int MT, int NT>
+struct BoolMaskBits {
+  static_assert(NT * 2 <= 32, "one word per row: Bc <= 128");
+  uint32_t bits[MT][2];
+
+  __device__ __forceinline__ void load(const AttentionParams& p, int64_t b, int64_t h,
+                                       int64_t warp_row0, int key_block, int Bc, int lane) {
+    const uint8_t* mask =
+        static_cast<const uint8_t*>(p.mask) + b * p.mask_batch_stride + h * p.mask_head_stride;
+    const int64_t key0 = static_cast<int64_t>(key_block) * Bc + 2 * (lane & 3);
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int64_t i = warp_row0 + mi * 16 + (lane >> 2) + 8 * hh;
+        const int64_t ic = i < p.seqlen_q ? i : p.seqlen_q - 1;  // rows past Nq: never stored
+        const uint8_t* row = mask + ic * p.mask_row_stride;
+        uint32_t w = 0;
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int64_t j = key0 + ni * 8 + e;
+            if (j < p.seqlen_k && row[j * p.mask_col_stride] != 0) w |= 1u << (2 * ni + e);
+          }
+        bits[mi][hh] = w;
+      }
+  }
+
+  template <int kMT, int kNT>
+  __device__ __forceinline__ void apply(float (&S)[kMT][kNT][4]) const {
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (!((bits[mi][hh] >> (2 * ni + e)) & 1u)) S[mi][ni][2 * hh + e] = -CUDART_INF_F;
+  }
+};
+
 }  // namespace flashmod::cuda_kernels
