@@ -279,9 +279,11 @@ def check_matmul_softmax(a, b, what, **kw):
 @pytest.mark.parametrize("dev", DEVICES)
 # On CUDA, fp16/bf16 with depth a multiple of 8 up to 256 take the fused tensor-core kernel, one
 # instantiation per depth bucket (<= 32, 64, 128, 256: 8, 16, 40, 64, 96, 128, 200, 256 here); depth
-# 12 and 264 take the cuBLAS + in-place fallback, as fp32 always does. The kernel's tiles are 128
-# (64 at depth > 128) rows by 64 (32) columns: M and N straddle them, and N % 8 == 0 takes its
-# 16-byte stores, other N its element stores. Causal runs cover M > N and M < N.
+# 4, 12, 30 and 264 take the cuBLAS + in-place fallback. fp32 takes the fused 3xTF32 kernel at depth
+# a multiple of 4 up to 128 (buckets 32, 64, 128: 4, 8, 12, 16, 40, 64, 96, 128), the fallback at
+# 30, 200, 256, 264. The 16-bit tiles are 128 (64 at depth > 128) rows by 64 (32) columns, fp32's
+# 64 rows by 64 (32 at depth > 32): M and N straddle them, and N % 8 == 0 takes the 16-byte stores
+# (fp32: N % 4), other N the element stores. Causal runs cover M > N and M < N.
 @pytest.mark.parametrize(
     "mnk",
     [
@@ -295,6 +297,8 @@ def check_matmul_softmax(a, b, what, **kw):
         (66, 65, 200),
         (31, 96, 256),
         (23, 41, 12),
+        (19, 36, 4),
+        (13, 50, 30),
         (9, 20, 264),
     ],
 )
@@ -362,10 +366,10 @@ def test_matmul_softmax_masks_fused_tiles(dev, mnk):
 def test_matmul_softmax_fallback_rows(dev, n):
     """The fallback's normalize kernels on CUDA: rows cached in registers (16-byte packs when N is a
     multiple of the pack, single elements otherwise, 128 or 512 threads) and, past their capacity,
-    the two-read loop. fp32 always falls back; fp16/bf16 do at depth 12 (not a multiple of 8)."""
+    the two-read loop. Depths 18 and 10 are no multiple of 4, so every dtype falls back."""
     for dtype in LOW:
-        for k, causal in ((16, False), (12, True)):
-            if dtype != torch.float32 and k == 16:
+        for k, causal in ((18, False), (10, True)):
+            if dtype != torch.float32 and k == 18:
                 continue
             a = torch.randn(1, 2, 6, k, device=dev, dtype=dtype)
             b = torch.randn(1, 2, n, k, device=dev, dtype=dtype)
@@ -381,10 +385,13 @@ def test_matmul_softmax_non_contiguous_and_empty(dev):
     a = torch.randn(2, 9, 3, 16, device=dev).transpose(1, 2)  # (B, H, M, K) view of (B, M, H, K)
     b = torch.randn(2, 16, 3, 11, device=dev).permute(0, 2, 3, 1)  # last dim strided
     check_matmul_softmax(a, b, "strided")
-    for dtype in (torch.float16, torch.bfloat16):  # the fused kernel with row stride 144 != depth 16
+    for dtype in LOW:  # the fused kernel with row stride 144 != depth 16
         a16 = torch.randn(2, 70, 9, 16, device=dev, dtype=dtype).transpose(1, 2)
         b16 = torch.randn(2, 3, 50, 24, device=dev, dtype=dtype)[..., 8:]  # 16-byte aligned view
         check_matmul_softmax(a16, b16, f"{dtype} strided", is_causal=True)
+    # fp32 rows of 18 elements: row starts not 16-byte aligned, so the cuBLAS fallback at depth 16
+    b18 = torch.randn(2, 3, 50, 18, device=dev)[..., 2:]
+    check_matmul_softmax(torch.randn(2, 3, 40, 16, device=dev), b18, "f32 misaligned")
     for m, n in ((0, 5), (5, 0)):
         out = flashmod.matmul_softmax(torch.randn(1, 2, m, 8, device=dev), torch.randn(1, 2, n, 8, device=dev))
         assert out.shape == (1, 2, m, n)

@@ -1,7 +1,7 @@
 // Thin wrappers over the sm80+ PTX instructions the tensor-core kernel is built from:
 // cp.async (global -> shared without a register round trip), ldmatrix (shared -> mma fragments)
-// and mma.sync m16n8k16 with fp32 accumulators. Everything here exists on sm80 and sm90, so one
-// source serves both targets.
+// and mma.sync m16n8k16 (m16n8k8 for tf32) with fp32 accumulators. Everything here exists on sm80
+// and sm90, so one source serves both targets.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -44,6 +44,21 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "memory");
 }
 
+// 16-byte shared-memory load and store. volatile + memory clobber, as ldmatrix: they must stay
+// between the barriers that order them with the other threads' accesses.
+__device__ __forceinline__ void lds_128(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+__device__ __forceinline__ void sts_128(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 template <typename Elem>
 struct Mma16816;
 
@@ -81,6 +96,37 @@ struct Mma16816<__half> {
     return *reinterpret_cast<uint32_t*>(&v);
   }
 };
+
+// fp32 operands on the tensor cores (m16n8k8, tf32 inputs, fp32 accumulators). The fragments have
+// the m16n8k16 layout with 32-bit elements: a = (row g, col t), (g + 8, t), (g, t + 4), (g + 8,
+// t + 4); b = (k t, n g), (t + 4, g); so ldmatrix (b16) of 8 x 16-byte rows loads them unchanged.
+struct MmaTf32 {
+  __device__ __forceinline__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// The 3xTF32 split of an fp32 word x: hi = tf32(x), lo = tf32(x - hi), both rounded to nearest
+// (ties away). x - hi is exact, so hi + lo carries ~22 of x's 24 bits. Inline PTX, so that fast
+// math cannot see that x - hi is "zero".
+__device__ __forceinline__ void split_tf32(uint32_t x, uint32_t& hi, uint32_t& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(__uint_as_float(x)));
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(__uint_as_float(x) - __uint_as_float(hi)));
+}
+
+// c += a * b with fp32-level error from tf32 halves: a_lo * b_hi + a_hi * b_lo + a_hi * b_hi,
+// small terms first (a_lo * b_lo, ~2^-22 relative, is dropped).
+__device__ __forceinline__ void mma_3xtf32(float (&c)[4], const uint32_t (&a_hi)[4],
+                                           const uint32_t (&a_lo)[4], uint32_t b_hi0,
+                                           uint32_t b_hi1, uint32_t b_lo0, uint32_t b_lo1) {
+  MmaTf32::run(c, a_lo, b_hi0, b_hi1);
+  MmaTf32::run(c, a_hi, b_lo0, b_lo1);
+  MmaTf32::run(c, a_hi, b_hi0, b_hi1);
+}
 
 // Explicit conversions: torch builds with __CUDA_NO_HALF_CONVERSIONS__ (and the bf16 twin), so
 // the implicit ones do not exist there.

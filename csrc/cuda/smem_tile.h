@@ -82,6 +82,11 @@ struct TileCopyPlan {
       soff[it] = active ? 2 * (tile_offset<kHeadDim>(row0 + it * kRowStep, chunk) - it * kRowStep * kHeadDim) : 0;
   }
 
+  // Byte offset in the tile of the chunk that copy iteration `it` (0..kIters-1) writes.
+  __device__ __forceinline__ uint32_t chunk_offset(int it) const {
+    return soff[it % kPeriod] + 2 * it * kRowStep * kHeadDim;
+  }
+
   // Copies rows [0, valid_rows) x columns [0, head_dim) of the global tile at gmem into the smem
   // tile at smem_base; everything else of the tile is zero-filled. The caller commits the group.
   // Needs 16-byte aligned row starts (the host launcher guarantees it).
@@ -94,8 +99,8 @@ struct TileCopyPlan {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const bool valid = row0 + it * kRowStep < valid_rows;
-      cp_async_16(smem_base + soff[it % kPeriod] + 2 * it * kRowStep * kHeadDim,
-                  valid && src_bytes > 0 ? src : gmem, valid ? src_bytes : 0);
+      cp_async_16(smem_base + chunk_offset(it), valid && src_bytes > 0 ? src : gmem,
+                  valid ? src_bytes : 0);
       src += step;
     }
   }

@@ -13,7 +13,8 @@ namespace flashmod::cuda {
 int64_t softmax_workspace_floats(const SoftmaxParams& p);
 void launch_softmax(const SoftmaxParams& p, float* workspace, cudaStream_t stream);
 
-// The fused tensor-core kernel (fp16/bf16, depth <= 256 and a multiple of 8, 16-byte aligned rows).
+// The fused tensor-core kernel (fp16/bf16 at depth <= 256, a multiple of 8; fp32 at depth <= 128, a
+// multiple of 4; 16-byte aligned rows).
 // Returns false, launching nothing, when p is outside what it handles.
 bool launch_matmul_softmax_fused(const MatmulSoftmaxParams& p, cudaStream_t stream);
 

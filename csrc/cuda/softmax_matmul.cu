@@ -1,22 +1,27 @@
 // CUDA matmul_softmax: out = softmax(scale * a @ b^T + mask) with `out` as the only (B, Ha, M, N)
 // buffer.
 //
-// Fused path (fp16/bf16, depth <= 256 and a multiple of 8): `out` is written exactly once and never
-// read. A CTA of 4 warps owns kBM rows of one (batch, head); each warp keeps the mma fragments of
-// its 16 * kMTiles rows of `a` in registers. The CTA walks the columns twice, in tiles of kBN keys
-// that cp.async double-buffers in a swizzled shared tile (ptx_ops.h / smem_tile.h, the attention
-// kernel's building blocks):
-//   pass 1: logits = a @ b_tile^T on the tensor cores (mma m16n8k16, fp32 accumulators), scaled
-//           and masked in registers, folded into each row's online normalizer (max, sum); nothing
-//           is stored.
+// Fused path (fp16/bf16 at depth <= 256, a multiple of 8; fp32 at depth <= 128, a multiple of 4):
+// `out` is written exactly once and never read. A CTA of 4 warps owns kBM rows of one (batch,
+// head); each warp keeps the mma fragments of its 16 * kMTiles rows of `a` in registers. The CTA
+// walks the columns twice, in tiles of kBN keys that cp.async double-buffers in a swizzled shared
+// tile (ptx_ops.h / smem_tile.h, the attention kernel's building blocks):
+//   pass 1: logits = a @ b_tile^T on the tensor cores (fp32 accumulators), scaled and masked in
+//           registers, folded into each row's online normalizer (max, sum); nothing is stored.
 //   pass 2: the same logits are recomputed (the same instructions, so the same fp32 values) and
 //           written as exp(x - max) / sum. The 4 lanes of a quad transpose their accumulator words
-//           with shuffles so each lane stores 8 consecutive outputs (one 16-byte store; a warp's
+//           with shuffles so each lane stores 8 consecutive outputs (16 or 32 bytes; a warp's
 //           store covers whole 32-byte sectors).
+// 16-bit inputs run mma m16n8k16. fp32 runs 3xTF32 (m16n8k8): every operand is split into tf32
+// halves x = hi + lo and a.b = a_lo.b_hi + a_hi.b_lo + a_hi.b_hi, which keeps fp32-level error
+// (the dropped a_lo.b_lo is ~2^-22 relative). a is split once into registers; each b tile is split
+// once per CTA right after it lands (hi in place, lo beside it), not once per warp. fp32 tiles go
+// through the 16-bit machinery unchanged: an 8 x 4 fp32 block is an 8 x 8 b16 ldmatrix matrix,
+// and the tf32 fragments have the 16-bit fragments' layout with 32-bit elements.
 // The pipeline runs through the pass boundary: tile 0 of pass 2 is prefetched during the last
 // tile of pass 1. Causal CTAs stop at their diagonal; the columns past it are zero-filled.
 //
-// Fallback (fp32, other depths or layouts): cuBLAS writes the raw logits into `out`
+// Fallback (other depths or layouts): cuBLAS writes the raw logits into `out`
 // (logits_into_output on the host), then a normalize kernel scales, masks and normalizes each row
 // in place, caching the row in registers (one read, one write) unless it is very long.
 #include "ptx_ops.h"
@@ -31,12 +36,17 @@ using cuda_kernels::cp_async_commit;
 using cuda_kernels::cp_async_wait;
 using cuda_kernels::LaneTileOffsets;
 using cuda_kernels::ldmatrix_x4;
+using cuda_kernels::lds_128;
 using cuda_kernels::Mma16816;
+using cuda_kernels::mma_3xtf32;
 using cuda_kernels::smem_addr;
+using cuda_kernels::split_tf32;
+using cuda_kernels::sts_128;
 using cuda_kernels::TileCopyPlan;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxDepth = 256;
+constexpr int kMaxDepthF32 = 128;  // 3xTF32: a's two halves must fit in registers
 
 // x with the mask element at offset `off` applied: -inf where a bool mask is false; plus the
 // value times `unit` (which converts it to x's units) for an additive mask.
@@ -67,64 +77,115 @@ __device__ __forceinline__ float exp2_from(float x, float m) {
   return exp2f(x - (m == -INFINITY ? 0.0f : m));
 }
 
-// Compile-time shape of the fused kernel for one depth bucket (kDepth = depth rounded up to
-// 32/64/128/256; the columns past the real depth are zero-filled in shared memory).
-template <int kDepth_>
+// Compile-time shape of the fused kernel for one element type and depth bucket (kDepth = depth
+// rounded up to 32/64/128/256; the columns past the real depth are zero-filled in shared memory).
+template <typename T, int kDepth_>
 struct FusedShape {
   static constexpr int kDepth = kDepth_;
+  // fp32 runs 3xTF32: a's fragments come in two halves (twice the registers, so one m16 tile per
+  // warp and depth <= 128), and a stage holds b's hi tile then its lo tile.
+  static constexpr bool kSplit = sizeof(T) == 4;
+  // Row width in 16-bit units, as smem_tile.h and ldmatrix see it: they only move 16-byte chunks,
+  // and an fp32 k-step of 8 spans the same two chunks as a 16-bit k-step of 16.
+  static constexpr int kRowHalves = kDepth * static_cast<int>(sizeof(T)) / 2;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   // m16 tiles per warp. Two tiles make each ldmatrix of b feed 4 mma (shared-memory bandwidth
-  // matches the tensor cores); at depth 256 their a fragments would take 128 registers.
-  static constexpr int kMTiles = kDepth <= 128 ? 2 : 1;
-  static constexpr int kBM = 16 * kMTiles * kWarps;    // rows per CTA
-  static constexpr int kBN = kDepth <= 128 ? 64 : 32;  // columns per tile
-  static constexpr int kNTiles = kBN / 8;              // n8 accumulator tiles per warp
-  static constexpr int kKSteps = kDepth / 16;
-  static constexpr int kTileBytes = kBN * kDepth * 2;  // one stage of b
-  static constexpr int kABytes = kBM * kDepth * 2;     // a, staged once to load the fragments
+  // matches the tensor cores); at 16-bit depth 256 their a fragments would take 128 registers.
+  static constexpr int kMTiles = !kSplit && kDepth <= 128 ? 2 : 1;
+  static constexpr int kBM = 16 * kMTiles * kWarps;  // rows per CTA
+  // Columns per tile; fp32 past depth 32 takes 32 (its a halves leave no room for 32 more
+  // accumulators at 3 CTAs/SM).
+  static constexpr int kBN = kRowHalves <= (kSplit ? 64 : 128) ? 64 : 32;
+  static constexpr int kNTiles = kBN / 8;  // n8 accumulator tiles per warp
+  static constexpr int kKSteps = kRowHalves / 16;
+  static constexpr int kTileBytes = kBN * kRowHalves * 2;  // one tile of b
+  static constexpr int kStageBytes = (kSplit ? 2 : 1) * kTileBytes;
+  static constexpr int kABytes = kBM * kRowHalves * 2;  // a, staged once to load the fragments
   // a is read into registers before the first b tile is issued, so the two share the space.
-  static constexpr int kSmemBytes = kABytes > 2 * kTileBytes ? kABytes : 2 * kTileBytes;
+  static constexpr int kSmemBytes = kABytes > 2 * kStageBytes ? kABytes : 2 * kStageBytes;
   // CTAs per SM that ptxas must fit in the register file: the most it reaches without spills on
-  // sm_80 and sm_90a (at depth 128 the a fragments and accumulators alone take 128 registers).
+  // sm_80 and sm_90a (at 16-bit depth 128 the a fragments and accumulators alone take 128
+  // registers; fp32 depth 128 keeps 128 registers of a halves).
   static constexpr int kMinBlocks = kDepth == 128 ? 2 : kDepth == 256 ? 4 : 3;
   static_assert(kNTiles % 4 == 0, "stores transpose groups of 4 n8 tiles within a quad");
-  static_assert(kSmemBytes <= 48 * 1024, "static shared memory");
+  static_assert(!kSplit || kDepth <= kMaxDepthF32, "3xTF32 a fragments in registers");
 };
 
-// The quad (4 lanes sharing an accumulator row) holds 4 n8 tiles of one row, lane t words
-// w[q] = columns 8q + 2t, +1 of tile q. Afterwards lane t holds tile t: w[s] = columns 8t + 2s,
-// +1, i.e. 8 consecutive outputs. Two butterfly stages over the lane bits; all lanes take part.
-__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t) {
-  const bool b0 = t & 1, b1 = t & 2;
+// 3xTF32: replaces the fp32 chunks of a b tile that this thread copied by their tf32 hi halves and
+// writes the lo halves lo_offset bytes further on. Only the thread's own cp.async chunks, so its
+// own wait suffices; the barrier that follows publishes both. One split per CTA, not per warp.
+template <class Plan>
+__device__ __forceinline__ void split_copied_chunks(const Plan& plan, uint32_t tile,
+                                                    uint32_t lo_offset) {
+  if (!plan.active) return;
 #pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    const uint32_t got = __shfl_xor_sync(0xffffffffu, b0 ? w[2 * x] : w[2 * x + 1], 1);
-    if (b0) {
-      w[2 * x] = got;
-    } else {
-      w[2 * x + 1] = got;
-    }
-  }
+  for (int it = 0; it < Plan::kIters; ++it) {
+    const uint32_t addr = tile + plan.chunk_offset(it);
+    uint32_t x[4], hi[4], lo[4];
+    lds_128(x, addr);
 #pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    const uint32_t got = __shfl_xor_sync(0xffffffffu, b1 ? w[x] : w[2 + x], 2);
-    if (b1) {
-      w[x] = got;
-    } else {
-      w[2 + x] = got;
-    }
+    for (int e = 0; e < 4; ++e) split_tf32(x[e], hi[e], lo[e]);
+    sts_128(addr, hi);
+    sts_128(addr + lo_offset, lo);
   }
 }
 
+// 32-bit words of one accumulator pair (two adjacent outputs) in T: 1 for 16-bit, 2 for fp32.
+template <typename T>
+constexpr int kPairWords = static_cast<int>(sizeof(T)) / 2;
+
+template <typename T>
+__device__ __forceinline__ void pack_pair(float x0, float x1, uint32_t (&w)[kPairWords<T>]) {
+  if constexpr (sizeof(T) == 4) {
+    w[0] = __float_as_uint(x0), w[1] = __float_as_uint(x1);
+  } else {
+    w[0] = Mma16816<T>::pack(x0, x1);
+  }
+}
+
+// The quad (4 lanes sharing an accumulator row) holds 4 n8 tiles of one row, lane t words
+// w[q] = columns 8q + 2t, +1 of tile q (kW words per pair). Afterwards lane t holds tile t:
+// w[s] = columns 8t + 2s, +1, i.e. 8 consecutive outputs. Two butterfly stages over the lane
+// bits; all lanes take part.
+template <int kW>
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4][kW], int t) {
+  const bool b0 = t & 1, b1 = t & 2;
+#pragma unroll
+  for (int x = 0; x < 2; ++x)
+#pragma unroll
+    for (int c = 0; c < kW; ++c) {
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, b0 ? w[2 * x][c] : w[2 * x + 1][c], 1);
+      if (b0) {
+        w[2 * x][c] = got;
+      } else {
+        w[2 * x + 1][c] = got;
+      }
+    }
+#pragma unroll
+  for (int x = 0; x < 2; ++x)
+#pragma unroll
+    for (int c = 0; c < kW; ++c) {
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, b1 ? w[x][c] : w[2 + x][c], 2);
+      if (b1) {
+        w[x][c] = got;
+      } else {
+        w[2 + x][c] = got;
+      }
+    }
+}
+
 template <typename T, int kDepth, bool kMasked>
-__global__ void __launch_bounds__(FusedShape<kDepth>::kThreads, FusedShape<kDepth>::kMinBlocks)
+__global__ void __launch_bounds__(FusedShape<T, kDepth>::kThreads,
+                                  FusedShape<T, kDepth>::kMinBlocks)
     matmul_softmax_fused_kernel(const MatmulSoftmaxParams p) {
-  using Shape = FusedShape<kDepth>;
-  using Mma = Mma16816<T>;
+  using Shape = FusedShape<T, kDepth>;
+  constexpr bool kSplit = Shape::kSplit;
   constexpr int kThreads = Shape::kThreads, kBM = Shape::kBM, kBN = Shape::kBN;
+  constexpr int kRowHalves = Shape::kRowHalves, kHalves = sizeof(T) / 2;
   constexpr int MT = Shape::kMTiles, NT = Shape::kNTiles, KS = Shape::kKSteps;
-  __shared__ __align__(128) unsigned char smem[Shape::kSmemBytes];
+  constexpr int kPW = kPairWords<T>;
+  extern __shared__ __align__(128) unsigned char smem[];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t M = p.rows, N = p.cols;
@@ -136,38 +197,49 @@ __global__ void __launch_bounds__(FusedShape<kDepth>::kThreads, FusedShape<kDept
   if (p.causal) m_block = m_blocks - 1 - m_block;
   const int64_t b = bh / p.heads_a, h = bh % p.heads_a, hb = h / (p.heads_a / p.heads_b);
   const int64_t row0 = m_block * kBM;
-  const T* A = static_cast<const T*>(p.a) + b * p.a_batch_stride + h * p.a_head_stride +
-               row0 * p.a_row_stride;
-  const T* B = static_cast<const T*>(p.b) + b * p.b_batch_stride + hb * p.b_head_stride;
+  // a and b as 16-bit units: the tile copies move 16-byte chunks whatever the element type.
+  const auto* A =
+      reinterpret_cast<const uint16_t*>(static_cast<const T*>(p.a) + b * p.a_batch_stride +
+                                        h * p.a_head_stride + row0 * p.a_row_stride);
+  const auto* B = reinterpret_cast<const uint16_t*>(static_cast<const T*>(p.b) +
+                                                    b * p.b_batch_stride + hb * p.b_head_stride);
+  const int64_t a_row_stride = kHalves * p.a_row_stride, b_row_stride = kHalves * p.b_row_stride;
   T* O = static_cast<T*>(p.out) + bh * M * N;
-  const int depth = static_cast<int>(p.depth);
+  const int depth = kHalves * static_cast<int>(p.depth);
   const uint32_t s_base = smem_addr(smem);
 
   // a's rows -> shared -> mma fragments, kept in registers for both passes.
   const int lm_mat = lane >> 3, lm_row = lane & 7;  // ldmatrix: lanes 8i..8i+7 address matrix i
   const int warp_row0 = warp * MT * 16;
-  uint32_t af[MT][KS][4];
+  // 3xTF32: af holds the hi halves, af_lo the lo halves.
+  uint32_t af[MT][KS][4], af_lo[kSplit ? MT : 1][kSplit ? KS : 1][4];
   {
-    const TileCopyPlan<kBM, kDepth, kThreads> a_copy(tid, depth);
-    a_copy.load(s_base, A, p.a_row_stride, static_cast<int>(M - row0 < kBM ? M - row0 : kBM));
+    const TileCopyPlan<kBM, kRowHalves, kThreads> a_copy(tid, depth);
+    a_copy.load(s_base, A, a_row_stride, static_cast<int>(M - row0 < kBM ? M - row0 : kBM));
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    const LaneTileOffsets<kDepth> a_off(warp_row0 + lm_row + (lm_mat & 1) * 8, lm_mat >> 1);
+    const LaneTileOffsets<kRowHalves> a_off(warp_row0 + lm_row + (lm_mat & 1) * 8, lm_mat >> 1);
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) ldmatrix_x4(af[mi][ks], s_base + 2 * a_off.at(mi * 16, ks));
+      for (int ks = 0; ks < KS; ++ks) {
+        ldmatrix_x4(af[mi][ks], s_base + 2 * a_off.at(mi * 16, ks));
+        if constexpr (kSplit) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) split_tf32(af[mi][ks][e], af[mi][ks][e], af_lo[mi][ks][e]);
+        }
+      }
     __syncthreads();  // the a area now takes the b tiles
   }
 
-  const TileCopyPlan<kBN, kDepth, kThreads> b_copy(tid, depth);
-  const LaneTileOffsets<kDepth> b_off(lm_row + (lm_mat >> 1) * 8, lm_mat & 1);
+  const TileCopyPlan<kBN, kRowHalves, kThreads> b_copy(tid, depth);
+  const LaneTileOffsets<kRowHalves> b_off(lm_row + (lm_mat >> 1) * 8, lm_mat & 1);
   const int64_t n_end = p.causal ? (row0 + kBM < N ? row0 + kBM : N) : N;
   const int64_t tiles = (n_end + kBN - 1) / kBN;
   auto load_b = [&](int64_t tile, int stage) {
     const int64_t n0 = tile * kBN;
-    b_copy.load(s_base + stage * Shape::kTileBytes, B + n0 * p.b_row_stride, p.b_row_stride,
+    b_copy.load(s_base + stage * Shape::kStageBytes, B + n0 * b_row_stride, b_row_stride,
                 static_cast<int>(N - n0 < kBN ? N - n0 : kBN));
     cp_async_commit();
   };
@@ -176,7 +248,8 @@ __global__ void __launch_bounds__(FusedShape<kDepth>::kThreads, FusedShape<kDept
   const int g = lane >> 2, t = lane & 3;
   const int64_t first_row = row0 + warp_row0;  // this warp's first row
   const float c2 = static_cast<float>(p.scale) * kLog2e;
-  const bool vec_store = N % 8 == 0;
+  constexpr int kVec = 16 / sizeof(T);  // outputs per 16-byte store
+  const bool vec_store = N % kVec == 0;
   // Row (mi, hh)'s normalizer in base-2 units: max and sum in pass 1; in pass 2 the exponent base
   // and 1 / sum.
   float row_m[MT][2], row_s[MT][2];
@@ -192,6 +265,8 @@ __global__ void __launch_bounds__(FusedShape<kDepth>::kThreads, FusedShape<kDept
     const bool pass2 = step >= tiles;
     const int64_t n0 = (pass2 ? step - tiles : step) * kBN;
     cp_async_wait<0>();
+    const uint32_t s_tile = s_base + stage * Shape::kStageBytes;
+    if constexpr (kSplit) split_copied_chunks(b_copy, s_tile, Shape::kTileBytes);
     // Publishes this step's tile, and every warp is done with the other stage (the previous step).
     __syncthreads();
     if (step + 1 < steps) load_b(step + 1 < tiles ? step + 1 : step + 1 - tiles, stage ^ 1);
@@ -203,17 +278,26 @@ __global__ void __launch_bounds__(FusedShape<kDepth>::kThreads, FusedShape<kDept
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
-    const uint32_t s_tile = s_base + stage * Shape::kTileBytes;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         uint32_t bf[4];
         ldmatrix_x4(bf, s_tile + 2 * b_off.at(np * 16, ks));
+        if constexpr (kSplit) {
+          uint32_t bl[4];
+          ldmatrix_x4(bl, s_tile + Shape::kTileBytes + 2 * b_off.at(np * 16, ks));
 #pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-          Mma::run(acc[mi][2 * np], af[mi][ks], bf[0], bf[1]);
-          Mma::run(acc[mi][2 * np + 1], af[mi][ks], bf[2], bf[3]);
+          for (int mi = 0; mi < MT; ++mi) {
+            mma_3xtf32(acc[mi][2 * np], af[mi][ks], af_lo[mi][ks], bf[0], bf[1], bl[0], bl[1]);
+            mma_3xtf32(acc[mi][2 * np + 1], af[mi][ks], af_lo[mi][ks], bf[2], bf[3], bl[2], bl[3]);
+          }
+        } else {
+#pragma unroll
+          for (int mi = 0; mi < MT; ++mi) {
+            Mma16816<T>::run(acc[mi][2 * np], af[mi][ks], bf[0], bf[1]);
+            Mma16816<T>::run(acc[mi][2 * np + 1], af[mi][ks], bf[2], bf[3]);
+          }
         }
       }
 
@@ -310,26 +394,38 @@ __global__ void __launch_bounds__(FusedShape<kDepth>::kThreads, FusedShape<kDept
         const int64_t i = first_row + mi * 16 + g + 8 * hh;
 #pragma unroll
         for (int q4 = 0; q4 < NT / 4; ++q4) {
-          uint32_t w[4];
+          uint32_t w[4][kPW];
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
             const float* x = acc[mi][4 * q4 + q] + 2 * hh;
-            w[q] = Mma::pack(exp2f(x[0] - row_m[mi][hh]) * row_s[mi][hh],
-                             exp2f(x[1] - row_m[mi][hh]) * row_s[mi][hh]);
+            pack_pair<T>(exp2f(x[0] - row_m[mi][hh]) * row_s[mi][hh],
+                         exp2f(x[1] - row_m[mi][hh]) * row_s[mi][hh], w[q]);
           }
           quad_transpose(w, t);
           const int64_t j = n0 + q4 * 32 + t * 8;
           if (i >= M || j >= N) continue;
           T* dst = O + i * N + j;
-          if (vec_store) {
-            *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-          } else {
-          // Element e is the (e % 2)-th half of word e / 2 (pack puts the first in the low bits).
+          uint32_t f[4 * kPW];  // the lane's 8 outputs in order, as words
 #pragma unroll
-            for (int e = 0; e < 8; ++e)
-              if (j + e < N)
+          for (int k = 0; k < 4 * kPW; ++k) f[k] = w[k / kPW][k % kPW];
+          if (vec_store) {
+#pragma unroll
+            for (int v = 0; v < kPW; ++v)
+              if (j + v * kVec < N)
+                reinterpret_cast<uint4*>(dst)[v] =
+                    make_uint4(f[4 * v], f[4 * v + 1], f[4 * v + 2], f[4 * v + 3]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              if (j + e >= N) continue;
+              if constexpr (kSplit) {
+                reinterpret_cast<uint32_t*>(dst)[e] = f[e];
+              } else {
+                // The (e % 2)-th half of word e / 2 (pack puts the first in the low bits).
                 reinterpret_cast<uint16_t*>(dst)[e] =
-                    static_cast<uint16_t>(w[e / 2] >> (16 * (e % 2)));
+                    static_cast<uint16_t>(f[e / 2] >> (16 * (e % 2)));
+              }
+            }
           }
         }
       }
@@ -341,7 +437,7 @@ __global__ void __launch_bounds__(FusedShape<kDepth>::kThreads, FusedShape<kDept
     for (int r = 0; r < MT * 16 && first_row + r < M; ++r) {
       T* dst = O + (first_row + r) * N;
       if (vec_store) {
-        for (int64_t j = z0 + lane * 8; j < N; j += 32 * 8)
+        for (int64_t j = z0 + lane * kVec; j < N; j += 32 * kVec)
           *reinterpret_cast<uint4*>(dst + j) = make_uint4(0, 0, 0, 0);
       } else {
         for (int64_t j = z0 + lane; j < N; j += 32) dst[j] = from_float<T>(0.0f);
@@ -433,15 +529,22 @@ bool aligned16(const void* ptr) {
 
 template <typename T, int kDepth>
 bool launch_fused(const MatmulSoftmaxParams& p, cudaStream_t stream) {
-  using Shape = FusedShape<kDepth>;
+  using Shape = FusedShape<T, kDepth>;
   const int64_t blocks = (p.rows + Shape::kBM - 1) / Shape::kBM * p.batch * p.heads_a;
   if (blocks > 0x7fffffff) return false;
   const auto grid = static_cast<unsigned>(blocks);
-  if (p.mask_kind == MaskKind::kNone) {
-    matmul_softmax_fused_kernel<T, kDepth, false><<<grid, Shape::kThreads, 0, stream>>>(p);
-  } else {
-    matmul_softmax_fused_kernel<T, kDepth, true><<<grid, Shape::kThreads, 0, stream>>>(p);
+  const auto kernel = p.mask_kind == MaskKind::kNone ? matmul_softmax_fused_kernel<T, kDepth, false>
+                                                     : matmul_softmax_fused_kernel<T, kDepth, true>;
+  // fp32 stages (b's hi and lo tiles) pass the 48 KB of shared memory a launch gets by default.
+  // Should the device refuse (it never does from sm_80 on), clear the error and let the caller
+  // fall back.
+  if (Shape::kSmemBytes > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           Shape::kSmemBytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
   }
+  kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
   return true;
 }
 
@@ -450,7 +553,11 @@ bool launch_fused_typed(const MatmulSoftmaxParams& p, cudaStream_t stream) {
   if (p.depth <= 32) return launch_fused<T, 32>(p, stream);
   if (p.depth <= 64) return launch_fused<T, 64>(p, stream);
   if (p.depth <= 128) return launch_fused<T, 128>(p, stream);
-  return launch_fused<T, 256>(p, stream);
+  if constexpr (sizeof(T) == 4) {
+    return false;  // excluded by the caller (kMaxDepthF32)
+  } else {
+    return launch_fused<T, 256>(p, stream);
+  }
 }
 
 template <typename T, int kVec>
@@ -478,14 +585,17 @@ void launch_normalize(const MatmulSoftmaxParams& p, cudaStream_t stream) {
 }  // namespace
 
 bool launch_matmul_softmax_fused(const MatmulSoftmaxParams& p, cudaStream_t stream) {
-  const bool half = p.dtype == ScalarKind::kFloat16 || p.dtype == ScalarKind::kBFloat16;
-  // 16-byte loads of a's and b's rows need every row start 16-byte aligned.
-  const bool layout_ok = p.depth % 8 == 0 && p.depth <= kMaxDepth && aligned16(p.a) &&
-                         aligned16(p.b) && aligned16(p.out) && p.a_row_stride % 8 == 0 &&
-                         p.a_head_stride % 8 == 0 && p.a_batch_stride % 8 == 0 &&
-                         p.b_row_stride % 8 == 0 && p.b_head_stride % 8 == 0 &&
-                         p.b_batch_stride % 8 == 0;
-  if (!half || !layout_ok) return false;
+  if (p.dtype == ScalarKind::kFloat64) return false;
+  const bool f32 = p.dtype == ScalarKind::kFloat32;
+  // 16-byte loads of a's and b's rows need every row start 16-byte aligned: v elements.
+  const int64_t v = f32 ? 4 : 8;
+  const bool layout_ok = p.depth % v == 0 && p.depth <= (f32 ? kMaxDepthF32 : kMaxDepth) &&
+                         aligned16(p.a) && aligned16(p.b) && aligned16(p.out) &&
+                         p.a_row_stride % v == 0 && p.a_head_stride % v == 0 &&
+                         p.a_batch_stride % v == 0 && p.b_row_stride % v == 0 &&
+                         p.b_head_stride % v == 0 && p.b_batch_stride % v == 0;
+  if (!layout_ok) return false;
+  if (f32) return launch_fused_typed<float>(p, stream);
   if (p.dtype == ScalarKind::kFloat16) return launch_fused_typed<__half>(p, stream);
   return launch_fused_typed<__nv_bfloat16>(p, stream);
 }
