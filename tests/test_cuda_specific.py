@@ -416,6 +416,7 @@ def sanitizer_case():
             attention_op(q, k, v)
             attention_op(q, k, v, is_causal=True, bottom_right=False)
             attention_op(q, k, v, mask, softcap=5.0, window_left=20, window_right=3)
+            attention_op(q, k, v, mask, is_causal=True)  # bool mask alone: the wgmma kernel's bit path
         if dtype != torch.float32:  # decode kernel: GQA packing + split-KV and its combine
             q, k = (
                 torch.randn(1, 8, 3, 59, device="cuda", dtype=dtype),
