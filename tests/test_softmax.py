@@ -281,9 +281,11 @@ def check_matmul_softmax(a, b, what, **kw):
 # instantiation per depth bucket (<= 32, 64, 128, 256: 8, 16, 40, 64, 96, 128, 200, 256 here); depth
 # 4, 12, 30 and 264 take the cuBLAS + in-place fallback. fp32 takes the fused 3xTF32 kernel at depth
 # a multiple of 4 up to 128 (buckets 32, 64, 128: 4, 8, 12, 16, 40, 64, 96, 128), the fallback at
-# 30, 200, 256, 264. The 16-bit tiles are 128 (64 at depth > 128) rows by 64 (32) columns, fp32's
-# 64 rows by 64 (32 at depth > 32): M and N straddle them, and N % 8 == 0 takes the 16-byte stores
-# (fp32: N % 4), other N the element stores. Causal runs cover M > N and M < N.
+# 30, 200, 256, 264; at depth > 64 it is the single-pass kernel (16 rows by 256 columns) while N
+# fits in shared memory (test_matmul_softmax_fp32_single_pass forces both). The 16-bit tiles are
+# 128 (64 at depth > 128) rows by 64 (32) columns, fp32's two-pass 64 rows by 64 (32 at depth > 32):
+# M and N straddle them, and N % 8 == 0 takes the 16-byte stores (fp32: N % 4), other N the element
+# stores. Causal runs cover M > N and M < N.
 @pytest.mark.parametrize(
     "mnk",
     [
@@ -359,6 +361,37 @@ def test_matmul_softmax_masks_fused_tiles(dev, mnk):
         if dtype in (torch.float16, torch.bfloat16):
             f32 = additive.float()[None]  # (1, H, M, N)
             check_matmul_softmax(a, b, f"{dtype} {mnk} fp32 additive", attn_mask=f32, scale=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA launch paths")
+@pytest.mark.parametrize("max_n", [None, "0", "512"])
+def test_matmul_softmax_fp32_single_pass(max_n, monkeypatch):
+    """fp32 at depth 65..128 takes the single-pass kernel (16-row CTAs, the rows' logits parked in
+    shared memory) while N fits the device's shared memory, the two-pass kernel past that.
+    FLASHMOD_MMSM_SINGLE_PASS_MAX_N moves the limit: unset (the device's), 0 (always two-pass) and
+    512 (N = 600 and 1100 fall back, the rest single-pass). Odd M and N straddle the 16-row CTAs and
+    256-column tiles, N % 4 != 0 takes the element stores, depth 68 zero-fills most of the last
+    depth chunks; causal with M > N and M < N, GQA, bool / additive masks with fully masked rows."""
+    if max_n is None:
+        monkeypatch.delenv("FLASHMOD_MMSM_SINGLE_PASS_MAX_N", raising=False)
+    else:
+        monkeypatch.setenv("FLASHMOD_MMSM_SINGLE_PASS_MAX_N", max_n)
+    dev = "cuda"
+    for m, n, k in ((33, 257, 128), (16, 600, 96), (70, 131, 68), (300, 1100, 128), (5, 2048, 128)):
+        a = torch.randn(2, 4, m, k, device=dev)
+        b = torch.randn(2, 2, n, k, device=dev)  # GQA: 2 a-heads per b-head
+        what = f"max_n={max_n} {(m, n, k)}"
+        check_matmul_softmax(a, b, what)
+        check_matmul_softmax(a, b, f"{what} causal", is_causal=True, scale=0.3)
+        bool_mask = torch.rand(2, 1, m, n, device=dev) > 0.3
+        bool_mask[:, :, 3] = False
+        for causal in (False, True):
+            out = check_matmul_softmax(a, b, f"{what} bool causal={causal}", attn_mask=bool_mask, is_causal=causal)
+            assert (out[:, :, 3] == 0).all()
+        additive = torch.randn(4, m, n, device=dev) * 2
+        additive[:, 1] = NEG_INF
+        out = check_matmul_softmax(a, b, f"{what} additive", attn_mask=additive)
+        assert (out[:, :, 1] == 0).all()
 
 
 @pytest.mark.parametrize("dev", DEVICES)
