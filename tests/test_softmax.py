@@ -77,22 +77,11 @@ def test_softmax_non_contiguous_and_scalar(dev):
     assert flashmod.softmax(s, 0).item() == 1.0 and flashmod.softmax(s, -1).shape == ()
 
 
-def long_path(
-    n: int, dtype: torch.dtype, capability: tuple[int, int], mode: str = "cluster"
-) -> tuple[str, int, int] | None:
+def long_path(n: int, dtype: torch.dtype, capability: tuple[int, int]) -> tuple[str, int, int] | None:
     """(path, threads, blocks per row) that csrc/cuda/softmax.cu's FLASHMOD_SOFTMAX_TRACE reports
     for a row of n > 16384 elements; None where the build has no kernel of its own. Cluster threads
     keep 64 elements of 16-bit rows that load in 16-byte packs (n % 8 == 0), 32 otherwise; the
-    fallbacks keep 32. mode "l2" (FLASHMOD_SOFTMAX_LONG=l2): 256-thread segments at the cluster
-    path's elements per thread, except 24 for unaligned 16-bit rows."""
-    if mode == "l2":
-        if capability[0] not in (8, 9):
-            return None
-        if dtype == torch.float32:
-            per_thread = 32
-        else:
-            per_thread = 64 if n % 8 == 0 else 24
-        return ("l2", 256, math.ceil(n / (256 * per_thread)))
+    fallbacks keep 32."""
     if capability == (9, 0):
         per_thread = 64 if dtype != torch.float32 and n % 8 == 0 else 32
         if n <= 8 * 256 * per_thread:
@@ -106,8 +95,8 @@ def long_path(
     return ("two-kernel", 256, math.ceil(n / (256 * 32)))
 
 
-def assert_long_path(trace: str, n: int, dtype: torch.dtype, mode: str = "cluster") -> None:
-    expected = long_path(n, dtype, torch.cuda.get_device_capability(), mode)
+def assert_long_path(trace: str, n: int, dtype: torch.dtype) -> None:
+    expected = long_path(n, dtype, torch.cuda.get_device_capability())
     if expected is not None:
         path, threads, blocks = expected
         assert f"n={n} path={path} threads={threads} blocks_per_row={blocks}" in trace, (dtype, trace)
@@ -131,19 +120,16 @@ def check_special_rows(y: torch.Tensor, all_inf: int, some_inf: int, nan: int) -
 # 262144 clusters of 512 (16 / 8 blocks), 524288 the largest cluster for 16-bit, two kernels for
 # fp32, 600000 two kernels. Odd n loads one element at a time (32 per thread, every dtype): 65537
 # 5 x 512, 262143 the largest cluster, 300001 two kernels.
-# mode "l2" (FLASHMOD_SOFTMAX_LONG=l2) takes the L2 two-pass path for every n here, on any arch.
-@pytest.mark.parametrize("mode", ["cluster", "l2"])
 @pytest.mark.parametrize("n", [20000, 65536, 65537, 262143, 262144, 300001, 524288, 600000])
-def test_softmax_long_row_paths(n, mode, monkeypatch, capfd):
+def test_softmax_long_row_paths(n, monkeypatch, capfd):
     monkeypatch.setenv("FLASHMOD_SOFTMAX_TRACE", "1")
-    monkeypatch.setenv("FLASHMOD_SOFTMAX_LONG", mode)
     capfd.readouterr()
     rows = 6
     for dtype in LOW:
         x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
         mark_special_rows(x, 0, 1, 2)
         y = flashmod.softmax(x, -1)
-        assert_long_path(capfd.readouterr().err, n, dtype, mode)
+        assert_long_path(capfd.readouterr().err, n, dtype)
         check_special_rows(y, 0, 1, 2)
         assert not torch.isnan(y[3:]).any()
         keep = [1] + list(range(3, rows))
@@ -168,33 +154,6 @@ def test_softmax_cluster_rows_past_grid(monkeypatch, capfd):
         xk = x[check]
         assert_within_rule(y[check], torch.softmax(xk.double(), -1), torch.softmax(xk, -1), 2, dtype, str(dtype))
         del x, y
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA launch paths")
-@pytest.mark.parametrize("blocks", ["4", "1"])
-@pytest.mark.parametrize("n", [40000, 40001])
-def test_softmax_l2_many_rows(n, blocks, monkeypatch, capfd):
-    """The L2 path with more rows than its lag (the trace's lag_rows), so every part of its queue
-    order runs: pass 1 alone, pass 1 of row t + lag beside pass 2 of row t, pass 2 alone. Special
-    rows early, in the middle and last; FLASHMOD_SOFTMAX_L2_BLOCKS 1 also gives a smaller grid."""
-    monkeypatch.setenv("FLASHMOD_SOFTMAX_TRACE", "1")
-    monkeypatch.setenv("FLASHMOD_SOFTMAX_LONG", "l2")
-    monkeypatch.setenv("FLASHMOD_SOFTMAX_L2_BLOCKS", blocks)
-    capfd.readouterr()
-    rows = 400
-    check = [0, 1, 150, 152, 398]
-    for dtype in LOW:
-        x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
-        mark_special_rows(x, 151, 2, rows - 1)
-        y = flashmod.softmax(x, -1)
-        trace = capfd.readouterr().err
-        assert_long_path(trace, n, dtype, "l2")
-        lag = int(trace.rsplit("lag_rows=", 1)[1].split()[0])
-        assert 0 < lag < rows, trace
-        check_special_rows(y, 151, 2, rows - 1)
-        assert not torch.isnan(y[: rows - 1]).any()
-        xk = x[check]
-        assert_within_rule(y[check], torch.softmax(xk.double(), -1), torch.softmax(xk, -1), 2, dtype, str(dtype))
 
 
 @pytest.mark.parametrize("dev", DEVICES)

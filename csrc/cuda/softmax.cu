@@ -23,15 +23,6 @@
 // rows two kernels: one writes each segment's (max, sum) to a workspace, the other merges them and
 // writes (x read twice); both keep 32 elements per thread.
 //
-// FLASHMOD_SOFTMAX_LONG=l2 (read per call, and only for rows > 16k; unset or any other value:
-// the cluster path above) selects the L2 two-pass path instead, on any arch: a persistent grid
-// (FLASHMOD_SOFTMAX_L2_BLOCKS CTAs per SM, 1-4, default 4) of 256-thread CTAs takes row segments
-// of 32 KB (the cluster path's elements per thread; 24 for unaligned 16-bit rows) from one
-// atomic queue. Pass 1 of a segment publishes its (max, sum) and bumps its row's counter; pass 2,
-// queued lag rows later, waits for the row's count, merges the partials and re-reads the segment,
-// by then still in L2 (about 20 MB of traffic between the two reads), so DRAM sees one read and
-// one write. FLASHMOD_SOFTMAX_TRACE prints path=l2 with the grid and the lag.
-//
 // Rows along a non-last dimension (stride `inner`) get a thread each, neighbouring threads on
 // neighbouring rows so loads coalesce, with the element-by-element online update.
 #include <cooperative_groups.h>
@@ -60,9 +51,6 @@ constexpr int kPortableCluster = 8;
 constexpr int kMaxCluster = 16;          // H100's non-portable limit
 constexpr int kNoClusterThreads = 1024;  // one block per row, where clusters are unavailable
 constexpr int kSegmentThreads = 256;     // the two-kernel path
-constexpr int kL2Threads = 256;          // the L2 two-pass path (FLASHMOD_SOFTMAX_LONG=l2)
-constexpr int kL2MaxBlocksPerSm = 4;     // 1024 threads at 64 registers
-constexpr int kL2Narrow = 24;            // elements per thread of unaligned 16-bit rows there
 constexpr int kMaxDevices = 64;          // launch_cluster caches its occupancy answer per device
 
 // Blocks per SM that leave each thread 64 registers (65536 per SM): what the long-row kernels need
@@ -293,147 +281,6 @@ __global__ void __launch_bounds__(kThreadsPerRow* kRowsPerBlock, kMinBlocks)
   if constexpr (kPhase == Phase::kCluster) cluster_sync();
 }
 
-// The L2 two-pass path (FLASHMOD_SOFTMAX_LONG=l2; any arch, no cluster). A row is cut into
-// `segments` segments of up to kThreads * kPacksPerThread * kVec elements (32 KB for 16-byte
-// packs). Every segment is two work items: pass 1 reads it and publishes its (max, sum) to
-// partials, then bumps the row's counter; pass 2 reads it again, merges the row's partials and
-// writes. A persistent grid takes the items in order from one atomic queue, pass 1 of row
-// t + lag interleaved with pass 2 of row t (item_of), so x is re-read lag rows after its first
-// read: with lag sized to the grid, about 1.25 grids of items (~20 MB) pass between the two
-// reads, well inside the 50 MB L2, and DRAM still sees one read and one write. A pass-2 item
-// waits only on items taken from the queue before it, and a pass-1 item never waits, so the
-// CTA holding the oldest unfinished item always progresses, whatever is resident.
-struct L2Item {
-  int64_t row;
-  int seg;
-  bool second;
-};
-
-// Item i of the queue: pass 1 of rows [0, lag), then per step t pass 1 of row t + lag and pass 2
-// of row t, then pass 2 of the last lag rows. lag <= rows.
-__device__ __forceinline__ L2Item item_of(uint64_t i, int64_t rows, int segments, int64_t lag) {
-  const uint64_t s = static_cast<uint64_t>(segments);
-  const uint64_t head = static_cast<uint64_t>(lag) * s;
-  const uint64_t body = static_cast<uint64_t>(rows - lag) * 2 * s;
-  if (i < head) return {static_cast<int64_t>(i / s), static_cast<int>(i % s), false};
-  i -= head;
-  if (i < body) {
-    const int64_t step = static_cast<int64_t>(i / (2 * s));
-    const int slot = static_cast<int>(i % (2 * s));
-    if (slot < segments) return {step + lag, slot, false};
-    return {step, slot - segments, true};
-  }
-  i -= body;
-  return {rows - lag + static_cast<int64_t>(i / s), static_cast<int>(i % s), true};
-}
-
-template <typename T, int kVec, int kPacksPerThread, int kThreads>
-__global__ void __launch_bounds__(kThreads, long_min_blocks(kThreads))
-    softmax_l2_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t n,
-                      int64_t segment, int segments, int64_t lag,
-                      unsigned long long* __restrict__ queue, unsigned* __restrict__ done,
-                      float2* __restrict__ partials) {
-  constexpr int kWarps = kThreads / 32;
-  constexpr bool kPairs = kVec > 1 && sizeof(T) == 2;
-  using Cached = typename Cache<T, kVec, kPairs>::type;
-  constexpr int kCachedVec = Cache<T, kVec, kPairs>::kLen;
-  // Double-buffered by item parity: every item has exactly one block barrier, after which
-  // thread 0 has stored the next item and (pass 1) read the warps' summaries; a buffer is written
-  // again only two items later, after the next item's barrier.
-  __shared__ unsigned long long next[2];
-  __shared__ float warp_m[2][kWarps], warp_s[2][kWarps];
-  const uint64_t total = static_cast<uint64_t>(rows) * segments * 2;
-  const int lane = threadIdx.x;
-  if (lane == 0) next[0] = atomicAdd(queue, 1ull);
-  __syncthreads();
-  for (int buf = 0;; buf ^= 1) {
-    const uint64_t i = next[buf];
-    if (i >= total) break;
-    if (lane == 0) next[buf ^ 1] = atomicAdd(queue, 1ull);  // its latency hides behind this item
-    const L2Item it = item_of(i, rows, segments, lag);
-    const int64_t begin = it.seg * segment, end = begin + segment < n ? begin + segment : n;
-    const int packs = static_cast<int>((end - begin) / kVec);
-    const auto* xs = reinterpret_cast<const Pack<T, kVec>*>(x + it.row * n + begin) + lane;
-    Pack<Cached, kCachedVec> v[kPacksPerThread];
-#pragma unroll
-    for (int p = 0; p < kPacksPerThread; ++p) {
-      if (p * kThreads + lane < packs) {
-        if constexpr (kPairs) {
-          v[p] = reinterpret_cast<const Pack<Cached, kCachedVec>*>(xs)[p * kThreads];
-        } else {
-          const Pack<T, kVec> pk = xs[p * kThreads];
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) v[p].v[k] = convert<Cached>(pk.v[k]);
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < kCachedVec; ++k) v[p].v[k] = minus_inf<T, Cached>();
-      }
-    }
-    const int64_t slot = it.row * segments;
-    if (!it.second) {
-      float m = -INFINITY, s = 0.0f;
-      if constexpr (kPairs) {
-        uint32_t pm = v[0].v[0];
-#pragma unroll
-        for (int p = 0; p < kPacksPerThread; ++p)
-#pragma unroll
-          for (int k = 0; k < kCachedVec; ++k) pm = pair_max<T>(pm, v[p].v[k]);
-        m = fmaxf(element<T>(&pm, 0), element<T>(&pm, 1));
-      } else {
-#pragma unroll
-        for (int p = 0; p < kPacksPerThread; ++p)
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) m = fmaxf(m, element<T>(v[p].v, k));
-      }
-#pragma unroll
-      for (int p = 0; p < kPacksPerThread; ++p)
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) s += exp_from(element<T>(v[p].v, k), m);
-      warp_merge(m, s);
-      if (lane % 32 == 0) warp_m[buf][lane / 32] = m, warp_s[buf][lane / 32] = s;
-      __syncthreads();
-      if (lane == 0) {
-        m = warp_m[buf][0], s = warp_s[buf][0];
-        for (int w = 1; w < kWarps; ++w) merge(m, s, warp_m[buf][w], warp_s[buf][w]);
-        __stcg(&partials[slot + it.seg], make_float2(m, s));
-        __threadfence();  // the partial is visible device-wide before the count that announces it
-        atomicAdd(&done[it.row], 1u);
-      }
-    } else {
-      // The segment's loads (L2 hits) are in flight while thread 0 waits for the row's partials.
-      if (lane == 0) {
-        while (*static_cast<volatile unsigned*>(&done[it.row]) < static_cast<unsigned>(segments)) {
-          __nanosleep(256);
-        }
-        __threadfence();
-      }
-      __syncthreads();
-      // Every warp merges the partials itself (lane g takes g, g + 32, ...), then a butterfly:
-      // all threads get bit-identical (max, sum) with no second barrier.
-      float m = -INFINITY, s = 0.0f;
-      for (int g = lane % 32; g < segments; g += 32) {
-        const float2 ps = __ldcg(&partials[slot + g]);
-        merge(m, s, ps.x, ps.y);
-      }
-      warp_merge(m, s);
-      const float inv = inv_sum(m, s);
-      auto* ys = reinterpret_cast<Pack<T, kVec>*>(y + it.row * n + begin) + lane;
-#pragma unroll
-      for (int p = 0; p < kPacksPerThread; ++p) {
-        if (p * kThreads + lane < packs) {
-          Pack<T, kVec> pk;
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) {
-            pk.v[k] = from_float<T>(exp_from(element<T>(v[p].v, k), m) * inv);
-          }
-          ys[p * kThreads] = pk;
-        }
-      }
-    }
-  }
-}
-
 template <typename T>
 __global__ void softmax_strided_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t outer,
                                        int64_t n, int64_t inner) {
@@ -473,49 +320,10 @@ int64_t segments_for(int64_t n) {
 // FLASHMOD_SOFTMAX_TRACE (any value): print which long-row path each call takes, to stderr.
 // tests/test_softmax.py uses it to check that each path is taken where expected. Read per call,
 // and only on the long-row paths, whose kernels take far longer than a getenv.
-void trace(int64_t n, const char* path, int threads, int64_t blocks_per_row, int grid = 0,
-           int64_t lag = 0) {
+void trace(int64_t n, const char* path, int threads, int64_t blocks_per_row) {
   if (std::getenv("FLASHMOD_SOFTMAX_TRACE") == nullptr) return;
-  std::fprintf(stderr, "flashmod softmax: n=%lld path=%s threads=%d blocks_per_row=%lld",
+  std::fprintf(stderr, "flashmod softmax: n=%lld path=%s threads=%d blocks_per_row=%lld\n",
                static_cast<long long>(n), path, threads, static_cast<long long>(blocks_per_row));
-  if (grid > 0) std::fprintf(stderr, " grid=%d lag_rows=%lld", grid, static_cast<long long>(lag));
-  std::fputc('\n', stderr);
-}
-
-// FLASHMOD_SOFTMAX_LONG=l2 (read per call, rows > 16k only): the L2 two-pass path instead of
-// clusters and their fallbacks. Unset or anything else: the cluster path.
-bool long_rows_use_l2() {
-  const char* v = std::getenv("FLASHMOD_SOFTMAX_LONG");
-  return v != nullptr && v[0] == 'l' && v[1] == '2' && v[2] == '\0';
-}
-
-// FLASHMOD_SOFTMAX_L2_BLOCKS (1-4, default 4): resident CTAs per SM on the L2 path. The lag, and
-// with it the bytes between a segment's two reads, scale with the grid.
-int l2_blocks_per_sm() {
-  const char* v = std::getenv("FLASHMOD_SOFTMAX_L2_BLOCKS");
-  const int b = v != nullptr ? std::atoi(v) : 0;
-  return b >= 1 && b <= kL2MaxBlocksPerSm ? b : kL2MaxBlocksPerSm;
-}
-
-// Elements per thread on the L2 path: the cluster path's, except unaligned 16-bit rows, whose
-// 32 widened elements spill there (the item bookkeeping's 64-bit values).
-constexpr int l2_elems(int vec, int bytes) {
-  return vec == 1 && bytes == 2 ? kL2Narrow : cluster_elems(vec);
-}
-
-// Segments per row on the L2 path for elems elements per thread.
-int64_t l2_segments(int64_t n, int elems) {
-  return ceil_div(n, int64_t(kL2Threads) * elems);
-}
-
-// The L2 path's workspace: the queue counter (a 64-bit word), one done-counter per row, then
-// (max, sum) per segment, 8-byte aligned; sized for the fewest elements per thread (most segments).
-struct L2Workspace {
-  int64_t done_offset, partials_offset, floats;
-};
-L2Workspace l2_workspace(int64_t rows, int64_t n) {
-  const int64_t partials = 2 + rows + (rows % 2);
-  return {2, partials, partials + rows * l2_segments(n, kL2Narrow) * 2};
 }
 
 template <typename T, int kVec, int kPacksPerThread, int kThreads, int kMinBlocks>
@@ -590,45 +398,6 @@ bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stre
   return true;
 }
 
-// The L2 two-pass path (see softmax_l2_kernel): a persistent grid of blocks_per_sm CTAs per SM
-// (at most what fits), lag = the rows whose items fill 1.25 grids, counters zeroed first.
-template <typename T, int kVec>
-void launch_l2(const T* x, T* y, int64_t rows, int64_t n, float* workspace, cudaStream_t stream) {
-  constexpr int kElems = l2_elems(kVec, sizeof(T));
-  const auto kernel = softmax_l2_kernel<T, kVec, kElems / kVec, kL2Threads>;
-  const int segments = static_cast<int>(l2_segments(n, kElems));
-  const int64_t segment = ceil_div(ceil_div(n, segments), kVec) * kVec;  // packs never straddle
-  // SMs and resident blocks per SM, asked once per device (driver queries cost microseconds).
-  static std::atomic<int> fit_cache[kMaxDevices];
-  int device = 0, fit = 0;
-  if (cudaGetDevice(&device) == cudaSuccess && device < kMaxDevices) {
-    fit = fit_cache[device].load(std::memory_order_relaxed);
-  }
-  if (fit == 0) {
-    int sms = 0, per_sm = 0;
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kL2Threads, 0) !=
-            cudaSuccess) {
-      (void)cudaGetLastError();
-    }
-    fit = std::max(1, sms) * 1024 + std::clamp(per_sm, 1, kL2MaxBlocksPerSm);
-    if (device < kMaxDevices) fit_cache[device].store(fit, std::memory_order_relaxed);
-  }
-  const int sms = fit / 1024, per_sm = std::min(fit % 1024, l2_blocks_per_sm());
-  const int64_t items = rows * segments * 2;
-  const int grid = static_cast<int>(std::min<int64_t>(int64_t(sms) * per_sm, items));
-  const int64_t lag =
-      std::min<int64_t>(rows, std::max<int64_t>(1, ceil_div(5 * int64_t(grid), 8 * segments)));
-  const L2Workspace ws = l2_workspace(rows, n);
-  auto* queue = reinterpret_cast<unsigned long long*>(workspace);
-  auto* done = reinterpret_cast<unsigned*>(workspace + ws.done_offset);
-  auto* partials = reinterpret_cast<float2*>(workspace + ws.partials_offset);
-  (void)cudaMemsetAsync(workspace, 0, ws.partials_offset * sizeof(float), stream);
-  kernel<<<grid, kL2Threads, 0, stream>>>(x, y, rows, n, segment, segments, lag, queue, done,
-                                          partials);
-  trace(n, "l2", kL2Threads, segments, grid, lag);
-}
-
 template <typename T, int kVec>
 void launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
                     cudaStream_t stream) {
@@ -644,8 +413,6 @@ void launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
     launch_block_per_row<T, kVec, kPacks, 256, 0>(x, y, rows, n, stream);
   } else if (n <= 512 * kPerThread && n <= kShortRow) {
     launch_block_per_row<T, kVec, kPacks, 512, 0>(x, y, rows, n, stream);
-  } else if (long_rows_use_l2()) {
-    launch_l2<T, kVec>(x, y, rows, n, workspace, stream);
   } else if (launch_cluster<T, kVec, kSmallClusterThreads>(x, y, rows, n, stream) ||
              // 256-thread blocks first: a 64k 16-bit row takes 4 x 256 rather than 2 x 512. Same
              // bytes in flight per SM, but 4 blocks at independent phases instead of 2, and an
@@ -693,10 +460,7 @@ void launch_typed(const SoftmaxParams& p, float* workspace, cudaStream_t stream)
 }  // namespace
 
 int64_t softmax_workspace_floats(const SoftmaxParams& p) {
-  if (p.inner == 1 && p.dim_size > kShortRow && long_rows_use_l2()) {
-    return l2_workspace(p.outer, p.dim_size).floats;
-  }
-  // Otherwise only the two-kernel path uses it; sized for any row it might take.
+  // Only the two-kernel path uses it; sized for any row it might take.
   if (p.inner != 1 || p.dim_size <= int64_t(kNoClusterThreads) * kLongElems) return 0;
   return p.outer * segments_for(p.dim_size) * 2;
 }
