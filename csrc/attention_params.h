@@ -19,7 +19,8 @@ enum class MaskKind : int32_t {
 };
 
 struct AttentionParams {
-  // q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); out: (B, Hq, Nq, D); lse: (B, Hq, Nq) contiguous fp32.
+  // q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); out: (B, Hq, Nq, D); lse: (B, Hq, Nq) contiguous
+  // fp32.
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
@@ -55,7 +56,8 @@ struct AttentionParams {
   // and the window rule above applies to that position. 0: row i is position i.
   int64_t pos_period = 0;
 
-  // Double so the fp64 CPU path keeps full precision; kernels narrow them to their accumulator type.
+  // Double so the fp64 CPU path keeps full precision; kernels narrow them to their accumulator
+  // type.
   double scale = 1.0;    // multiplies q·k before the soft cap
   double softcap = 0.0;  // > 0: score = softcap * tanh(score / softcap); the mask is added after
 

@@ -21,5 +21,7 @@ TORCH_LIBRARY(flashmod, m) {
   // Softmax of x along dim (online normalizer); a row of all -inf gives zeros.
   m.def("softmax(Tensor x, int dim) -> Tensor");
   // softmax(scale * a @ b^T + mask, -1) fused: a (B, Ha, M, K), b (B, Hb, N, K) -> (B, Ha, M, N).
-  m.def("matmul_softmax(Tensor a, Tensor b, float? scale=None, bool is_causal=False, Tensor? attn_mask=None) -> Tensor");
+  m.def(
+      "matmul_softmax(Tensor a, Tensor b, float? scale=None, bool is_causal=False, Tensor? "
+      "attn_mask=None) -> Tensor");
 }

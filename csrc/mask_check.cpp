@@ -24,9 +24,9 @@ CheckedMask check_and_expand_mask(const char* op, const std::optional<at::Tensor
   } else if (half && dtype == at::kFloat) {
     r.kind = MaskKind::kAdditiveF32;
   } else {
-    TORCH_CHECK(false, error_message(op, ": attn_mask must be bool or ", ref_name, "'s dtype ",
-                                     ref.scalar_type(), half ? " (or float32)" : "", ", got ",
-                                     dtype));
+    TORCH_CHECK(false,
+                error_message(op, ": attn_mask must be bool or ", ref_name, "'s dtype ",
+                              ref.scalar_type(), half ? " (or float32)" : "", ", got ", dtype));
   }
   bool ok = mask.dim() >= 1 && mask.dim() <= static_cast<int64_t>(target.size());
   for (int64_t i = 1; ok && i <= mask.dim(); ++i) {

@@ -13,7 +13,8 @@
 namespace flashmod {
 
 struct CheckedMask {
-  at::Tensor expanded;  // (B, H, rows, cols) by strides only (bool viewed as uint8); undefined if none
+  at::Tensor
+      expanded;  // (B, H, rows, cols) by strides only (bool viewed as uint8); undefined if none
   MaskKind kind = MaskKind::kNone;
 };
 

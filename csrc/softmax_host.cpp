@@ -110,8 +110,8 @@ PreparedMatmulSoftmax prepare_matmul_softmax(const at::Tensor& a_in, const at::T
   p.depth = a_in.size(3);
   const std::vector<int64_t> target = {p.batch, p.heads_a, p.rows, p.cols};
 
-  const CheckedMask mask = check_and_expand_mask(op, attn_mask, a_in, "a", target,
-                                                 "(batch, a_heads, M, N)");
+  const CheckedMask mask =
+      check_and_expand_mask(op, attn_mask, a_in, "a", target, "(batch, a_heads, M, N)");
   p.mask_kind = mask.kind;
   r.mask = mask.expanded;
   if (r.mask.defined()) {

@@ -22,9 +22,9 @@ struct SoftmaxParams {
   ScalarKind dtype = ScalarKind::kFloat32;
 };
 
-// out = softmax(scale * a @ b^T + mask, -1) for a (B, Ha, M, K), b (B, Hb, N, K), out (B, Ha, M, N).
-// Row (b, h, i) of out is a probability vector over the N keys; a-head h reads b-head
-// h / (Ha / Hb) (grouped-query attention). Column j is visible to row i iff
+// out = softmax(scale * a @ b^T + mask, -1) for a (B, Ha, M, K), b (B, Hb, N, K), out (B, Ha, M,
+// N). Row (b, h, i) of out is a probability vector over the N keys; a-head h reads b-head h / (Ha /
+// Hb) (grouped-query attention). Column j is visible to row i iff
 // (!causal || j <= i) && mask(b, h, i, j): the top-left causal diagonal of SDPA's is_causal.
 // A row with no visible column is written as all zeros.
 struct MatmulSoftmaxParams {

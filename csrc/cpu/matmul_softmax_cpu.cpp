@@ -18,9 +18,13 @@ namespace flashmod::cpu {
 namespace {
 
 template <typename T>
-struct Working { using type = float; };
+struct Working {
+  using type = float;
+};
 template <>
-struct Working<double> { using type = double; };
+struct Working<double> {
+  using type = double;
+};
 
 // Overwrites logits[0:n] with scale * logit + mask (additive) or -inf where a bool mask is false.
 template <typename acc_t>
@@ -126,4 +130,6 @@ at::Tensor matmul_softmax_cpu(const at::Tensor& a, const at::Tensor& b, std::opt
 }  // namespace
 }  // namespace flashmod::cpu
 
-TORCH_LIBRARY_IMPL(flashmod, CPU, m) { m.impl("matmul_softmax", &flashmod::cpu::matmul_softmax_cpu); }
+TORCH_LIBRARY_IMPL(flashmod, CPU, m) {
+  m.impl("matmul_softmax", &flashmod::cpu::matmul_softmax_cpu);
+}

@@ -44,10 +44,20 @@ typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint32_t vu __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
 
-FM_INLINE vf splat(float v) { return vf{} + v; }
-FM_INLINE vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-FM_INLINE void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-FM_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }
+FM_INLINE vf splat(float v) {
+  return vf{} + v;
+}
+FM_INLINE vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+FM_INLINE void store(float* p, vf v) {
+  std::memcpy(p, &v, sizeof v);
+}
+FM_INLINE vf vmax(vf a, vf b) {
+  return a > b ? a : b;
+}
 
 FM_INLINE vf load_partial(const float* p, int64_t count, float fill) {
   alignas(64) float buf[kLanes];
@@ -103,7 +113,8 @@ FM_INLINE void online_chunk(const float* x, float* y, int64_t len, vf scale, vf&
                             float* chunk_max) {
   const int nvec = kFull ? kChunkVecs : static_cast<int>((len + kLanes - 1) / kLanes);
   vf cmax = splat(-kInf);
-  for (int j = 0; j < nvec; ++j) cmax = vmax(cmax, load_scaled<kFull>(x + j * kLanes, len - j * kLanes, scale));
+  for (int j = 0; j < nvec; ++j)
+    cmax = vmax(cmax, load_scaled<kFull>(x + j * kLanes, len - j * kLanes, scale));
   const vf m_new = vmax(m, cmax);
   // Lanes that have seen only -inf keep base 0, so exp(-inf - base) is 0 rather than NaN.
   const vf base = m_new == -kInf ? splat(0.0f) : m_new;
@@ -122,11 +133,13 @@ FM_INLINE void online_chunk(const float* x, float* y, int64_t len, vf scale, vf&
   store(chunk_max, m_new);
 }
 
-FM_INLINE void softmax_row_impl(const float* x, float* y, int64_t n, float scale_s, float* chunk_max) {
+FM_INLINE void softmax_row_impl(const float* x, float* y, int64_t n, float scale_s,
+                                float* chunk_max) {
   const vf scale = splat(scale_s);
   vf m = splat(-kInf), sum = splat(0.0f);
   int64_t c = 0, k0 = 0;
-  for (; k0 + kChunk <= n; k0 += kChunk, ++c) online_chunk<true>(x + k0, y + k0, kChunk, scale, m, sum, chunk_max + c * kLanes);
+  for (; k0 + kChunk <= n; k0 += kChunk, ++c)
+    online_chunk<true>(x + k0, y + k0, kChunk, scale, m, sum, chunk_max + c * kLanes);
   if (k0 < n) online_chunk<false>(x + k0, y + k0, n - k0, scale, m, sum, chunk_max + c * kLanes);
 
   // Merge the 16 lane summaries: S = sum over lanes of sum_l * exp(m_l - M).
@@ -156,9 +169,12 @@ FM_INLINE void softmax_row_impl(const float* x, float* y, int64_t n, float scale
 // in the vector lanes, so each load is one contiguous run; element d of the rows is at
 // x + d * stride. Online normalizer over groups of 8 elements (one rescale per group), then a
 // second pass writes.
-FM_INLINE void softmax_strided_impl(const float* x, float* y, int64_t n, int64_t stride, int64_t lanes) {
+FM_INLINE void softmax_strided_impl(const float* x, float* y, int64_t n, int64_t stride,
+                                    int64_t lanes) {
   constexpr int64_t kGroup = 8;
-  auto get = [&](int64_t d) { return lanes == kLanes ? load(x + d * stride) : load_partial(x + d * stride, lanes, 0.0f); };
+  auto get = [&](int64_t d) {
+    return lanes == kLanes ? load(x + d * stride) : load_partial(x + d * stride, lanes, 0.0f);
+  };
   vf m = splat(-kInf), sum = splat(0.0f);
   for (int64_t d0 = 0; d0 < n; d0 += kGroup) {
     const int64_t d1 = std::min(n, d0 + kGroup);
@@ -208,17 +224,23 @@ FM_INLINE void f32_to_bf16_impl(const float* src, c10::BFloat16* dst, int64_t n)
   for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
 }
 
-#define FLASHMOD_SHARED_ROW_KERNELS(SUFFIX, TARGET)                                                   \
-  TARGET void softmax_f32_##SUFFIX(const float* x, float* y, int64_t n, float s, float* cm) {           \
-    softmax_row_impl(x, y, n, s, cm);                                                                 \
-  }                                                                                                   \
-  TARGET void softmax_strided_f32_##SUFFIX(const float* x, float* y, int64_t n, int64_t stride, int64_t lanes) { \
-    softmax_strided_impl(x, y, n, stride, lanes);                                                     \
-  }                                                                                                   \
-  TARGET void bf16_to_f32_##SUFFIX(const c10::BFloat16* s, float* d, int64_t n) { bf16_to_f32_impl(s, d, n); } \
-  TARGET void f32_to_bf16_##SUFFIX(const float* s, c10::BFloat16* d, int64_t n) { f32_to_bf16_impl(s, d, n); }
+#define FLASHMOD_SHARED_ROW_KERNELS(SUFFIX, TARGET)                                             \
+  TARGET void softmax_f32_##SUFFIX(const float* x, float* y, int64_t n, float s, float* cm) {   \
+    softmax_row_impl(x, y, n, s, cm);                                                           \
+  }                                                                                             \
+  TARGET void softmax_strided_f32_##SUFFIX(const float* x, float* y, int64_t n, int64_t stride, \
+                                           int64_t lanes) {                                     \
+    softmax_strided_impl(x, y, n, stride, lanes);                                               \
+  }                                                                                             \
+  TARGET void bf16_to_f32_##SUFFIX(const c10::BFloat16* s, float* d, int64_t n) {               \
+    bf16_to_f32_impl(s, d, n);                                                                  \
+  }                                                                                             \
+  TARGET void f32_to_bf16_##SUFFIX(const float* s, c10::BFloat16* d, int64_t n) {               \
+    f32_to_bf16_impl(s, d, n);                                                                  \
+  }
 
-#define FLASHMOD_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
+#define FLASHMOD_TARGET_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
 #define FLASHMOD_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 FLASHMOD_SHARED_ROW_KERNELS(avx512, FLASHMOD_TARGET_AVX512)
@@ -229,7 +251,8 @@ FLASHMOD_SHARED_ROW_KERNELS(baseline, )
 FLASHMOD_TARGET_AVX512 void f16_to_f32_avx512(const c10::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+    _mm512_storeu_ps(
+        dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 FLASHMOD_TARGET_AVX512 void f32_to_f16_avx512(const float* src, c10::Half* dst, int64_t n) {
@@ -242,7 +265,8 @@ FLASHMOD_TARGET_AVX512 void f32_to_f16_avx512(const float* src, c10::Half* dst, 
 FLASHMOD_TARGET_AVX2 void f16_to_f32_avx2(const c10::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    _mm256_storeu_ps(dst + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 FLASHMOD_TARGET_AVX2 void f32_to_f16_avx2(const float* src, c10::Half* dst, int64_t n) {
@@ -263,13 +287,31 @@ RowKernels pick_row_kernels() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
-    return {softmax_f32_avx512, softmax_strided_f32_avx512, bf16_to_f32_avx512, f32_to_bf16_avx512, f16_to_f32_avx512, f32_to_f16_avx512, "avx512"};
+    return {softmax_f32_avx512,
+            softmax_strided_f32_avx512,
+            bf16_to_f32_avx512,
+            f32_to_bf16_avx512,
+            f16_to_f32_avx512,
+            f32_to_f16_avx512,
+            "avx512"};
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    return {softmax_f32_avx2, softmax_strided_f32_avx2, bf16_to_f32_avx2, f32_to_bf16_avx2, f16_to_f32_avx2, f32_to_f16_avx2, "avx2"};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return {softmax_f32_avx2,
+            softmax_strided_f32_avx2,
+            bf16_to_f32_avx2,
+            f32_to_bf16_avx2,
+            f16_to_f32_avx2,
+            f32_to_f16_avx2,
+            "avx2"};
   }
-  return {softmax_f32_baseline, softmax_strided_f32_baseline, bf16_to_f32_baseline, f32_to_bf16_baseline, f16_to_f32_baseline,
-          f32_to_f16_baseline, "baseline"};
+  return {softmax_f32_baseline,
+          softmax_strided_f32_baseline,
+          bf16_to_f32_baseline,
+          f32_to_bf16_baseline,
+          f16_to_f32_baseline,
+          f32_to_f16_baseline,
+          "baseline"};
 }
 
 // fp64 exists for gradcheck: a scalar loop per row, strided rows gathered into a contiguous buffer.
@@ -277,19 +319,20 @@ void softmax_cpu_f64(const SoftmaxParams& p) {
   const auto* x = static_cast<const double*>(p.x);
   auto* y = static_cast<double*>(p.y);
   const int64_t n = p.dim_size, inner = p.inner;
-  at::parallel_for(0, p.outer * inner, std::max<int64_t>(1, kParallelGrainElements / n), [&](int64_t begin, int64_t end) {
-    std::vector<double> row(inner == 1 ? 0 : n);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t base = (t / inner) * n * inner + t % inner;
-      if (inner == 1) {
-        softmax_row_f64(x + base, y + base, n, 1.0);
-        continue;
-      }
-      for (int64_t d = 0; d < n; ++d) row[d] = x[base + d * inner];
-      softmax_row_f64(row.data(), row.data(), n, 1.0);
-      for (int64_t d = 0; d < n; ++d) y[base + d * inner] = row[d];
-    }
-  });
+  at::parallel_for(0, p.outer * inner, std::max<int64_t>(1, kParallelGrainElements / n),
+                   [&](int64_t begin, int64_t end) {
+                     std::vector<double> row(inner == 1 ? 0 : n);
+                     for (int64_t t = begin; t < end; ++t) {
+                       const int64_t base = (t / inner) * n * inner + t % inner;
+                       if (inner == 1) {
+                         softmax_row_f64(x + base, y + base, n, 1.0);
+                         continue;
+                       }
+                       for (int64_t d = 0; d < n; ++d) row[d] = x[base + d * inner];
+                       softmax_row_f64(row.data(), row.data(), n, 1.0);
+                       for (int64_t d = 0; d < n; ++d) y[base + d * inner] = row[d];
+                     }
+                   });
 }
 
 template <typename T>
@@ -300,19 +343,21 @@ void softmax_cpu_typed(const SoftmaxParams& p) {
   const int64_t n = p.dim_size;
   const RowKernels& k = row_kernels();
   if (p.inner == 1) {
-    at::parallel_for(0, p.outer, std::max<int64_t>(1, kParallelGrainElements / n), [&](int64_t begin, int64_t end) {
-      std::vector<float> chunk_max(chunk_max_floats(n));
-      std::vector<float> row(kF32 ? 0 : n);  // 16-bit rows are widened to fp32 here
-      for (int64_t r = begin; r < end; ++r) {
-        if constexpr (kF32) {
-          k.softmax_f32(x + r * n, y + r * n, n, 1.0f, chunk_max.data());
-        } else {
-          to_f32(k, x + r * n, row.data(), n);
-          k.softmax_f32(row.data(), row.data(), n, 1.0f, chunk_max.data());
-          from_f32(k, row.data(), y + r * n, n);
-        }
-      }
-    });
+    at::parallel_for(
+        0, p.outer, std::max<int64_t>(1, kParallelGrainElements / n),
+        [&](int64_t begin, int64_t end) {
+          std::vector<float> chunk_max(chunk_max_floats(n));
+          std::vector<float> row(kF32 ? 0 : n);  // 16-bit rows are widened to fp32 here
+          for (int64_t r = begin; r < end; ++r) {
+            if constexpr (kF32) {
+              k.softmax_f32(x + r * n, y + r * n, n, 1.0f, chunk_max.data());
+            } else {
+              to_f32(k, x + r * n, row.data(), n);
+              k.softmax_f32(row.data(), row.data(), n, 1.0f, chunk_max.data());
+              from_f32(k, row.data(), y + r * n, n);
+            }
+          }
+        });
     return;
   }
   const int64_t blocks = (p.inner + kLanes - 1) / kLanes;
@@ -325,9 +370,11 @@ void softmax_cpu_typed(const SoftmaxParams& p) {
       if constexpr (kF32) {
         k.softmax_strided_f32(x + off, y + off, n, p.inner, lanes);
       } else {
-        for (int64_t d = 0; d < n; ++d) to_f32(k, x + off + d * p.inner, strip.data() + d * kLanes, lanes);
+        for (int64_t d = 0; d < n; ++d)
+          to_f32(k, x + off + d * p.inner, strip.data() + d * kLanes, lanes);
         k.softmax_strided_f32(strip.data(), strip.data(), n, kLanes, lanes);
-        for (int64_t d = 0; d < n; ++d) from_f32(k, strip.data() + d * kLanes, y + off + d * p.inner, lanes);
+        for (int64_t d = 0; d < n; ++d)
+          from_f32(k, strip.data() + d * kLanes, y + off + d * p.inner, lanes);
       }
     }
   });
@@ -353,7 +400,9 @@ const RowKernels& row_kernels() {
   return kernels;
 }
 
-int64_t chunk_max_floats(int64_t n) { return ((n + kChunk - 1) / kChunk) * kLanes; }
+int64_t chunk_max_floats(int64_t n) {
+  return ((n + kChunk - 1) / kChunk) * kLanes;
+}
 
 void softmax_row_f64(const double* x, double* y, int64_t n, double scale) {
   const double inf = std::numeric_limits<double>::infinity();
@@ -375,4 +424,6 @@ void softmax_row_f64(const double* x, double* y, int64_t n, double scale) {
 
 }  // namespace flashmod::cpu
 
-TORCH_LIBRARY_IMPL(flashmod, CPU, m) { m.impl("softmax", &flashmod::cpu::softmax_cpu); }
+TORCH_LIBRARY_IMPL(flashmod, CPU, m) {
+  m.impl("softmax", &flashmod::cpu::softmax_cpu);
+}

@@ -35,10 +35,18 @@ int64_t chunk_max_floats(int64_t n);
 void softmax_row_f64(const double* x, double* y, int64_t n, double scale);
 
 // Row conversions to/from the fp32 working precision; the float overloads are plain copies.
-inline void to_f32(const RowKernels& k, const c10::BFloat16* s, float* d, int64_t n) { k.bf16_to_f32(s, d, n); }
-inline void to_f32(const RowKernels& k, const c10::Half* s, float* d, int64_t n) { k.f16_to_f32(s, d, n); }
-inline void from_f32(const RowKernels& k, const float* s, c10::BFloat16* d, int64_t n) { k.f32_to_bf16(s, d, n); }
-inline void from_f32(const RowKernels& k, const float* s, c10::Half* d, int64_t n) { k.f32_to_f16(s, d, n); }
+inline void to_f32(const RowKernels& k, const c10::BFloat16* s, float* d, int64_t n) {
+  k.bf16_to_f32(s, d, n);
+}
+inline void to_f32(const RowKernels& k, const c10::Half* s, float* d, int64_t n) {
+  k.f16_to_f32(s, d, n);
+}
+inline void from_f32(const RowKernels& k, const float* s, c10::BFloat16* d, int64_t n) {
+  k.f32_to_bf16(s, d, n);
+}
+inline void from_f32(const RowKernels& k, const float* s, c10::Half* d, int64_t n) {
+  k.f32_to_f16(s, d, n);
+}
 
 // Work per at::parallel_for task: enough elements that the fork/join cost is noise.
 constexpr int64_t kParallelGrainElements = 1 << 15;

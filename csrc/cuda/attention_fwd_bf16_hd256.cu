@@ -2,8 +2,8 @@
 #include "fwd_launch.h"
 
 namespace flashmod::cuda_kernels {
-template cudaError_t run_attention_fwd<__nv_bfloat16, 256>(const AttentionParams&, const FwdLaunchFlags&,
-                                                   cudaStream_t);
+template cudaError_t run_attention_fwd<__nv_bfloat16, 256>(const AttentionParams&,
+                                                           const FwdLaunchFlags&, cudaStream_t);
 template cudaError_t run_attention_fwd_decode<__nv_bfloat16, 256>(const AttentionParams&,
                                                                   const FwdLaunchFlags&,
                                                                   const DecodeOptions&,

@@ -3,7 +3,7 @@
 
 namespace flashmod::cuda_kernels {
 template cudaError_t run_attention_fwd<__half, 160>(const AttentionParams&, const FwdLaunchFlags&,
-                                                   cudaStream_t);
+                                                    cudaStream_t);
 template cudaError_t run_attention_fwd_decode<__half, 160>(const AttentionParams&,
                                                            const FwdLaunchFlags&,
                                                            const DecodeOptions&,

@@ -32,8 +32,8 @@ struct Fp32Smem {
 // Copies rows [0, valid_rows) x [0, head_dim) of a global tile into smem, zero elsewhere. Scalar
 // loads (coalesced along the row): no alignment is assumed.
 template <int kRows, int kHeadDim>
-__device__ __forceinline__ void load_tile(float* s, const float* g, int64_t row_stride, int valid_rows,
-                                          int head_dim, int tid) {
+__device__ __forceinline__ void load_tile(float* s, const float* g, int64_t row_stride,
+                                          int valid_rows, int head_dim, int tid) {
   constexpr int kLd = Fp32Smem<kHeadDim>::kLd;
   for (int idx = tid; idx < kRows * kHeadDim; idx += kThreads) {
     const int r = idx / kHeadDim, c = idx % kHeadDim;
@@ -69,8 +69,8 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
   const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, kBc);
   const int64_t i = r0 + r;
   const RowWindow win = row_window(p, i);
-  const int64_t mask_row = b * p.mask_batch_stride + h * p.mask_head_stride +
-                           (i < Nq ? i : Nq - 1) * p.mask_row_stride;
+  const int64_t mask_row =
+      b * p.mask_batch_stride + h * p.mask_head_stride + (i < Nq ? i : Nq - 1) * p.mask_row_stride;
   const float scale = static_cast<float>(p.scale), softcap = static_cast<float>(p.softcap);
   const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
   const float log2e = 1.4426950408889634f;
@@ -186,7 +186,8 @@ cudaError_t launch_fp32(const AttentionParams& p, cudaStream_t stream) {
         attention_fwd_fp32_kernel<kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
   }
-  attention_fwd_fp32_kernel<kHeadDim><<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(p);
+  attention_fwd_fp32_kernel<kHeadDim>
+      <<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(p);
   return cudaSuccess;
 }
 

@@ -66,10 +66,10 @@ struct FwdConfig;
 #define FLASHMOD_TILE_160 FLASHMOD_TILE_DEFAULT_160
 #define FLASHMOD_TILE_192 FLASHMOD_TILE_DEFAULT_192
 #define FLASHMOD_TILE_224 FLASHMOD_TILE_DEFAULT_224
-#define FLASHMOD_CONFIG(D)                                                      \
-  template <typename Elem>                                                      \
-  struct FwdConfig<Elem, D> {                                                   \
-    using Traits = FwdTraits<Elem, D, FLASHMOD_TILE_##D>;                       \
+#define FLASHMOD_CONFIG(D)                                \
+  template <typename Elem>                                \
+  struct FwdConfig<Elem, D> {                             \
+    using Traits = FwdTraits<Elem, D, FLASHMOD_TILE_##D>; \
   };
 FLASHMOD_CONFIG(32)
 FLASHMOD_CONFIG(64)
@@ -89,8 +89,8 @@ cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cu
   auto kernel = general ? attention_fwd_kernel<Tr, true> : attention_fwd_kernel<Tr, false>;
   if (Tr::kSmemBytes > 48 * 1024) {
     // Dynamic shared memory above 48 KB is opt-in per kernel.
-    const cudaError_t err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
     if (err != cudaSuccess) return err;
   }
   kernel<<<static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, flags,

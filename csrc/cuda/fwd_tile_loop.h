@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     }
     // No key is visible to any row of Q_i: out = 0, lse = -inf.
     for (int idx = tid; idx < rows_q * head_dim; idx += kThreads)
-      gO[static_cast<int64_t>(idx / head_dim) * p.out_row_stride + idx % head_dim] = from_float<Elem>(0.f);
+      gO[static_cast<int64_t>(idx / head_dim) * p.out_row_stride + idx % head_dim] =
+          from_float<Elem>(0.f);
     for (int r = tid; r < rows_q; r += kThreads) gLse[r] = -CUDART_INF_F;
     return;
   }
@@ -126,8 +127,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int lm_mat = lane >> 3, lm_row = lane & 7;
   const int warp_row0 = warp * Tr::kRowsPerWarp;
   const LaneTileOffsets<D> q_off(warp_row0 + lm_row + (lm_mat & 1) * 8, lm_mat >> 1);  // A
-  const LaneTileOffsets<D> k_off(lm_row + (lm_mat >> 1) * 8, lm_mat & 1);               // B
-  const LaneTileOffsets<D> v_off(lm_row + (lm_mat & 1) * 8, lm_mat >> 1);               // B^T
+  const LaneTileOffsets<D> k_off(lm_row + (lm_mat >> 1) * 8, lm_mat & 1);              // B
+  const LaneTileOffsets<D> v_off(lm_row + (lm_mat & 1) * 8, lm_mat >> 1);              // B^T
 
   // Accumulator coordinates: row lane/4 (+8), columns 2*(lane%4) (+1).
   const int g = lane >> 2, t = lane & 3;
@@ -167,7 +168,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
-      for (int ks = 0; ks < Tr::kKSteps; ++ks) ldmatrix_x4(qf[mi][ks], sQ_addr + 2 * q_off.at(mi * 16, ks));
+      for (int ks = 0; ks < Tr::kKSteps; ++ks)
+        ldmatrix_x4(qf[mi][ks], sQ_addr + 2 * q_off.at(mi * 16, ks));
   }
 
   for (int n = range.lo; n < range.hi; ++n) {
@@ -273,7 +275,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
   // Epilogue: normalize, stage this warp's rows of O in its own rows of sQ (no other warp reads
   // them), then write 16-byte chunks so global stores are full sectors.
-  // Every lane of this warp must be done reading its Q rows via ldmatrix before they are overwritten.
+  // Every lane of this warp must be done reading its Q rows via ldmatrix before they are
+  // overwritten.
   __syncwarp();
 #pragma unroll
   for (int mi = 0; mi < MT; ++mi)

@@ -7,7 +7,8 @@
 
 namespace flashmod::cuda_kernels {
 
-template <typename Elem_, int kHeadDim_, int kBr, int kBc, int kWarps, int kStages_, bool kQInRegs_ = false>
+template <typename Elem_, int kHeadDim_, int kBr, int kBc, int kWarps, int kStages_,
+          bool kQInRegs_ = false>
 struct FwdTraits {
   using Elem = Elem_;
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim; columns >= the real D are zeros

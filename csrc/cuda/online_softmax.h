@@ -76,7 +76,8 @@ struct OnlineSoftmax {
     // and the final rounding cost ~3e-6 at sums of ~1000 keys, several times a plain fp32 lse.
     const float cm = c * m[mi][h];
     lse = empty ? -CUDART_INF_F
-                : static_cast<float>(log(static_cast<double>(sum)) + static_cast<double>(cm) * 0.6931471805599453);
+                : static_cast<float>(log(static_cast<double>(sum)) +
+                                     static_cast<double>(cm) * 0.6931471805599453);
   }
 };
 

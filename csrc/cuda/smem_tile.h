@@ -41,7 +41,8 @@ struct LaneTileOffsets {
   __device__ __forceinline__ LaneTileOffsets(int lane_row, int lane_bit) {
     const int f = kGroup == 8 ? (lane_row & 7) : ((lane_row >> 1) & 3);
 #pragma unroll
-    for (int s = 0; s < kGroup / 2; ++s) sw[s] = lane_row * kHeadDim + (((2 * s) ^ (lane_bit ^ f)) << 3);
+    for (int s = 0; s < kGroup / 2; ++s)
+      sw[s] = lane_row * kHeadDim + (((2 * s) ^ (lane_bit ^ f)) << 3);
   }
   // Element offset; equals tile_offset(lane_row + row_add, 2 * pair + lane_bit).
   __device__ __forceinline__ int at(int row_add, int pair) const {
@@ -65,10 +66,10 @@ struct TileCopyPlan {
   static_assert(kThreads % kLanesPerRow == 0 && kRows % kRowStep == 0, "even split");
   static_assert(kIters % kPeriod == 0, "whole swizzle periods");
 
-  int row0;        // first row this thread copies
-  int col;         // first element of its chunk
-  int src_bytes;   // bytes of a valid row's chunk inside head_dim (0..16)
-  bool active;     // lanes past the last chunk copy nothing
+  int row0;                // first row this thread copies
+  int col;                 // first element of its chunk
+  int src_bytes;           // bytes of a valid row's chunk inside head_dim (0..16)
+  bool active;             // lanes past the last chunk copy nothing
   uint32_t soff[kPeriod];  // byte offsets in the tile for iterations 0..kPeriod-1
 
   __device__ __forceinline__ TileCopyPlan(int tid, int head_dim) {
@@ -79,7 +80,10 @@ struct TileCopyPlan {
     src_bytes = 2 * max(0, min(8, head_dim - col));
 #pragma unroll
     for (int it = 0; it < kPeriod; ++it)
-      soff[it] = active ? 2 * (tile_offset<kHeadDim>(row0 + it * kRowStep, chunk) - it * kRowStep * kHeadDim) : 0;
+      soff[it] =
+          active
+              ? 2 * (tile_offset<kHeadDim>(row0 + it * kRowStep, chunk) - it * kRowStep * kHeadDim)
+              : 0;
   }
 
   // Byte offset in the tile of the chunk that copy iteration `it` (0..kIters-1) writes.

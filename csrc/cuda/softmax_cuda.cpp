@@ -18,15 +18,17 @@ at::Tensor softmax_cuda(const at::Tensor& x, int64_t dim) {
   if (prepared.y.numel() == 0) return prepared.y;
   const int64_t workspace_floats = softmax_workspace_floats(prepared.params);
   at::Tensor workspace;
-  if (workspace_floats > 0) workspace = at::empty({workspace_floats}, x.options().dtype(at::kFloat));
+  if (workspace_floats > 0)
+    workspace = at::empty({workspace_floats}, x.options().dtype(at::kFloat));
   launch_softmax(prepared.params, workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr,
                  at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return prepared.y;
 }
 
-at::Tensor matmul_softmax_cuda(const at::Tensor& a, const at::Tensor& b, std::optional<double> scale,
-                               bool is_causal, const std::optional<at::Tensor>& attn_mask) {
+at::Tensor matmul_softmax_cuda(const at::Tensor& a, const at::Tensor& b,
+                               std::optional<double> scale, bool is_causal,
+                               const std::optional<at::Tensor>& attn_mask) {
   const c10::cuda::CUDAGuard guard(a.device());
   PreparedMatmulSoftmax prepared = prepare_matmul_softmax(a, b, scale, is_causal, attn_mask);
   if (prepared.out.numel() == 0) return prepared.out;

@@ -21,8 +21,9 @@ struct KeyBlockRange {
 };
 
 // Key blocks of width Bc that rows [row_first, row_last] (both < seqlen_q) may see.
-__device__ __forceinline__ KeyBlockRange key_block_range(const AttentionParams& p, int64_t row_first,
-                                                         int64_t row_last, int Bc) {
+__device__ __forceinline__ KeyBlockRange key_block_range(const AttentionParams& p,
+                                                         int64_t row_first, int64_t row_last,
+                                                         int Bc) {
   int64_t lo = 0, hi = (p.seqlen_k + Bc - 1) / Bc;
   if (p.window_left >= 0) {
     const int64_t first_key = row_first + p.diag_offset - p.window_left;
@@ -73,16 +74,10 @@ __device__ __forceinline__ RowWindow row_window(const AttentionParams& p, int64_
 template <typename Elem>
 __device__ __forceinline__ bool apply_mask(const AttentionParams& p, int64_t off, float& x) {
   switch (p.mask_kind) {
-    case MaskKind::kBool:
-      return static_cast<const uint8_t*>(p.mask)[off] != 0;
-    case MaskKind::kAdditive:
-      x += to_float(static_cast<const Elem*>(p.mask)[off]);
-      return true;
-    case MaskKind::kAdditiveF32:
-      x += static_cast<const float*>(p.mask)[off];
-      return true;
-    default:
-      return true;
+    case MaskKind::kBool: return static_cast<const uint8_t*>(p.mask)[off] != 0;
+    case MaskKind::kAdditive: x += to_float(static_cast<const Elem*>(p.mask)[off]); return true;
+    case MaskKind::kAdditiveF32: x += static_cast<const float*>(p.mask)[off]; return true;
+    default: return true;
   }
 }
 
