@@ -167,6 +167,11 @@ __global__ void __launch_bounds__(kThreadsPerRow* kRowsPerBlock, kMinBlocks)
   // again (see the write).
   constexpr bool kPairs = kMinBlocks > 0 && kVec > 1 && sizeof(T) == 2;
   using Cached = typename Cache<T, kVec, kPairs>::type;
+#ifdef FLASHMOD_SOFTMAX_NO_EXP_CACHE  // A/B hook for benchmarks/results/NOTES.md
+  constexpr bool kCacheExp = false;
+#else
+  constexpr bool kCacheExp = std::is_same_v<Cached, float> && kPhase == Phase::kWhole;
+#endif
   constexpr int kCachedVec = Cache<T, kVec, kPairs>::kLen;
   // Pack i of this thread is pack i * kThreadsPerRow + lane of the segment. 32-bit indices (a
   // segment never holds 2^31 packs) leave one base address per row and constant offsets.
@@ -210,8 +215,15 @@ __global__ void __launch_bounds__(kThreadsPerRow* kRowsPerBlock, kMinBlocks)
 #pragma unroll
     for (int i = 0; i < kPacksPerThread; ++i)
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) s += exp_from(element<T>(v[i].v, k), m);
+      for (int k = 0; k < kVec; ++k) {
+        const float e = exp_from(element<T>(v[i].v, k), m);
+        s += e;
+        // fp32 caches keep e = exp(x - this thread's max): the write then needs one multiply per
+        // element instead of a second exp (exp(m_thread - m_row) / sum is one factor per thread).
+        if constexpr (kCacheExp) v[i].v[k] = e;
+      }
 
+    const float m_thread = m;
     warp_merge(m, s, kThreadsPerRow < 32 ? kThreadsPerRow : 32);
     if constexpr (kWarps > 1) {
       if (lane % 32 == 0) warp_m[parity][lane / 32] = m, warp_s[parity][lane / 32] = s;
@@ -252,6 +264,8 @@ __global__ void __launch_bounds__(kThreadsPerRow* kRowsPerBlock, kMinBlocks)
         }
       }
       const float inv = inv_sum(m, s);
+      // exp(m_thread - m) is 0 for a thread that saw only -inf (its e's are 0 too); NaN stays NaN.
+      const float factor = kCacheExp ? exp_from(m_thread, m) * inv : 0.0f;
       if constexpr (kPairs) {
         // Left to themselves, the compilers (ptxas included) reuse the sum's 64 widened floats
         // here instead of widening the 32 words again, and spill them. XOR with a zero they
@@ -270,7 +284,11 @@ __global__ void __launch_bounds__(kThreadsPerRow* kRowsPerBlock, kMinBlocks)
           Pack<T, kVec> pk;
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
-            pk.v[k] = from_float<T>(exp_from(element<T>(v[i].v, k), m) * inv);
+            if constexpr (kCacheExp) {
+              pk.v[k] = from_float<T>(v[i].v[k] * factor);
+            } else {
+              pk.v[k] = from_float<T>(exp_from(element<T>(v[i].v, k), m) * inv);
+            }
           }
           ys[i * kThreadsPerRow] = pk;
         }
