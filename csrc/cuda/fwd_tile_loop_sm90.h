@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
   // Descriptors. Q: this warpgroup's 64 rows; k16 step ks is 32 bytes into column block ks / 4.
   // K_j: all Bc rows, same stepping. V_j (MN-major: keys along k, head dim along n): k16 step kk
-  // is 16 rows (2048 bytes) down; the two column blocks of D = 128 are Bc * 128 bytes apart.
+  // is 16 rows (2048 bytes) down; its D / 64 column blocks are Bc * 128 bytes apart.
   // (The leading offset of a swizzled K-major operand is unused; 16 bytes is the customary 1.)
   const uint64_t q_desc = sw128_desc(sQ_addr + warpgroup * 64 * 128, 16, 1024);
   const uint64_t k_desc0 = sw128_desc(sK_addr0, 16, 1024);
