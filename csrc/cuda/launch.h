@@ -99,10 +99,12 @@ inline int64_t decode_key_blocks(const AttentionParams& p, int bc) {
 
 // Split-KV heuristic. A decode grid has one CTA per (query block, head): often far fewer than
 // the SMs can hold, so most of HBM's bandwidth idles while each CTA walks all of Nk. Splitting
-// every CTA's key blocks into `splits` runs multiplies the grid; aim for about two full waves of
-// resident CTAs (slots = SMs x CTAs per SM): enough independent loads in flight everywhere, and
-// a second wave absorbs the first's uneven finish. floor() keeps the grid at or just under a
-// whole number of waves. Each split keeps >= kMinBlocksPerSplit key blocks (256 keys) so its
+// every CTA's key blocks into `splits` runs multiplies the grid; aim for one full wave of
+// resident CTAs (slots = SMs x CTAs per SM): every SM streams, and each split stays as long as
+// possible. Measured on an H100 (benchmarks/decode_splits.py, bf16, B 8, Hq 32 / Hkv 8, D 128,
+// Nq 1; 64 packed CTAs, 264 slots): one wave (4 splits) 8.05 / 10.92 / 12.15 TFLOP/s at Nk 4k /
+// 16k / 64k, two waves (8 splits) 7.43 / 10.69 / 11.99, FLASH 8.05 / 10.93 / 12.09. floor()
+// keeps the grid at or just under a full wave. Each split keeps >= kMinBlocksPerSplit key blocks (256 keys) so its
 // fixed costs (Q load, pipeline fill, partial write, its share of the combine) stay small next
 // to its K/V stream, and splits <= kMaxSplits bounds the workspace and the combine's loop. A
 // grid that already fills a wave is not split. Last, the count is evened out: with per =
@@ -111,7 +113,7 @@ constexpr int64_t kMinBlocksPerSplit = 4;
 constexpr int64_t kMaxSplits = 128;
 inline int choose_splits(int64_t ctas, int64_t key_blocks, int64_t slots) {
   if (ctas <= 0 || ctas >= slots) return 1;
-  int64_t s = 2 * slots / ctas;
+  int64_t s = slots / ctas;
   if (s > key_blocks / kMinBlocksPerSplit) s = key_blocks / kMinBlocksPerSplit;
   if (s > kMaxSplits) s = kMaxSplits;
   if (s <= 1) return 1;
