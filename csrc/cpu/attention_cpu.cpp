@@ -57,8 +57,43 @@ const cpu::KernelInfo& pick_kernel() {
   return *kernel;
 }
 
+// Decode: at most kDecodeMaxQueries queries per head. When the (batch, kv head, row chunk) tasks
+// cannot keep every thread busy in equal shares, the visible keys are cut into splits whose
+// partial softmax states are merged in split order: the result depends on the shape and the
+// thread count only, never on scheduling.
+constexpr int64_t kDecodeMaxQueries = 8;
+constexpr int64_t kMinKeysPerSplit = 512;
+
+bool attention_cpu_decode(const cpu::KernelInfo& kernel, const AttentionParams& p) {
+  if (p.seqlen_q > kDecodeMaxQueries || p.head_dim % kernel.vector_width != 0) return false;
+  const int64_t tasks = p.batch * p.heads_kv * cpu::decode_chunks(p);
+  const int64_t threads = at::get_num_threads();
+  int64_t splits = 1;
+  const int64_t max_splits = std::max<int64_t>(1, p.seqlen_k / kMinKeysPerSplit);
+  while (splits < max_splits && (tasks * splits) % threads != 0 && tasks * splits < 4 * threads) {
+    ++splits;
+  }
+  if (splits == 1) {
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      kernel.decode_run(p, 1, nullptr, begin, end);
+    });
+    return true;
+  }
+  at::Tensor partial =
+      at::empty({cpu::decode_partial_floats(p, splits)}, at::TensorOptions().dtype(at::kFloat));
+  float* part = partial.data_ptr<float>();
+  at::parallel_for(0, tasks * splits, 1, [&](int64_t begin, int64_t end) {
+    kernel.decode_run(p, splits, part, begin, end);
+  });
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    kernel.decode_merge(p, splits, part, begin, end);
+  });
+  return true;
+}
+
 void attention_cpu_vectorized(const AttentionParams& p) {
   const cpu::KernelInfo& kernel = pick_kernel();
+  if (std::getenv("FLASHMOD_CPU_NO_DECODE") == nullptr && attention_cpu_decode(kernel, p)) return;
   const int64_t shared_bytes = kernel.shared_bytes ? kernel.shared_bytes(p) : 0;
   at::Tensor shared;
   if (shared_bytes > 0) {

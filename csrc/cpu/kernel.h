@@ -26,7 +26,25 @@ struct KernelInfo {
   void (*prepare)(const AttentionParams& p, void* shared, int64_t begin, int64_t end);
   // Runs tasks [begin, end) of batch * heads_q * ceil(seqlen_q / Br), in a stable order.
   void (*run)(const AttentionParams& p, const void* shared, int64_t begin, int64_t end);
+  // Decode (few queries, head_dim % vector_width == 0): tasks [begin, end) of
+  // batch * heads_kv * decode_chunks(p) * splits; with splits > 1 they fill `partial`
+  // (decode_partial_floats(p, splits) floats) and decode_merge then combines chunks [begin, end)
+  // of batch * heads_kv * decode_chunks(p).
+  int64_t vector_width;
+  void (*decode_run)(const AttentionParams& p, int64_t splits, float* partial, int64_t begin,
+                     int64_t end);
+  void (*decode_merge)(const AttentionParams& p, int64_t splits, const float* partial,
+                       int64_t begin, int64_t end);
 };
+
+// Query rows per decode task (every query head of a kv group times every query position).
+constexpr int64_t kDecodeRows = 8;
+inline int64_t decode_chunks(const AttentionParams& p) {
+  return ((p.heads_q / p.heads_kv) * p.seqlen_q + kDecodeRows - 1) / kDecodeRows;
+}
+inline int64_t decode_partial_floats(const AttentionParams& p, int64_t splits) {
+  return p.batch * p.heads_kv * decode_chunks(p) * splits * kDecodeRows * (p.head_dim + 2);
+}
 
 extern const KernelInfo kAmxBf16Kernel;  // bf16 on AMX tiles, the rest as kAvx512Kernel
 extern const KernelInfo kAvx512Kernel;

@@ -38,6 +38,7 @@ constexpr int64_t kBc = 64;
 
 }  // namespace
 
-const KernelInfo kAvx2Kernel = {"avx2", kBr, nullptr, nullptr, &run_tasks_with<VecEngine>};
+const KernelInfo kAvx2Kernel = {
+    "avx2", kBr, nullptr, nullptr, &run_tasks_with<VecEngine>, kW, &decode_run, &decode_merge};
 
 }  // namespace flashmod::cpu

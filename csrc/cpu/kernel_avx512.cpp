@@ -21,6 +21,7 @@ constexpr int64_t kBc = 64;
 
 }  // namespace
 
-const KernelInfo kAvx512Kernel = {"avx512", kBr, nullptr, nullptr, &run_tasks_with<VecEngine>};
+const KernelInfo kAvx512Kernel = {
+    "avx512", kBr, nullptr, nullptr, &run_tasks_with<VecEngine>, kW, &decode_run, &decode_merge};
 
 }  // namespace flashmod::cpu

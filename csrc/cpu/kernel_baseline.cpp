@@ -36,6 +36,7 @@ constexpr int64_t kBc = 64;
 
 }  // namespace
 
-const KernelInfo kBaselineKernel = {"baseline", kBr, nullptr, nullptr, &run_tasks_with<VecEngine>};
+const KernelInfo kBaselineKernel = {
+    "baseline", kBr, nullptr, nullptr, &run_tasks_with<VecEngine>, kW, &decode_run, &decode_merge};
 
 }  // namespace flashmod::cpu
