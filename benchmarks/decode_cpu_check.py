@@ -1,4 +1,7 @@
-"""Quick CPU decode timing: flashmod vs F.scaled_dot_product_attention, interleaved, median."""
+"""CPU decode timing: flashmod vs F.scaled_dot_product_attention, interleaved, median of 60.
+
+PYTHONPATH=. python benchmarks/decode_cpu_check.py   (FLASHMOD_CPU_NO_DECODE=1: the old path)
+"""
 
 import statistics
 import time
@@ -39,8 +42,14 @@ for dt in (torch.float32, torch.bfloat16):
         k = torch.randn(B, Hk, Nk, D, dtype=dt)
         v = torch.randn(B, Hk, Nk, D, dtype=dt)
         gqa = H != Hk
-        tt, tf = bench([lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), lambda: attention_op(q, k, v)])
+        tt, tf = bench(
+            [
+                lambda q=q, k=k, v=v, g=gqa: F.scaled_dot_product_attention(q, k, v, enable_gqa=g),
+                lambda q=q, k=k, v=v: attention_op(q, k, v),
+            ]
+        )
         print(
-            f"{str(dt)[6:]:8s} B{B} H{H}/{Hk} Nq{Nq} Nk{Nk} D{D}: torch {tt * 1e6:8.1f}us flashmod {tf * 1e6:8.1f}us ratio {tt / tf:.2f}",
+            f"{str(dt)[6:]:8s} B{B} H{H}/{Hk} Nq{Nq} Nk{Nk} D{D}: "
+            f"torch {tt * 1e6:8.1f}us flashmod {tf * 1e6:8.1f}us ratio {tt / tf:.2f}",
             flush=True,
         )
