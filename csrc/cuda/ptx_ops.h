@@ -143,6 +143,10 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) {
 template <typename Elem>
 __device__ __forceinline__ Elem from_float(float x);
 template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
 __device__ __forceinline__ __half from_float<__half>(float x) {
   return __float2half_rn(x);
 }

@@ -1,11 +1,13 @@
-// Device helpers shared by the softmax and matmul_softmax kernels: 16-bit <-> fp32 conversion and
-// the online-normalizer algebra on (max, sum) pairs. No torch headers (see softmax_params.h).
+// Device helpers shared by the softmax and matmul_softmax kernels: the vector pack and the
+// online-normalizer algebra on (max, sum) pairs. No torch headers (see softmax_params.h).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+
+#include "ptx_ops.h"
 
 namespace flashmod::cuda {
 
@@ -15,30 +17,9 @@ struct alignas(sizeof(T) * kVec) Pack {
   T v[kVec];
 };
 
-__device__ __forceinline__ float to_float(float v) {
-  return v;
-}
-__device__ __forceinline__ float to_float(__half v) {
-  return __half2float(v);
-}
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+// The 16-bit <-> fp32 conversions are the attention kernels' (ptx_ops.h).
+using cuda_kernels::from_float;
+using cuda_kernels::to_float;
 
 // exp(x - m) where a max of -inf (nothing seen yet) counts as 0, so -inf - -inf never makes NaN.
 __device__ __forceinline__ float exp_from(float x, float m) {
