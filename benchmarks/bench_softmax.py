@@ -43,26 +43,51 @@ def device_name(device: str) -> str:
     return platform.processor()
 
 
-def median_time(fn, device: str, warmup: int, reps: int) -> float:
-    """Median seconds per call of fn()."""
-    for _ in range(warmup):
+def time_once(fn, device: str) -> float:
+    """Seconds for one call of fn() (CUDA: events around it)."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-    times = []
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median_times(fns: dict, device: str, warmup: int, reps: int) -> dict:
+    """Median seconds per call of each fn, timed in interleaved rounds (one call of each per round),
+    so that clock or thermal drift during the run weighs on every contender alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     if device == "cuda":
         torch.cuda.synchronize()
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(time_once(fn, device))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def with_env(setting: str, fn):
+    """fn run with one NAME=value environment setting (the knobs csrc reads per call)."""
+    name, value = setting.split("=", 1)
+
+    def run():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+
+    return run
 
 
 def _proc_status(key: str) -> int:
@@ -92,27 +117,36 @@ def peak_extra_bytes(fn, device: str) -> int:
     return _proc_status("VmHWM:") - before
 
 
-def bench_softmax(device: str, dtypes, total: int, warmup: int, reps: int) -> list[dict]:
+def bench_softmax(device: str, dtypes, total: int, warmup: int, reps: int, variants: list[str]) -> list[dict]:
+    """torch, flashmod, (CUDA) a same-size copy, and flashmod under each NAME=value of `variants`,
+    all timed in the same interleaved rounds."""
     rows_out = []
     for dtype in dtypes:
         for n in (1024, 4096, 16384, 65536, 262144):
             x = torch.randn(max(1, total // n), n, device=device, dtype=dtype)
-            t_torch = median_time(partial(torch.softmax, x, -1), device, warmup, reps)
-            t_ours = median_time(partial(flashmod.softmax, x, -1), device, warmup, reps)
+            fns = {"torch": partial(torch.softmax, x, -1), "flashmod": partial(flashmod.softmax, x, -1)}
+            if device == "cuda":
+                y = torch.empty_like(x)
+                fns["copy"] = partial(y.copy_, x)
+            for setting in variants:
+                fns[setting] = with_env(setting, partial(flashmod.softmax, x, -1))
+            t = median_times(fns, device, warmup, reps)
             row = {
                 "dtype": str(dtype).removeprefix("torch."),
                 "shape": list(x.shape),
-                "torch_ms": t_torch * 1e3,
-                "flashmod_ms": t_ours * 1e3,
-                "speedup": t_torch / t_ours,
+                "torch_ms": t["torch"] * 1e3,
+                "flashmod_ms": t["flashmod"] * 1e3,
+                "speedup": t["torch"] / t["flashmod"],
             }
             if device == "cuda":
-                y = torch.empty_like(x)
-                t_copy = median_time(partial(y.copy_, x), device, warmup, reps)
                 moved = 2 * x.numel() * x.element_size()
-                row["flashmod_GBps"] = moved / t_ours / 1e9
-                row["copy_GBps"] = moved / t_copy / 1e9
-                row["fraction_of_copy"] = t_copy / t_ours
+                row["flashmod_GBps"] = moved / t["flashmod"] / 1e9
+                row["copy_GBps"] = moved / t["copy"] / 1e9
+                row["fraction_of_copy"] = t["copy"] / t["flashmod"]
+            for setting in variants:
+                row[f"{setting}:speedup"] = t["torch"] / t[setting]
+                if device == "cuda":
+                    row[f"{setting}:fraction_of_copy"] = t["copy"] / t[setting]
             rows_out.append(row)
     return rows_out
 
@@ -136,8 +170,8 @@ def bench_matmul_softmax(device: str, dtypes, shapes, warmup: int, reps: int) ->
             plain = partial(plain_matmul_softmax, a, b, scale, keep)
             ours = partial(flashmod.matmul_softmax, a, b, scale=scale, is_causal=causal)
 
-            t_torch = median_time(plain, device, warmup, reps)
-            t_ours = median_time(ours, device, warmup, reps)
+            t = median_times({"torch": plain, "flashmod": ours}, device, warmup, reps)
+            t_torch, t_ours = t["torch"], t["flashmod"]
             mem_torch = max(peak_extra_bytes(plain, device) for _ in range(2))
             mem_ours = max(peak_extra_bytes(ours, device) for _ in range(2))
             rows_out.append(
@@ -174,6 +208,13 @@ def main() -> None:
     parser.add_argument(
         "--out", default=None, help="JSON path (default: benchmarks/results/<date>-<device>-softmax.json)"
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME=value: also time flashmod.softmax with this knob set, in the same rounds (repeatable)",
+    )
+    parser.add_argument("--softmax-only", action="store_true", help="skip matmul_softmax")
     args = parser.parse_args()
     device = args.device
     if device == "cuda":
@@ -199,11 +240,13 @@ def main() -> None:
         ]
 
     print(f"device: {device_name(device)}  torch {torch.__version__}")
-    softmax_rows = bench_softmax(device, dtypes, total, warmup, reps)
+    softmax_rows = bench_softmax(device, dtypes, total, warmup, reps, args.variant)
     print_table("softmax over the last dim (speedup = torch time / flashmod time)", softmax_rows)
-    mm_dtypes = dtypes if device == "cuda" else [torch.float32, torch.bfloat16]
-    mm_rows = bench_matmul_softmax(device, mm_dtypes, mm_shapes, warmup, reps)
-    print_table("matmul_softmax vs torch.softmax(scale * a @ b^T, -1) (memory_ratio = ours / torch)", mm_rows)
+    mm_rows = []
+    if not args.softmax_only:
+        mm_dtypes = dtypes if device == "cuda" else [torch.float32, torch.bfloat16]
+        mm_rows = bench_matmul_softmax(device, mm_dtypes, mm_shapes, warmup, reps)
+        print_table("matmul_softmax vs torch.softmax(scale * a @ b^T, -1) (memory_ratio = ours / torch)", mm_rows)
 
     date = datetime.date.today().isoformat()
     path = args.out or os.path.join(RESULTS, f"{date}-{device}-softmax.json")

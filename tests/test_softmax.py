@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from functools import partial
 
 import pytest
@@ -77,12 +78,22 @@ def test_softmax_non_contiguous_and_scalar(dev):
     assert flashmod.softmax(s, 0).item() == 1.0 and flashmod.softmax(s, -1).shape == ()
 
 
-def long_path(n: int, dtype: torch.dtype, capability: tuple[int, int]) -> tuple[str, int, int] | None:
+STREAM_THREADS = 544  # csrc/cuda/softmax_stream_sm90.cuh: 16 consumer warps + the producer warp
+STREAM_MAX_SEGMENT = 128 * 1024  # bytes of a row per block on the stream path
+STREAM_MAX_CLUSTER = 16
+
+
+def long_path(n: int, dtype: torch.dtype, capability: tuple[int, int], registers: bool = False):
     """(path, threads, blocks per row) that csrc/cuda/softmax.cu's FLASHMOD_SOFTMAX_TRACE reports
-    for a row of n > 16384 elements; None where the build has no kernel of its own. Cluster threads
-    keep 64 elements of 16-bit rows that load in 16-byte packs (n % 8 == 0), 32 otherwise; the
-    fallbacks keep 32."""
+    for a row of n > 16384 elements; None where the build has no kernel of its own. On sm_90, rows
+    that load in 16-byte packs and fit 16 segments of 128 KB take the stream path, whose blocks per
+    row depend on occupancy (None here: assert_long_path checks the range), unless `registers`
+    (FLASHMOD_SOFTMAX_STREAM=0). Cluster threads of the register path keep 64 elements of
+    16-bit rows that load in packs (n % 8 == 0), 32 otherwise; the fallbacks keep 32."""
+    row_bytes = n * torch.empty((), dtype=dtype).element_size()
     if capability == (9, 0):
+        if not registers and row_bytes % 16 == 0 and row_bytes <= STREAM_MAX_CLUSTER * STREAM_MAX_SEGMENT:
+            return ("stream", STREAM_THREADS, None)
         per_thread = 64 if dtype != torch.float32 and n % 8 == 0 else 32
         if n <= 8 * 256 * per_thread:
             return ("cluster", 256, math.ceil(n / (256 * per_thread)))
@@ -95,11 +106,18 @@ def long_path(n: int, dtype: torch.dtype, capability: tuple[int, int]) -> tuple[
     return ("two-kernel", 256, math.ceil(n / (256 * 32)))
 
 
-def assert_long_path(trace: str, n: int, dtype: torch.dtype) -> None:
-    expected = long_path(n, dtype, torch.cuda.get_device_capability())
-    if expected is not None:
-        path, threads, blocks = expected
+def assert_long_path(trace: str, n: int, dtype: torch.dtype, registers: bool = False) -> None:
+    expected = long_path(n, dtype, torch.cuda.get_device_capability(), registers)
+    if expected is None:
+        return
+    path, threads, blocks = expected
+    if blocks is not None:
         assert f"n={n} path={path} threads={threads} blocks_per_row={blocks}" in trace, (dtype, trace)
+        return
+    found = re.search(rf"n={n} path={path} threads={threads} blocks_per_row=(\d+)", trace)
+    assert found, (dtype, trace)
+    row_bytes = n * torch.empty((), dtype=dtype).element_size()
+    assert math.ceil(row_bytes / STREAM_MAX_SEGMENT) <= int(found[1]) <= STREAM_MAX_CLUSTER, (dtype, trace)
 
 
 def mark_special_rows(x: torch.Tensor, all_inf: int, some_inf: int, nan: int) -> None:
@@ -116,25 +134,95 @@ def check_special_rows(y: torch.Tensor, all_inf: int, some_inf: int, nan: int) -
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA launch paths")
-# On H100, per dtype (fp32 / aligned 16-bit): 20000 and 65536 take clusters of 256-thread blocks,
-# 262144 clusters of 512 (16 / 8 blocks), 524288 the largest cluster for 16-bit, two kernels for
-# fp32, 600000 two kernels. Odd n loads one element at a time (32 per thread, every dtype): 65537
+# On H100, rows in 16-byte packs up to 2 MB take the stream path: 20000, 65536, 262144, 524288 (fp32:
+# exactly 16 x 128 KB) and 600000 in 16 bits. With FLASHMOD_SOFTMAX_STREAM=0, and for the rest,
+# per dtype (fp32 / aligned 16-bit): 20000 and 65536 take clusters of 256-thread blocks, 262144
+# clusters of 512 (16 / 8 blocks), 524288 the largest cluster for 16-bit, two kernels for fp32,
+# 600000 two kernels. Odd n loads one element at a time (32 per thread, every dtype): 65537
 # 5 x 512, 262143 the largest cluster, 300001 two kernels.
+@pytest.mark.parametrize("registers", [False, True], ids=["stream", "registers"])
 @pytest.mark.parametrize("n", [20000, 65536, 65537, 262143, 262144, 300001, 524288, 600000])
-def test_softmax_long_row_paths(n, monkeypatch, capfd):
+def test_softmax_long_row_paths(n, registers, monkeypatch, capfd):
     monkeypatch.setenv("FLASHMOD_SOFTMAX_TRACE", "1")
+    if registers:
+        monkeypatch.setenv("FLASHMOD_SOFTMAX_STREAM", "0")
     capfd.readouterr()
     rows = 6
     for dtype in LOW:
         x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
         mark_special_rows(x, 0, 1, 2)
         y = flashmod.softmax(x, -1)
-        assert_long_path(capfd.readouterr().err, n, dtype)
+        assert_long_path(capfd.readouterr().err, n, dtype, registers)
         check_special_rows(y, 0, 1, 2)
         assert not torch.isnan(y[3:]).any()
         keep = [1] + list(range(3, rows))
         xk = x[keep]
         assert_within_rule(y[keep], torch.softmax(xk.double(), -1), torch.softmax(xk, -1), 2, dtype, f"{dtype} n={n}")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90 stream path"
+)
+# Every cluster size the stream path may pick, on rows with a partial last chunk (fp32 20000: 4 full
+# chunks of 16 KB + 14464 B on one block) and more rows than clusters, so each cluster loops over
+# rows and both parities of the exchange buffers and every ring slot get reused. Poisoned output:
+# an element the kernel does not write stays NaN.
+@pytest.mark.parametrize("cluster", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("n", [20000, 16392 * 3])
+def test_softmax_stream_cluster_sizes(n, cluster, monkeypatch, capfd):
+    monkeypatch.setenv("FLASHMOD_SOFTMAX_TRACE", "1")
+    monkeypatch.setenv("FLASHMOD_SOFTMAX_STREAM_CLUSTER", str(cluster))
+    capfd.readouterr()
+    rows = 3 * torch.cuda.get_device_properties(0).multi_processor_count + 7
+    for dtype in LOW:
+        x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
+        mark_special_rows(x, rows - 3, rows - 2, rows - 1)
+        poison = torch.full_like(x, float("nan"))
+        del poison  # the caching allocator hands this NaN-filled block to the output
+        y = flashmod.softmax(x, -1)
+        trace = capfd.readouterr().err
+        if cluster < math.ceil(n * x.element_size() / STREAM_MAX_SEGMENT):
+            # Segments would exceed 128 KB: the knob is refused and the register path runs.
+            assert "path=stream" not in trace and f"n={n} path=" in trace, trace
+        else:
+            assert f"n={n} path=stream threads={STREAM_THREADS} blocks_per_row={cluster}" in trace, trace
+        check_special_rows(y, rows - 3, rows - 2, rows - 1)
+        assert not torch.isnan(y[: rows - 3]).any()
+        xk = x[: rows - 3]
+        plain = torch.softmax(xk, -1)
+        assert_within_rule(y[: rows - 3], torch.softmax(xk.double(), -1), plain, 2, dtype, f"{dtype} c={cluster}")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90 stream path"
+)
+# FLASHMOD_SOFTMAX_STREAM=1 takes the stream path wherever it can run (calls of >= 1 MB): rows of at
+# most a 16 KB chunk are streamed whole, 16384 / row_bytes to a chunk (fp32 n = 4: 1024 rows of one
+# pack each; 4096: one row per chunk), longer ones split over a cluster. Row counts leave a partial
+# last chunk on some blocks and more rows than consumer warps.
+@pytest.mark.parametrize("n", [8, 1000, 1024, 4096, 8192, 12000])
+def test_softmax_stream_forced(n, monkeypatch, capfd):
+    monkeypatch.setenv("FLASHMOD_SOFTMAX_TRACE", "1")
+    monkeypatch.setenv("FLASHMOD_SOFTMAX_STREAM", "1")
+    capfd.readouterr()
+    for dtype in LOW:
+        row_bytes = n * torch.empty((), dtype=dtype).element_size()
+        rows = (1 << 20) // row_bytes + 203
+        x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
+        mark_special_rows(x, 5, rows // 2, rows - 1)
+        poison = torch.full_like(x, float("nan"))
+        del poison  # the caching allocator hands this NaN-filled block to the output
+        y = flashmod.softmax(x, -1)
+        path = "stream-rows" if row_bytes <= 16384 else "stream"
+        trace = capfd.readouterr().err
+        assert f"n={n} path={path} threads={STREAM_THREADS} " in trace, (dtype, trace)
+        check_special_rows(y, 5, rows // 2, rows - 1)
+        keep = torch.ones(rows, dtype=torch.bool, device="cuda")
+        keep[[5, rows // 2, rows - 1]] = False
+        assert not torch.isnan(y[keep]).any()
+        xk = x[keep]
+        plain = torch.softmax(xk, -1)
+        assert_within_rule(y[keep], torch.softmax(xk.double(), -1), plain, 2, dtype, f"{dtype} n={n}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA launch paths")

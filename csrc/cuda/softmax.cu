@@ -31,10 +31,12 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "softmax_common.cuh"
 #include "softmax_launch.cuh"
+#include "softmax_stream_sm90.cuh"
 
 namespace flashmod::cuda {
 namespace {
@@ -416,11 +418,44 @@ bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stre
   return true;
 }
 
+// The stream paths (softmax_stream_sm90.cuh): sm_90, rows that load in 16-byte packs. Rows longer
+// than a 16 KB chunk are split over the blocks of a cluster; shorter ones (>= 2 KB) are streamed
+// whole, several to a chunk, in tensors of >= kStreamMinBytes (smaller ones keep the warp and
+// block kernels, which start faster). FLASHMOD_SOFTMAX_STREAM, read only for calls of >= 1 MB or
+// rows > 16k: 0 turns the stream paths off (side-by-side timing against the register paths), 1
+// takes them wherever they can run (tests).
+constexpr int64_t kStreamMinBytes = int64_t(64) << 20;
+
+template <typename T, int kVec>
+bool launch_stream(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
+  if constexpr (kVec == 1) {
+    return false;
+  } else {
+    const int64_t row_bytes = n * int64_t(sizeof(T)), bytes = rows * row_bytes;
+    if (bytes < (int64_t(1) << 20) && n <= kShortRow) return false;
+    const char* knob = std::getenv("FLASHMOD_SOFTMAX_STREAM");
+    const bool off = knob != nullptr && std::strcmp(knob, "0") == 0;
+    const bool forced = knob != nullptr && std::strcmp(knob, "1") == 0;
+    if (off) return false;
+    if (row_bytes <= softmax_stream::kChunkBytes) {
+      if (!forced && (bytes < kStreamMinBytes || row_bytes < 2048)) return false;
+      const int rows_per_chunk = softmax_stream::launch_whole_rows<T>(x, y, rows, n, stream);
+      if (rows_per_chunk > 0) trace(n, "stream-rows", softmax_stream::kThreads, 1);
+      return rows_per_chunk > 0;
+    }
+    if (!forced && n <= kShortRow && bytes < kStreamMinBytes) return false;
+    const int cluster = softmax_stream::launch_split_rows<T>(x, y, rows, n, stream);
+    if (cluster > 0) trace(n, "stream", softmax_stream::kThreads, cluster);
+    return cluster > 0;
+  }
+}
+
 template <typename T, int kVec>
 void launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
                     cudaStream_t stream) {
   constexpr int64_t kPerThread = int64_t(kPacks) * kVec;
   constexpr int kLongPacks = kLongElems / kVec;
+  if (launch_stream<T, kVec>(x, y, rows, n, stream)) return;
   if (n <= 32 * kPerThread) {
     softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 0, Phase::kWhole>
         <<<static_cast<unsigned>(ceil_div(rows, kWarpRowsPerBlock)), 32 * kWarpRowsPerBlock, 0,
