@@ -199,7 +199,7 @@ def test_softmax_stream_cluster_sizes(n, cluster, monkeypatch, capfd):
 # FLASHMOD_SOFTMAX_STREAM=1 takes the stream path wherever it can run (calls of >= 1 MB): rows of at
 # most a 16 KB chunk are streamed whole, 16384 / row_bytes to a chunk (fp32 n = 4: 1024 rows of one
 # pack each; 4096: one row per chunk), longer ones split over a cluster. Row counts leave a partial
-# last chunk on some blocks and more rows than consumer warps.
+# last chunk on some blocks, and whole-row blocks go round their ring of chunks twice.
 @pytest.mark.parametrize("n", [8, 1000, 1024, 4096, 8192, 12000])
 def test_softmax_stream_forced(n, monkeypatch, capfd):
     monkeypatch.setenv("FLASHMOD_SOFTMAX_TRACE", "1")
@@ -207,7 +207,9 @@ def test_softmax_stream_forced(n, monkeypatch, capfd):
     capfd.readouterr()
     for dtype in LOW:
         row_bytes = n * torch.empty((), dtype=dtype).element_size()
-        rows = (1 << 20) // row_bytes + 203
+        # Whole rows: enough for every block to go round the 13-slot ring twice.
+        wrap = 2 * 13 * (16384 // row_bytes) * torch.cuda.get_device_properties(0).multi_processor_count
+        rows = max((1 << 20) // row_bytes, wrap if row_bytes <= 16384 else 0) + 203
         x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
         mark_special_rows(x, 5, rows // 2, rows - 1)
         poison = torch.full_like(x, float("nan"))

@@ -167,8 +167,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kSlots; ++s) {
       mbarrier_init(smem_addr(&sh.full[s]), 1);
-      // Released once per consumer warp (split rows) or once per row of the chunk (whole rows).
-      mbarrier_init(smem_addr(&sh.empty[s]), kSplit ? kConsumerWarps : static_cast<uint32_t>(split));
+      mbarrier_init(smem_addr(&sh.empty[s]), kConsumerWarps);
     }
     mbarrier_init(smem_addr(&sh.stats_ready[0]), cluster);
     mbarrier_init(smem_addr(&sh.stats_ready[1]), cluster);
@@ -214,44 +213,51 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   if constexpr (!kSplit) {
-    // Whole rows: warp w takes rows w, w + 16, ... of the block's range; three passes over the
-    // row in shared memory (max, sum of exp, write), so one exp per element in the sum.
+    // Whole rows: block row g goes to warp g % 16. Every warp still steps through every chunk (wait
+    // for it, release it) in order, as on the split path: then a warp's wait on a slot can only
+    // see the use it wants (it released the slot's previous use itself, and the next use cannot
+    // be loaded before it releases this one). Three passes over a row in shared memory (max, sum
+    // of exp, write): one exp per element in the sum.
     const int64_t rows_per_chunk = split;
     const int packs = static_cast<int>(row_bytes / 16);
     const int64_t block_rows = span / row_bytes;
-    for (int64_t g = warp; g < block_rows; g += kConsumerWarps) {
-      const int64_t chunk = g / rows_per_chunk;
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
       const uint32_t slot = chunk % kSlots, use = static_cast<uint32_t>(chunk / kSlots);
       mbarrier_wait(smem_addr(&sh.full[slot]), use & 1);
-      const unsigned char* row_smem = sh.ring[slot] + (g % rows_per_chunk) * row_bytes;
-      float m = -INFINITY;
+      const int64_t first = chunk * rows_per_chunk;
+      const int64_t in_chunk = std::min(rows_per_chunk, block_rows - first);
+      for (int64_t j = (warp - first % kConsumerWarps + kConsumerWarps) % kConsumerWarps; j < in_chunk;
+           j += kConsumerWarps) {
+        const unsigned char* row_smem = sh.ring[slot] + j * row_bytes;
+        float m = -INFINITY;
 #pragma unroll 4
-      for (int p = lane; p < packs; p += 32) {
-        uint32_t w[4];
-        lds_128(w, smem_addr(row_smem + p * 16));
-        m = fmaxf(m, pack_max<T>(w));
-      }
-      for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-      const float max_offset = (m == -INFINITY ? 0.0f : m) * kLog2e;
-      float s = 0.0f;
+        for (int p = lane; p < packs; p += 32) {
+          uint32_t w[4];
+          lds_128(w, smem_addr(row_smem + p * 16));
+          m = fmaxf(m, pack_max<T>(w));
+        }
+        for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+        const float max_offset = (m == -INFINITY ? 0.0f : m) * kLog2e;
+        float s = 0.0f;
 #pragma unroll 4
-      for (int p = lane; p < packs; p += 32) {
-        uint32_t w[4];
-        lds_128(w, smem_addr(row_smem + p * 16));
+        for (int p = lane; p < packs; p += 32) {
+          uint32_t w[4];
+          lds_128(w, smem_addr(row_smem + p * 16));
 #pragma unroll
-        for (int e = 0; e < kElems; ++e) s += exp2_approx(fmaf(element_of<T>(w, e), kLog2e, -max_offset));
-      }
-      // a + b == b + a bit for bit, so the butterfly leaves every lane the same sum.
-      for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
-      const RowScale scale = row_scale<T>(m, s);
-      T* dst = y + (first_row + g) * n;
+          for (int e = 0; e < kElems; ++e) s += exp2_approx(fmaf(element_of<T>(w, e), kLog2e, -max_offset));
+        }
+        // a + b == b + a bit for bit, so the butterfly leaves every lane the same sum.
+        for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
+        const RowScale scale = row_scale<T>(m, s);
+        T* dst = y + (first_row + first + j) * n;
 #pragma unroll 4
-      for (int p = lane; p < packs; p += 32) {
-        uint32_t w[4];
-        lds_128(w, smem_addr(row_smem + p * 16));
-        write_pack(scale, w, dst + int64_t(p) * kElems);
+        for (int p = lane; p < packs; p += 32) {
+          uint32_t w[4];
+          lds_128(w, smem_addr(row_smem + p * 16));
+          write_pack(scale, w, dst + int64_t(p) * kElems);
+        }
       }
-      // The warp's reads of this row are done (they are in registers): release it.
+      // The warp's reads of this slot are done (they are in registers): release it.
       __syncwarp();
       if (lane == 0) mbarrier_arrive(smem_addr(&sh.empty[slot]));
     }
