@@ -72,20 +72,21 @@ def median_times(fns: dict, device: str, warmup: int, reps: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def with_env(setting: str, fn):
-    """fn run with one NAME=value environment setting (the knobs csrc reads per call)."""
-    name, value = setting.split("=", 1)
+def with_env(settings: str, fn):
+    """fn run with the environment settings "NAME=value[,NAME=value...]" (knobs csrc reads per call)."""
+    pairs = [setting.split("=", 1) for setting in settings.split(",")]
 
     def run():
-        old = os.environ.get(name)
-        os.environ[name] = value
+        old = {name: os.environ.get(name) for name, _ in pairs}
+        os.environ.update(dict(pairs))
         try:
             return fn()
         finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
+            for name, value in old.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
 
     return run
 
@@ -212,7 +213,7 @@ def main() -> None:
         "--variant",
         action="append",
         default=[],
-        help="NAME=value: also time flashmod.softmax with this knob set, in the same rounds (repeatable)",
+        help="NAME=value[,NAME=value]: also time flashmod.softmax with these knobs, in the same rounds (repeatable)",
     )
     parser.add_argument("--softmax-only", action="store_true", help="skip matmul_softmax")
     args = parser.parse_args()

@@ -62,6 +62,15 @@ __device__ __forceinline__ void sts_128(uint32_t addr, const uint32_t (&r)[4]) {
                : "memory");
 }
 
+// 16-byte global store. Spelled out because NVVM splits a store of a 16-byte-aligned struct of
+// 16-bit elements into 2-byte stores in some contexts (seen in the stream softmax's split-row
+// kernel, 3x slower).
+__device__ __forceinline__ void stg_128(void* ptr, const uint32_t (&r)[4]) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 template <typename Elem>
 struct Mma16816;
 

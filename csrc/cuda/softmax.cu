@@ -457,9 +457,19 @@ void launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
   constexpr int kLongPacks = kLongElems / kVec;
   if (launch_stream<T, kVec>(x, y, rows, n, stream)) return;
   if (n <= 32 * kPerThread) {
-    softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 0, Phase::kWhole>
-        <<<static_cast<unsigned>(ceil_div(rows, kWarpRowsPerBlock)), 32 * kWarpRowsPerBlock, 0,
-           stream>>>(x, y, rows, n, n, 1, nullptr);
+    const unsigned grid = static_cast<unsigned>(ceil_div(rows, kWarpRowsPerBlock));
+    const char* occupancy = std::getenv("FLASHMOD_SOFTMAX_WARP_MIN_BLOCKS");  // experiment
+    const int min_blocks = occupancy == nullptr ? 0 : std::atoi(occupancy);
+    if (min_blocks == 12) {
+      softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 12, Phase::kWhole>
+          <<<grid, 32 * kWarpRowsPerBlock, 0, stream>>>(x, y, rows, n, n, 1, nullptr);
+    } else if (min_blocks == 10) {
+      softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 10, Phase::kWhole>
+          <<<grid, 32 * kWarpRowsPerBlock, 0, stream>>>(x, y, rows, n, n, 1, nullptr);
+    } else {
+      softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 0, Phase::kWhole>
+          <<<grid, 32 * kWarpRowsPerBlock, 0, stream>>>(x, y, rows, n, n, 1, nullptr);
+    }
   } else if (n <= 128 * kPerThread) {
     launch_block_per_row<T, kVec, kPacks, 128, 0>(x, y, rows, n, stream);
   } else if (n <= 256 * kPerThread) {

@@ -203,13 +203,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Probabilities of one pack: 2^(x log2 e - offset) * factor (see RowScale).
   auto write_pack = [&](const RowScale& scale, const uint32_t (&w)[4], T* dst) {
-    Pack<T, kElems> out;
+    float prob[kElems];
 #pragma unroll
     for (int e = 0; e < kElems; ++e) {
-      const float prob = exp2_approx(fmaf(element_of<T>(w, e), kLog2e, -scale.offset));
-      out.v[e] = from_float<T>(std::is_same_v<T, float> ? prob * scale.factor : prob);
+      prob[e] = exp2_approx(fmaf(element_of<T>(w, e), kLog2e, -scale.offset));
+      if constexpr (std::is_same_v<T, float>) prob[e] *= scale.factor;
     }
-    *reinterpret_cast<Pack<T, kElems>*>(dst) = out;
+    uint32_t out[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::is_same_v<T, float>) {
+        out[i] = __float_as_uint(prob[i]);
+      } else {
+        out[i] = Mma16816<T>::pack(prob[2 * i], prob[2 * i + 1]);  // low half: the lower address
+      }
+    }
+    stg_128(dst, out);
   };
 
   if constexpr (!kSplit) {
