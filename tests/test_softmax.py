@@ -193,40 +193,6 @@ def test_softmax_stream_cluster_sizes(n, cluster, monkeypatch, capfd):
         assert_within_rule(y[: rows - 3], torch.softmax(xk.double(), -1), plain, 2, dtype, f"{dtype} c={cluster}")
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90 stream path"
-)
-# FLASHMOD_SOFTMAX_STREAM=1 takes the stream path wherever it can run (calls of >= 1 MB): rows of at
-# most a 16 KB chunk are streamed whole, 16384 / row_bytes to a chunk (fp32 n = 4: 1024 rows of one
-# pack each; 4096: one row per chunk), longer ones split over a cluster. Row counts leave a partial
-# last chunk on some blocks, and whole-row blocks go round their ring of chunks twice.
-@pytest.mark.parametrize("n", [8, 1000, 1024, 4096, 8192, 12000])
-def test_softmax_stream_forced(n, monkeypatch, capfd):
-    monkeypatch.setenv("FLASHMOD_SOFTMAX_TRACE", "1")
-    monkeypatch.setenv("FLASHMOD_SOFTMAX_STREAM", "1")
-    capfd.readouterr()
-    for dtype in LOW:
-        row_bytes = n * torch.empty((), dtype=dtype).element_size()
-        # Whole rows: enough for every block to go round the 13-slot ring twice.
-        wrap = 2 * 13 * (16384 // row_bytes) * torch.cuda.get_device_properties(0).multi_processor_count
-        rows = max((1 << 20) // row_bytes, wrap if row_bytes <= 16384 else 0) + 203
-        x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
-        mark_special_rows(x, 5, rows // 2, rows - 1)
-        poison = torch.full_like(x, float("nan"))
-        del poison  # the caching allocator hands this NaN-filled block to the output
-        y = flashmod.softmax(x, -1)
-        path = "stream-rows" if row_bytes <= 16384 else "stream"
-        trace = capfd.readouterr().err
-        assert f"n={n} path={path} threads={STREAM_THREADS} " in trace, (dtype, trace)
-        check_special_rows(y, 5, rows // 2, rows - 1)
-        keep = torch.ones(rows, dtype=torch.bool, device="cuda")
-        keep[[5, rows // 2, rows - 1]] = False
-        assert not torch.isnan(y[keep]).any()
-        xk = x[keep]
-        plain = torch.softmax(xk, -1)
-        assert_within_rule(y[keep], torch.softmax(xk.double(), -1), plain, 2, dtype, f"{dtype} n={n}")
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA launch paths")
 def test_softmax_cluster_rows_past_grid(monkeypatch, capfd):
     """More rows than the grid's 65535: clusters 0-4 take rows 65535-65539 as their second row

@@ -8,7 +8,9 @@
 // Rows up to 16k elements (4k where unaligned rows load one element at a time): a warp per row, or
 // a block of <= 512 threads per row, 8 loads per thread. Longer rows are split over the blocks of
 // a thread-block cluster (sm_90), which swap their (max, sum) through distributed shared memory:
-// still one read and one write. Those blocks are small (256 threads for clusters of <= 8, 512 for
+// still one read and one write. Rows that load in 16-byte packs stream through shared memory
+// there (softmax_stream_sm90.cuh); the others, and every row where the stream path cannot run,
+// take the register-cached cluster kernel below. Those blocks are small (256 threads for clusters of <= 8, 512 for
 // up to 16, H100's non-portable size) and every thread keeps 32 registers of the row: 8 packs of
 // 16 bytes, i.e. 32 fp32 or 64 16-bit elements (kept as pairs, widened only when used), or 32
 // single elements of unaligned rows. That fits the 64 registers per thread that 1024 resident
@@ -418,33 +420,18 @@ bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stre
   return true;
 }
 
-// The stream paths (softmax_stream_sm90.cuh): sm_90, rows that load in 16-byte packs. Rows longer
-// than a 16 KB chunk are split over the blocks of a cluster; shorter ones (>= 2 KB) are streamed
-// whole, several to a chunk, in tensors of >= kStreamMinBytes (smaller ones keep the warp and
-// block kernels, which start faster). FLASHMOD_SOFTMAX_STREAM, read only for calls of >= 1 MB or
-// rows > 16k: 0 turns the stream paths off (side-by-side timing against the register paths), 1
-// takes them wherever they can run (tests).
-constexpr int64_t kStreamMinBytes = int64_t(64) << 20;
-
+// Rows > 16k that load in 16-byte packs, on sm_90: the stream path (softmax_stream_sm90.cuh),
+// measured 0.86-0.92 of copy bandwidth against the cluster path's 0.81-0.88 (NOTES.md, "softmax
+// long rows (v5)"). Shorter rows stay on the warp and block kernels, which measured faster there.
+// FLASHMOD_SOFTMAX_STREAM=0 skips it, for side-by-side timing against the cluster path.
 template <typename T, int kVec>
 bool launch_stream(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
   if constexpr (kVec == 1) {
     return false;
   } else {
-    const int64_t row_bytes = n * int64_t(sizeof(T)), bytes = rows * row_bytes;
-    if (bytes < (int64_t(1) << 20) && n <= kShortRow) return false;
     const char* knob = std::getenv("FLASHMOD_SOFTMAX_STREAM");
-    const bool off = knob != nullptr && std::strcmp(knob, "0") == 0;
-    const bool forced = knob != nullptr && std::strcmp(knob, "1") == 0;
-    if (off) return false;
-    if (row_bytes <= softmax_stream::kChunkBytes) {
-      if (!forced && (bytes < kStreamMinBytes || row_bytes < 2048)) return false;
-      const int rows_per_chunk = softmax_stream::launch_whole_rows<T>(x, y, rows, n, stream);
-      if (rows_per_chunk > 0) trace(n, "stream-rows", softmax_stream::kThreads, 1);
-      return rows_per_chunk > 0;
-    }
-    if (!forced && n <= kShortRow && bytes < kStreamMinBytes) return false;
-    const int cluster = softmax_stream::launch_split_rows<T>(x, y, rows, n, stream);
+    if (knob != nullptr && std::strcmp(knob, "0") == 0) return false;
+    const int cluster = softmax_stream::launch<T>(x, y, rows, n, stream);
     if (cluster > 0) trace(n, "stream", softmax_stream::kThreads, cluster);
     return cluster > 0;
   }
@@ -455,28 +442,19 @@ void launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
                     cudaStream_t stream) {
   constexpr int64_t kPerThread = int64_t(kPacks) * kVec;
   constexpr int kLongPacks = kLongElems / kVec;
-  if (launch_stream<T, kVec>(x, y, rows, n, stream)) return;
   if (n <= 32 * kPerThread) {
-    const unsigned grid = static_cast<unsigned>(ceil_div(rows, kWarpRowsPerBlock));
-    const char* occupancy = std::getenv("FLASHMOD_SOFTMAX_WARP_MIN_BLOCKS");  // experiment
-    const int min_blocks = occupancy == nullptr ? 0 : std::atoi(occupancy);
-    if (min_blocks == 12) {
-      softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 12, Phase::kWhole>
-          <<<grid, 32 * kWarpRowsPerBlock, 0, stream>>>(x, y, rows, n, n, 1, nullptr);
-    } else if (min_blocks == 10) {
-      softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 10, Phase::kWhole>
-          <<<grid, 32 * kWarpRowsPerBlock, 0, stream>>>(x, y, rows, n, n, 1, nullptr);
-    } else {
-      softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 0, Phase::kWhole>
-          <<<grid, 32 * kWarpRowsPerBlock, 0, stream>>>(x, y, rows, n, n, 1, nullptr);
-    }
+    const char* smem = std::getenv("FLASHMOD_SOFTMAX_WARP_SMEM");  // EXPERIMENT
+    softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 0, Phase::kWhole>
+        <<<static_cast<unsigned>(ceil_div(rows, kWarpRowsPerBlock)), 32 * kWarpRowsPerBlock,
+           smem == nullptr ? 0 : std::atoi(smem), stream>>>(x, y, rows, n, n, 1, nullptr);
   } else if (n <= 128 * kPerThread) {
     launch_block_per_row<T, kVec, kPacks, 128, 0>(x, y, rows, n, stream);
   } else if (n <= 256 * kPerThread) {
     launch_block_per_row<T, kVec, kPacks, 256, 0>(x, y, rows, n, stream);
   } else if (n <= 512 * kPerThread && n <= kShortRow) {
     launch_block_per_row<T, kVec, kPacks, 512, 0>(x, y, rows, n, stream);
-  } else if (launch_cluster<T, kVec, kSmallClusterThreads>(x, y, rows, n, stream) ||
+  } else if (launch_stream<T, kVec>(x, y, rows, n, stream) ||
+             launch_cluster<T, kVec, kSmallClusterThreads>(x, y, rows, n, stream) ||
              // 256-thread blocks first: a 64k 16-bit row takes 4 x 256 rather than 2 x 512. Same
              // bytes in flight per SM, but 4 blocks at independent phases instead of 2, and an
              // 8-warp block barrier; the 4-block cluster barrier costs little (fp32 at 8 x 256

@@ -123,46 +123,27 @@ __device__ __forceinline__ RowScale row_scale(float m, float s) {
   }
 }
 
-// Which rows a block streams: a segment of every row of its cluster's (kSplitRows, rows longer
-// than a chunk), or a range of whole rows, several to a chunk, one row per consumer warp at a
-// time (kWholeRows, rows of at most a chunk).
-enum class Mode { kSplitRows, kWholeRows };
-
-// kSplitRows: `split` is the segment length in elements (a whole number of packs); the cluster
-// spans gridDim.x, so blockIdx.x is the block's rank and blockIdx.y its cluster. kWholeRows: `split`
-// is rows per chunk; block b takes rows [rows * b / G, rows * (b + 1) / G) of G = gridDim.x.
-template <typename T, Mode kMode>
+// Rows of n elements, cut into segments of `segment` elements (a whole number of packs), one per
+// block of a cluster: the cluster spans gridDim.x, so blockIdx.x is the block's rank, and cluster
+// blockIdx.y takes rows blockIdx.y, blockIdx.y + gridDim.y, ...
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     softmax_stream_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t n,
-                          int64_t split) {
+                          int64_t segment) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using namespace cuda_kernels;
-  constexpr bool kSplit = kMode == Mode::kSplitRows;
   constexpr int kElems = kPackElems<T>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   auto& sh = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t row_bytes = n * int64_t(sizeof(T));
-
-  // The producer's view of the work: `passes` passes over `span` contiguous bytes each, cut into
-  // chunks of chunk_size (the last one shorter); pass i starts at pass_source(i).
-  const int cluster = kSplit ? static_cast<int>(gridDim.x) : 1;
-  const uint32_t rank = kSplit ? blockIdx.x : 0;
-  int64_t begin = 0, span = 0, chunk_size = 0, first_row = 0, passes = 0, row_step = 0;
-  if constexpr (kSplit) {
-    begin = rank * split;
-    span = std::max<int64_t>(0, std::min(split, n - begin)) * int64_t(sizeof(T));
-    chunk_size = kChunkBytes;
-    first_row = blockIdx.y, row_step = gridDim.y;
-    passes = first_row < rows ? (rows - first_row + row_step - 1) / row_step : 0;
-  } else {
-    first_row = rows * blockIdx.x / gridDim.x;
-    span = (rows * (blockIdx.x + 1) / gridDim.x - first_row) * row_bytes;
-    chunk_size = split * row_bytes;
-    row_step = 0, passes = 1;
-  }
-  const int64_t chunks = (span + chunk_size - 1) / chunk_size;  // per pass
-  auto chunk_bytes = [&](int64_t k) { return static_cast<uint32_t>(min(chunk_size, span - k * chunk_size)); };
+  const int cluster = static_cast<int>(gridDim.x);
+  const uint32_t rank = blockIdx.x;
+  const int64_t begin = rank * segment;
+  // This block's bytes of every row, in chunks of kChunkBytes (the last one shorter).
+  const uint32_t span =
+      static_cast<uint32_t>(std::max<int64_t>(0, std::min(segment, n - begin)) * int64_t(sizeof(T)));
+  const int chunks = static_cast<int>((span + kChunkBytes - 1) / kChunkBytes);
+  auto chunk_bytes = [&](int k) { return min(uint32_t(kChunkBytes), span - k * kChunkBytes); };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kSlots; ++s) {
@@ -173,28 +154,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbarrier_init(smem_addr(&sh.stats_ready[1]), cluster);
     fence_mbarrier_init();
   }
-  // Split rows: no block may arrive on another's barrier before that block has initialised it.
-  // Whole rows: the inits are visible to the block.
-  if constexpr (kSplit) {
-    cluster_barrier();
-  } else {
-    __syncthreads();
-  }
+  // No block may arrive on another's barrier before that block has initialised it.
+  cluster_barrier();
 
   if (warp == kConsumerWarps) {
     // Producer: chunk c of this block's sequence goes to slot c % kSlots once the consumers have
     // released the chunk that used the slot before it (use c / kSlots - 1).
     if (lane != 0) return;
     uint32_t c = 0;
-    for (int64_t pass = 0; pass < passes; ++pass) {
-      const int64_t row = first_row + pass * row_step;
+    for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
       const auto* src = reinterpret_cast<const unsigned char*>(x + row * n + begin);
-      for (int64_t k = 0; k < chunks; ++k, ++c) {
+      for (int k = 0; k < chunks; ++k, ++c) {
         const uint32_t slot = c % kSlots, use = c / kSlots;
         if (use > 0) mbarrier_wait(smem_addr(&sh.empty[slot]), (use - 1) & 1);
         const uint32_t bytes = chunk_bytes(k);
         mbarrier_arrive_expect_tx(smem_addr(&sh.full[slot]), bytes);
-        bulk_copy_to_shared(smem_addr(sh.ring[slot]), src + k * chunk_size, bytes,
+        bulk_copy_to_shared(smem_addr(sh.ring[slot]), src + int64_t(k) * kChunkBytes, bytes,
                             smem_addr(&sh.full[slot]));
       }
     }
@@ -221,65 +196,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     stg_128(dst, out);
   };
 
-  if constexpr (!kSplit) {
-    // Whole rows: block row g goes to warp g % 16. Every warp still steps through every chunk (wait
-    // for it, release it) in order, as on the split path: then a warp's wait on a slot can only
-    // see the use it wants (it released the slot's previous use itself, and the next use cannot
-    // be loaded before it releases this one). Three passes over a row in shared memory (max, sum
-    // of exp, write): one exp per element in the sum.
-    const int64_t rows_per_chunk = split;
-    const int packs = static_cast<int>(row_bytes / 16);
-    const int64_t block_rows = span / row_bytes;
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      const uint32_t slot = chunk % kSlots, use = static_cast<uint32_t>(chunk / kSlots);
-      mbarrier_wait(smem_addr(&sh.full[slot]), use & 1);
-      const int64_t first = chunk * rows_per_chunk;
-      const int64_t in_chunk = std::min(rows_per_chunk, block_rows - first);
-      for (int64_t j = (warp - first % kConsumerWarps + kConsumerWarps) % kConsumerWarps; j < in_chunk;
-           j += kConsumerWarps) {
-        const unsigned char* row_smem = sh.ring[slot] + j * row_bytes;
-        float m = -INFINITY;
-#pragma unroll 4
-        for (int p = lane; p < packs; p += 32) {
-          uint32_t w[4];
-          lds_128(w, smem_addr(row_smem + p * 16));
-          m = fmaxf(m, pack_max<T>(w));
-        }
-        for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-        const float max_offset = (m == -INFINITY ? 0.0f : m) * kLog2e;
-        float s = 0.0f;
-#pragma unroll 4
-        for (int p = lane; p < packs; p += 32) {
-          uint32_t w[4];
-          lds_128(w, smem_addr(row_smem + p * 16));
-#pragma unroll
-          for (int e = 0; e < kElems; ++e) s += exp2_approx(fmaf(element_of<T>(w, e), kLog2e, -max_offset));
-        }
-        // a + b == b + a bit for bit, so the butterfly leaves every lane the same sum.
-        for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
-        const RowScale scale = row_scale<T>(m, s);
-        T* dst = y + (first_row + first + j) * n;
-#pragma unroll 4
-        for (int p = lane; p < packs; p += 32) {
-          uint32_t w[4];
-          lds_128(w, smem_addr(row_smem + p * 16));
-          write_pack(scale, w, dst + int64_t(p) * kElems);
-        }
-      }
-      // The warp's reads of this slot are done (they are in registers): release it.
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(smem_addr(&sh.empty[slot]));
-    }
-    return;
-  }
-
-  uint32_t c = 0;  // the consumers' position in the producer's chunk sequence
+  // Consumers. Every warp steps through every chunk in order (waits for it, releases it): then
+  // its wait on a slot can only see the use it wants, since it released the slot's previous use
+  // itself and the next use cannot be loaded before it releases this one.
+  uint32_t c = 0;  // position in the producer's chunk sequence
   int parity = 0;
-  for (int64_t pass = 0; pass < passes; ++pass, parity ^= 1) {
-    const int64_t row = first_row + pass * row_step;
+  for (int64_t row = blockIdx.y, it = 0; row < rows; row += gridDim.y, ++it, parity ^= 1) {
     // This thread's (max, sum) over its packs of the segment, online: one rescale per chunk.
     float m = -INFINITY, s = 0.0f;
-    for (int64_t k = 0; k < chunks; ++k) {
+    for (int k = 0; k < chunks; ++k) {
       const uint32_t slot = (c + k) % kSlots, use = (c + k) / kSlots;
       mbarrier_wait(smem_addr(&sh.full[slot]), use & 1);
       const int packs = static_cast<int>(chunk_bytes(k) / 16);
@@ -322,8 +247,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbarrier_arrive_remote(map_to_rank(smem_addr(&sh.stats_ready[parity]), lane));
       }
     }
-    // stats_ready[parity] completes once per two rows: pass i is its phase i / 2.
-    mbarrier_wait_cluster(smem_addr(&sh.stats_ready[parity]), (pass >> 1) & 1);
+    // stats_ready[parity] completes once per two rows: row `it` of the cluster is its phase it / 2.
+    mbarrier_wait_cluster(smem_addr(&sh.stats_ready[parity]), (it >> 1) & 1);
     // Lane g takes block g's summary: every lane of every block gets the same row (max, sum).
     const float2 part = lane < cluster ? sh.block_stats[parity][lane] : make_float2(-INFINITY, 0.0f);
     m = part.x, s = part.y;
@@ -331,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const RowScale scale = row_scale<T>(m, s);
 
     T* dst = y + row * n + begin;
-    for (int64_t k = 0; k < chunks; ++k, ++c) {
+    for (int k = 0; k < chunks; ++k, ++c) {
       const uint32_t slot = c % kSlots;
       const int packs = static_cast<int>(chunk_bytes(k) / 16);
 #pragma unroll
@@ -340,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (p < packs) {
           uint32_t w[4];
           lds_128(w, smem_addr(sh.ring[slot] + p * 16));
-          write_pack(scale, w, dst + k * (kChunkBytes / int64_t(sizeof(T))) + int64_t(p) * kElems);
+          write_pack(scale, w, dst + int64_t(k) * (kChunkBytes / int64_t(sizeof(T))) + int64_t(p) * kElems);
         }
       }
       // The warp's reads of this slot are done (they are in registers): release it.
@@ -377,12 +302,12 @@ constexpr int kMaxDevices = 64;
 // The SM count of the current device if kernel K can run there (sm_90 binary, the shared memory
 // opt-in, non-portable clusters), else 0. Asked once per device and kernel; the driver queries
 // cost microseconds.
-template <typename T, Mode kMode>
+template <typename T>
 int usable_sms(int device) {
   static std::atomic<int> cache[kMaxDevices];  // 0: not asked yet, -1: cannot run
   int sms = cache[device].load(std::memory_order_relaxed);
   if (sms == 0) {
-    const auto kernel = softmax_stream_kernel<T, kMode>;
+    const auto kernel = softmax_stream_kernel<T>;
     cudaFuncAttributes attributes;
     const bool ok =
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
@@ -390,9 +315,8 @@ int usable_sms(int device) {
         attributes.binaryVersion >= 90 &&
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              sizeof(SharedStorage)) == cudaSuccess &&
-        (kMode == Mode::kWholeRows ||
-         cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-             cudaSuccess);
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+            cudaSuccess;
     if (!ok) {
       (void)cudaGetLastError();
       sms = -1;
@@ -416,7 +340,7 @@ struct Shape {
   int64_t clusters = 0;  // clusters launched (each loops over rows)
 };
 
-// The split-rows launch shape for `rows` rows of row_bytes. Picks the cluster size that keeps the
+// The launch shape for `rows` rows of row_bytes. Picks the cluster size that keeps the
 // most SMs busy over the call: the fraction of SMs in resident clusters times how evenly the rows
 // divide into rounds of those clusters. FLASHMOD_SOFTMAX_STREAM_CLUSTER=c forces c (tests, tuning).
 template <typename T>
@@ -425,7 +349,7 @@ Shape choose_shape(int64_t rows, int64_t row_bytes, cudaStream_t stream) {
   const int64_t min_cluster = (row_bytes + kMaxSegmentBytes - 1) / kMaxSegmentBytes;
   const int device = current_device();
   if (min_cluster > kMaxCluster || device < 0) return {};
-  const int sms = usable_sms<T, Mode::kSplitRows>(device);
+  const int sms = usable_sms<T>(device);
   if (sms == 0) return {};
   // Per cluster size: clusters resident at once, plus one (0: not asked yet).
   static std::atomic<int> fit_cache[kMaxDevices][kMaxCluster + 1];
@@ -434,7 +358,7 @@ Shape choose_shape(int64_t rows, int64_t row_bytes, cudaStream_t stream) {
     if (cached == 0) {
       const ClusterLaunch probe(cluster, 1, stream);
       int active = 0;
-      if (cudaOccupancyMaxActiveClusters(&active, softmax_stream_kernel<T, Mode::kSplitRows>,
+      if (cudaOccupancyMaxActiveClusters(&active, softmax_stream_kernel<T>,
                                          &probe.config) != cudaSuccess) {
         (void)cudaGetLastError();
         active = 0;
@@ -466,35 +390,19 @@ Shape choose_shape(int64_t rows, int64_t row_bytes, cudaStream_t stream) {
 // kMaxCluster segments of kMaxSegmentChunks chunks; x and y 16-byte aligned). Returns the blocks
 // per row, or 0, launching nothing, where the kernel cannot run.
 template <typename T>
-int launch_split_rows(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
+int launch(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
   const Shape shape = choose_shape<T>(rows, n * int64_t(sizeof(T)), stream);
   if (shape.cluster == 0) return 0;
   // One segment per block, in whole packs; the last block may get fewer elements (or none).
   constexpr int64_t kElems = kPackElems<T>;
   const int64_t segment = ((n + shape.cluster - 1) / shape.cluster + kElems - 1) / kElems * kElems;
   const ClusterLaunch launch(shape.cluster, shape.clusters, stream);
-  if (cudaLaunchKernelEx(&launch.config, softmax_stream_kernel<T, Mode::kSplitRows>, x, y, rows, n,
+  if (cudaLaunchKernelEx(&launch.config, softmax_stream_kernel<T>, x, y, rows, n,
                          segment) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
   return shape.cluster;
-}
-
-// Whole rows of at most one chunk (n * sizeof(T) a multiple of 16), several per chunk, a range of
-// rows per block, one block per SM. Returns the rows per chunk, or 0, launching nothing.
-template <typename T>
-int launch_whole_rows(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
-  const int64_t row_bytes = n * int64_t(sizeof(T));
-  const int device = current_device();
-  if (row_bytes > kChunkBytes || device < 0) return 0;
-  const int sms = usable_sms<T, Mode::kWholeRows>(device);
-  if (sms == 0) return 0;
-  const int64_t rows_per_chunk = kChunkBytes / row_bytes;
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>(sms, rows));
-  softmax_stream_kernel<T, Mode::kWholeRows>
-      <<<blocks, kThreads, sizeof(SharedStorage), stream>>>(x, y, rows, n, rows_per_chunk);
-  return static_cast<int>(rows_per_chunk);
 }
 
 }  // namespace softmax_stream
