@@ -43,32 +43,38 @@ def device_name(device: str) -> str:
     return platform.processor()
 
 
-def time_once(fn, device: str) -> float:
-    """Seconds for one call of fn() (CUDA: events around it)."""
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def median_times(fns: dict, device: str, warmup: int, reps: int) -> dict:
     """Median seconds per call of each fn, timed in interleaved rounds (one call of each per round),
-    so that clock or thermal drift during the run weighs on every contender alike."""
+    so that clock or thermal drift during the run weighs on every contender alike.
+
+    CUDA: device time between events around each call. Each round starts behind a ~1 ms spin
+    kernel, so the host has queued the whole round before the GPU reaches it: the events time the
+    kernels, not the Python and dispatch overhead of launching them (which would otherwise count
+    against whichever call has more of it: ~10-20 us, 3-5% of a 0.4 ms kernel)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    times = {name: [] for name in fns}
     if device == "cuda":
         torch.cuda.synchronize()
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            times[name].append(time_once(fn, device))
+        for _ in range(reps):
+            torch.cuda._sleep(2_000_000)  # cycles: ~1 ms
+            events = []
+            for name, fn in fns.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                events.append((name, start, end))
+            torch.cuda.synchronize()
+            for name, start, end in events:
+                times[name].append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(reps):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
