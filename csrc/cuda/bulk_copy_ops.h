@@ -1,7 +1,7 @@
 // Thin wrappers over the sm_90 PTX that the streaming softmax is built from: mbarriers (with
-// transaction counts), the 1-D bulk copy global -> shared (the TMA engine without a tensor map), and
-// distributed shared memory across a thread-block cluster. Compiled only for sm_90+: callers guard
-// their use with __CUDA_ARCH__ >= 900 and the host launches them only on such binaries.
+// transaction counts), the 1-D bulk copy global -> shared (the TMA engine without a tensor map),
+// and distributed shared memory across a thread-block cluster. Compiled only for sm_90+: callers
+// guard their use with __CUDA_ARCH__ >= 900 and the host launches them only on such binaries.
 #pragma once
 
 #include <cstdint>

@@ -10,15 +10,15 @@
 // a thread-block cluster (sm_90), which swap their (max, sum) through distributed shared memory:
 // still one read and one write. Rows that load in 16-byte packs stream through shared memory
 // there (softmax_stream_sm90.cuh); the others, and every row where the stream path cannot run,
-// take the register-cached cluster kernel below. Those blocks are small (256 threads for clusters of <= 8, 512 for
-// up to 16, H100's non-portable size) and every thread keeps 32 registers of the row: 8 packs of
-// 16 bytes, i.e. 32 fp32 or 64 16-bit elements (kept as pairs, widened only when used), or 32
-// single elements of unaligned rows. That fits the 64 registers per thread that 1024 resident
-// threads per SM allow without spilling, and each SM runs 2-4 blocks at different phases: while
-// one waits on its loads or on the cluster barrier, another's loads and stores keep memory busy.
-// A single 1024-thread block per SM cannot overlap its phases. A 16-bit row has half the bytes
-// of an fp32 row of the same length; at 64 elements per thread it also takes half the blocks, so
-// its per-row costs (block and cluster barriers, exchange) weigh as much per byte as fp32's: 64k
+// take the register-cached cluster kernel below. Those blocks are small (256 threads for clusters
+// of <= 8, 512 for up to 16, H100's non-portable size) and every thread keeps 32 registers of the
+// row: 8 packs of 16 bytes, i.e. 32 fp32 or 64 16-bit elements (kept as pairs, widened only when
+// used), or 32 single elements of unaligned rows. That fits the 64 registers per thread that 1024
+// resident threads per SM allow without spilling, and each SM runs 2-4 blocks at different phases:
+// while one waits on its loads or on the cluster barrier, another's loads and stores keep memory
+// busy. A single 1024-thread block per SM cannot overlap its phases. A 16-bit row has half the
+// bytes of an fp32 row of the same length; at 64 elements per thread it also takes half the blocks,
+// so its per-row costs (block and cluster barriers, exchange) weigh as much per byte as fp32's: 64k
 // elements take 4 x 256 threads, 256k take 8 x 512 (fp32: 8 x 256, 16 x 512). The largest cluster,
 // 16 x 512, covers 256k fp32 or unaligned elements and 512k aligned 16-bit ones. Where clusters are
 // unavailable (pre-sm_90, or no room for one), rows up to 32k take one 1024-thread block, longer
@@ -443,10 +443,9 @@ void launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
   constexpr int64_t kPerThread = int64_t(kPacks) * kVec;
   constexpr int kLongPacks = kLongElems / kVec;
   if (n <= 32 * kPerThread) {
-    const char* smem = std::getenv("FLASHMOD_SOFTMAX_WARP_SMEM");  // EXPERIMENT
     softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 0, Phase::kWhole>
-        <<<static_cast<unsigned>(ceil_div(rows, kWarpRowsPerBlock)), 32 * kWarpRowsPerBlock,
-           smem == nullptr ? 0 : std::atoi(smem), stream>>>(x, y, rows, n, n, 1, nullptr);
+        <<<static_cast<unsigned>(ceil_div(rows, kWarpRowsPerBlock)), 32 * kWarpRowsPerBlock, 0,
+           stream>>>(x, y, rows, n, n, 1, nullptr);
   } else if (n <= 128 * kPerThread) {
     launch_block_per_row<T, kVec, kPacks, 128, 0>(x, y, rows, n, stream);
   } else if (n <= 256 * kPerThread) {

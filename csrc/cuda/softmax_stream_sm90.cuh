@@ -8,13 +8,14 @@
 // been written out, its slot is refilled with the next chunk of row r + 1 (or later), so the memory
 // pipe stays busy across the reduction and the cluster exchange. Still one read and one write.
 //
-// Layout: one block per SM (a 208 KB ring), 16 consumer warps + 1 producer warp. A row is split into
-// `cluster` segments of at most kMaxSegmentChunks chunks (128 KB), one per block of a thread-block
-// cluster; clusters loop over rows. Per row, each block: waits for its segment's chunks, computes
-// every thread's (max, sum) online from shared memory, merges them over warps, then pushes the
-// block's (max, sum) into every block of the cluster (distributed shared memory plus a remote
-// mbarrier arrival, no cluster-wide barrier); each warp merges the cluster's summaries itself and
-// writes its share of probabilities from the chunks, releasing each chunk back to the producer.
+// Layout: one block per SM (a 208 KB ring), 16 consumer warps + 1 producer warp. A row is split
+// into `cluster` segments of at most kMaxSegmentChunks chunks (128 KB), one per block of a
+// thread-block cluster; clusters loop over rows. Per row, each block: waits for its segment's
+// chunks, computes every thread's (max, sum) online from shared memory, merges them over warps,
+// then pushes the block's (max, sum) into every block of the cluster (distributed shared memory
+// plus a remote mbarrier arrival, no cluster-wide barrier); each warp merges the cluster's
+// summaries itself and writes its share of probabilities from the chunks, releasing each chunk back
+// to the producer.
 #pragma once
 
 #include <algorithm>
@@ -40,7 +41,7 @@ static_assert(kPacksPerChunk % kConsumerThreads == 0, "every consumer reads whol
 constexpr int kMaxSegmentChunks = 8;
 constexpr int kSlots = 13;
 static_assert(kSlots > kMaxSegmentChunks, "the producer could not load ahead");
-constexpr int kMaxCluster = 16;            // H100's non-portable cluster limit
+constexpr int kMaxCluster = 16;           // H100's non-portable cluster limit
 constexpr uint32_t kConsumerBarrier = 1;  // named barrier id (0 is __syncthreads')
 
 struct SharedStorage {
@@ -70,9 +71,9 @@ __device__ __forceinline__ float exp2_approx(float x) {
 
 // A pack past the end of the segment: -inf in every element (the identity of the max and sum).
 template <typename T>
-constexpr uint32_t kMinusInfWord = std::is_same_v<T, float>            ? 0xff800000u
+constexpr uint32_t kMinusInfWord = std::is_same_v<T, float>           ? 0xff800000u
                                    : std::is_same_v<T, __nv_bfloat16> ? 0xff80ff80u
-                                                                        : 0xfc00fc00u;
+                                                                      : 0xfc00fc00u;
 
 // Element e of a 16-byte pack held as four words, in fp32.
 template <typename T>
@@ -140,8 +141,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t rank = blockIdx.x;
   const int64_t begin = rank * segment;
   // This block's bytes of every row, in chunks of kChunkBytes (the last one shorter).
-  const uint32_t span =
-      static_cast<uint32_t>(std::max<int64_t>(0, std::min(segment, n - begin)) * int64_t(sizeof(T)));
+  const uint32_t span = static_cast<uint32_t>(std::max<int64_t>(0, std::min(segment, n - begin)) *
+                                              int64_t(sizeof(T)));
   const int chunks = static_cast<int>((span + kChunkBytes - 1) / kChunkBytes);
   auto chunk_bytes = [&](int k) { return min(uint32_t(kChunkBytes), span - k * kChunkBytes); };
 
@@ -239,7 +240,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 0) {
       // Lane w takes warp w's summary; the butterfly gives every lane the same bits, so all
       // pushes carry the same block summary.
-      const float2 part = lane < kConsumerWarps ? sh.warp_stats[parity][lane] : make_float2(-INFINITY, 0.0f);
+      const float2 part =
+          lane < kConsumerWarps ? sh.warp_stats[parity][lane] : make_float2(-INFINITY, 0.0f);
       float bm = part.x, bs = part.y;
       warp_merge(bm, bs);
       if (lane < cluster) {
@@ -250,7 +252,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // stats_ready[parity] completes once per two rows: row `it` of the cluster is its phase it / 2.
     mbarrier_wait_cluster(smem_addr(&sh.stats_ready[parity]), (it >> 1) & 1);
     // Lane g takes block g's summary: every lane of every block gets the same row (max, sum).
-    const float2 part = lane < cluster ? sh.block_stats[parity][lane] : make_float2(-INFINITY, 0.0f);
+    const float2 part =
+        lane < cluster ? sh.block_stats[parity][lane] : make_float2(-INFINITY, 0.0f);
     m = part.x, s = part.y;
     warp_merge(m, s);
     const RowScale scale = row_scale<T>(m, s);
@@ -265,7 +268,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (p < packs) {
           uint32_t w[4];
           lds_128(w, smem_addr(sh.ring[slot] + p * 16));
-          write_pack(scale, w, dst + int64_t(k) * (kChunkBytes / int64_t(sizeof(T))) + int64_t(p) * kElems);
+          write_pack(scale, w,
+                     dst + int64_t(k) * (kChunkBytes / int64_t(sizeof(T))) + int64_t(p) * kElems);
         }
       }
       // The warp's reads of this slot are done (they are in registers): release it.
@@ -358,8 +362,8 @@ Shape choose_shape(int64_t rows, int64_t row_bytes, cudaStream_t stream) {
     if (cached == 0) {
       const ClusterLaunch probe(cluster, 1, stream);
       int active = 0;
-      if (cudaOccupancyMaxActiveClusters(&active, softmax_stream_kernel<T>,
-                                         &probe.config) != cudaSuccess) {
+      if (cudaOccupancyMaxActiveClusters(&active, softmax_stream_kernel<T>, &probe.config) !=
+          cudaSuccess) {
         (void)cudaGetLastError();
         active = 0;
       }
@@ -397,8 +401,8 @@ int launch(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
   constexpr int64_t kElems = kPackElems<T>;
   const int64_t segment = ((n + shape.cluster - 1) / shape.cluster + kElems - 1) / kElems * kElems;
   const ClusterLaunch launch(shape.cluster, shape.clusters, stream);
-  if (cudaLaunchKernelEx(&launch.config, softmax_stream_kernel<T>, x, y, rows, n,
-                         segment) != cudaSuccess) {
+  if (cudaLaunchKernelEx(&launch.config, softmax_stream_kernel<T>, x, y, rows, n, segment) !=
+      cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
