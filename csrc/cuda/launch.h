@@ -104,11 +104,12 @@ inline int64_t decode_key_blocks(const AttentionParams& p, int bc) {
 // possible. Measured on an H100 (benchmarks/decode_splits.py, bf16, B 8, Hq 32 / Hkv 8, D 128,
 // Nq 1; 64 packed CTAs, 264 slots): one wave (4 splits) 8.05 / 10.92 / 12.15 TFLOP/s at Nk 4k /
 // 16k / 64k, two waves (8 splits) 7.43 / 10.69 / 11.99, FLASH 8.05 / 10.93 / 12.09. floor()
-// keeps the grid at or just under a full wave. Each split keeps >= kMinBlocksPerSplit key blocks (256 keys) so its
-// fixed costs (Q load, pipeline fill, partial write, its share of the combine) stay small next
-// to its K/V stream, and splits <= kMaxSplits bounds the workspace and the combine's loop. A
-// grid that already fills a wave is not split. Last, the count is evened out: with per =
-// ceil(blocks / splits) blocks each, ceil(blocks / per) splits cover them with no empty split.
+// keeps the grid at or just under a full wave. Each split keeps >= kMinBlocksPerSplit key blocks
+// (256 keys) so its fixed costs (Q load, pipeline fill, partial write, its share of the combine)
+// stay small next to its K/V stream, and splits <= kMaxSplits bounds the workspace and the
+// combine's loop. A grid that already fills a wave is not split. Last, the count is evened out:
+// with per = ceil(blocks / splits) blocks each, ceil(blocks / per) splits cover them with no empty
+// split.
 constexpr int64_t kMinBlocksPerSplit = 4;
 constexpr int64_t kMaxSplits = 128;
 inline int choose_splits(int64_t ctas, int64_t key_blocks, int64_t slots) {

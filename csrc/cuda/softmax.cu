@@ -36,6 +36,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cluster_launch.h"
 #include "softmax_common.cuh"
 #include "softmax_launch.cuh"
 #include "softmax_stream_sm90.cuh"
@@ -389,17 +390,8 @@ bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stre
   }
   const auto kernel = softmax_lastdim_kernel<T, kVec, kElems / kVec, kThreads, 1,
                                              long_min_blocks(kThreads), Phase::kCluster>;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(cluster), 1);
-  config.blockDim = dim3(kThreads);
-  config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  ClusterLaunch launch(static_cast<int>(cluster), 1, kThreads, 0, stream);
+  cudaLaunchConfig_t& config = launch.config;
   // Clusters resident at once, plus one (0: not asked yet); the driver queries cost microseconds.
   static std::atomic<int> fit_cache[kMaxDevices][kMaxCluster + 1];
   int fit = fit_cache[device][cluster].load(std::memory_order_relaxed);

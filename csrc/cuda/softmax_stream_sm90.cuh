@@ -23,6 +23,7 @@
 #include <cstdlib>
 
 #include "bulk_copy_ops.h"
+#include "cluster_launch.h"
 #include "softmax_common.cuh"
 
 namespace flashmod::cuda {
@@ -280,27 +281,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// A launch of `clusters` clusters of `cluster` blocks each (the attribute lives beside the config
-// that points at it).
-struct ClusterLaunch {
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attribute = {};
-  ClusterLaunch(int cluster, int64_t clusters, cudaStream_t stream) {
-    config.gridDim = dim3(static_cast<unsigned>(cluster), static_cast<unsigned>(clusters));
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = sizeof(SharedStorage);
-    config.stream = stream;
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-  }
-  ClusterLaunch(const ClusterLaunch&) = delete;
-  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
-};
-
 constexpr int kMaxDevices = 64;
 
 // The SM count of the current device if kernel K can run there (sm_90 binary, the shared memory
@@ -360,7 +340,7 @@ Shape choose_shape(int64_t rows, int64_t row_bytes, cudaStream_t stream) {
   auto fit = [&](int cluster) -> int64_t {
     int cached = fit_cache[device][cluster].load(std::memory_order_relaxed);
     if (cached == 0) {
-      const ClusterLaunch probe(cluster, 1, stream);
+      const ClusterLaunch probe(cluster, 1, kThreads, sizeof(SharedStorage), stream);
       int active = 0;
       if (cudaOccupancyMaxActiveClusters(&active, softmax_stream_kernel<T>, &probe.config) !=
           cudaSuccess) {
@@ -400,7 +380,8 @@ int launch(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
   // One segment per block, in whole packs; the last block may get fewer elements (or none).
   constexpr int64_t kElems = kPackElems<T>;
   const int64_t segment = ((n + shape.cluster - 1) / shape.cluster + kElems - 1) / kElems * kElems;
-  const ClusterLaunch launch(shape.cluster, shape.clusters, stream);
+  const ClusterLaunch launch(shape.cluster, shape.clusters, kThreads, sizeof(SharedStorage),
+                             stream);
   if (cudaLaunchKernelEx(&launch.config, softmax_stream_kernel<T>, x, y, rows, n, segment) !=
       cudaSuccess) {
     (void)cudaGetLastError();
