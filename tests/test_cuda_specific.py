@@ -166,6 +166,57 @@ def test_fp32_relative_error_1e5():
         )
 
 
+# fp32 has two kernels: 3xTF32 on the tensor cores (head dims <= 128, more than 32 query rows) and
+# the CUDA-core one (the rest, or everything with FLASHMOD_FP32_FFMA=1). Both must keep fp32
+# accuracy on odd sizes, GQA, masks, windows, soft cap and unaligned rows (4-byte copies).
+@pytest.mark.parametrize("ffma", ["0", "1"])
+@pytest.mark.parametrize(
+    "nq,nk,d,opts",
+    [
+        (113, 1023, 8, {}),
+        (203, 17, 40, {"is_causal": True}),
+        (1023, 203, 59, {"is_causal": True, "bottom_right": True}),
+        (256, 777, 64, {"window_left": 100, "window_right": 30}),
+        (65, 1, 111, {}),
+        (300, 257, 128, {"softcap": 5.0, "scale": -0.3}),
+        (33, 1023, 128, {"mask": "bool"}),
+        (129, 300, 64, {"mask": "additive"}),
+        (200, 200, 96, {"mask": "padding", "unaligned": True}),
+    ],
+    ids=str,
+)
+def test_fp32_kernels(monkeypatch, ffma, nq, nk, d, opts):
+    monkeypatch.setenv("FLASHMOD_FP32_FFMA", ffma)
+    opts = dict(opts)
+    kind, unaligned = opts.pop("mask", None), opts.pop("unaligned", False)
+    b, hq, hk = 2, 4, 2
+    if unaligned:  # a head-dim slice at an odd offset: rows start off 16-byte boundaries
+        q = rand(b, hq, nq, d + 1, dtype=torch.float32)[..., 1:]
+        kv = rand(b, hk, nk, 2, d + 3, dtype=torch.float32)[..., 3:]
+        k, v = kv[:, :, :, 0], kv[:, :, :, 1]
+    else:
+        q, k, v = (
+            rand(b, hq, nq, d, dtype=torch.float32),
+            rand(b, hk, nk, d, dtype=torch.float32),
+            rand(b, hk, nk, d, dtype=torch.float32),
+        )
+    mask = None
+    if kind == "bool":
+        mask = torch.rand(1, hq, nq, nk, device="cuda") > 0.3
+        mask[:, :, 5] = False  # a row without a visible key: zeros, lse -inf
+    elif kind == "additive":
+        mask = torch.randn(b, 1, nq, nk, device="cuda")
+    elif kind == "padding":
+        mask = torch.ones(b, 1, 1, nk, dtype=torch.bool, device="cuda")
+        mask[0, ..., nk // 3 :] = False
+    out, lse = run_and_check(q, k, v, mask, **opts)
+    ref, _ = attention_reference(q, k, v, mask, compute_dtype=torch.float64, **opts)
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert rel <= 1e-5, rel
+    if kind == "bool":
+        assert (out[:, :, 5] == 0).all() and torch.isneginf(lse[:, :, 5]).all()
+
+
 def test_fp64_rejected_and_head_dim_limit():
     # In a subprocess: on the GPU machine's build (g++ 13.3, 2026-11-22) a TORCH_CHECK whose message
     # holds an integer crashed the process (SIGSEGV) instead of raising, on CPU tensors too (see

@@ -1,4 +1,6 @@
-// fp32 forward on CUDA cores (FFMA), for inputs whose users asked for fp32 accuracy.
+// fp32 forward on CUDA cores (FFMA), for inputs whose users asked for fp32 accuracy. Serves head
+// dims > 128 and decode shapes; the rest runs 3xTF32 on the tensor cores
+// (attention_fwd_fp32_tc.cu).
 //
 // Why not tensor cores: their fp32 mode (tf32) keeps 10 mantissa bits, ~1e-3 relative error,
 // and the contract for fp32 inputs is <= 1e-5 against an fp64 reference. So this is a plain
@@ -10,6 +12,7 @@
 #include <math_constants.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "cta_tile.h"
 #include "launch.h"
@@ -194,6 +197,11 @@ cudaError_t launch_fp32(const AttentionParams& p, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t run_attention_fwd_fp32(const AttentionParams& p, cudaStream_t stream) {
+  // Decode-like shapes (<= 32 query rows) fill a 32-row CTA here but half of the tensor-core
+  // kernel's 64 rows. FLASHMOD_FP32_FFMA=1 (read per call) forces this kernel, for tests.
+  const char* ffma = std::getenv("FLASHMOD_FP32_FFMA");
+  const bool forced = ffma != nullptr && ffma[0] == '1';
+  if (!forced && p.head_dim <= 128 && p.seqlen_q > 32) return run_attention_fwd_fp32_tc(p, stream);
   if (p.head_dim <= 32) return launch_fp32<32>(p, stream);
   if (p.head_dim <= 64) return launch_fp32<64>(p, stream);
   if (p.head_dim <= 128) return launch_fp32<128>(p, stream);

@@ -122,8 +122,10 @@ inline int choose_splits(int64_t ctas, int64_t key_blocks, int64_t slots) {
   return static_cast<int>((key_blocks + per - 1) / per);
 }
 
-// fp32 on CUDA cores (FFMA), any alignment.
+// fp32: the 3xTF32 tensor-core kernel for head dims <= 128 and more than 32 query rows, else (or
+// with FLASHMOD_FP32_FFMA=1) the CUDA-core kernel. Both keep fp32 accuracy; any alignment.
 cudaError_t run_attention_fwd_fp32(const AttentionParams& p, cudaStream_t stream);
+cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t stream);
 
 // Padded head dims the kernels are compiled for.
 inline int padded_head_dim(int64_t d) {
