@@ -3,8 +3,8 @@
 // Why: the FFMA kernel (attention_fwd_fp32.cu) keeps fp32 accuracy but runs at a third of SDPA's
 // EFFICIENT backend, whose fp32 path already uses the tensor cores this way. Every fp32 operand x
 // is split into tf32 halves hi = tf32(x), lo = tf32(x - hi), and a*b becomes
-// a_lo*b_hi + a_hi*b_lo + a_hi*b_hi (ptx_ops.h, mma_3xtf32): ~22 of 24 mantissa bits per operand,
-// so S = Q K^T and O += P V keep fp32-level error (the contract for fp32 inputs is <= 1e-5
+// a_lo*b_hi + a_hi*b_lo + a_hi*b_hi (ptx_ops.h, mma_3xtf32_apart): ~22 of 24 mantissa bits per
+// operand, so S = Q K^T and O += P V keep fp32-level error (the contract for fp32 inputs is <= 1e-5
 // against fp64), at three tf32 mma's per product.
 //
 // Layout: Br = 64 query rows per CTA, 4 warps of 16 rows (the mma's m16), Bc = 64 or 32 keys per
@@ -94,7 +94,7 @@ __device__ __forceinline__ uint32_t lds_32(const float* p) {
 }
 
 template <int kHeadDim>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     attention_fwd_fp32_tc_kernel(const AttentionParams p, bool vec16) {
   constexpr int kBc = Tf32Tile<kHeadDim>::kBc, kLd = Tf32Tile<kHeadDim>::kLd;
   constexpr int kKTiles = kBc / 8;       // n8 tiles of S = k8 steps of P V
@@ -158,8 +158,10 @@ __global__ void __launch_bounds__(kThreads)
     split_tile<kBc, kHeadDim>(sK, sKlo, tid);
     __syncthreads();  // K_j's halves are in place
 
-    // S = Q_i K_j^T for this warp's 16 rows, 3xTF32 (Q split on the fly: each warp owns its rows).
-    float s[kKTiles][4] = {};
+    // S = Q_i K_j^T for this warp's 16 rows, 3xTF32 (Q split on the fly: each warp owns its rows),
+    // big and small terms in separate accumulators: twice the independent mma chains (Bc = 32
+    // leaves only 4 n8 tiles per warp) and the small terms kept apart from the large sum.
+    float s[kKTiles][4] = {}, s_small[kKTiles][4] = {};
     const float* q_rows = sQ + (16 * warp + g) * kLd;
 #pragma unroll 4
     for (int ks = 0; ks < kDTiles; ++ks) {
@@ -172,10 +174,14 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int nt = 0; nt < kKTiles; ++nt) {
         const int off = (nt * 8 + g) * kLd + c;
-        mma_3xtf32(s[nt], a_hi, a_lo, lds_32(sK + off), lds_32(sK + off + 4), lds_32(sKlo + off),
-                   lds_32(sKlo + off + 4));
+        mma_3xtf32_apart(s[nt], s_small[nt], a_hi, a_lo, lds_32(sK + off), lds_32(sK + off + 4),
+                         lds_32(sKlo + off), lds_32(sKlo + off + 4));
       }
     }
+#pragma unroll
+    for (int nt = 0; nt < kKTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] += s_small[nt][e];
     // Every warp has read K_j: its buffers can take K_{j+1}, which lands while P V_j runs.
     __syncthreads();
     if (n + 1 < range.hi) load_kv(sK, gp.k, p.k_row_stride, n + 1);
@@ -245,15 +251,15 @@ __global__ void __launch_bounds__(kThreads)
     // row (not just this block's Bc) measured ~1e-5 relative error at 1k keys, past the contract.
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt) {
-      float pv[4] = {};
+      float pv[4] = {}, pv_small[4] = {};
 #pragma unroll
       for (int kt = 0; kt < kKTiles; ++kt) {
         const int off = (kt * 8 + 2 * t) * kLd + dt * 8 + g;
-        mma_3xtf32(pv, p_hi[kt], p_lo[kt], lds_32(sV + off), lds_32(sV + off + kLd),
-                   lds_32(sVlo + off), lds_32(sVlo + off + kLd));
+        mma_3xtf32_apart(pv, pv_small, p_hi[kt], p_lo[kt], lds_32(sV + off), lds_32(sV + off + kLd),
+                         lds_32(sVlo + off), lds_32(sVlo + off + kLd));
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[dt][e] = fmaf(o[dt][e], alpha[e / 2], pv[e]);
+      for (int e = 0; e < 4; ++e) o[dt][e] = fmaf(o[dt][e], alpha[e / 2], pv[e] + pv_small[e]);
     }
     // Every warp has read V_j: its buffers can take V_{j+1}, which lands while S_{j+1} runs.
     __syncthreads();

@@ -164,6 +164,18 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+// As mma_3xtf32, with the small terms (a_lo * b_hi + a_hi * b_lo) in their own accumulator: two
+// independent mma chains instead of one, and the small terms are not rounded against the large
+// running sum. The caller adds big + small once, in fp32.
+__device__ __forceinline__ void mma_3xtf32_apart(float (&big)[4], float (&small)[4],
+                                                 const uint32_t (&a_hi)[4],
+                                                 const uint32_t (&a_lo)[4], uint32_t b_hi0,
+                                                 uint32_t b_hi1, uint32_t b_lo0, uint32_t b_lo1) {
+  MmaTf32::run(small, a_lo, b_hi0, b_hi1);
+  MmaTf32::run(small, a_hi, b_lo0, b_lo1);
+  MmaTf32::run(big, a_hi, b_hi0, b_hi1);
+}
+
 // Reductions over the 4 lanes (a "quad") that share one accumulator row in the mma layout.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
