@@ -161,21 +161,29 @@ __global__ void __launch_bounds__(kThreads, 2)
     // S = Q_i K_j^T for this warp's 16 rows, 3xTF32 (Q split on the fly: each warp owns its rows),
     // big and small terms in separate accumulators: twice the independent mma chains (Bc = 32
     // leaves only 4 n8 tiles per warp) and the small terms kept apart from the large sum.
+    // Fragments come through ldmatrix (b16 matrices of 8 rows x 16 bytes carry 8 x 4 fp32 values
+    // in the tf32 fragment layout unchanged): one instruction per A fragment or per two n8 tiles'
+    // B halves instead of four 32-bit loads. Lane L addresses row L % 8 of matrix L / 8.
+    static_assert(kKTiles % 2 == 0, "K fragments load two n8 tiles at a time");
     float s[kKTiles][4] = {}, s_small[kKTiles][4] = {};
-    const float* q_rows = sQ + (16 * warp + g) * kLd;
+    const uint32_t q_frag =
+        smem_addr(sQ + (16 * warp + lane % 8 + 8 * (lane / 8 % 2)) * kLd + 4 * (lane / 16));
+    const int k_frag = (lane % 8 + 8 * (lane / 16)) * kLd + 4 * (lane / 8 % 2);
 #pragma unroll 4
     for (int ks = 0; ks < kDTiles; ++ks) {
-      const int c = ks * 8 + t;
-      const uint32_t a[4] = {lds_32(q_rows + c), lds_32(q_rows + 8 * kLd + c),
-                             lds_32(q_rows + c + 4), lds_32(q_rows + 8 * kLd + c + 4)};
-      uint32_t a_hi[4], a_lo[4];
+      uint32_t a[4], a_hi[4], a_lo[4];
+      ldmatrix_x4(a, q_frag + ks * 32);  // (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)
 #pragma unroll
       for (int e = 0; e < 4; ++e) split_tf32(a[e], a_hi[e], a_lo[e]);
 #pragma unroll
-      for (int nt = 0; nt < kKTiles; ++nt) {
-        const int off = (nt * 8 + g) * kLd + c;
-        mma_3xtf32_apart(s[nt], s_small[nt], a_hi, a_lo, lds_32(sK + off), lds_32(sK + off + 4),
-                         lds_32(sKlo + off), lds_32(sKlo + off + 4));
+      for (int nt = 0; nt < kKTiles; nt += 2) {
+        uint32_t b_hi[4], b_lo[4];  // (t, g) and (t + 4, g) of tiles nt and nt + 1
+        const int off = nt * 8 * kLd + k_frag + ks * 8;
+        ldmatrix_x4(b_hi, smem_addr(sK + off));
+        ldmatrix_x4(b_lo, smem_addr(sKlo + off));
+        mma_3xtf32_apart(s[nt], s_small[nt], a_hi, a_lo, b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
+        mma_3xtf32_apart(s[nt + 1], s_small[nt + 1], a_hi, a_lo, b_hi[2], b_hi[3], b_lo[2],
+                         b_lo[3]);
       }
     }
 #pragma unroll
