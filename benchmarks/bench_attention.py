@@ -81,7 +81,7 @@ def cuda_shapes(quick: bool):
             shapes.append(
                 dict(kind="decode", dtype="bf16", b=8, hq=32, hkv=8, nq=nq, nk=nk, d=128, causal=False, mask=False)
             )
-    for d in (64, 128):  # fp32: flashmod's FFMA kernel against SDPA's fp32-capable backends
+    for d in (64, 128):  # fp32: flashmod's 3xTF32 kernel against SDPA's fp32-capable backends
         for n in (1024, 4096):
             for causal in (False, True):
                 shapes.append(
