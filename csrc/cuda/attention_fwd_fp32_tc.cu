@@ -30,18 +30,18 @@ namespace {
 constexpr int kBr = 64, kWarps = 4, kThreads = 32 * kWarps;
 static_assert(kBr == 16 * kWarps, "each warp owns one m16 row tile");
 
-// Shared memory holds Q_i, K_j, V_j as loaded (fp32); every warp splits the fragments it reads.
-// Splitting K/V once per tile into hi/lo tiles (twice the shared memory) measured no faster (run
-// 10), and the smaller footprint lets three CTAs share an SM: (64 + 2 * Bc) * (D + 4) * 4 B is
-// 68 KB at D = 128 with Bc = 32 (52 KB at D = 64, Bc = 64), and the launch bounds hold registers
-// to 168 for three CTAs of 128 threads: 12 warps per SM against 8 (run 12 was latency-bound: ~20%
-// of issue slots and ~35% of mma.sync's tensor rate used).
+// Shared memory: Q_i as loaded (fp32), K_j and V_j as tf32 halves: the loaded fp32 tile becomes
+// the hi half in place, and a second tile holds the lo half. Splitting once per tile, by all
+// threads, replaces four warps splitting every K/V element again (counted per warp and block, the
+// splits' cvt/fsub outnumbered the mma instructions 2:1 that way).
+// Bc = 64 keys per block up to head dim 64, 32 at 128: (64 + 4 * Bc) * (128 + 4) * 4 B = 99 KB,
+// two CTAs per SM; S's registers halve too.
 template <int kHeadDim>
 struct Tf32Tile {
   static_assert(kHeadDim % 32 == 0, "the bank-conflict-free pitch needs kHeadDim % 32 == 0");
   static constexpr int kBc = kHeadDim <= 64 ? 64 : 32;
   static constexpr int kLd = kHeadDim + 4;
-  static constexpr int kBytes = (kBr + 2 * kBc) * kLd * 4;
+  static constexpr int kBytes = (kBr + 4 * kBc) * kLd * 4;
 };
 
 // 4-byte cp.async (no alignment assumed); bytes == 0 zero-fills.
@@ -72,20 +72,39 @@ __device__ __forceinline__ void load_tile_async(float* s, const float* g, int64_
   }
 }
 
+// Replaces a landed fp32 tile by its tf32 hi halves and writes the lo halves to `lo`.
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void split_tile(float* hi, float* lo, int tid) {
+  constexpr int kLd = Tf32Tile<kHeadDim>::kLd, kChunks = kHeadDim / 4;
+  for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
+    const int off = idx / kChunks * kLd + idx % kChunks * 4;
+    float4 x = *reinterpret_cast<float4*>(hi + off), y;
+    uint32_t h, l;
+    split_tf32(__float_as_uint(x.x), h, l), x.x = __uint_as_float(h), y.x = __uint_as_float(l);
+    split_tf32(__float_as_uint(x.y), h, l), x.y = __uint_as_float(h), y.y = __uint_as_float(l);
+    split_tf32(__float_as_uint(x.z), h, l), x.z = __uint_as_float(h), y.z = __uint_as_float(l);
+    split_tf32(__float_as_uint(x.w), h, l), x.w = __uint_as_float(h), y.w = __uint_as_float(l);
+    *reinterpret_cast<float4*>(hi + off) = x;
+    *reinterpret_cast<float4*>(lo + off) = y;
+  }
+}
+
 __device__ __forceinline__ uint32_t lds_32(const float* p) {
   return __float_as_uint(*p);
 }
 
 template <int kHeadDim>
-__global__ void __launch_bounds__(kThreads, 3)
+__global__ void __launch_bounds__(kThreads, 2)
     attention_fwd_fp32_tc_kernel(const AttentionParams p, bool vec16) {
   constexpr int kBc = Tf32Tile<kHeadDim>::kBc, kLd = Tf32Tile<kHeadDim>::kLd;
   constexpr int kKTiles = kBc / 8;       // n8 tiles of S = k8 steps of P V
   constexpr int kDTiles = kHeadDim / 8;  // k8 steps of Q K^T = n8 tiles of O
   extern __shared__ __align__(16) float smem[];
   float* sQ = smem;
-  float* sK = sQ + kBr * kLd;
-  float* sV = sK + kBc * kLd;
+  float* sK = sQ + kBr * kLd;  // hi halves (the landed fp32 tile until split)
+  float* sKlo = sK + kBc * kLd;
+  float* sV = sKlo + kBc * kLd;
+  float* sVlo = sV + kBc * kLd;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // the mma layout's row and column-pair index
@@ -136,6 +155,8 @@ __global__ void __launch_bounds__(kThreads, 3)
   for (int n = range.lo; n < range.hi; ++n) {
     cp_async_wait<1>();  // this thread's Q_i and K_j copies have landed (V_j may be in flight)
     __syncthreads();     // ... and every thread's
+    split_tile<kBc, kHeadDim>(sK, sKlo, tid);
+    __syncthreads();  // K_j's halves are in place
 
     // S = Q_i K_j^T for this warp's 16 rows, 3xTF32 (Q split on the fly: each warp owns its rows),
     // big and small terms in separate accumulators: twice the independent mma chains (Bc = 32
@@ -156,10 +177,10 @@ __global__ void __launch_bounds__(kThreads, 3)
       for (int e = 0; e < 4; ++e) split_tf32(a[e], a_hi[e], a_lo[e]);
 #pragma unroll
       for (int nt = 0; nt < kKTiles; nt += 2) {
-        uint32_t b[4], b_hi[4], b_lo[4];  // (t, g) and (t + 4, g) of tiles nt and nt + 1
-        ldmatrix_x4(b, smem_addr(sK + nt * 8 * kLd + k_frag + ks * 8));
-#pragma unroll
-        for (int e = 0; e < 4; ++e) split_tf32(b[e], b_hi[e], b_lo[e]);
+        uint32_t b_hi[4], b_lo[4];  // (t, g) and (t + 4, g) of tiles nt and nt + 1
+        const int off = nt * 8 * kLd + k_frag + ks * 8;
+        ldmatrix_x4(b_hi, smem_addr(sK + off));
+        ldmatrix_x4(b_lo, smem_addr(sKlo + off));
         mma_3xtf32_apart(s[nt], s_small[nt], a_hi, a_lo, b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
         mma_3xtf32_apart(s[nt + 1], s_small[nt + 1], a_hi, a_lo, b_hi[2], b_hi[3], b_lo[2],
                          b_lo[3]);
@@ -230,6 +251,8 @@ __global__ void __launch_bounds__(kThreads, 3)
 
     cp_async_wait<1>();  // this thread's V_j copies have landed (K_{j+1} may be in flight)
     __syncthreads();     // ... and every thread's
+    split_tile<kBc, kHeadDim>(sV, sVlo, tid);
+    __syncthreads();  // V_j's halves are in place
 
     // O = alpha O + P V_j. The block's product goes into a fresh accumulator and joins O with an
     // fp32 add: the tensor cores' accumulation rounds coarsely, and a chain over every key of the
@@ -240,10 +263,8 @@ __global__ void __launch_bounds__(kThreads, 3)
 #pragma unroll
       for (int kt = 0; kt < kKTiles; ++kt) {
         const int off = (kt * 8 + 2 * t) * kLd + dt * 8 + g;
-        uint32_t b_hi0, b_lo0, b_hi1, b_lo1;
-        split_tf32(lds_32(sV + off), b_hi0, b_lo0);
-        split_tf32(lds_32(sV + off + kLd), b_hi1, b_lo1);
-        mma_3xtf32_apart(pv, pv_small, p_hi[kt], p_lo[kt], b_hi0, b_hi1, b_lo0, b_lo1);
+        mma_3xtf32_apart(pv, pv_small, p_hi[kt], p_lo[kt], lds_32(sV + off), lds_32(sV + off + kLd),
+                         lds_32(sVlo + off), lds_32(sVlo + off + kLd));
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[dt][e] = fmaf(o[dt][e], alpha[e / 2], pv[e] + pv_small[e]);
