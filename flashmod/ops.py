@@ -203,6 +203,18 @@ def attention_op(
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """``torch.ops.flashmod.attention`` with keyword defaults; returns ``(out, lse)``."""
-    return torch.ops.flashmod.attention(
-        q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap
-    )
+    args = (q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap)
+    if no_grad_needed(q, k, v, attn_mask):
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.flashmod.attention(*args)
+    return torch.ops.flashmod.attention(*args)
+
+
+def no_grad_needed(*inputs: Tensor | None) -> bool:
+    """True in eager mode when no input needs a gradient: the caller then skips the autograd layer,
+    whose Python kernel (``register_autograd``) would only redispatch below itself. That saves ~6 us
+    of host time per call (CPU machine, tiny tensors: attention 29.7 -> 23.2 us, SDPA 22.3 us),
+    which a decoding step pays once per layer. Under ``torch.compile`` the ordinary path is traced."""
+    if torch.compiler.is_compiling():
+        return False
+    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (loading the library registers the operators)
-from .ops import check_mask
+from .ops import check_mask, no_grad_needed
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -149,6 +149,9 @@ def softmax(x: Tensor, dim: int) -> Tensor:
     all ``-inf`` gives all zeros instead of NaN; a NaN in a row makes that whole row NaN.
     Differentiable.
     """
+    if no_grad_needed(x):
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.flashmod.softmax(x, dim)
     return torch.ops.flashmod.softmax(x, dim)
 
 
@@ -173,4 +176,8 @@ def matmul_softmax(
         ``(B, Ha, M, N)`` contiguous probabilities; rows with no visible column are all zeros.
         The output is the only ``(B, Ha, M, N)`` buffer allocated. Differentiable in ``a`` and ``b``.
     """
-    return torch.ops.flashmod.matmul_softmax(a, b, scale, is_causal, attn_mask)
+    args = (a, b, scale, is_causal, attn_mask)
+    if no_grad_needed(a, b, attn_mask):
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.flashmod.matmul_softmax(*args)
+    return torch.ops.flashmod.matmul_softmax(*args)

@@ -158,6 +158,36 @@ def test_attn_mask_gradient_is_refused_not_dropped():
         flashmod.attention_op(q, k, v, mask)
 
 
+def test_attn_mask_alone_requiring_grad_is_refused():
+    # The eager fast path that skips the autograd layer when no input needs a gradient must count
+    # the mask as an input.
+    q, k, v = qkv("cpu")
+    mask = torch.randn(9, 11, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="gradients with respect to attn_mask are not supported"):
+        flashmod.attention_op(q, k, v, mask)
+
+
+def test_no_grad_fast_path_matches_autograd_path(device):
+    """Without inputs that need a gradient the wrappers skip the autograd layer (ops.no_grad_needed):
+    same values, no graph; with one, the graph is there."""
+    q, k, v = qkv(device)
+    plain_out, plain_lse = flashmod.attention_op(q, k, v, is_causal=True)
+    assert plain_out.grad_fn is None and not plain_out.requires_grad
+    qg = q.clone().requires_grad_()
+    out, lse = flashmod.attention_op(qg, k, v, is_causal=True)
+    assert out.grad_fn is not None
+    torch.testing.assert_close(out.detach(), plain_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse.detach(), plain_lse, rtol=0, atol=0)
+    with torch.no_grad():
+        assert flashmod.attention_op(qg, k, v)[0].grad_fn is None
+    x = torch.randn(5, 33, device=device)
+    y = flashmod.softmax(x, -1)
+    assert y.grad_fn is None
+    yg = flashmod.softmax(x.clone().requires_grad_(), -1)
+    assert yg.grad_fn is not None
+    torch.testing.assert_close(yg.detach(), y, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compile_forward_and_backward_fullgraph(device, dynamic):
     torch._dynamo.reset()
