@@ -180,18 +180,8 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
 
 template <int kHeadDim>
 cudaError_t launch_fp32(const AttentionParams& p, cudaStream_t stream) {
-  const int64_t blocks = (p.seqlen_q + kBr - 1) / kBr * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  constexpr int kSmem = Fp32Smem<kHeadDim>::kBytes;
-  if (kSmem > 48 * 1024) {
-    // Dynamic shared memory above 48 KB is opt-in per kernel.
-    const cudaError_t err = cudaFuncSetAttribute(
-        attention_fwd_fp32_kernel<kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err != cudaSuccess) return err;
-  }
-  attention_fwd_fp32_kernel<kHeadDim>
-      <<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(p);
-  return cudaSuccess;
+  return launch_per_query_block(attention_fwd_fp32_kernel<kHeadDim>, p, kBr, kThreads,
+                                Fp32Smem<kHeadDim>::kBytes, stream, p);
 }
 
 }  // namespace

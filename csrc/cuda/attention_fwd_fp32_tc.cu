@@ -303,18 +303,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 template <int kHeadDim>
 cudaError_t launch_fp32_tc(const AttentionParams& p, bool vec16, cudaStream_t stream) {
-  const int64_t blocks = (p.seqlen_q + kBr - 1) / kBr * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  constexpr int kSmem = Tf32Tile<kHeadDim>::kBytes;
-  if (kSmem > 48 * 1024) {
-    // Dynamic shared memory above 48 KB is opt-in per kernel.
-    const cudaError_t err = cudaFuncSetAttribute(
-        attention_fwd_fp32_tc_kernel<kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err != cudaSuccess) return err;
-  }
-  attention_fwd_fp32_tc_kernel<kHeadDim>
-      <<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(p, vec16);
-  return cudaSuccess;
+  return launch_per_query_block(attention_fwd_fp32_tc_kernel<kHeadDim>, p, kBr, kThreads,
+                                Tf32Tile<kHeadDim>::kBytes, stream, p, vec16);
 }
 
 bool aligned16(const void* ptr) {
