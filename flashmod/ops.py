@@ -207,7 +207,34 @@ def attention_op(
     if no_grad_needed(q, k, v, attn_mask):
         with torch._C._AutoDispatchBelowAutograd():
             return torch.ops.flashmod.attention(*args)
+    if eager_autograd():
+        return _EagerAttention.apply(*args)
     return torch.ops.flashmod.attention(*args)
+
+
+def eager_autograd() -> bool:
+    """True outside ``torch.compile`` and functorch transforms: there the wrappers may run the
+    backward through a plain ``autograd.Function`` with the op's own ``_setup_context`` and
+    ``_backward``. torch's ``register_autograd`` path spends ~100 us of host time per call in
+    ``torch._library.utils.fill_defaults`` (it rebuilds ``schema.arguments`` on each access), which a
+    training step pays once per layer; compiled code and direct ``torch.ops`` calls keep that path."""
+    return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+
+
+class _EagerAttention(torch.autograd.Function):
+    """``flashmod::attention`` with the gradients ``register_autograd`` gives it (same
+    ``_setup_context`` and ``_backward``), for eager calls through :func:`attention_op`."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = torch.ops.flashmod.attention(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+        return _backward(ctx, grad_out, grad_lse)
 
 
 def no_grad_needed(*inputs: Tensor | None) -> bool:

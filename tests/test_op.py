@@ -188,6 +188,27 @@ def test_no_grad_fast_path_matches_autograd_path(device):
     torch.testing.assert_close(yg.detach(), y, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("opts", [(False, 0.0), (True, 3.0)], ids=["plain", "causal_softcap"])
+def test_eager_autograd_matches_registered_autograd(device, opts):
+    """attention_op's eager autograd.Function (ops.eager_autograd) and the op's register_autograd path
+    (a direct torch.ops call) give the same outputs and gradients, through out and lse both."""
+    is_causal, softcap = opts
+    q, k, v = qkv(device, requires_grad=True)
+    mask = torch.rand(9, 11, device=device) > 0.3
+    args = (mask, None, is_causal, True, -1, -1, softcap)
+    w_out = torch.randn(q.shape, device=device)
+    w_lse = torch.randn(q.shape[:-1], device=device)
+    results = []
+    for call in (flashmod.attention_op, torch.ops.flashmod.attention):
+        q.grad = k.grad = v.grad = None
+        out, lse = call(q, k, v, *args)
+        assert out.grad_fn is not None
+        ((out * w_out).sum() + (lse.nan_to_num(neginf=0.0) * w_lse).sum()).backward()
+        results.append((out.detach(), lse.detach(), q.grad, k.grad, v.grad))
+    for ours, registered in zip(*results):
+        torch.testing.assert_close(ours, registered, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compile_forward_and_backward_fullgraph(device, dynamic):
     torch._dynamo.reset()
