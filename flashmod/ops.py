@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -205,8 +207,7 @@ def attention_op(
     """``torch.ops.flashmod.attention`` with keyword defaults; returns ``(out, lse)``."""
     args = (q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap)
     if no_grad_needed(q, k, v, attn_mask):
-        with torch._C._AutoDispatchBelowAutograd():
-            return torch.ops.flashmod.attention(*args)
+        return below_autograd(torch.ops.flashmod.attention, *args)
     if eager_autograd():
         return _EagerAttention.apply(*args)
     return torch.ops.flashmod.attention(*args)
@@ -227,14 +228,20 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        with torch._C._AutoDispatchBelowAutograd():
-            output = torch.ops.flashmod.attention(*inputs)
+        output = below_autograd(torch.ops.flashmod.attention, *inputs)
         _setup_context(ctx, inputs, output)
         return output
 
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
         return _backward(ctx, grad_out, grad_lse)
+
+
+def below_autograd(op: Callable, *args: Any) -> Any:
+    """``op(*args)`` dispatched below the autograd key (the guard torch's own autograd kernels use),
+    so the op's registered Python autograd kernel does not run."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
 
 
 def no_grad_needed(*inputs: Tensor | None) -> bool:

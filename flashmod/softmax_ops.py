@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (loading the library registers the operators)
-from .ops import check_mask, no_grad_needed
+from .ops import below_autograd, check_mask, no_grad_needed
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -150,8 +150,7 @@ def softmax(x: Tensor, dim: int) -> Tensor:
     Differentiable.
     """
     if no_grad_needed(x):
-        with torch._C._AutoDispatchBelowAutograd():
-            return torch.ops.flashmod.softmax(x, dim)
+        return below_autograd(torch.ops.flashmod.softmax, x, dim)
     return torch.ops.flashmod.softmax(x, dim)
 
 
@@ -178,6 +177,5 @@ def matmul_softmax(
     """
     args = (a, b, scale, is_causal, attn_mask)
     if no_grad_needed(a, b, attn_mask):
-        with torch._C._AutoDispatchBelowAutograd():
-            return torch.ops.flashmod.matmul_softmax(*args)
+        return below_autograd(torch.ops.flashmod.matmul_softmax, *args)
     return torch.ops.flashmod.matmul_softmax(*args)
