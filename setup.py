@@ -41,13 +41,13 @@ def cuda_gencode_flags() -> list[str]:
 
 # No -std flag: torch's cpp_extension adds the standard its own headers were built with (C++17
 # for torch 2.11, C++20 for 2.13).
-# No -march: the wheel must run on any x86-64. csrc/cpu/kernel_<isa>.cpp select their instruction
-# sets with `#pragma GCC target`, and csrc/cpu/attention_cpu.cpp picks one at run time.
+# No -march: the wheel must run on any x86-64. csrc/attention/cpu/kernel_<isa>.cpp select their
+# instruction sets with `#pragma GCC target`, and attention_cpu.cpp picks one at run time.
 # -fopenmp: at::parallel_for is inline in ATen's headers and runs serially unless _OPENMP is
 # defined here. The libgomp.so.1 it links resolves to the one torch already loaded (same soname).
 cxx_flags = ["-O3", "-fvisibility=hidden", "-fopenmp"]
 link_flags = ["-fopenmp"]
-ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
+ext_sources = sources("csrc/*.cpp") + sources("csrc/*/*.cpp") + sources("csrc/*/cpu/*.cpp")
 
 if want_cuda():
     nvcc_flags = [
@@ -57,13 +57,13 @@ if want_cuda():
         "-lineinfo",
         *cuda_gencode_flags(),
         # Extra nvcc flags, e.g. "-Xptxas -v" for the register report, or the tuning hooks
-        # -DFLASHMOD_TUNE_<D>=v of csrc/cuda/fwd_launch.h.
+        # -DFLASHMOD_TUNE_<D>=v of csrc/attention/cuda/fwd_sm80_launch.h.
         *os.environ.get("FLASHMOD_NVCC_EXTRA", "").split(),
     ]
     cuda_defines = ["-DFLASHMOD_WITH_CUDA"] + (["-DFLASHMOD_BUILT_SM90A"] if "90a" in cuda_archs() else [])
     extension = CUDAExtension(
         "flashmod._C",
-        ext_sources + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
+        ext_sources + sources("csrc/*/cuda/*.cpp") + sources("csrc/*/cuda/*.cu") + sources("csrc/*/cuda/generated/*.cu"),
         # FLASHMOD_BUILT_SM90A tells the host launcher that the Hopper (wgmma) kernels exist as
         # machine code; without sm_90a in the build, H100s run the portable kernel.
         extra_compile_args={"cxx": cxx_flags + cuda_defines, "nvcc": nvcc_flags},

@@ -1,4 +1,4 @@
-"""CPU emulation of the fused fp32 matmul_softmax's 3xTF32 products (csrc/cuda/softmax_matmul.cu).
+"""CPU emulation of the fused fp32 matmul_softmax's 3xTF32 products (csrc/softmax/cuda/matmul_softmax.cu).
 
     python benchmarks/check_3xtf32.py
 

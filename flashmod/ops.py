@@ -3,7 +3,7 @@
 ``torch.ops.flashmod.attention`` is declared in ``csrc/flashmod.cpp``. Here it gets:
 
 * ``register_fake``: shapes/dtypes for torch.compile, with the same checks as the C++ host code
-  (``csrc/attention_host.cpp``) written as ``torch._check`` so they fire while tracing too;
+  (``csrc/attention/attention_host.cpp``) written as ``torch._check`` so they fire while tracing too;
 * ``flashmod::attention_backward``: the chunked reference backward as an opaque custom op, so a
   compiled graph holds one node for it rather than an unrolled Python loop;
 * ``register_autograd``: makes the forward op itself differentiable.
@@ -29,7 +29,7 @@ ATTENTION_MASK_DIMS = "(batch, q_heads, seqlen_q, seqlen_k)"
 
 
 def check_mask(op: str, attn_mask: Tensor | None, ref: Tensor, ref_name: str, target: tuple, target_names: str) -> None:
-    """Mirror of csrc/mask_check.cpp: the attn_mask rules every op with a mask shares."""
+    """Mirror of csrc/common/mask_check.cpp: the attn_mask rules every op with a mask shares."""
     if attn_mask is None:
         return
     torch._check(
@@ -66,7 +66,7 @@ def _check_inputs(
     window_right: int,
     softcap: float,
 ) -> None:
-    """Mirror of csrc/attention_host.cpp's checks (same order, same messages)."""
+    """Mirror of csrc/attention/attention_host.cpp's checks (same order, same messages)."""
     p = "flashmod.attention: "
     for name, t in (("q", q), ("k", k), ("v", v)):
         torch._check(

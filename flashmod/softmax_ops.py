@@ -1,7 +1,7 @@
 """softmax and fused matmul+softmax: the operators' fake implementations, autograd and front doors.
 
 ``torch.ops.flashmod.softmax`` and ``torch.ops.flashmod.matmul_softmax`` are declared in
-``csrc/flashmod.cpp``; the checks in ``csrc/softmax_host.cpp`` are mirrored here with
+``csrc/flashmod.cpp``; the checks in ``csrc/softmax/softmax_host.cpp`` are mirrored here with
 ``torch._check`` (same order, same messages) so they also fire while torch.compile traces.
 Backward passes are plain torch math registered with ``register_autograd``.
 """
@@ -27,7 +27,7 @@ def _check_fp64_device(op: str, name: str, t: Tensor) -> None:
 
 
 def _check_softmax(x: Tensor, dim: int) -> None:
-    """Mirror of prepare_softmax in csrc/softmax_host.cpp."""
+    """Mirror of prepare_softmax in csrc/softmax/softmax_host.cpp."""
     op = "flashmod.softmax"
     torch._check(
         x.dtype in _FLOAT_DTYPES,
@@ -42,7 +42,7 @@ def _check_softmax(x: Tensor, dim: int) -> None:
 
 
 def _check_matmul_softmax(a: Tensor, b: Tensor, scale: float | None, attn_mask: Tensor | None) -> None:
-    """Mirror of prepare_matmul_softmax in csrc/softmax_host.cpp."""
+    """Mirror of prepare_matmul_softmax in csrc/softmax/softmax_host.cpp."""
     op = "flashmod.matmul_softmax"
     for name, t in (("a", a), ("b", b)):
         torch._check(

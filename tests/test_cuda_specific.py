@@ -1,4 +1,4 @@
-"""CUDA-only checks of the flashmod.attention kernels (csrc/cuda/); skipped without a GPU.
+"""CUDA-only checks of the flashmod.attention kernels (csrc/attention/cuda/); skipped without a GPU.
 
 The device-parametrized suite (test_attention.py) covers the semantics on every device. Here:
 the full grid of odd sizes on the tensor-core kernel, fp32's 1e-5 relative accuracy, alignment
@@ -79,7 +79,7 @@ def test_all_head_dims(dtype, d, nq, nk):
     run_and_check(q, k, v, is_causal=True)
 
 
-# On an H100/H200 head dims 33..64, 97..128 and 225..256 run the wgmma kernel (fwd_tile_loop_sm90.h), so the
+# On an H100/H200 head dims 33..64, 97..128 and 225..256 run the wgmma kernel (fwd_sm90_kernel.h), so the
 # suite above tests it there; FLASHMOD_DISABLE_SM90=1 sends the same shapes to the portable
 # mma.sync kernel, which A100-class GPUs run.
 @pytest.mark.parametrize("dtype", LOW, ids=str)
@@ -321,9 +321,9 @@ def test_offsets_past_2_pow_31():
 
 
 # ---------------------------------------------------------------------------------------------
-# Decode path (Nq <= 64: csrc/cuda/fwd_launch.h's decode kernel with GQA packing and split-KV).
+# Decode path (Nq <= 64: csrc/attention/cuda/fwd_sm80_launch.h's decode kernel with GQA packing and split-KV).
 # The host picks packing and the split count from the shapes; the FLASHMOD_DECODE* knobs of
-# csrc/cuda/attention_cuda.cpp force each choice, so every case runs under all of them.
+# csrc/attention/cuda/attention_cuda.cpp force each choice, so every case runs under all of them.
 DECODE_MODES = {
     "heuristic": {},
     "prefill_kernel": {"FLASHMOD_DECODE": "0"},

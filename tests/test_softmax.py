@@ -78,13 +78,13 @@ def test_softmax_non_contiguous_and_scalar(dev):
     assert flashmod.softmax(s, 0).item() == 1.0 and flashmod.softmax(s, -1).shape == ()
 
 
-STREAM_THREADS = 544  # csrc/cuda/softmax_stream_sm90.cuh: 16 consumer warps + the producer warp
+STREAM_THREADS = 544  # csrc/softmax/cuda/softmax_stream_sm90.cuh: 16 consumer warps + the producer warp
 STREAM_MAX_SEGMENT = 128 * 1024  # bytes of a row per block on the stream path
 STREAM_MAX_CLUSTER = 16
 
 
 def long_path(n: int, dtype: torch.dtype, capability: tuple[int, int], registers: bool = False):
-    """(path, threads, blocks per row) that csrc/cuda/softmax.cu's FLASHMOD_SOFTMAX_TRACE reports
+    """(path, threads, blocks per row) that csrc/softmax/cuda/softmax.cu's FLASHMOD_SOFTMAX_TRACE reports
     for a row of n > 16384 elements; None where the build has no kernel of its own. On sm_90, rows
     that load in 16-byte packs and fit 16 segments of 128 KB take the stream path, whose blocks per
     row depend on occupancy (None here: assert_long_path checks the range), unless `registers`

@@ -1,0 +1,201 @@
+// CUDA registration of flashmod::attention: the shared checks (prepare_attention), the CUDA-only
+// ones, alignment fix-ups, and the dispatch to a kernel by dtype and padded head dim.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "../attention_host.h"
+#include "../../common/error_message.h"
+#include "entry_points.h"
+
+namespace flashmod {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+// cp.async copies 16-byte chunks from 16-byte aligned addresses, so every row start of q/k/v must
+// be 16-byte aligned: base pointer aligned and batch/head/row strides multiples of 8 elements.
+bool rows_aligned16(const at::Tensor& t) {
+  return aligned16(t.data_ptr()) && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
+         t.stride(2) % 8 == 0;
+}
+
+// A copy of t whose rows are padded to a multiple of 8 elements (16 bytes), viewed back to t's
+// shape. Only taken for inputs like head_dim = 59 or slices at odd offsets; documented cost:
+// one extra read and write of that tensor.
+at::Tensor aligned_copy(const at::Tensor& t) {
+  const int64_t d = t.size(3), padded = (d + 7) / 8 * 8;
+  at::Tensor buf = at::empty({t.size(0), t.size(1), t.size(2), padded}, t.options());
+  at::Tensor view = buf.narrow(3, 0, d);
+  view.copy_(t);
+  return view;
+}
+
+// The wgmma kernels run on sm_90 (H100/H200) when the build carries their sm_90a machine code.
+// FLASHMOD_DISABLE_SM90=1 forces the portable mma.sync kernel (tests compare the two; benchmarks
+// time both).
+bool use_sm90_kernel(int padded_head_dim) {
+#ifdef FLASHMOD_BUILT_SM90A
+  if (padded_head_dim != 64 && padded_head_dim != 128 && padded_head_dim != 256) return false;
+  const char* disable = std::getenv("FLASHMOD_DISABLE_SM90");
+  if (disable != nullptr && std::strcmp(disable, "1") == 0) return false;
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  return prop->major == 9 && prop->minor == 0;
+#else
+  (void)padded_head_dim;
+  return false;
+#endif
+}
+
+// Decode-shaped calls (seqlen_q <= kDecodeMaxNq): the decode kernel, with GQA packing and
+// split-KV chosen from the shapes (entry_points.h: pack_gqa_rows, choose_splits). Returns false when
+// the shape is not decode-shaped; err is then untouched. Test/tuning knobs, read per call:
+// FLASHMOD_DECODE=0 (prefill kernel instead), FLASHMOD_DECODE_PACK=0 (no GQA packing),
+// FLASHMOD_DECODE_SPLITS=n (exactly n splits).
+template <typename Elem>
+bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, int padded,
+                const at::TensorOptions& options, cudaStream_t stream, cudaError_t& err) {
+  auto env_int = [](const char* name, int fallback) {
+    const char* v = std::getenv(name);
+    return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+  };
+  if (p.seqlen_q > cuda_kernels::kDecodeMaxNq || env_int("FLASHMOD_DECODE", 1) == 0) return false;
+  if (env_int("FLASHMOD_DECODE_PACK", 1) != 0) cuda_kernels::pack_gqa_rows(p);
+  cuda_kernels::DecodeOptions opt;
+  // torch caches the properties per device (one cudaGetDeviceProperties each).
+  opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  opt.forced_splits = env_int("FLASHMOD_DECODE_SPLITS", 0);
+  // The split-KV workspace comes from torch's caching allocator on the current stream; freeing
+  // it when this function returns is stream-ordered, so the kernels still queued keep it.
+  at::Tensor workspace;
+  std::pair<at::Tensor*, const at::TensorOptions*> ctx{&workspace, &options};
+  cuda_kernels::DecodeWorkspace ws;
+  ws.ctx = &ctx;
+  ws.alloc = [](void* c, size_t bytes) -> void* {
+    auto* w = static_cast<std::pair<at::Tensor*, const at::TensorOptions*>*>(c);
+    *w->first = at::empty({static_cast<int64_t>((bytes + 3) / 4)}, w->second->dtype(at::kFloat));
+    return w->first->data_ptr();
+  };
+  switch (padded) {
+#define FLASHMOD_DECODE_CASE(D) \
+  case D: err = cuda_kernels::run_attention_fwd_decode<Elem, D>(p, flags, opt, ws, stream); break;
+    FLASHMOD_DECODE_CASE(32)
+    FLASHMOD_DECODE_CASE(64)
+    FLASHMOD_DECODE_CASE(96)
+    FLASHMOD_DECODE_CASE(128)
+    FLASHMOD_DECODE_CASE(160)
+    FLASHMOD_DECODE_CASE(192)
+    FLASHMOD_DECODE_CASE(224)
+    FLASHMOD_DECODE_CASE(256)
+#undef FLASHMOD_DECODE_CASE
+    default: return false;
+  }
+  return true;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v,
+                                                  const std::optional<at::Tensor>& attn_mask,
+                                                  std::optional<double> scale, bool is_causal,
+                                                  bool bottom_right, int64_t window_left,
+                                                  int64_t window_right, double softcap) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  PreparedAttention prepared = prepare_attention(q, k, v, attn_mask, scale, is_causal, bottom_right,
+                                                 window_left, window_right, softcap);
+  // Same order and wording as flashmod/ops.py's fake implementation.
+  TORCH_CHECK(q.scalar_type() != at::kDouble,
+              flashmod::error_message(
+                  "flashmod.attention: q's dtype float64 is supported on CPU only, got it on ",
+                  q.device()));
+  TORCH_CHECK(q.size(3) <= kMaxHeadDim,
+              flashmod::error_message("flashmod.attention: q's head_dim must be <= ", kMaxHeadDim,
+                                      " on CUDA, got ", q.size(3)));
+  if (nothing_to_compute(prepared)) return {prepared.out, prepared.lse};
+
+  AttentionParams& p = prepared.params;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaError_t err = cudaSuccess;
+  if (p.dtype == ScalarKind::kFloat32) {
+    err = cuda_kernels::run_attention_fwd_fp32(p, stream);
+  } else {
+    // Alignment fix-ups (see aligned_copy); the copies are kept alive by prepared.
+    auto fix = [](at::Tensor& t, const void*& ptr, int64_t& bs, int64_t& hs, int64_t& rs) {
+      if (rows_aligned16(t)) return;
+      t = aligned_copy(t);
+      ptr = t.data_ptr();
+      bs = t.stride(0), hs = t.stride(1), rs = t.stride(2);
+    };
+    fix(prepared.q, p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+    fix(prepared.k, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+    fix(prepared.v, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+
+    cuda_kernels::FwdLaunchFlags flags{};
+    flags.out_vec16 = rows_aligned16(prepared.out) && p.head_dim % 8 == 0;
+    const bool bf16 = p.dtype == ScalarKind::kBFloat16;
+    const int padded = cuda_kernels::padded_head_dim(p.head_dim);
+    const bool decoded = bf16
+                             ? run_decode<__nv_bfloat16>(p, flags, padded, q.options(), stream, err)
+                             : run_decode<__half>(p, flags, padded, q.options(), stream, err);
+#define FLASHMOD_DISPATCH(D)                                                         \
+  case D:                                                                            \
+    err = bf16 ? cuda_kernels::run_attention_fwd<__nv_bfloat16, D>(p, flags, stream) \
+               : cuda_kernels::run_attention_fwd<__half, D>(p, flags, stream);       \
+    break;
+    if (decoded) {
+      // run_decode launched it
+    } else if (use_sm90_kernel(padded)) {
+#define FLASHMOD_DISPATCH_SM90(D)                                                         \
+  case D:                                                                                 \
+    err = bf16 ? cuda_kernels::run_attention_fwd_sm90<__nv_bfloat16, D>(p, flags, stream) \
+               : cuda_kernels::run_attention_fwd_sm90<__half, D>(p, flags, stream);       \
+    break;
+      switch (padded) {
+        FLASHMOD_DISPATCH_SM90(64)
+        FLASHMOD_DISPATCH_SM90(128)
+        FLASHMOD_DISPATCH_SM90(256)
+      }
+#undef FLASHMOD_DISPATCH_SM90
+    } else {
+      switch (padded) {
+        FLASHMOD_DISPATCH(32)
+        FLASHMOD_DISPATCH(64)
+        FLASHMOD_DISPATCH(96)
+        FLASHMOD_DISPATCH(128)
+        FLASHMOD_DISPATCH(160)
+        FLASHMOD_DISPATCH(192)
+        FLASHMOD_DISPATCH(224)
+        FLASHMOD_DISPATCH(256)
+        default:
+          TORCH_CHECK(false, flashmod::error_message("flashmod.attention: unsupported head_dim ",
+                                                     p.head_dim));
+      }
+    }
+#undef FLASHMOD_DISPATCH
+  }
+  TORCH_CHECK(err != cudaErrorInvalidConfiguration,
+              flashmod::error_message(
+                  "flashmod.attention: too many query blocks for one launch (batch * heads * "
+                  "ceil(seqlen_q / Br) must be < 2^31)"));
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {prepared.out, prepared.lse};
+}
+
+}  // namespace
+}  // namespace flashmod
+
+TORCH_LIBRARY_IMPL(flashmod, CUDA, m) {
+  m.impl("attention", &flashmod::attention_cuda);
+}

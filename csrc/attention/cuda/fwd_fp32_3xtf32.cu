@@ -1,0 +1,327 @@
+// fp32 forward on the tensor cores with 3xTF32 products (sm_80+), for head dims <= 128.
+//
+// Why: the FFMA kernel (fwd_fp32_ffma.cu) keeps fp32 accuracy but runs at a third of SDPA's
+// EFFICIENT backend, whose fp32 path already uses the tensor cores this way. Every fp32 operand x
+// is split into tf32 halves hi = tf32(x), lo = tf32(x - hi), and a*b becomes
+// a_lo*b_hi + a_hi*b_lo + a_hi*b_hi (ptx_ops.h, mma_3xtf32_apart): ~22 of 24 mantissa bits per
+// operand, so S = Q K^T and O += P V keep fp32-level error (the contract for fp32 inputs is <= 1e-5
+// against fp64), at three tf32 mma's per product.
+//
+// Layout: Br = 64 query rows per CTA, 4 warps of 16 rows (the mma's m16), Bc = 64 or 32 keys per
+// block. Q_i, K_j, V_j sit in shared memory as rows padded to kHeadDim + 4 floats: with a row pitch
+// of 4 (mod 32) words, the fragment reads (8 rows x 4 columns, or V's 4 row pairs x 8 columns) hit
+// 32 different banks. S stays in registers; P is reused as the A operand of P V_j without a trip
+// through shared memory: the accumulator holds columns (2t, 2t + 1) where the m16n8k8 A fragment
+// wants (t, t + 4), so the k index of P V is relabelled (position t <-> key 2t, t + 4 <-> key
+// 2t + 1) and V's fragment reads rows 2t and 2t + 1 to match. The masks, windows, soft cap and the
+// double-precision l follow the FFMA kernel, which stays for head dims > 128 and decode shapes.
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "cta_tile.h"
+#include "entry_points.h"
+#include "../../common/cuda/ptx_ops.h"
+#include "visibility.h"
+
+namespace flashmod::cuda_kernels {
+namespace {
+
+constexpr int kBr = 64, kWarps = 4, kThreads = 32 * kWarps;
+static_assert(kBr == 16 * kWarps, "each warp owns one m16 row tile");
+
+// Shared memory: Q_i as loaded (fp32), K_j and V_j as tf32 halves: the loaded fp32 tile becomes
+// the hi half in place, and a second tile holds the lo half. Splitting once per tile, by all
+// threads, replaces four warps splitting every K/V element again (counted per warp and block, the
+// splits' cvt/fsub outnumbered the mma instructions 2:1 that way).
+// Bc = 64 keys per block up to head dim 64, 32 at 128: (64 + 4 * Bc) * (128 + 4) * 4 B = 99 KB,
+// two CTAs per SM; S's registers halve too.
+template <int kHeadDim>
+struct Tf32Tile {
+  static_assert(kHeadDim % 32 == 0, "the bank-conflict-free pitch needs kHeadDim % 32 == 0");
+  static constexpr int kBc = kHeadDim <= 64 ? 64 : 32;
+  static constexpr int kLd = kHeadDim + 4;
+  static constexpr int kBytes = (kBr + 4 * kBc) * kLd * 4;
+};
+
+// 4-byte cp.async (no alignment assumed); bytes == 0 zero-fills.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
+// Starts copying rows [0, valid_rows) x [0, head_dim) of a global tile into shared memory, zeros
+// elsewhere. vec16: every row start is 16-byte aligned and head_dim % 4 == 0.
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void load_tile_async(float* s, const float* g, int64_t row_stride,
+                                                int valid_rows, int head_dim, bool vec16, int tid) {
+  constexpr int kLd = Tf32Tile<kHeadDim>::kLd;
+  if (vec16) {
+    constexpr int kChunks = kHeadDim / 4;
+    for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks * 4;
+      const bool in = r < valid_rows && c < head_dim;
+      cp_async_16(smem_addr(s + r * kLd + c), in ? g + r * row_stride + c : g, in ? 16 : 0);
+    }
+  } else {
+    for (int idx = tid; idx < kRows * kHeadDim; idx += kThreads) {
+      const int r = idx / kHeadDim, c = idx % kHeadDim;
+      const bool in = r < valid_rows && c < head_dim;
+      cp_async_4(smem_addr(s + r * kLd + c), in ? g + r * row_stride + c : g, in ? 4 : 0);
+    }
+  }
+}
+
+// Replaces a landed fp32 tile by its tf32 hi halves and writes the lo halves to `lo`.
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void split_tile(float* hi, float* lo, int tid) {
+  constexpr int kLd = Tf32Tile<kHeadDim>::kLd, kChunks = kHeadDim / 4;
+  for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
+    const int off = idx / kChunks * kLd + idx % kChunks * 4;
+    float4 x = *reinterpret_cast<float4*>(hi + off), y;
+    uint32_t h, l;
+    split_tf32(__float_as_uint(x.x), h, l), x.x = __uint_as_float(h), y.x = __uint_as_float(l);
+    split_tf32(__float_as_uint(x.y), h, l), x.y = __uint_as_float(h), y.y = __uint_as_float(l);
+    split_tf32(__float_as_uint(x.z), h, l), x.z = __uint_as_float(h), y.z = __uint_as_float(l);
+    split_tf32(__float_as_uint(x.w), h, l), x.w = __uint_as_float(h), y.w = __uint_as_float(l);
+    *reinterpret_cast<float4*>(hi + off) = x;
+    *reinterpret_cast<float4*>(lo + off) = y;
+  }
+}
+
+__device__ __forceinline__ uint32_t lds_32(const float* p) {
+  return __float_as_uint(*p);
+}
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 2)
+    attention_fwd_fp32_tc_kernel(const AttentionParams p, bool vec16) {
+  constexpr int kBc = Tf32Tile<kHeadDim>::kBc, kLd = Tf32Tile<kHeadDim>::kLd;
+  constexpr int kKTiles = kBc / 8;       // n8 tiles of S = k8 steps of P V
+  constexpr int kDTiles = kHeadDim / 8;  // k8 steps of Q K^T = n8 tiles of O
+  extern __shared__ __align__(16) float smem[];
+  float* sQ = smem;
+  float* sK = sQ + kBr * kLd;  // hi halves (the landed fp32 tile until split)
+  float* sKlo = sK + kBc * kLd;
+  float* sV = sKlo + kBc * kLd;
+  float* sVlo = sV + kBc * kLd;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;  // the mma layout's row and column-pair index
+  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int num_m_blocks = (Nq + kBr - 1) / kBr;
+  const CtaTile tile = cta_tile(p, num_m_blocks, 1);  // longest rows first when right-bounded
+  const int64_t b = tile.b, h = tile.h;
+  const int r0 = tile.m_block * kBr, rows_q = min(kBr, Nq - r0);
+  const TilePointers<float> gp = tile_pointers<float>(p, tile, r0);
+  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, kBc);
+
+  // This thread's two rows of the warp's 16: g and g + 8 (index ri = 0, 1).
+  const int row_in_tile[2] = {16 * warp + g, 16 * warp + g + 8};
+  RowWindow win[2];
+  int64_t mask_row[2];
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t i = r0 + row_in_tile[ri];
+    win[ri] = row_window(p, i);
+    mask_row[ri] = b * p.mask_batch_stride + h * p.mask_head_stride +
+                   (i < Nq ? i : Nq - 1) * p.mask_row_stride;
+  }
+  const float scale = static_cast<float>(p.scale), softcap = static_cast<float>(p.softcap);
+  const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
+  const float log2e = 1.4426950408889634f;
+
+  float o[kDTiles][4] = {};
+  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
+  // l and its rescale factor in double, as in the FFMA kernel: lse = log(l) + m keeps the error
+  // of an fp32 alpha, which O / l cancels.
+  double l[2] = {0.0, 0.0};
+  float cm_prev[2] = {0.f, 0.f};
+
+  auto load_kv = [&](float* dst, const float* src, int64_t row_stride, int n) {
+    const int64_t k0 = static_cast<int64_t>(n) * kBc;
+    load_tile_async<kBc, kHeadDim>(dst, src + k0 * row_stride, row_stride, min(kBc, Nk - n * kBc),
+                                   head_dim, vec16, tid);
+  };
+  if (range.lo < range.hi) {
+    load_tile_async<kBr, kHeadDim>(sQ, gp.q, p.q_row_stride, rows_q, head_dim, vec16, tid);
+    load_kv(sK, gp.k, p.k_row_stride, range.lo);
+    cp_async_commit();
+    load_kv(sV, gp.v, p.v_row_stride, range.lo);
+    cp_async_commit();
+  }
+
+  for (int n = range.lo; n < range.hi; ++n) {
+    cp_async_wait<1>();  // this thread's Q_i and K_j copies have landed (V_j may be in flight)
+    __syncthreads();     // ... and every thread's
+    split_tile<kBc, kHeadDim>(sK, sKlo, tid);
+    __syncthreads();  // K_j's halves are in place
+
+    // S = Q_i K_j^T for this warp's 16 rows, 3xTF32 (Q split on the fly: each warp owns its rows),
+    // big and small terms in separate accumulators: twice the independent mma chains (Bc = 32
+    // leaves only 4 n8 tiles per warp) and the small terms kept apart from the large sum.
+    // Fragments come through ldmatrix (b16 matrices of 8 rows x 16 bytes carry 8 x 4 fp32 values
+    // in the tf32 fragment layout unchanged): one instruction per A fragment or per two n8 tiles'
+    // B halves instead of four 32-bit loads. Lane L addresses row L % 8 of matrix L / 8.
+    static_assert(kKTiles % 2 == 0, "K fragments load two n8 tiles at a time");
+    float s[kKTiles][4] = {}, s_small[kKTiles][4] = {};
+    const uint32_t q_frag =
+        smem_addr(sQ + (16 * warp + lane % 8 + 8 * (lane / 8 % 2)) * kLd + 4 * (lane / 16));
+    const int k_frag = (lane % 8 + 8 * (lane / 16)) * kLd + 4 * (lane / 8 % 2);
+#pragma unroll 4
+    for (int ks = 0; ks < kDTiles; ++ks) {
+      uint32_t a[4], a_hi[4], a_lo[4];
+      ldmatrix_x4(a, q_frag + ks * 32);  // (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) split_tf32(a[e], a_hi[e], a_lo[e]);
+#pragma unroll
+      for (int nt = 0; nt < kKTiles; nt += 2) {
+        uint32_t b_hi[4], b_lo[4];  // (t, g) and (t + 4, g) of tiles nt and nt + 1
+        const int off = nt * 8 * kLd + k_frag + ks * 8;
+        ldmatrix_x4(b_hi, smem_addr(sK + off));
+        ldmatrix_x4(b_lo, smem_addr(sKlo + off));
+        mma_3xtf32_apart(s[nt], s_small[nt], a_hi, a_lo, b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
+        mma_3xtf32_apart(s[nt + 1], s_small[nt + 1], a_hi, a_lo, b_hi[2], b_hi[3], b_lo[2],
+                         b_lo[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < kKTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] += s_small[nt][e];
+    // Every warp has read K_j: its buffers can take K_{j+1}, which lands while P V_j runs.
+    __syncthreads();
+    if (n + 1 < range.hi) load_kv(sK, gp.k, p.k_row_stride, n + 1);
+    cp_async_commit();  // (possibly empty: keeps the group count uniform)
+
+    // Scale, soft cap, mask; then the online softmax of the two rows (quads share a row).
+    const int64_t key0 = static_cast<int64_t>(n) * kBc;
+    const bool unmasked =
+        key_block_unmasked(p, r0, r0 + rows_q - 1, n, kBc) && p.mask_kind == MaskKind::kNone;
+    float block_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+    for (int nt = 0; nt < kKTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int ri = e / 2;
+        const int j = static_cast<int>(key0) + nt * 8 + 2 * t + e % 2;
+        float x = s[nt][e] * scale;
+        if (softcap > 0.f) x = soft_cap(x, softcap, inv_softcap);
+        if (!unmasked) {
+          bool visible = win[ri].contains(j);
+          if (visible && p.mask_kind != MaskKind::kNone)
+            visible = apply_mask<float>(p, mask_row[ri] + j * p.mask_col_stride, x);
+          x = visible ? x : -CUDART_INF_F;
+        }
+        s[nt][e] = x;
+        block_max[ri] = fmaxf(block_max[ri], x);
+      }
+    float alpha[2], cm[2];
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const float m_new = fmaxf(m[ri], quad_max(block_max[ri]));
+      cm[ri] = m_new == -CUDART_INF_F ? 0.f : m_new * log2e;  // no (-inf) - (-inf)
+      const double alpha_d =
+          m[ri] == -CUDART_INF_F
+              ? 0.0
+              : exp2(static_cast<double>(cm_prev[ri]) - static_cast<double>(cm[ri]));
+      cm_prev[ri] = cm[ri];
+      m[ri] = m_new;
+      alpha[ri] = static_cast<float>(alpha_d);
+      l[ri] *= alpha_d;
+    }
+    // P as the A operand of P V_j, relabelled (see the top) and split into tf32 halves.
+    uint32_t p_hi[kKTiles][4], p_lo[kKTiles][4];
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int kt = 0; kt < kKTiles; ++kt) {
+      float pr[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pr[e] = exp2f(fmaf(s[kt][e], log2e, -cm[e / 2]));
+        sum[e / 2] += pr[e];
+      }
+      split_tf32(__float_as_uint(pr[0]), p_hi[kt][0], p_lo[kt][0]);
+      split_tf32(__float_as_uint(pr[2]), p_hi[kt][1], p_lo[kt][1]);
+      split_tf32(__float_as_uint(pr[1]), p_hi[kt][2], p_lo[kt][2]);
+      split_tf32(__float_as_uint(pr[3]), p_hi[kt][3], p_lo[kt][3]);
+    }
+    l[0] += sum[0], l[1] += sum[1];
+
+    cp_async_wait<1>();  // this thread's V_j copies have landed (K_{j+1} may be in flight)
+    __syncthreads();     // ... and every thread's
+    split_tile<kBc, kHeadDim>(sV, sVlo, tid);
+    __syncthreads();  // V_j's halves are in place
+
+    // O = alpha O + P V_j. The block's product goes into a fresh accumulator and joins O with an
+    // fp32 add: the tensor cores' accumulation rounds coarsely, and a chain over every key of the
+    // row (not just this block's Bc) measured ~1e-5 relative error at 1k keys, past the contract.
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      float pv[4] = {}, pv_small[4] = {};
+#pragma unroll
+      for (int kt = 0; kt < kKTiles; ++kt) {
+        const int off = (kt * 8 + 2 * t) * kLd + dt * 8 + g;
+        mma_3xtf32_apart(pv, pv_small, p_hi[kt], p_lo[kt], lds_32(sV + off), lds_32(sV + off + kLd),
+                         lds_32(sVlo + off), lds_32(sVlo + off + kLd));
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[dt][e] = fmaf(o[dt][e], alpha[e / 2], pv[e] + pv_small[e]);
+    }
+    // Every warp has read V_j: its buffers can take V_{j+1}, which lands while S_{j+1} runs.
+    __syncthreads();
+    if (n + 1 < range.hi) load_kv(sV, gp.v, p.v_row_stride, n + 1);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
+
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    double total = l[ri];
+    total += __shfl_xor_sync(0xffffffffu, total, 1);
+    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    const int r = row_in_tile[ri];
+    if (r >= rows_q) continue;
+    const bool empty = m[ri] == -CUDART_INF_F || !(total > 0.0);
+    const float inv_l = empty ? 0.f : static_cast<float>(1.0 / total);
+    float* o_row = gp.out + static_cast<int64_t>(r) * p.out_row_stride;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = dt * 8 + 2 * t + e;
+        if (col < head_dim) o_row[col] = o[dt][2 * ri + e] * inv_l;
+      }
+    // In double, once per row: the p's were exp2(log2e x - cm) with this same cm.
+    if (t == 0)
+      gp.lse[r] = empty ? -CUDART_INF_F
+                        : static_cast<float>(log(total) + static_cast<double>(m[ri] * log2e) *
+                                                              0.6931471805599453);
+  }
+}
+
+template <int kHeadDim>
+cudaError_t launch_fp32_tc(const AttentionParams& p, bool vec16, cudaStream_t stream) {
+  return launch_per_query_block(attention_fwd_fp32_tc_kernel<kHeadDim>, p, kBr, kThreads,
+                                Tf32Tile<kHeadDim>::kBytes, stream, p, vec16);
+}
+
+bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+}  // namespace
+
+cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t stream) {
+  // 16-byte copies where every row of q, k and v starts 16-byte aligned.
+  const bool vec16 = p.head_dim % 4 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v) &&
+                     (p.q_batch_stride | p.q_head_stride | p.q_row_stride) % 4 == 0 &&
+                     (p.k_batch_stride | p.k_head_stride | p.k_row_stride) % 4 == 0 &&
+                     (p.v_batch_stride | p.v_head_stride | p.v_row_stride) % 4 == 0;
+  if (p.head_dim <= 32) return launch_fp32_tc<32>(p, vec16, stream);
+  if (p.head_dim <= 64) return launch_fp32_tc<64>(p, vec16, stream);
+  return launch_fp32_tc<128>(p, vec16, stream);
+}
+
+}  // namespace flashmod::cuda_kernels

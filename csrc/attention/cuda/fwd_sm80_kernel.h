@@ -1,0 +1,311 @@
+// The tensor-core forward kernel: one CTA per (query block Q_i, head, batch), looping over the
+// key/value blocks K_j, V_j that the window rule lets it see.
+//
+// Per K_j:  S = Q_i K_j^T (mma, fp32)  ->  mask if needed  ->  online softmax (m, l, rescale O)
+//           ->  O += P V_j with P packed to 16 bits straight from the S registers.
+// The S accumulator layout of two adjacent n8 tiles equals the A-operand layout of one k16
+// slice, which is what lets P skip shared memory.
+#pragma once
+
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "../attention_params.h"
+#include "cta_tile.h"
+#include "kernel_traits.h"
+#include "entry_points.h"
+#include "online_softmax.h"
+#include "../../common/cuda/ptx_ops.h"
+#include "score_mask.h"
+#include "../../common/cuda/smem_tile.h"
+#include "visibility.h"
+
+namespace flashmod::cuda_kernels {
+
+// kGeneral: a mask tensor, a soft cap or a non-positive scale is present, so every score is
+// transformed (scale, cap, mask) before the softmax. Otherwise scores stay raw q.k, the scale
+// folds into exp2, and only key blocks that straddle the window or seqlen_k are masked.
+//
+// kDecode: the decode variant (few query rows, long K/V; fwd_sm80_launch.h picks it from the shapes).
+// Two additions, both outside the key loop's per-block work:
+//   * GQA packing (p.pos_period > 0): rows are (head, position) pairs of one kv group, so the
+//     window rule is applied to the position, row % pos_period;
+//   * split-KV (sk.splits > 1): each CTA walks one part of its key blocks and writes its rows'
+//     normalized partial O and lse (fp32) to sk's workspace; attention_fwd_split_combine_kernel
+//     merges them.
+// Without kDecode, sk is unused and the kernel is the prefill kernel, unchanged.
+template <class Tr, bool kGeneral, bool kDecode = false>
+__global__ void __launch_bounds__(Tr::kNThreads)
+    attention_fwd_kernel(const AttentionParams p, const FwdLaunchFlags flags,
+                         const SplitKvArgs sk) {
+  using Elem = typename Tr::Elem;
+  using Mma = Mma16816<Elem>;
+  constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
+  constexpr int MT = Tr::kMTiles, NT = Tr::kNTiles, DT = Tr::kDTiles;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sK = sQ + Tr::kSmemQ;                 // kStages buffers of K_j
+  Elem* sV = sK + Tr::kStages * Tr::kSmemKV;  // kStages buffers of V_j
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+  const int head_dim = static_cast<int>(p.head_dim);
+
+  const int num_m_blocks = (Nq + Br - 1) / Br;
+  const int splits = kDecode ? sk.splits : 1;
+  const CtaTile tile = cta_tile(p, num_m_blocks, splits);
+  const int r0 = tile.m_block * Br;
+  const int rows_q = min(Br, Nq - r0);
+  const TilePointers<Elem> gp = tile_pointers<Elem>(p, tile, r0);
+  const Elem *gQ = gp.q, *gK = gp.k, *gV = gp.v;
+  Elem* gO = gp.out;
+  float* gLse = gp.lse;
+  const int64_t b = tile.b, h = tile.h;
+
+  // Query positions of rows [r0, r0 + rows_q). A packed tile that spans heads covers every
+  // position in between, so the range is then all of [0, pos_period).
+  int64_t pos_first = r0, pos_last = r0 + rows_q - 1;
+  if constexpr (kDecode) {
+    if (p.pos_period > 0) {
+      const int64_t period = p.pos_period;
+      const bool one_head = pos_first / period == pos_last / period;
+      pos_first = one_head ? pos_first % period : 0;
+      pos_last = one_head ? pos_last % period : period - 1;
+    }
+  }
+  KeyBlockRange range = key_block_range(p, pos_first, pos_last, Bc);
+  // Split s of a (query block, head) takes the s-th run of ceil(blocks / splits) key blocks.
+  const int64_t part_row0 =
+      kDecode ? tile.split * (p.batch * p.heads_q * p.seqlen_q) + gp.row_id : 0;
+  if constexpr (kDecode) {
+    if (splits > 1) {
+      const int per = (max(0, range.hi - range.lo) + splits - 1) / splits;
+      range.lo += tile.split * per;
+      range.hi = min(range.hi, range.lo + per);
+    }
+  }
+  if (range.lo >= range.hi) {
+    if constexpr (kDecode) {
+      if (splits > 1) {
+        // This split sees no key: its partial is empty (lse = -inf; the combine skips O).
+        for (int r = tid; r < rows_q; r += kThreads) sk.lse[part_row0 + r] = -CUDART_INF_F;
+        return;
+      }
+    }
+    // No key is visible to any row of Q_i: out = 0, lse = -inf.
+    for (int idx = tid; idx < rows_q * head_dim; idx += kThreads)
+      gO[static_cast<int64_t>(idx / head_dim) * p.out_row_stride + idx % head_dim] =
+          from_float<Elem>(0.f);
+    for (int r = tid; r < rows_q; r += kThreads) gLse[r] = -CUDART_INF_F;
+    return;
+  }
+
+  const TileCopyPlan<Br, D, kThreads> q_copy(tid, head_dim);
+  const TileCopyPlan<Bc, D, kThreads> kv_copy(tid, head_dim);
+  const uint32_t sQ_addr = smem_addr(sQ), sK_addr0 = smem_addr(sK), sV_addr0 = smem_addr(sV);
+  constexpr uint32_t kStageBytes = 2 * Tr::kSmemKV;
+  auto load_kv = [&](int n, int stage) {
+    const int valid = min(Bc, Nk - n * Bc);
+    const int64_t row0 = static_cast<int64_t>(n) * Bc;
+    kv_copy.load(sK_addr0 + stage * kStageBytes, gK + row0 * p.k_row_stride, p.k_row_stride, valid);
+    kv_copy.load(sV_addr0 + stage * kStageBytes, gV + row0 * p.v_row_stride, p.v_row_stride, valid);
+  };
+
+  // Pipeline prologue: Q_i, then the first kStages-1 key blocks, one commit group each (empty
+  // groups past the range keep the group count, and so cp_async_wait's argument, uniform).
+  q_copy.load(sQ_addr, gQ, p.q_row_stride, rows_q);
+  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < Tr::kStages - 1; ++s) {
+    if (range.lo + s < range.hi) load_kv(range.lo + s, s);
+    cp_async_commit();
+  }
+
+  // Per-lane ldmatrix coordinates: lanes 8i..8i+7 address the rows of 8x8 matrix i.
+  const int lm_mat = lane >> 3, lm_row = lane & 7;
+  const int warp_row0 = warp * Tr::kRowsPerWarp;
+  const LaneTileOffsets<D> q_off(warp_row0 + lm_row + (lm_mat & 1) * 8, lm_mat >> 1);  // A
+  const LaneTileOffsets<D> k_off(lm_row + (lm_mat >> 1) * 8, lm_mat & 1);              // B
+  const LaneTileOffsets<D> v_off(lm_row + (lm_mat & 1) * 8, lm_mat >> 1);              // B^T
+
+  // Accumulator coordinates: row lane/4 (+8), columns 2*(lane%4) (+1).
+  const int g = lane >> 2, t = lane & 3;
+
+  const float log2e = 1.4426950408889634f;
+  const ScoreTransform tf(p);
+  const float c = kGeneral ? log2e : tf.scale * log2e;
+  // Rows whose windows decide whether a key block needs masking. Prefill: the whole tile (rows
+  // past Nq are computed, never stored). Decode: the positions of the stored rows.
+  const int64_t row_first = kDecode ? pos_first : r0, row_last = kDecode ? pos_last : r0 + Br - 1;
+  // Query position of a row (GQA packing folds heads into rows). 32-bit: rows are < 2^31 and a
+  // 64-bit remainder is a called subroutine (it cost spills).
+  const int period = kDecode ? static_cast<int>(p.pos_period) : 0;
+  auto pos_of = [period](int64_t i) -> int64_t {
+    if constexpr (kDecode) return period > 0 ? static_cast<int>(i) % period : i;
+    return i;
+  };
+
+  float O[MT][DT][4];
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int di = 0; di < DT; ++di)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) O[mi][di][e] = 0.f;
+  OnlineSoftmax<MT> softmax;
+  softmax.init();
+
+  // Q_i fragments, loaded once when kQRegs (otherwise re-read per K_j and this stays unused).
+  // The general path needs its registers for the mask/soft-cap arithmetic (it spilled with both).
+  constexpr bool kQRegs = Tr::kQInRegs && !kGeneral;
+  uint32_t qf[kQRegs ? MT : 1][kQRegs ? Tr::kKSteps : 1][4];
+  if constexpr (kQRegs) {
+    cp_async_wait<Tr::kStages - 1>();  // the Q_i group is the oldest one
+    // Q_i's chunks were copied by all threads.
+    __syncthreads();
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ks = 0; ks < Tr::kKSteps; ++ks)
+        ldmatrix_x4(qf[mi][ks], sQ_addr + 2 * q_off.at(mi * 16, ks));
+  }
+
+  for (int n = range.lo; n < range.hi; ++n) {
+    const int stage = (n - range.lo) % Tr::kStages;
+    cp_async_wait<Tr::kStages - 2>();
+    // Publishes K_j/V_j (and Q_i on the first pass) copied by other threads, and guarantees
+    // every warp is done with the buffer the prefetch below overwrites (block n-1's).
+    __syncthreads();
+    {
+      const int next = n + Tr::kStages - 1;
+      if (next < range.hi) load_kv(next, (next - range.lo) % Tr::kStages);
+      cp_async_commit();
+    }
+
+    // S = Q_i K_j^T
+    float S[MT][NT][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) S[mi][ni][e] = 0.f;
+    const uint32_t sK_addr = sK_addr0 + stage * kStageBytes;
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        if constexpr (kQRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mi][e] = qf[mi][ks][e];
+        } else {
+          ldmatrix_x4(a[mi], sQ_addr + 2 * q_off.at(mi * 16, ks));
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, sK_addr + 2 * k_off.at(np * 16, ks));
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          Mma::run(S[mi][2 * np], a[mi], bk[0], bk[1]);
+          Mma::run(S[mi][2 * np + 1], a[mi], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // Scores -> logit units, hiding invisible keys.
+    mask_scores<Elem, kGeneral>(S, p, tf, b, h, r0 + warp_row0, row_first, row_last, n, Bc, lane,
+                                pos_of);
+
+    softmax.update(S, O, c);
+
+    // O += P V_j
+    const uint32_t sV_addr = sV_addr0 + stage * kStageBytes;
+#pragma unroll
+    for (int kk = 0; kk < Bc / 16; ++kk) {
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        pa[mi][0] = Mma::pack(S[mi][2 * kk][0], S[mi][2 * kk][1]);
+        pa[mi][1] = Mma::pack(S[mi][2 * kk][2], S[mi][2 * kk][3]);
+        pa[mi][2] = Mma::pack(S[mi][2 * kk + 1][0], S[mi][2 * kk + 1][1]);
+        pa[mi][3] = Mma::pack(S[mi][2 * kk + 1][2], S[mi][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, sV_addr + 2 * v_off.at(kk * 16, dp));
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          Mma::run(O[mi][2 * dp], pa[mi], bv[0], bv[1]);
+          Mma::run(O[mi][2 * dp + 1], pa[mi], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can be pending; retire them before exit
+
+  if constexpr (kDecode) {
+    if (splits > 1) {
+      // Split-KV partial: this split's normalized O rows (fp32, kHeadDim columns, the padding
+      // ones zero) and lse, straight from the accumulator layout. A quad writes 32 contiguous
+      // bytes per n8 tile.
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float inv_l, lse;
+          softmax.finish(mi, hh, c, inv_l, lse);  // all lanes: it shuffles within the quad
+          const int row = warp_row0 + mi * 16 + g + 8 * hh;
+          if (row >= rows_q) continue;
+          float* dst = sk.o + (part_row0 + row) * D + 2 * t;
+#pragma unroll
+          for (int di = 0; di < DT; ++di)
+            *reinterpret_cast<float2*>(dst + di * 8) =
+                make_float2(O[mi][di][2 * hh] * inv_l, O[mi][di][2 * hh + 1] * inv_l);
+          if (t == 0) sk.lse[part_row0 + row] = lse;
+        }
+      return;
+    }
+  }
+
+  // Epilogue: normalize, stage this warp's rows of O in its own rows of sQ (no other warp reads
+  // them), then write 16-byte chunks so global stores are full sectors.
+  // Every lane of this warp must be done reading its Q rows via ldmatrix before they are
+  // overwritten.
+  __syncwarp();
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float inv_l, lse;
+      softmax.finish(mi, hh, c, inv_l, lse);
+      const int row = warp_row0 + mi * 16 + g + 8 * hh;
+#pragma unroll
+      for (int di = 0; di < DT; ++di) {
+        const uint32_t v = Mma::pack(O[mi][di][2 * hh] * inv_l, O[mi][di][2 * hh + 1] * inv_l);
+        *reinterpret_cast<uint32_t*>(sQ + tile_offset<D>(row, di) + 2 * t) = v;
+      }
+      if (t == 0 && row < rows_q) gLse[row] = lse;
+    }
+  // The copy-out below reads chunks other lanes of this warp wrote.
+  __syncwarp();
+  constexpr int kChunks = D / 8;
+  for (int id = lane; id < Tr::kRowsPerWarp * kChunks; id += 32) {
+    const int row = warp_row0 + id / kChunks, chunk = id % kChunks;
+    if (row >= rows_q || chunk * 8 >= head_dim) continue;
+    const Elem* src = sQ + tile_offset<D>(row, chunk);
+    Elem* dst = gO + static_cast<int64_t>(row) * p.out_row_stride + chunk * 8;
+    if (flags.out_vec16) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 8 && chunk * 8 + e < head_dim; ++e) dst[e] = src[e];
+    }
+  }
+}
+
+}  // namespace flashmod::cuda_kernels

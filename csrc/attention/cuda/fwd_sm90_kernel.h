@@ -1,0 +1,298 @@
+// The Hopper (sm_90a) forward kernel: FlashAttention-2's loop with both matmuls on wgmma.
+//
+// A CTA owns Br = 64 * kWarpgroups query rows Q_i; warpgroup w owns rows 64w..64w+63 and runs
+// the whole loop for them. Per key block K_j, V_j (Bc rows, cp.async double-buffered in
+// 128-byte-swizzled shared memory):
+//   S = Q_i K_j^T      wgmma, Q and K from shared memory, fp32 accumulators in registers
+//   mask, online softmax (m, l, rescale O) on those registers (the portable kernel's code)
+//   O += P V_j         wgmma, P packed to 16 bits from the S registers, V from shared memory
+// The mma.sync kernel (fwd_sm80_kernel.h) issues every m16n8k16 from each warp and re-reads its
+// operands through ldmatrix; here one instruction per warpgroup covers a 64 x Bc x 16 product and
+// the tensor cores read shared memory themselves, which is what mma.sync cannot match on sm_90.
+#pragma once
+
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "../attention_params.h"
+#include "cta_tile.h"
+#include "entry_points.h"
+#include "online_softmax.h"
+#include "../../common/cuda/ptx_ops.h"
+#include "score_mask.h"
+#include "../../common/cuda/smem_tile.h"
+#include "visibility.h"
+#include "../../common/cuda/wgmma_ops.h"
+
+namespace flashmod::cuda_kernels::sm90 {
+
+template <typename Elem_, int kHeadDim_, int kBc, int kWarpgroups_, int kStages_,
+          int kMinBlocks_ = 1>
+struct FwdTraitsSm90 {
+  using Elem = Elem_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarpgroups = kWarpgroups_;
+  static constexpr int Br = 64 * kWarpgroups;  // wgmma's M is 64 rows per warpgroup
+  static constexpr int Bc = kBc;
+  static constexpr int kNThreads = 128 * kWarpgroups;
+  static constexpr int kStages = kStages_;
+  // CTAs per SM the register allocation must allow (__launch_bounds__): independent CTAs overlap
+  // one's softmax with another's matmuls without any scheduling code.
+  static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr int kNTiles = Bc / 8;        // n8 tiles of S per thread
+  static constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of O per thread
+  static constexpr int kKSteps = kHeadDim / 16;
+  static constexpr int kSmemQ = Br * kHeadDim * 2;   // bytes
+  static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of one K_j or one V_j
+  // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
+  static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV + 1024;
+
+  static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
+  // O += P V is issued in column chunks of at most 128 (wgmma's N): one for D = 64 or 128, two for
+  // 256.
+  static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+                "whole 64-column swizzle blocks");
+  static_assert(Bc == 64 || Bc == 128, "wgmma N of S");
+  static_assert(kStages >= 2, "one buffer computing, at least one loading");
+  static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
+};
+
+// How one thread copies its share of a (kRows x kHeadDim) tile into the 128-byte-swizzled
+// layout: a fixed 16-byte chunk column and a row step that is a multiple of 8, so the swizzled
+// shared offset is one base plus a constant per row step.
+template <int kRows, int kHeadDim, int kThreads>
+struct Sw128TileCopy {
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kIters = kRows / kRowStep;
+  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0,
+                "even split");
+
+  int row0, col, src_bytes;
+  uint32_t soff;
+
+  __device__ __forceinline__ Sw128TileCopy(int tid, int head_dim) {
+    const int chunk = tid % kChunks;
+    row0 = tid / kChunks;
+    col = chunk * 8;
+    src_bytes = 2 * max(0, min(8, head_dim - col));
+    soff = sw128_offset<kRows>(row0, chunk);
+  }
+
+  // Rows [0, valid_rows) x columns [0, head_dim) from gmem; the rest of the tile is zero-filled
+  // (zero keys/values past seqlen_k keep NaN-free products; their scores are masked anyway).
+  template <typename Elem>
+  __device__ __forceinline__ void load(uint32_t smem_base, const Elem* gmem, int64_t row_stride,
+                                       int valid_rows) const {
+    const Elem* src = gmem + row0 * row_stride + col;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const bool valid = row0 + it * kRowStep < valid_rows && src_bytes > 0;
+      cp_async_16(smem_base + soff + it * kRowStep * 128, valid ? src : gmem,
+                  valid ? src_bytes : 0);
+      src += kRowStep * row_stride;
+    }
+  }
+};
+
+// kGeneral: an additive mask, a soft cap or a non-positive scale: every score is transformed
+// (score_mask.h). kBoolMask (only without kGeneral): a bool mask tensor, prefetched as bits per
+// key block; scores stay raw as on the plain path.
+template <class Tr, bool kGeneral, bool kBoolMask>
+__global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
+    attention_fwd_sm90_kernel(const AttentionParams p, const FwdLaunchFlags flags) {
+  static_assert(!(kGeneral && kBoolMask), "the general path applies bool masks itself");
+#ifdef FLASHMOD_SM90A
+  using Elem = typename Tr::Elem;
+  using Mma = Mma16816<Elem>;
+  constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
+  constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
+
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_addr = smem_addr(smem_raw);
+  const uint32_t sQ_addr = (raw_addr + 1023) & ~1023u;
+  const uint32_t sK_addr0 = sQ_addr + Tr::kSmemQ;                  // kStages buffers of K_j
+  const uint32_t sV_addr0 = sK_addr0 + Tr::kStages * Tr::kSmemKV;  // kStages buffers of V_j
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw + (sQ_addr - raw_addr));
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int warpgroup = warp / 4;
+  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+  const int head_dim = static_cast<int>(p.head_dim);
+
+  const int num_m_blocks = (Nq + Br - 1) / Br;
+  const CtaTile tile = cta_tile(p, num_m_blocks, 1);
+  const int r0 = tile.m_block * Br;
+  const int rows_q = min(Br, Nq - r0);
+  const TilePointers<Elem> gp = tile_pointers<Elem>(p, tile, r0);
+  const Elem *gQ = gp.q, *gK = gp.k, *gV = gp.v;
+  Elem* gO = gp.out;
+  float* gLse = gp.lse;
+  const int64_t b = tile.b, h = tile.h;
+
+  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+  if (range.lo >= range.hi) {
+    // No key is visible to any row of Q_i: out = 0, lse = -inf.
+    for (int idx = tid; idx < rows_q * head_dim; idx += kThreads)
+      gO[static_cast<int64_t>(idx / head_dim) * p.out_row_stride + idx % head_dim] =
+          from_float<Elem>(0.f);
+    for (int r = tid; r < rows_q; r += kThreads) gLse[r] = -CUDART_INF_F;
+    return;
+  }
+
+  const Sw128TileCopy<Br, D, kThreads> q_copy(tid, head_dim);
+  const Sw128TileCopy<Bc, D, kThreads> kv_copy(tid, head_dim);
+  constexpr uint32_t kStageBytes = Tr::kSmemKV;
+  auto load_kv = [&](int n, int stage) {
+    const int valid = min(Bc, Nk - n * Bc);
+    const int64_t row0 = static_cast<int64_t>(n) * Bc;
+    kv_copy.load(sK_addr0 + stage * kStageBytes, gK + row0 * p.k_row_stride, p.k_row_stride, valid);
+    kv_copy.load(sV_addr0 + stage * kStageBytes, gV + row0 * p.v_row_stride, p.v_row_stride, valid);
+  };
+
+  // Prologue: Q_i, then the first kStages-1 key blocks, one commit group each (empty groups past
+  // the range keep cp_async_wait's count uniform).
+  q_copy.load(sQ_addr, gQ, p.q_row_stride, rows_q);
+  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < Tr::kStages - 1; ++s) {
+    if (range.lo + s < range.hi) load_kv(range.lo + s, s);
+    cp_async_commit();
+  }
+
+  // Descriptors. Q: this warpgroup's 64 rows; k16 step ks is 32 bytes into column block ks / 4.
+  // K_j: all Bc rows, same stepping. V_j (MN-major: keys along k, head dim along n): k16 step kk
+  // is 16 rows (2048 bytes) down; its D / 64 column blocks are Bc * 128 bytes apart.
+  // (The leading offset of a swizzled K-major operand is unused; 16 bytes is the customary 1.)
+  const uint64_t q_desc = sw128_desc(sQ_addr + warpgroup * 64 * 128, 16, 1024);
+  const uint64_t k_desc0 = sw128_desc(sK_addr0, 16, 1024);
+  const uint64_t v_desc0 = sw128_desc(sV_addr0, Bc * 128, 1024);
+  auto k_step = [](int ks, int rows) {
+    return static_cast<uint32_t>((ks / 4) * rows * 128 + (ks % 4) * 32);
+  };
+
+  const float log2e = 1.4426950408889634f;
+  const ScoreTransform tf(p);
+  const float c = kGeneral ? log2e : tf.scale * log2e;
+  const int warp_row0 = warp * 16;  // warp w of warpgroup g owns rows 64g + 16(w % 4): warp * 16
+
+  float O[1][DT][4];
+#pragma unroll
+  for (int di = 0; di < DT; ++di)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) O[0][di][e] = 0.f;
+  OnlineSoftmax<1> softmax;
+  softmax.init();
+
+  // S = Q_i K_j^T, issued and committed; the caller waits.
+  auto issue_scores = [&](float (&Sx)[1][NT][4], int n) {
+    const uint64_t k_desc = desc_advance(k_desc0, ((n - range.lo) % Tr::kStages) * kStageBytes);
+    wgmma_fence();  // Sx's registers were last touched by ordinary instructions
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks)
+      Wgmma<Elem, Bc>::ss(Sx[0], desc_advance(q_desc, k_step(ks, Br)),
+                          desc_advance(k_desc, k_step(ks, Bc)), ks > 0);
+    wgmma_commit();
+  };
+  // Mask and online softmax of block n's scores, then O += P V_j issued and committed with P
+  // packed straight from the S registers into pa; the caller waits.
+  auto softmax_and_issue_pv = [&](float (&Sx)[1][NT][4], uint32_t (&pa)[Bc / 16][4], int n,
+                                  const BoolMaskBits<1, NT>& mask_bits) {
+    mask_scores<Elem, kGeneral>(Sx, p, tf, b, h, r0 + warp_row0, r0, r0 + Br - 1, n, Bc, lane,
+                                [](int64_t i) { return i; });
+    if constexpr (kBoolMask) mask_bits.apply(Sx);
+    softmax.update(Sx, O, c);
+#pragma unroll
+    for (int kk = 0; kk < Bc / 16; ++kk) {
+      pa[kk][0] = Mma::pack(Sx[0][2 * kk][0], Sx[0][2 * kk][1]);
+      pa[kk][1] = Mma::pack(Sx[0][2 * kk][2], Sx[0][2 * kk][3]);
+      pa[kk][2] = Mma::pack(Sx[0][2 * kk + 1][0], Sx[0][2 * kk + 1][1]);
+      pa[kk][3] = Mma::pack(Sx[0][2 * kk + 1][2], Sx[0][2 * kk + 1][3]);
+    }
+    const uint64_t v_desc = desc_advance(v_desc0, ((n - range.lo) % Tr::kStages) * kStageBytes);
+    // O (rescaled) and P were written by ordinary instructions: pinning them first keeps those
+    // writes ahead of the fence that orders them before the wgmma reads.
+    pin_registers(O[0]);
+    pin_registers(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Bc / 16; ++kk)
+#pragma unroll
+      for (int oc = 0; oc < D / Tr::kOChunk; ++oc) {
+        // Columns [oc * kOChunk, ...) of O and of V_j: n8 tiles from oc * kOChunk / 8, V's
+        // 64-wide column blocks from oc * kOChunk / 64 (each Bc * 128 bytes).
+        auto& o_chunk =
+            *reinterpret_cast<float (*)[Tr::kOChunk / 8][4]>(&O[0][oc * Tr::kOChunk / 8]);
+        Wgmma<Elem, Tr::kOChunk>::rs_accumulate(
+            o_chunk, pa[kk], desc_advance(v_desc, kk * 2048 + (oc * Tr::kOChunk / 64) * Bc * 128));
+      }
+    wgmma_commit();
+  };
+
+  // Softmax and matmuls of one warpgroup run back to back; the overlap comes from the other
+  // warpgroup and, where registers allow, a second CTA on the SM. (Issuing S_{j+1} before the
+  // softmax of S_j, FlashAttention-3's intra-warpgroup overlap, measured slower here: NOTES v6.)
+  for (int n = range.lo; n < range.hi; ++n) {
+    cp_async_wait<Tr::kStages - 2>();
+    fence_proxy_async_smem();  // this thread's copies of K_j/V_j (and Q_i) -> visible to wgmma
+    // Publishes every thread's copies, and guarantees both warpgroups are done with the buffer
+    // the prefetch below overwrites (block n-1's).
+    __syncthreads();
+    {
+      const int next = n + Tr::kStages - 1;
+      if (next < range.hi) load_kv(next, (next - range.lo) % Tr::kStages);
+      cp_async_commit();
+    }
+    BoolMaskBits<1, NT> mask_bits;
+    if constexpr (kBoolMask) mask_bits.load(p, b, h, r0 + warp_row0, n, Bc, lane);
+    float S[1][NT][4];
+    issue_scores(S, n);
+    wgmma_wait<0>();
+    pin_registers(S[0]);
+    uint32_t pa[Bc / 16][4];
+    softmax_and_issue_pv(S, pa, n, mask_bits);
+    wgmma_wait<0>();
+    pin_registers(O[0]);
+    pin_registers(pa);
+  }
+  cp_async_wait<0>();  // only empty groups can be pending; retire them before exit
+
+  // Epilogue: normalize, stage this warp's 16 rows in shared memory (plain row-major with the
+  // portable kernel's swizzle), then write 16-byte chunks so global stores are full sectors.
+  // Another warpgroup may still be reading Q rows that this warp's staging area overlaps.
+  __syncthreads();
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float inv_l, lse;
+    softmax.finish(0, hh, c, inv_l, lse);
+    const int row = warp_row0 + g + 8 * hh;
+#pragma unroll
+    for (int di = 0; di < DT; ++di) {
+      const uint32_t v = Mma::pack(O[0][di][2 * hh] * inv_l, O[0][di][2 * hh + 1] * inv_l);
+      *reinterpret_cast<uint32_t*>(sQ + tile_offset<D>(row, di) + 2 * t) = v;
+    }
+    if (t == 0 && row < rows_q) gLse[row] = lse;
+  }
+  // The copy-out below reads chunks other lanes of this warp wrote.
+  __syncwarp();
+  constexpr int kChunks = D / 8;
+  for (int id = lane; id < 16 * kChunks; id += 32) {
+    const int row = warp_row0 + id / kChunks, chunk = id % kChunks;
+    if (row >= rows_q || chunk * 8 >= head_dim) continue;
+    const Elem* src = sQ + tile_offset<D>(row, chunk);
+    Elem* dst = gO + static_cast<int64_t>(row) * p.out_row_stride + chunk * 8;
+    if (flags.out_vec16) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 8 && chunk * 8 + e < head_dim; ++e) dst[e] = src[e];
+    }
+  }
+#else
+  __trap();  // launched only where the sm_90a binary runs (see run_attention_fwd_sm90)
+#endif
+}
+
+}  // namespace flashmod::cuda_kernels::sm90

@@ -1,0 +1,97 @@
+// Tile choices and the (torch-free) launch of the Hopper wgmma kernel. Each
+// attention_fwd_sm90_<dtype>_hd<D>.cu instantiates one run_attention_fwd_sm90.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fwd_sm90_kernel.h"
+#include "entry_points.h"
+
+namespace flashmod::cuda_kernels {
+namespace sm90 {
+
+// (Bc, warpgroups, stages[, CTAs per SM]) per head dim; Br = 64 * warpgroups.
+// Measured on an H100 (bf16, N = 1k..16k, causal and not, ratio to SDPA FLASH in the same process;
+// benchmarks/results/NOTES.md "v5"/"v6"):
+//   D = 64:  64 x 64-key tiles, 2 warpgroups, 2 CTAs per SM (109 registers)  1.18-1.30x
+//            Br 128 x Bc 128, 1 CTA per SM                                  0.95-1.14x
+//            Br 64 (1 warpgroup) x Bc 64, 3 CTAs per SM                      1.06-1.16x
+//            Br 64 x Bc 128, 2 CTAs per SM                                   1.05-1.15x
+//            S_{j+1} overlapped with the softmax of S_j (3 stages)           0.80-1.07x
+//            (that variant, FA3's intra-warpgroup overlap, was removed after it lost)
+//   D = 128: Br 128 x Bc 128, 2 warpgroups, 1 CTA per SM (232 registers)    1.13-1.43x
+//            the same with 3 stages                                          1.18-1.36x (no gain)
+//            Br 64 x Bc 64, 2 CTAs per SM                                    1.08-1.21x
+//            Br 64 x Bc 128 (smem allows 1 CTA per SM)                       0.81-1.08x
+//            S_{j+1} overlapped (Bc 64 or 128)                               1.01-1.40x (no gain)
+//            2 CTAs per SM at 128 registers spills (48-120 bytes): not run.
+// Tuning hook: -DFLASHMOD_TUNE_SM90_<D>=v picks candidate v (benchmarks/tune_variants.sh).
+#define FLASHMOD_SM90_CAND_1 128, 2, 2
+#define FLASHMOD_SM90_CAND_2 64, 2, 2
+#define FLASHMOD_SM90_CAND_5 128, 2, 3
+#define FLASHMOD_SM90_CAND_6 128, 1, 2
+#define FLASHMOD_SM90_CAND_7 64, 2, 2, 2
+#define FLASHMOD_SM90_CAND_8 64, 1, 2
+#define FLASHMOD_SM90_CAND_(v) FLASHMOD_SM90_CAND_##v
+#define FLASHMOD_SM90_CAND(v) FLASHMOD_SM90_CAND_(v)
+#ifdef FLASHMOD_TUNE_SM90_64
+#define FLASHMOD_SM90_TILE_64 FLASHMOD_SM90_CAND(FLASHMOD_TUNE_SM90_64)
+#else
+#define FLASHMOD_SM90_TILE_64 64, 2, 2, 2
+#endif
+#ifdef FLASHMOD_TUNE_SM90_128
+#define FLASHMOD_SM90_TILE_128 FLASHMOD_SM90_CAND(FLASHMOD_TUNE_SM90_128)
+#else
+#define FLASHMOD_SM90_TILE_128 128, 2, 2
+#endif
+
+#ifdef FLASHMOD_TUNE_SM90_256
+#define FLASHMOD_SM90_TILE_256 FLASHMOD_SM90_CAND(FLASHMOD_TUNE_SM90_256)
+#else
+#define FLASHMOD_SM90_TILE_256 64, 2, 2
+#endif
+
+template <typename Elem, int kHeadDim>
+struct FwdConfigSm90;
+template <typename Elem>
+struct FwdConfigSm90<Elem, 64> {
+  using Traits = FwdTraitsSm90<Elem, 64, FLASHMOD_SM90_TILE_64>;
+};
+template <typename Elem>
+struct FwdConfigSm90<Elem, 128> {
+  using Traits = FwdTraitsSm90<Elem, 128, FLASHMOD_SM90_TILE_128>;
+};
+template <typename Elem>
+struct FwdConfigSm90<Elem, 256> {
+  using Traits = FwdTraitsSm90<Elem, 256, FLASHMOD_SM90_TILE_256>;
+};
+
+template <class Tr>
+cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cudaStream_t stream) {
+  // Plain: raw scores, scale folded into exp2. Bool mask alone: the same plus prefetched mask bits.
+  // Anything else (additive masks, soft cap, scale <= 0): every score transformed.
+  const bool transformed = p.softcap > 0.0 || !(p.scale > 0.0);
+  const bool bool_mask = p.mask_kind == MaskKind::kBool && !transformed;
+  const bool general = transformed || (p.mask_kind != MaskKind::kNone && !bool_mask);
+  const int64_t blocks = (p.seqlen_q + Tr::Br - 1) / Tr::Br * p.heads_q * p.batch;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  auto kernel = general     ? attention_fwd_sm90_kernel<Tr, true, false>
+                : bool_mask ? attention_fwd_sm90_kernel<Tr, false, true>
+                            : attention_fwd_sm90_kernel<Tr, false, false>;
+  // Over 48 KB of dynamic shared memory is opt-in per kernel.
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, flags);
+  return cudaSuccess;  // the caller checks the launch itself (cudaGetLastError)
+}
+
+}  // namespace sm90
+
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_fwd_sm90(const AttentionParams& p, const FwdLaunchFlags& flags,
+                                   cudaStream_t stream) {
+  return sm90::launch_fwd<typename sm90::FwdConfigSm90<Elem, kHeadDim>::Traits>(p, flags, stream);
+}
+
+}  // namespace flashmod::cuda_kernels

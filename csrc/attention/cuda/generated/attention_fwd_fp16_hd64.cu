@@ -1,0 +1,11 @@
+// One instantiation per file: ninja builds the 16 tensor-core variants in parallel.
+#include "../fwd_sm80_launch.h"
+
+namespace flashmod::cuda_kernels {
+template cudaError_t run_attention_fwd<__half, 64>(const AttentionParams&, const FwdLaunchFlags&,
+                                                   cudaStream_t);
+template cudaError_t run_attention_fwd_decode<__half, 64>(const AttentionParams&,
+                                                          const FwdLaunchFlags&,
+                                                          const DecodeOptions&,
+                                                          const DecodeWorkspace&, cudaStream_t);
+}  // namespace flashmod::cuda_kernels
