@@ -18,6 +18,15 @@ TORCH_LIBRARY(flashmod, m) {
       "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float? scale=None, "
       "bool is_causal=False, bool bottom_right=True, int window_left=-1, int window_right=-1, "
       "float softcap=0.0) -> (Tensor out, Tensor lse)");
+  // Gradients of attention's (out, lse) with respect to (q, k, v), recomputing P from the saved
+  // lse (nothing Nq x Nk is stored). grad_lse is the gradient flowing into lse (None: zero).
+  // grad_q/grad_k/grad_v take the layouts of q/k/v; for GQA, grad_k/grad_v sum over each kv
+  // head's query group. Deterministic: the same inputs give bitwise the same gradients.
+  m.def(
+      "attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, "
+      "Tensor out, Tensor lse, Tensor? attn_mask=None, float? scale=None, bool is_causal=False, "
+      "bool bottom_right=True, int window_left=-1, int window_right=-1, float softcap=0.0) -> "
+      "(Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // Softmax of x along dim (online normalizer); a row of all -inf gives zeros.
   m.def("softmax(Tensor x, int dim) -> Tensor");
   // softmax(scale * a @ b^T + mask, -1) fused: a (B, Ha, M, K), b (B, Hb, N, K) -> (B, Ha, M, N).

@@ -29,4 +29,22 @@ PreparedAttention prepare_attention(const at::Tensor& q, const at::Tensor& k, co
 // (Nk == 0), or there is nothing to write at all. prepare_attention already filled them.
 bool nothing_to_compute(const PreparedAttention& prepared);
 
+struct PreparedAttentionBackward {
+  // Gradients in the layouts of q, k, v (empty_like of the fixed-up inputs).
+  at::Tensor grad_q, grad_k, grad_v;
+  // Inputs after any fix-up (stride(-1) == 1, mask expanded by strides, grad_lse contiguous
+  // fp32); they keep the storage that params points into alive.
+  at::Tensor q, k, v, out, lse, grad_out, grad_lse, mask;
+  AttentionBwdParams params;
+};
+
+// The forward's checks plus those of out, lse, grad_out and grad_lse (shapes, dtypes, devices),
+// then the gradients allocated and params filled. Shared by every backend; flashmod/ops.py's
+// fake implementation of attention_backward mirrors it.
+PreparedAttentionBackward prepare_attention_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
+    bool bottom_right, int64_t window_left, int64_t window_right, double softcap);
+
 }  // namespace flashmod
