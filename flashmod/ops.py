@@ -4,8 +4,7 @@
 
 * ``register_fake``: shapes/dtypes for torch.compile, with the same checks as the C++ host code
   (``csrc/attention/attention_host.cpp``) written as ``torch._check`` so they fire while tracing too;
-* ``flashmod::attention_backward``: the chunked reference backward as an opaque custom op, so a
-  compiled graph holds one node for it rather than an unrolled Python loop;
+* ``flashmod::attention_backward`` (declared in C++ too): its fake implementation;
 * ``register_autograd``: makes the forward op itself differentiable.
 """
 
@@ -142,31 +141,33 @@ def _attention_fake(
     return out, lse
 
 
-@torch.library.custom_op("flashmod::attention_backward", mutates_args=())
-def attention_backward(
+@torch.library.impl("flashmod::attention_backward", "CompositeExplicitAutograd")
+def _attention_backward_reference(
     grad_out: Tensor,
     grad_lse: Tensor | None,
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    out: Tensor,
     lse: Tensor,
-    attn_mask: Tensor | None,
-    scale: float | None,
-    is_causal: bool,
-    bottom_right: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    bottom_right: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of flashmod::attention's (out, lse) with respect to (q, k, v)."""
+    """Gradients of flashmod::attention's (out, lse) with respect to (q, k, v): the chunked
+    reference math (interim, until the fused kernels register for CPU and CUDA)."""
     return attention_backward_chunked(
         grad_out, grad_lse, q, k, v, lse, attn_mask, scale,
         is_causal, bottom_right, window_left, window_right, softcap,
     )  # fmt: skip
 
 
-@attention_backward.register_fake
-def _attention_backward_fake(grad_out, grad_lse, q, k, v, lse, attn_mask, scale, *args):
+@torch.library.register_fake("flashmod::attention_backward")
+def _attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask=None, scale=None, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -177,15 +178,15 @@ def _setup_context(ctx, inputs, output) -> None:
             "flashmod.attention: gradients with respect to attn_mask are not supported; "
             "pass attn_mask.detach() (got a mask with requires_grad=True)"
         )
-    ctx.save_for_backward(q, k, v, output[1], attn_mask)
+    ctx.save_for_backward(q, k, v, output[0], output[1], attn_mask)
     ctx.options = (scale, is_causal, bottom_right, window_left, window_right, softcap)
 
 
 def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-    q, k, v, lse, attn_mask = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
     if grad_out is None:  # only lse was used
-        grad_out = torch.zeros_like(q)
-    dq, dk, dv = attention_backward(grad_out, grad_lse, q, k, v, lse, attn_mask, *ctx.options)
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.flashmod.attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, *ctx.options)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 

@@ -407,5 +407,5 @@ def test_backward_fake_matches_real_for_hf_layouts():
     q = torch.randn(2, 16, 4, 8).transpose(1, 2)
     k = torch.randn(2, 16, 2, 8).transpose(1, 2)
     out, lse = flashmod.attention_op(q, k, k, None, None, True, False)
-    args = (torch.randn_like(out), None, q, k, k, lse, None, None, True, False, -1, -1, 0.0)
+    args = (torch.randn_like(out), None, q, k, k, out, lse, None, None, True, False, -1, -1, 0.0)
     torch.library.opcheck(torch.ops.flashmod.attention_backward.default, args, test_utils=("test_faketensor",))
