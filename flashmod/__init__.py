@@ -9,16 +9,17 @@ Inside real models:
   ``from_pretrained`` / ``from_config`` / ``set_attn_implementation``, registered on import (see
   :mod:`flashmod.hf`; transformers itself is not imported by ``import flashmod``);
 * :func:`patch` / :func:`unpatch` / :func:`patched`: switch a whole model over, HF models and
-  ``nn.MultiheadAttention`` (:class:`FlashMultiheadAttention`) alike (see :mod:`flashmod.patch`);
-* :class:`FlashAttention`: the attention core for hand-written blocks.
+  ``nn.MultiheadAttention`` alike (see :mod:`flashmod.patch`);
+* :class:`FlashAttention`: the attention core for hand-written blocks, and
+  :class:`FlashMultiheadAttention`: a drop-in ``nn.MultiheadAttention`` (both in :mod:`flashmod.modules`).
 """
 
 from . import hf as _hf
 from .functional import attention, flash_attn_func
 from .hf import HF_ATTN_IMPLEMENTATION
-from .modules import FlashAttention
+from .modules import FlashAttention, FlashMultiheadAttention
 from .ops import attention_op
-from .patch import FlashMultiheadAttention, patch, patched, unpatch
+from .patch import patch, patched, unpatch
 from .reference import attention_reference
 from .softmax_ops import matmul_softmax, softmax
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .ops import attention_op
 from .reference import attention_reference
+from .softmax_ops import matmul_softmax
 
 
 def attention_bhsd(
@@ -38,6 +39,33 @@ def attention_bhsd(
         )
         return out.to(q.dtype), lse.float()
     return attention_op(q, k, v, attn_mask, scale, is_causal, bottom_right, window[0], window[1], softcap)
+
+
+def attention_weights(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    scale: float | None,
+    is_causal: bool,
+    bottom_right: bool,
+    window: tuple[int, int],
+    softcap: float,
+) -> Tensor:
+    """Attention probabilities ``(B, Hq, Nq, Nk)`` in ``query``'s dtype, for ``output_attentions``/``need_weights``.
+
+    The one place that materializes the weights. The fused ``flashmod.matmul_softmax`` op writes them without a
+    separate logits tensor; it has no soft cap or window and aligns causal top-left, so other cases take the
+    reference. Rows with no visible key are all zeros (eager implementations give a uniform row there).
+    """
+    top_left_causal = is_causal and (not bottom_right or query.shape[2] == key.shape[2])
+    if softcap == 0 and window == (-1, -1) and (top_left_causal or not is_causal):
+        return matmul_softmax(query.detach(), key.detach(), scale, is_causal, attn_mask)
+    _, _, probs = attention_reference(
+        query.detach(), key.detach(), value.detach(), attn_mask, scale, is_causal, bottom_right,
+        window[0], window[1], softcap, return_probs=True,
+    )  # fmt: skip
+    return probs.to(query.dtype)
 
 
 def _check_window(window_size: tuple[int, int]) -> tuple[int, int]:

@@ -39,7 +39,7 @@ masks give the same results):
   window cannot bind, so this matters for direct calls only);
 * ``softcap`` (Gemma 2/3) is applied to the scores before the mask; ``scaling`` defaults to ``1/sqrt(D)``;
 * ``dropout > 0`` (transformers passes it in training only) uses the reference fallback;
-* ``output_attentions=True`` also returns the probabilities, computed by :func:`_attention_weights` (also
+* ``output_attentions=True`` also returns the probabilities, computed by :func:`attention_weights` (also
   for models such as GPT-2 that do not forward the flag but record what the attention returns); with
   dropout in training they are the probabilities before dropout;
 * rows with no visible key (the padding queries of left-padded batches) have output 0 and zero gradients.
@@ -60,41 +60,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .functional import attention_bhsd
-from .reference import attention_reference
-from .softmax_ops import matmul_softmax
+from .functional import attention_bhsd, attention_weights
 
 HF_ATTN_IMPLEMENTATION = "fmod_attention"
 """The ``attn_implementation`` name under which flashmod is registered in transformers."""
 
 __all__ = ["HF_ATTN_IMPLEMENTATION", "hf_attention_forward", "is_registered", "register"]
-
-
-def _attention_weights(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None,
-    scale: float | None,
-    is_causal: bool,
-    bottom_right: bool,
-    window: tuple[int, int],
-    softcap: float,
-) -> Tensor:
-    """Attention probabilities ``(B, Hq, Nq, Nk)`` in ``query``'s dtype, for ``output_attentions``/``need_weights``.
-
-    The one place that materializes the weights. The fused ``flashmod.matmul_softmax`` op writes them without a
-    separate logits tensor; it has no soft cap or window and aligns causal top-left, so other cases take the
-    reference. Rows with no visible key are all zeros (eager implementations give a uniform row there).
-    """
-    top_left_causal = is_causal and (not bottom_right or query.shape[2] == key.shape[2])
-    if softcap == 0 and window == (-1, -1) and (top_left_causal or not is_causal):
-        return matmul_softmax(query.detach(), key.detach(), scale, is_causal, attn_mask)
-    _, _, probs = attention_reference(
-        query.detach(), key.detach(), value.detach(), attn_mask, scale, is_causal, bottom_right,
-        window[0], window[1], softcap, return_probs=True,
-    )  # fmt: skip
-    return probs.to(query.dtype)
 
 
 def _mask_for(query: Tensor, attention_mask: Tensor | None, seqlen_k: int) -> Tensor | None:
@@ -243,7 +214,7 @@ def hf_attention_forward(
 
     weights = None
     if _attentions_requested(module, kwargs):
-        weights = _attention_weights(query, key, value, mask, scaling, causal, bottom_right, window, cap)
+        weights = attention_weights(query, key, value, mask, scaling, causal, bottom_right, window, cap)
     # The op's output keeps q's memory layout, which for transformers' transposed projections is already
     # (B, S, H, D): this transpose + contiguous is then free.
     return out.transpose(1, 2).contiguous(), weights

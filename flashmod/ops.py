@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,41 +17,21 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (loading the library registers the operators)
+from .checks import (
+    check_4d,
+    check_float_dtype,
+    check_fp64_on_cpu,
+    check_head_groups,
+    check_mask,
+    check_same_device,
+    check_same_dtype,
+    check_scale,
+)
 from .reference import attention_backward_chunked
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 CUDA_MAX_HEAD_DIM = 256
 
-
 ATTENTION_MASK_DIMS = "(batch, q_heads, seqlen_q, seqlen_k)"
-
-
-def check_mask(op: str, attn_mask: Tensor | None, ref: Tensor, ref_name: str, target: tuple, target_names: str) -> None:
-    """Mirror of csrc/common/mask_check.cpp: the attn_mask rules every op with a mask shares."""
-    if attn_mask is None:
-        return
-    torch._check(
-        attn_mask.device == ref.device,
-        lambda: f"{op}: attn_mask must be on {ref_name}'s device {ref.device}, got {attn_mask.device}",
-    )
-    half = ref.dtype in (torch.float16, torch.bfloat16)
-    torch._check(
-        attn_mask.dtype in (torch.bool, ref.dtype) or (half and attn_mask.dtype == torch.float32),
-        lambda: (
-            f"{op}: attn_mask must be bool or {ref_name}'s dtype {ref.dtype}"
-            f"{' (or float32)' if half else ''}, got {attn_mask.dtype}"
-        ),
-    )
-    ok = 1 <= attn_mask.dim() <= len(target) and all(
-        attn_mask.shape[-i] in (1, target[-i]) for i in range(1, attn_mask.dim() + 1)
-    )
-    torch._check(
-        ok,
-        lambda: (
-            f"{op}: attn_mask must be broadcastable to {target_names} = {list(target)}, "
-            f"got shape {list(attn_mask.shape)}"
-        ),
-    )
 
 
 def _check_inputs(
@@ -66,23 +45,14 @@ def _check_inputs(
     softcap: float,
 ) -> None:
     """Mirror of csrc/attention/attention_host.cpp's checks (same order, same messages)."""
-    p = "flashmod.attention: "
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        torch._check(
-            t.dim() == 4,
-            lambda n=name, t=t: (
-                f"{p}{n} must be a 4-D tensor (batch, heads, seqlen, head_dim), "
-                f"got a {t.dim()}-D tensor of shape {list(t.shape)}"
-            ),
-        )
-    torch._check(
-        q.dtype in _FLOAT_DTYPES,
-        lambda: f"{p}q must be float32, float16, bfloat16 or float64, got {q.dtype}",
-    )
-    torch._check(k.dtype == q.dtype, lambda: f"{p}k must have q's dtype {q.dtype}, got {k.dtype}")
-    torch._check(v.dtype == q.dtype, lambda: f"{p}v must have q's dtype {q.dtype}, got {v.dtype}")
-    torch._check(k.device == q.device, lambda: f"{p}k must be on q's device {q.device}, got {k.device}")
-    torch._check(v.device == q.device, lambda: f"{p}v must be on q's device {q.device}, got {v.device}")
+    op = "flashmod.attention"
+    p = f"{op}: "
+    check_4d(op, "batch, heads, seqlen, head_dim", q=q, k=k, v=v)
+    check_float_dtype(op, "q", q)
+    check_same_dtype(op, "k", k, "q", q)
+    check_same_dtype(op, "v", v, "q", q)
+    check_same_device(op, "k", k, "q", q)
+    check_same_device(op, "v", v, "q", q)
     torch._check(
         k.shape[0] == q.shape[0] and v.shape[0] == q.shape[0],
         lambda: f"{p}k and v must have q's batch size {q.shape[0]}, got k {k.shape[0]} and v {v.shape[0]}",
@@ -94,17 +64,9 @@ def _check_inputs(
     )
     torch._check(v.shape[1] == k.shape[1], lambda: f"{p}v must have k's number of heads {k.shape[1]}, got {v.shape[1]}")
     torch._check(v.shape[2] == k.shape[2], lambda: f"{p}v must have k's sequence length {k.shape[2]}, got {v.shape[2]}")
-    torch._check(
-        k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
-        lambda: (
-            f"{p}q's heads must be a multiple of k's heads (GQA/MQA), got q heads {q.shape[1]} "
-            f"and k/v heads {k.shape[1]}"
-        ),
-    )
-    check_mask(
-        "flashmod.attention", attn_mask, q, "q", (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), ATTENTION_MASK_DIMS
-    )
-    torch._check(scale is None or math.isfinite(scale), lambda: f"{p}scale must be finite, got {scale}")
+    check_head_groups(op, "q", q, "k", k, "k/v")
+    check_mask(op, attn_mask, q, "q", (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), ATTENTION_MASK_DIMS)
+    check_scale(op, scale)
     torch._check(window_left >= -1, lambda: f"{p}window_left must be >= -1 (-1 = unbounded), got {window_left}")
     torch._check(window_right >= -1, lambda: f"{p}window_right must be >= -1 (-1 = unbounded), got {window_right}")
     torch._check(
@@ -112,10 +74,7 @@ def _check_inputs(
         lambda: f"{p}softcap must be a finite number >= 0 (0 = off), got {softcap}",
     )
     if q.device.type == "cuda":
-        torch._check(
-            q.dtype != torch.float64,
-            lambda: f"{p}q's dtype float64 is supported on CPU only, got it on {q.device}",
-        )
+        check_fp64_on_cpu(op, "q", q)
         torch._check(
             q.shape[3] <= CUDA_MAX_HEAD_DIM,
             lambda: f"{p}q's head_dim must be <= {CUDA_MAX_HEAD_DIM} on CUDA, got {q.shape[3]}",

@@ -14,26 +14,24 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (loading the library registers the operators)
-from .ops import below_autograd, check_mask, no_grad_needed
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def _check_fp64_device(op: str, name: str, t: Tensor) -> None:
-    torch._check(
-        not (t.dtype == torch.float64 and t.device.type == "cuda"),
-        lambda: f"{op}: {name}'s dtype float64 is supported on CPU only, got it on {t.device}",
-    )
+from .checks import (
+    check_4d,
+    check_float_dtype,
+    check_fp64_on_cpu,
+    check_head_groups,
+    check_mask,
+    check_same_device,
+    check_same_dtype,
+    check_scale,
+)
+from .ops import below_autograd, no_grad_needed
 
 
 def _check_softmax(x: Tensor, dim: int) -> None:
     """Mirror of prepare_softmax in csrc/softmax/softmax_host.cpp."""
     op = "flashmod.softmax"
-    torch._check(
-        x.dtype in _FLOAT_DTYPES,
-        lambda: f"{op}: x must be float32, float16, bfloat16 or float64, got {x.dtype}",
-    )
-    _check_fp64_device(op, "x", x)
+    check_float_dtype(op, "x", x)
+    check_fp64_on_cpu(op, "x", x)
     ndim = max(x.dim(), 1)
     torch._check(
         -ndim <= dim < ndim,
@@ -44,35 +42,19 @@ def _check_softmax(x: Tensor, dim: int) -> None:
 def _check_matmul_softmax(a: Tensor, b: Tensor, scale: float | None, attn_mask: Tensor | None) -> None:
     """Mirror of prepare_matmul_softmax in csrc/softmax/softmax_host.cpp."""
     op = "flashmod.matmul_softmax"
-    for name, t in (("a", a), ("b", b)):
-        torch._check(
-            t.dim() == 4,
-            lambda n=name, t=t: (
-                f"{op}: {n} must be a 4-D tensor (batch, heads, seqlen, depth), "
-                f"got a {t.dim()}-D tensor of shape {list(t.shape)}"
-            ),
-        )
-    torch._check(
-        a.dtype in _FLOAT_DTYPES,
-        lambda: f"{op}: a must be float32, float16, bfloat16 or float64, got {a.dtype}",
-    )
-    torch._check(b.dtype == a.dtype, lambda: f"{op}: b must have a's dtype {a.dtype}, got {b.dtype}")
-    torch._check(b.device == a.device, lambda: f"{op}: b must be on a's device {a.device}, got {b.device}")
-    _check_fp64_device(op, "a", a)
+    check_4d(op, "batch, heads, seqlen, depth", a=a, b=b)
+    check_float_dtype(op, "a", a)
+    check_same_dtype(op, "b", b, "a", a)
+    check_same_device(op, "b", b, "a", a)
+    check_fp64_on_cpu(op, "a", a)
     torch._check(b.shape[0] == a.shape[0], lambda: f"{op}: b must have a's batch size {a.shape[0]}, got {b.shape[0]}")
     torch._check(a.shape[3] > 0, lambda: f"{op}: a's depth (last dimension) must be positive, got {a.shape[3]}")
     torch._check(
         b.shape[3] == a.shape[3],
         lambda: f"{op}: b must have a's depth (last dimension) {a.shape[3]}, got {b.shape[3]}",
     )
-    torch._check(
-        b.shape[1] > 0 and a.shape[1] % b.shape[1] == 0,
-        lambda: (
-            f"{op}: a's heads must be a multiple of b's heads (GQA/MQA), got a heads {a.shape[1]} "
-            f"and b heads {b.shape[1]}"
-        ),
-    )
-    torch._check(scale is None or math.isfinite(scale), lambda: f"{op}: scale must be finite, got {scale}")
+    check_head_groups(op, "a", a, "b", b, "b")
+    check_scale(op, scale)
     check_mask(op, attn_mask, a, "a", (a.shape[0], a.shape[1], a.shape[2], b.shape[2]), "(batch, a_heads, M, N)")
 
 

@@ -1,0 +1,94 @@
+"""Input checks shared by the ops' fake implementations, written as ``torch._check`` so they also
+fire while torch.compile traces. Each mirrors a check of the C++ host code (``csrc/*/..._host.cpp``,
+``csrc/common/mask_check.cpp``) with the same message: the error names the argument, what was
+expected and what came."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+"""The dtypes every flashmod op accepts (float64 on CPU only)."""
+
+
+def check_4d(op: str, dims: str, **tensors: Tensor) -> None:
+    """Each tensor is 4-D; ``dims`` names the four dimensions, e.g. ``"batch, heads, seqlen, depth"``."""
+    for name, t in tensors.items():
+        torch._check(
+            t.dim() == 4,
+            lambda n=name, t=t: (
+                f"{op}: {n} must be a 4-D tensor ({dims}), got a {t.dim()}-D tensor of shape {list(t.shape)}"
+            ),
+        )
+
+
+def check_float_dtype(op: str, name: str, t: Tensor) -> None:
+    torch._check(
+        t.dtype in FLOAT_DTYPES,
+        lambda: f"{op}: {name} must be float32, float16, bfloat16 or float64, got {t.dtype}",
+    )
+
+
+def check_same_dtype(op: str, name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+    torch._check(t.dtype == ref.dtype, lambda: f"{op}: {name} must have {ref_name}'s dtype {ref.dtype}, got {t.dtype}")
+
+
+def check_same_device(op: str, name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+    torch._check(
+        t.device == ref.device, lambda: f"{op}: {name} must be on {ref_name}'s device {ref.device}, got {t.device}"
+    )
+
+
+def check_fp64_on_cpu(op: str, name: str, t: Tensor) -> None:
+    torch._check(
+        not (t.dtype == torch.float64 and t.device.type == "cuda"),
+        lambda: f"{op}: {name}'s dtype float64 is supported on CPU only, got it on {t.device}",
+    )
+
+
+def check_head_groups(op: str, q_name: str, q: Tensor, kv_name: str, kv: Tensor, kv_label: str) -> None:
+    """GQA/MQA: ``q``'s heads are a whole multiple of ``kv``'s; ``kv_label`` names the key side in the
+    message (``"k/v"`` when k and v share the head count)."""
+    torch._check(
+        kv.shape[1] > 0 and q.shape[1] % kv.shape[1] == 0,
+        lambda: (
+            f"{op}: {q_name}'s heads must be a multiple of {kv_name}'s heads (GQA/MQA), "
+            f"got {q_name} heads {q.shape[1]} and {kv_label} heads {kv.shape[1]}"
+        ),
+    )
+
+
+def check_scale(op: str, scale: float | None) -> None:
+    torch._check(scale is None or math.isfinite(scale), lambda: f"{op}: scale must be finite, got {scale}")
+
+
+def check_mask(op: str, attn_mask: Tensor | None, ref: Tensor, ref_name: str, target: tuple, target_names: str) -> None:
+    """The ``attn_mask`` rules every op with a mask shares: ``ref``'s device, bool or ``ref``'s dtype
+    (or float32 for half-precision ``ref``), broadcastable to ``target``."""
+    if attn_mask is None:
+        return
+    torch._check(
+        attn_mask.device == ref.device,
+        lambda: f"{op}: attn_mask must be on {ref_name}'s device {ref.device}, got {attn_mask.device}",
+    )
+    half = ref.dtype in (torch.float16, torch.bfloat16)
+    torch._check(
+        attn_mask.dtype in (torch.bool, ref.dtype) or (half and attn_mask.dtype == torch.float32),
+        lambda: (
+            f"{op}: attn_mask must be bool or {ref_name}'s dtype {ref.dtype}"
+            f"{' (or float32)' if half else ''}, got {attn_mask.dtype}"
+        ),
+    )
+    ok = 1 <= attn_mask.dim() <= len(target) and all(
+        attn_mask.shape[-i] in (1, target[-i]) for i in range(1, attn_mask.dim() + 1)
+    )
+    torch._check(
+        ok,
+        lambda: (
+            f"{op}: attn_mask must be broadcastable to {target_names} = {list(target)}, "
+            f"got shape {list(attn_mask.shape)}"
+        ),
+    )
