@@ -1,8 +1,10 @@
-"""Shared fixtures: the device list, fresh random seeds, and NaN-poisoned allocations."""
+"""Shared by every test: the ``device`` parametrization, the ``cuda`` marker, the repository root,
+fresh random seeds and NaN-poisoned allocations."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +13,27 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def pytest_generate_tests(metafunc):
+    """Every test taking ``device`` runs once per available device; its CUDA case carries the
+    ``cuda`` marker, so ``-m cuda`` selects exactly what runs on the GPU."""
     if "device" in metafunc.fixturenames:
-        metafunc.parametrize("device", DEVICES)
+        metafunc.parametrize(
+            "device", [pytest.param(d, marks=[pytest.mark.cuda] if d == "cuda" else []) for d in DEVICES]
+        )
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The checkout's root: the working directory of tests that start a fresh interpreter."""
+    return Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)

@@ -244,30 +244,6 @@ def test_output_keeps_query_layout(device):
     torch.testing.assert_close(flashmod.attention_op(q3, k2, v2)[0].double(), ref, rtol=2e-3, atol=2e-3)
 
 
-def test_module_both_layouts_and_padding(device):
-    b, n, h, d = 2, 21, 4, 32
-    q, k, v = (torch.randn(b, n, h, d, device=device) for _ in range(3))
-    keep = torch.ones(b, n, dtype=torch.bool, device=device)
-    keep[0, -5:] = False
-    module = flashmod.FlashAttention(causal=True)
-    out = module(q, k, v, key_padding_mask=keep)
-    ref = attention_reference(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep[:, None, None, :], is_causal=True
-    )[0].transpose(1, 2)
-    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
-    bhsd = flashmod.FlashAttention(causal=True, layout="bhsd")
-    torch.testing.assert_close(
-        bhsd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
-        F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True),
-        rtol=1e-5,
-        atol=1e-5,
-    )
-    with pytest.raises(ValueError, match="layout must be 'bshd' or 'bhsd', got 'sbhd'"):
-        flashmod.FlashAttention(layout="sbhd")
-    with pytest.raises(ValueError, match="key_padding_mask must be a bool"):
-        module(q, k, v, key_padding_mask=keep.float())
-
-
 def test_dropout_is_applied_in_training_only(device):
     q, k, v = make_qkv(2, 4, 4, 64, 64, 32, torch.float32, device)
     plain = flashmod.attention(q, k, v)

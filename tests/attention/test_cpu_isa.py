@@ -14,16 +14,17 @@ import pytest
 SLICE = "cpu and forward_matches and (plain or causal_bottom_right_mqa or bool_mask_empty_rows or softcap_causal)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
-def test_forced_instruction_set_matches_reference(isa):
+def test_forced_instruction_set_matches_reference(isa, repo_root):
     env = dict(os.environ, FLASHMOD_CPU_ISA=isa)
-    tests = Path(__file__).parent
+    forward_tests = Path(__file__).with_name("test_attention.py")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests / "test_attention.py"), "-k", SLICE],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(forward_tests), "-k", SLICE],
         env=env,
         capture_output=True,
         text=True,
-        cwd=tests.parent,
+        cwd=repo_root,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout

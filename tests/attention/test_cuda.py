@@ -5,16 +5,11 @@ the full grid of odd sizes on the tensor-core kernel, fp32's 1e-5 relative accur
 fix-ups, bitwise determinism, CUDA-graph capture, non-default streams, 64-bit offsets, and
 compute-sanitizer runs.
 
-compute-sanitizer (run by test_compute_sanitizer below, or by hand):
-    compute-sanitizer --tool memcheck --kernel-name kns=attention_fwd --error-exitcode 1 \
-        python tests/test_cuda_specific.py --sanitizer-case
-    compute-sanitizer --tool racecheck --kernel-name kns=attention_fwd --error-exitcode 1 \
-        python tests/test_cuda_specific.py --sanitizer-case
+compute-sanitizer runs tools/cuda_sanitizer_case.py (test_compute_sanitizer below; by hand, see there).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import shutil
@@ -23,18 +18,12 @@ import sys
 
 import pytest
 import torch
+from tolerance import assert_within_rule
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from flashmod.ops import attention_op
+from flashmod.reference import attention_reference
 
-# Run as a script (the compute-sanitizer case) the repository root is not on sys.path yet.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-if torch.cuda.is_available():  # importing flashmod.ops loads the extension and its CUDA kernels
-    from flashmod.ops import attention_op
-    from flashmod.reference import attention_reference
-
-sys.path.insert(0, os.path.dirname(__file__))
-from tolerance import assert_within_rule  # noqa: E402
+pytestmark = pytest.mark.cuda  # tests/conftest.py skips these without a GPU
 
 LENGTHS = [1, 17, 113, 203, 256, 1023]
 HEAD_DIMS = [32, 40, 59, 64, 111, 128, 256]
@@ -217,7 +206,7 @@ def test_fp32_kernels(monkeypatch, ffma, nq, nk, d, opts):
         assert (out[:, :, 5] == 0).all() and torch.isneginf(lse[:, :, 5]).all()
 
 
-def test_fp64_rejected_and_head_dim_limit():
+def test_fp64_rejected_and_head_dim_limit(repo_root):
     # In a subprocess: on the GPU machine's build (g++ 13.3, 2026-11-22) a TORCH_CHECK whose message
     # holds an integer crashed the process (SIGSEGV) instead of raising, on CPU tensors too (see
     # benchmarks/results/NOTES.md); a crash here must fail this test, not end the whole run.
@@ -239,8 +228,7 @@ else:
     raise AssertionError("head_dim 264 accepted on CUDA")
 print("checks raised")
 """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root, timeout=300)
     assert res.returncode == 0 and "checks raised" in res.stdout, (res.returncode, res.stderr[-2000:])
 
 
@@ -336,31 +324,23 @@ DECODE_MODES = {
 DECODE_KNOBS = ("FLASHMOD_DECODE", "FLASHMOD_DECODE_PACK", "FLASHMOD_DECODE_SPLITS")
 
 
-@contextlib.contextmanager
-def decode_mode(mode):
-    saved = {name: os.environ.get(name) for name in DECODE_KNOBS}
+def use_decode_mode(monkeypatch, mode):
+    """Sets the knobs of ``mode`` (and clears the others) until the test ends."""
     for name in DECODE_KNOBS:
-        os.environ.pop(name, None)
-    os.environ.update(DECODE_MODES[mode])
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        monkeypatch.delenv(name, raising=False)
+    for name, value in DECODE_MODES[mode].items():
+        monkeypatch.setenv(name, value)
 
 
-def check_all_decode_modes(q, k, v, mask=None, **opts):
+def check_all_decode_modes(monkeypatch, q, k, v, mask=None, **opts):
     """Checks every mode against one reference; returns {mode: (out, lse)}."""
     dtype = q.dtype
     truth_o, truth_l = attention_reference(q, k, v, mask, compute_dtype=torch.float64, **opts)
     plain_o, plain_l = attention_reference(q, k, v, mask, compute_dtype=dtype, **opts)
     results = {}
     for mode in DECODE_MODES:
-        with decode_mode(mode):
-            out, lse = attention_op(q, k, v, mask, **opts)
+        use_decode_mode(monkeypatch, mode)
+        out, lse = attention_op(q, k, v, mask, **opts)
         assert_within_rule(out, truth_o, plain_o, 2.0, dtype, f"out [{mode}]")
         assert_within_rule(lse, truth_l, plain_l.float(), 2.0, dtype, f"lse [{mode}]")
         results[mode] = (out, lse)
@@ -380,7 +360,7 @@ DECODE_OPTS = [
 @pytest.mark.parametrize("nq", [1, 3, 16])
 @pytest.mark.parametrize("nk", [1, 17, 1023, 4099, 70000])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode_gqa_split(nq, nk, group):
+def test_decode_gqa_split(monkeypatch, nq, nk, group):
     case = nq * 31 + nk * 7 + group
     dtype = LOW[case % 2]
     d = (64, 128, 59)[case % 3]
@@ -388,23 +368,23 @@ def test_decode_gqa_split(nq, nk, group):
     heads_kv = 2
     q = rand(1, heads_kv * group, nq, d, dtype=dtype)
     k, v = rand(1, heads_kv, nk, d, dtype=dtype), rand(1, heads_kv, nk, d, dtype=dtype)
-    check_all_decode_modes(q, k, v, **opts)
+    check_all_decode_modes(monkeypatch, q, k, v, **opts)
 
 
 @pytest.mark.parametrize("opts", DECODE_OPTS, ids=str)
-def test_decode_options_long_kv(opts):
+def test_decode_options_long_kv(monkeypatch, opts):
     # Every option on the shape split-KV is for: GQA 8, long Nk, D = 128.
     q, k, v = (
         rand(2, 16, 1, 128, dtype=torch.bfloat16),
         rand(2, 2, 4099, 128, dtype=torch.bfloat16),
         rand(2, 2, 4099, 128, dtype=torch.bfloat16),
     )
-    check_all_decode_modes(q, k, v, **opts)
+    check_all_decode_modes(monkeypatch, q, k, v, **opts)
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("nq", [1, 3, 16])
-def test_decode_bool_mask_empty_rows_and_splits(dtype, nq):
+def test_decode_bool_mask_empty_rows_and_splits(monkeypatch, dtype, nq):
     # A mask stops GQA packing, so this is split-KV on per-head rows. Row 0 of every head sees no
     # key (0 / -inf); row -1 sees only keys < 40, so every split but the first is empty for it.
     b, hkv, group, nk, d = 2, 2, 4, 4099, 64
@@ -413,88 +393,60 @@ def test_decode_bool_mask_empty_rows_and_splits(dtype, nq):
     mask = torch.rand(b, hkv * group, nq, nk, device="cuda") > 0.3
     mask[:, :, 0] = False
     mask[:, :, -1, 40:] = False
-    for mode, (out, lse) in check_all_decode_modes(q, k, v, mask, is_causal=True).items():
+    for mode, (out, lse) in check_all_decode_modes(monkeypatch, q, k, v, mask, is_causal=True).items():
         assert (out[:, :, 0] == 0).all() and torch.isneginf(lse[:, :, 0]).all(), mode
     # Every row fully masked: all splits empty everywhere.
     none = torch.zeros(1, 1, nq, nk, dtype=torch.bool, device="cuda")
     for mode in DECODE_MODES:
-        with decode_mode(mode):
-            out, lse = attention_op(q, k, v, none)
+        use_decode_mode(monkeypatch, mode)
+        out, lse = attention_op(q, k, v, none)
         assert (out == 0).all() and torch.isneginf(lse).all(), mode
 
 
-def test_decode_rows_without_visible_keys():
+def test_decode_rows_without_visible_keys(monkeypatch):
     # Bottom-right causal with Nk < Nq: positions 0..5 see no key (0 / -inf), also when packed;
     # then a narrow top-left window over a long Nk: most splits are empty for every row.
     q = rand(1, 8, 16, 64, dtype=torch.float16)
     k, v = rand(1, 2, 10, 64, dtype=torch.float16), rand(1, 2, 10, 64, dtype=torch.float16)
-    for mode, (out, lse) in check_all_decode_modes(q, k, v, is_causal=True).items():
+    for mode, (out, lse) in check_all_decode_modes(monkeypatch, q, k, v, is_causal=True).items():
         assert (out[:, :, :6] == 0).all() and torch.isneginf(lse[:, :, :6]).all(), mode
     k, v = rand(1, 2, 5000, 64, dtype=torch.float16), rand(1, 2, 5000, 64, dtype=torch.float16)
-    check_all_decode_modes(q, k, v, window_left=2, window_right=0, bottom_right=False)
+    check_all_decode_modes(monkeypatch, q, k, v, window_left=2, window_right=0, bottom_right=False)
 
 
 @pytest.mark.parametrize("nq", [1, 3])
-def test_decode_bshd_layout(nq):
+def test_decode_bshd_layout(monkeypatch, nq):
     # (B, S, H, D) storage: Nq = 1 packs through the head stride; Nq = 3 cannot pack (its rows
     # are not one stride apart) and must fall back to per-head rows.
     q = rand(2, nq, 16, 128, dtype=torch.bfloat16).transpose(1, 2)
     kv = rand(2, 3000, 2, 2, 128, dtype=torch.bfloat16)
     k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-    for mode, (out, _) in check_all_decode_modes(q, k, v, is_causal=True).items():
+    for mode, (out, _) in check_all_decode_modes(monkeypatch, q, k, v, is_causal=True).items():
         assert out.stride() == torch.empty_like(q).stride(), mode
 
 
-def test_decode_split_deterministic():
+def test_decode_split_deterministic(monkeypatch):
     q = rand(1, 32, 1, 128, dtype=torch.bfloat16)
     k, v = rand(1, 8, 20000, 128, dtype=torch.bfloat16), rand(1, 8, 20000, 128, dtype=torch.bfloat16)
     for mode in ("heuristic", "packed_5splits", "unpacked_3splits"):
-        with decode_mode(mode):
-            first, first_lse = attention_op(q, k, v)
-            for _ in range(20):
-                out, lse = attention_op(q, k, v)
-                assert torch.equal(out, first) and torch.equal(lse, first_lse), mode
+        use_decode_mode(monkeypatch, mode)
+        first, first_lse = attention_op(q, k, v)
+        for _ in range(20):
+            out, lse = attention_op(q, k, v)
+            assert torch.equal(out, first) and torch.equal(lse, first_lse), mode
 
 
 # ---------------------------------------------------------------------------------------------
-def sanitizer_case():
-    """Small shapes covering every kernel path once (run under compute-sanitizer)."""
-    torch.manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for nq, nk, d in [(17, 113, 64), (130, 77, 128), (5, 33, 256), (70, 70, 40)]:
-            q, k, v = (torch.randn(1, 2, n, d, device="cuda", dtype=dtype) for n in (nq, nk, nk))
-            mask = torch.rand(nq, nk, device="cuda") > 0.3
-            attention_op(q, k, v)
-            attention_op(q, k, v, is_causal=True, bottom_right=False)
-            attention_op(q, k, v, mask, softcap=5.0, window_left=20, window_right=3)
-            attention_op(q, k, v, mask, is_causal=True)  # bool mask alone: the wgmma kernel's bit path
-        if dtype != torch.float32:  # decode kernel: GQA packing + split-KV and its combine
-            q, k = (
-                torch.randn(1, 8, 3, 59, device="cuda", dtype=dtype),
-                torch.randn(1, 2, 700, 59, device="cuda", dtype=dtype),
-            )
-            for mode in ("heuristic", "packed_5splits", "unpacked_3splits"):
-                with decode_mode(mode):
-                    attention_op(q, k, k, is_causal=True)
-                    attention_op(q, k, k, torch.rand(3, 700, device="cuda") > 0.5, softcap=3.0)
-    torch.cuda.synchronize()
-    print("sanitizer case done")
-
-
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-def test_compute_sanitizer(tool):
+def test_compute_sanitizer(tool, repo_root):
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not os.path.exists(exe):
         pytest.skip("compute-sanitizer not found")
     cmd = [exe, "--tool", tool, "--kernel-name", "kns=attention_fwd", "--error-exitcode", "1",
-           sys.executable, os.path.abspath(__file__), "--sanitizer-case"]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+           sys.executable, str(repo_root / "tools" / "cuda_sanitizer_case.py")]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=repo_root, timeout=600)
     assert res.returncode == 0 and "sanitizer case done" in res.stdout, res.stdout[-4000:] + res.stderr[-4000:]
     assert (
         "ERROR SUMMARY: 0 errors" in res.stdout + res.stderr
         or "RACECHECK SUMMARY: 0 hazards" in res.stdout + res.stderr
     )
-
-
-if __name__ == "__main__" and "--sanitizer-case" in sys.argv:
-    sanitizer_case()

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+# Not monkeypatch.setenv: huggingface_hub reads this once, when transformers is imported just below.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,6 @@ most twice the error of plain torch computed in the same low precision, plus a t
 from __future__ import annotations
 
 import math
-import random
 import re
 from functools import partial
 
@@ -17,17 +16,8 @@ from tolerance import assert_within_rule
 
 import flashmod
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 LOW = [torch.float32, torch.float16, torch.bfloat16]
 NEG_INF = float("-inf")
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed():
-    """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
-    seed = random.SystemRandom().randrange(2**31)
-    torch.manual_seed(seed)
-    print(f"seed={seed}")
 
 
 def dtypes_for(device: str) -> list[torch.dtype]:
@@ -49,32 +39,29 @@ def assert_rule(ours: torch.Tensor, truth: torch.Tensor, plain: torch.Tensor, wh
 # ---------------------------------------------------------------------------------------- softmax
 
 
-@pytest.mark.parametrize("dev", DEVICES)
 # On CUDA: warp per row (<= 1023), block per row (4097, 16384), then the long-row paths that
 # test_softmax_long_row_paths checks by name.
 @pytest.mark.parametrize("n", [1, 17, 255, 256, 1023, 4097, 16384, 40000, 65537, 131072, 262143, 300000])
-def test_softmax_rows(dev, n):
-    for dtype in dtypes_for(dev):
-        x = (torch.randn(3, n, device=dev) * 4).to(dtype)
+def test_softmax_rows(device, n):
+    for dtype in dtypes_for(device):
+        x = (torch.randn(3, n, device=device) * 4).to(dtype)
         ours = flashmod.softmax(x, -1)
         assert_rule(ours, torch.softmax(x.double(), -1), torch.softmax(x, -1), f"{dtype} n={n}")
 
 
-@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("shape", [(5, 19, 33), (2, 3, 4, 17), (40, 1)])
-def test_softmax_every_dim(dev, shape):
-    for dtype in dtypes_for(dev):
-        x = (torch.randn(shape, device=dev) * 3).to(dtype)
+def test_softmax_every_dim(device, shape):
+    for dtype in dtypes_for(device):
+        x = (torch.randn(shape, device=device) * 3).to(dtype)
         for dim in range(-len(shape), len(shape)):
             ours = flashmod.softmax(x, dim)
             assert_rule(ours, torch.softmax(x.double(), dim), torch.softmax(x, dim), f"{dtype} dim={dim}")
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_softmax_non_contiguous_and_scalar(dev):
-    x = torch.randn(33, 70, device=dev).t()  # strided input
+def test_softmax_non_contiguous_and_scalar(device):
+    x = torch.randn(33, 70, device=device).t()  # strided input
     torch.testing.assert_close(flashmod.softmax(x, 1), torch.softmax(x, 1))
-    s = torch.randn((), device=dev)
+    s = torch.randn((), device=device)
     assert flashmod.softmax(s, 0).item() == 1.0 and flashmod.softmax(s, -1).shape == ()
 
 
@@ -133,7 +120,7 @@ def check_special_rows(y: torch.Tensor, all_inf: int, some_inf: int, nan: int) -
     assert torch.isnan(y[nan]).all()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA launch paths")
+@pytest.mark.cuda
 # On H100, rows in 16-byte packs up to 2 MB take the stream path: 20000, 65536, 262144, 524288 (fp32:
 # exactly 16 x 128 KB) and 600000 in 16 bits. With FLASHMOD_SOFTMAX_STREAM=0, and for the rest,
 # per dtype (fp32 / aligned 16-bit): 20000 and 65536 take clusters of 256-thread blocks, 262144
@@ -160,6 +147,7 @@ def test_softmax_long_row_paths(n, registers, monkeypatch, capfd):
         assert_within_rule(y[keep], torch.softmax(xk.double(), -1), torch.softmax(xk, -1), 2, dtype, f"{dtype} n={n}")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90 stream path"
 )
@@ -193,7 +181,7 @@ def test_softmax_stream_cluster_sizes(n, cluster, monkeypatch, capfd):
         assert_within_rule(y[: rows - 3], torch.softmax(xk.double(), -1), plain, 2, dtype, f"{dtype} c={cluster}")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA launch paths")
+@pytest.mark.cuda
 def test_softmax_cluster_rows_past_grid(monkeypatch, capfd):
     """More rows than the grid's 65535: clusters 0-4 take rows 65535-65539 as their second row
     (the other parity of the shared-memory buffers), with the special rows among them."""
@@ -212,11 +200,10 @@ def test_softmax_cluster_rows_past_grid(monkeypatch, capfd):
         del x, y
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_softmax_neg_inf_rows_and_nan(dev):
+def test_softmax_neg_inf_rows_and_nan(device):
     for dtype in LOW:
         for n in (5, 300, 5000):
-            x = torch.randn(4, n, device=dev).to(dtype)
+            x = torch.randn(4, n, device=device).to(dtype)
             x[0] = NEG_INF  # all -inf: zeros (torch gives NaN)
             x[1, ::2] = NEG_INF  # partly -inf: exact zeros there, the rest normalized
             x[2, n // 2] = float("nan")  # NaN makes its row NaN, and only its row
@@ -232,10 +219,9 @@ def test_softmax_neg_inf_rows_and_nan(dev):
             torch.testing.assert_close(yt[:, 3], torch.softmax(x[3], -1))
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_softmax_empty(dev):
+def test_softmax_empty(device):
     for shape, dim in (((0, 7), -1), ((7, 0), -1), ((3, 0, 5), 1), ((0,), 0)):
-        x = torch.randn(shape, device=dev)
+        x = torch.randn(shape, device=device)
         y = flashmod.softmax(x, dim)
         assert y.shape == x.shape and y.dtype == x.dtype
 
@@ -249,29 +235,27 @@ def test_softmax_gradcheck():
     assert torch.isfinite(y.grad).all() and (y.grad[0] == 0).all()
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_softmax_grad_matches_torch(dev):
-    x = torch.randn(6, 300, device=dev, requires_grad=True)
-    g = torch.randn(6, 300, device=dev)
+def test_softmax_grad_matches_torch(device):
+    x = torch.randn(6, 300, device=device, requires_grad=True)
+    g = torch.randn(6, 300, device=device)
     (ours,) = torch.autograd.grad(flashmod.softmax(x, -1), x, g)
     (ref,) = torch.autograd.grad(torch.softmax(x, -1), x, g)
     torch.testing.assert_close(ours, ref)
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_low_precision_grads_within_rule(dev):
+def test_low_precision_grads_within_rule(device):
     for dtype in (torch.float16, torch.bfloat16):
-        x = (torch.randn(8, 700, device=dev) * 3).to(dtype)
-        g = torch.randn(8, 700, device=dev).to(dtype)
+        x = (torch.randn(8, 700, device=device) * 3).to(dtype)
+        g = torch.randn(8, 700, device=device).to(dtype)
         grads = []
         for fn, t in ((flashmod.softmax, x), (torch.softmax, x), (torch.softmax, x.double())):
             t = t.detach().requires_grad_()
             (grad,) = torch.autograd.grad(fn(t, -1), t, g.to(t.dtype))
             grads.append(grad)
         assert_rule(grads[0], grads[2], grads[1], f"softmax grad {dtype}")
-        a = torch.randn(1, 4, 50, 64, device=dev, dtype=dtype)
-        b = torch.randn(1, 2, 90, 64, device=dev, dtype=dtype)
-        gp = torch.randn(1, 4, 50, 90, device=dev, dtype=dtype)
+        a = torch.randn(1, 4, 50, 64, device=device, dtype=dtype)
+        b = torch.randn(1, 2, 90, 64, device=device, dtype=dtype)
+        gp = torch.randn(1, 4, 50, 90, device=device, dtype=dtype)
         results = []
         for fn, dt in (
             (flashmod.matmul_softmax, dtype),
@@ -284,24 +268,22 @@ def test_low_precision_grads_within_rule(dev):
             assert_rule(results[0][i], results[2][i], results[1][i], f"matmul_softmax grad {name} {dtype}")
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_softmax_opcheck_and_compile(dev):
-    x = torch.randn(4, 37, 9, device=dev, requires_grad=True)
+def test_softmax_opcheck_and_compile(device):
+    x = torch.randn(4, 37, 9, device=device, requires_grad=True)
     torch.library.opcheck(torch.ops.flashmod.softmax.default, (x, 1))
     torch.library.opcheck(torch.ops.flashmod.softmax.default, (x, -1))
-    compiled = torch.compile(lambda t: flashmod.softmax(t * 2, 1) + 1, fullgraph=True, backend=compile_backend(dev))
+    compiled = torch.compile(lambda t: flashmod.softmax(t * 2, 1) + 1, fullgraph=True, backend=compile_backend(device))
     torch.testing.assert_close(compiled(x), torch.softmax(x * 2, 1) + 1)
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_softmax_bad_inputs(dev):
-    x = torch.randn(3, 4, device=dev)
+def test_softmax_bad_inputs(device):
+    x = torch.randn(3, 4, device=device)
     flashmod.softmax(x, -2)  # positive control: the same tensor with a valid dim works
     with pytest.raises(RuntimeError, match=r"flashmod.softmax: dim must be in \[-2, 1\] for a 2-D tensor, got 2"):
         flashmod.softmax(x, 2)
     with pytest.raises(RuntimeError, match="flashmod.softmax: x must be float32, float16, bfloat16 or float64, got"):
-        flashmod.softmax(torch.ones(3, 4, dtype=torch.int32, device=dev), -1)
-    if dev == "cuda":
+        flashmod.softmax(torch.ones(3, 4, dtype=torch.int32, device=device), -1)
+    if device == "cuda":
         with pytest.raises(RuntimeError, match="float64 is supported on CPU only"):
             flashmod.softmax(x.double(), -1)
 
@@ -332,7 +314,6 @@ def check_matmul_softmax(a, b, what, **kw):
     return ours
 
 
-@pytest.mark.parametrize("dev", DEVICES)
 # On CUDA, fp16/bf16 with depth a multiple of 8 up to 256 take the fused tensor-core kernel, one
 # instantiation per depth bucket (<= 32, 64, 128, 256: 8, 16, 40, 64, 96, 128, 200, 256 here); depth
 # 4, 12, 30 and 264 take the cuBLAS + in-place fallback. fp32 takes the fused 3xTF32 kernel at depth
@@ -360,57 +341,55 @@ def check_matmul_softmax(a, b, what, **kw):
         (9, 20, 264),
     ],
 )
-def test_matmul_softmax_shapes(dev, mnk):
+def test_matmul_softmax_shapes(device, mnk):
     m, n, k = mnk
-    for dtype in dtypes_for(dev):
-        a = torch.randn(2, 4, m, k, device=dev, dtype=dtype)
-        b = torch.randn(2, 2, n, k, device=dev, dtype=dtype)  # GQA: 2 a-heads per b-head
+    for dtype in dtypes_for(device):
+        a = torch.randn(2, 4, m, k, device=device, dtype=dtype)
+        b = torch.randn(2, 2, n, k, device=device, dtype=dtype)  # GQA: 2 a-heads per b-head
         check_matmul_softmax(a, b, f"{dtype} {mnk}")
         check_matmul_softmax(a, b, f"{dtype} {mnk} causal scale", is_causal=True, scale=0.3)
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_matmul_softmax_masks(dev):
+def test_matmul_softmax_masks(device):
     m, n, k = 37, 70, 32
-    for dtype in dtypes_for(dev):
-        a = torch.randn(2, 3, m, k, device=dev, dtype=dtype)
-        b = torch.randn(2, 3, n, k, device=dev, dtype=dtype)
-        bool_mask = torch.rand(m, n, device=dev) > 0.4
+    for dtype in dtypes_for(device):
+        a = torch.randn(2, 3, m, k, device=device, dtype=dtype)
+        b = torch.randn(2, 3, n, k, device=device, dtype=dtype)
+        bool_mask = torch.rand(m, n, device=device) > 0.4
         bool_mask[5] = False  # a fully masked row: zeros
         out = check_matmul_softmax(a, b, f"{dtype} bool", attn_mask=bool_mask)
         assert (out[:, :, 5] == 0).all()
-        per_batch = torch.rand(2, 1, 1, n, device=dev) > 0.5
+        per_batch = torch.rand(2, 1, 1, n, device=device) > 0.5
         check_matmul_softmax(a, b, f"{dtype} bool (B,1,1,N) causal", attn_mask=per_batch, is_causal=True)
-        additive = torch.randn(3, m, n, device=dev, dtype=dtype)
+        additive = torch.randn(3, m, n, device=device, dtype=dtype)
         check_matmul_softmax(a, b, f"{dtype} additive", attn_mask=additive)
         if dtype in (torch.float16, torch.bfloat16):
             check_matmul_softmax(a, b, f"{dtype} fp32 additive", attn_mask=additive.float())
 
 
-@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("mnk", [(150, 200, 64), (70, 131, 128), (40, 72, 256)])
-def test_matmul_softmax_masks_fused_tiles(dev, mnk):
+def test_matmul_softmax_masks_fused_tiles(device, mnk):
     """Masks over several row blocks and column tiles of the fused kernel: broadcast strides (0 on
     batch, heads, rows or columns), a transposed mask (column stride M), with and without causal,
     bool rows fully masked and additive rows of -inf (both give zeros), MQA (one b head)."""
     m, n, k = mnk
-    for dtype in dtypes_for(dev):
-        a = torch.randn(2, 3, m, k, device=dev, dtype=dtype)
-        b = torch.randn(2, 1, n, k, device=dev, dtype=dtype)
-        bool_mask = torch.rand(2, 1, m, n, device=dev) > 0.3
+    for dtype in dtypes_for(device):
+        a = torch.randn(2, 3, m, k, device=device, dtype=dtype)
+        b = torch.randn(2, 1, n, k, device=device, dtype=dtype)
+        bool_mask = torch.rand(2, 1, m, n, device=device) > 0.3
         bool_mask[:, :, 3] = False
         for causal in (False, True):
             out = check_matmul_softmax(
                 a, b, f"{dtype} {mnk} bool causal={causal}", attn_mask=bool_mask, is_causal=causal
             )
             assert (out[:, :, 3] == 0).all()
-        transposed = torch.rand(n, m, device=dev).t() > 0.5  # (M, N) view with strides (1, M)
+        transposed = torch.rand(n, m, device=device).t() > 0.5  # (M, N) view with strides (1, M)
         check_matmul_softmax(a, b, f"{dtype} {mnk} transposed bool", attn_mask=transposed, is_causal=True)
-        per_column = torch.rand(1, 1, 1, n, device=dev) > 0.5
+        per_column = torch.rand(1, 1, 1, n, device=device) > 0.5
         check_matmul_softmax(a, b, f"{dtype} {mnk} (1,1,1,N) bool", attn_mask=per_column)
-        per_row = torch.rand(m, 1, device=dev) > 0.2  # broadcast along the columns: stride 0
+        per_row = torch.rand(m, 1, device=device) > 0.2  # broadcast along the columns: stride 0
         check_matmul_softmax(a, b, f"{dtype} {mnk} (M,1) bool", attn_mask=per_row)
-        additive = torch.randn(3, m, n, device=dev, dtype=dtype) * 2
+        additive = torch.randn(3, m, n, device=device, dtype=dtype) * 2
         additive[:, 7] = NEG_INF
         out = check_matmul_softmax(a, b, f"{dtype} {mnk} additive", attn_mask=additive, is_causal=True)
         assert (out[:, :, 7] == 0).all()
@@ -419,7 +398,7 @@ def test_matmul_softmax_masks_fused_tiles(dev, mnk):
             check_matmul_softmax(a, b, f"{dtype} {mnk} fp32 additive", attn_mask=f32, scale=0.05)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA launch paths")
+@pytest.mark.cuda
 @pytest.mark.parametrize("max_n", [None, "0", "512"])
 def test_matmul_softmax_fp32_single_pass(max_n, monkeypatch):
     """fp32 at depth 65..128 takes the single-pass kernel (16-row CTAs, the rows' logits parked in
@@ -432,27 +411,26 @@ def test_matmul_softmax_fp32_single_pass(max_n, monkeypatch):
         monkeypatch.delenv("FLASHMOD_MMSM_SINGLE_PASS_MAX_N", raising=False)
     else:
         monkeypatch.setenv("FLASHMOD_MMSM_SINGLE_PASS_MAX_N", max_n)
-    dev = "cuda"
+    device = "cuda"
     for m, n, k in ((33, 257, 128), (16, 600, 96), (70, 131, 68), (300, 1100, 128), (5, 2048, 128)):
-        a = torch.randn(2, 4, m, k, device=dev)
-        b = torch.randn(2, 2, n, k, device=dev)  # GQA: 2 a-heads per b-head
+        a = torch.randn(2, 4, m, k, device=device)
+        b = torch.randn(2, 2, n, k, device=device)  # GQA: 2 a-heads per b-head
         what = f"max_n={max_n} {(m, n, k)}"
         check_matmul_softmax(a, b, what)
         check_matmul_softmax(a, b, f"{what} causal", is_causal=True, scale=0.3)
-        bool_mask = torch.rand(2, 1, m, n, device=dev) > 0.3
+        bool_mask = torch.rand(2, 1, m, n, device=device) > 0.3
         bool_mask[:, :, 3] = False
         for causal in (False, True):
             out = check_matmul_softmax(a, b, f"{what} bool causal={causal}", attn_mask=bool_mask, is_causal=causal)
             assert (out[:, :, 3] == 0).all()
-        additive = torch.randn(4, m, n, device=dev) * 2
+        additive = torch.randn(4, m, n, device=device) * 2
         additive[:, 1] = NEG_INF
         out = check_matmul_softmax(a, b, f"{what} additive", attn_mask=additive)
         assert (out[:, :, 1] == 0).all()
 
 
-@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("n", [1100, 2100, 9000])
-def test_matmul_softmax_fallback_rows(dev, n):
+def test_matmul_softmax_fallback_rows(device, n):
     """The fallback's normalize kernels on CUDA: rows cached in registers (16-byte packs when N is a
     multiple of the pack, single elements otherwise, 128 or 512 threads) and, past their capacity,
     the two-read loop. Depths 18 and 10 are no multiple of 4, so every dtype falls back."""
@@ -460,29 +438,28 @@ def test_matmul_softmax_fallback_rows(dev, n):
         for k, causal in ((18, False), (10, True)):
             if dtype != torch.float32 and k == 18:
                 continue
-            a = torch.randn(1, 2, 6, k, device=dev, dtype=dtype)
-            b = torch.randn(1, 2, n, k, device=dev, dtype=dtype)
+            a = torch.randn(1, 2, 6, k, device=device, dtype=dtype)
+            b = torch.randn(1, 2, n, k, device=device, dtype=dtype)
             for nn in (n, n - 1):
-                mask = torch.rand(6, nn, device=dev) > 0.5
+                mask = torch.rand(6, nn, device=device) > 0.5
                 mask[2] = False
                 out = check_matmul_softmax(a, b[:, :, :nn], f"{dtype} n={nn} k={k}", is_causal=causal, attn_mask=mask)
                 assert (out[:, :, 2] == 0).all()
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_matmul_softmax_non_contiguous_and_empty(dev):
-    a = torch.randn(2, 9, 3, 16, device=dev).transpose(1, 2)  # (B, H, M, K) view of (B, M, H, K)
-    b = torch.randn(2, 16, 3, 11, device=dev).permute(0, 2, 3, 1)  # last dim strided
+def test_matmul_softmax_non_contiguous_and_empty(device):
+    a = torch.randn(2, 9, 3, 16, device=device).transpose(1, 2)  # (B, H, M, K) view of (B, M, H, K)
+    b = torch.randn(2, 16, 3, 11, device=device).permute(0, 2, 3, 1)  # last dim strided
     check_matmul_softmax(a, b, "strided")
     for dtype in LOW:  # the fused kernel with row stride 144 != depth 16
-        a16 = torch.randn(2, 70, 9, 16, device=dev, dtype=dtype).transpose(1, 2)
-        b16 = torch.randn(2, 3, 50, 24, device=dev, dtype=dtype)[..., 8:]  # 16-byte aligned view
+        a16 = torch.randn(2, 70, 9, 16, device=device, dtype=dtype).transpose(1, 2)
+        b16 = torch.randn(2, 3, 50, 24, device=device, dtype=dtype)[..., 8:]  # 16-byte aligned view
         check_matmul_softmax(a16, b16, f"{dtype} strided", is_causal=True)
     # fp32 rows of 18 elements: row starts not 16-byte aligned, so the cuBLAS fallback at depth 16
-    b18 = torch.randn(2, 3, 50, 18, device=dev)[..., 2:]
-    check_matmul_softmax(torch.randn(2, 3, 40, 16, device=dev), b18, "f32 misaligned")
+    b18 = torch.randn(2, 3, 50, 18, device=device)[..., 2:]
+    check_matmul_softmax(torch.randn(2, 3, 40, 16, device=device), b18, "f32 misaligned")
     for m, n in ((0, 5), (5, 0)):
-        out = flashmod.matmul_softmax(torch.randn(1, 2, m, 8, device=dev), torch.randn(1, 2, n, 8, device=dev))
+        out = flashmod.matmul_softmax(torch.randn(1, 2, m, 8, device=device), torch.randn(1, 2, n, 8, device=device))
         assert out.shape == (1, 2, m, n)
 
 
@@ -500,50 +477,47 @@ def test_matmul_softmax_gradcheck():
         assert torch.autograd.gradcheck(partial(flashmod.matmul_softmax, **kw), (a, b))
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_matmul_softmax_grad_matches_torch(dev):
-    a = torch.randn(2, 4, 20, 16, device=dev, requires_grad=True)
-    b = torch.randn(2, 4, 30, 16, device=dev, requires_grad=True)
-    g = torch.randn(2, 4, 20, 30, device=dev)
+def test_matmul_softmax_grad_matches_torch(device):
+    a = torch.randn(2, 4, 20, 16, device=device, requires_grad=True)
+    b = torch.randn(2, 4, 30, 16, device=device, requires_grad=True)
+    g = torch.randn(2, 4, 20, 30, device=device)
     ours = torch.autograd.grad(flashmod.matmul_softmax(a, b, is_causal=True), (a, b), g)
     ref = torch.autograd.grad(matmul_softmax_ref(a, b, is_causal=True), (a, b), g)
     for o, r in zip(ours, ref):
         torch.testing.assert_close(o, r)
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_matmul_softmax_opcheck_and_compile(dev):
-    a = torch.randn(1, 4, 6, 8, device=dev, requires_grad=True)
-    b = torch.randn(1, 2, 7, 8, device=dev, requires_grad=True)
-    mask = torch.rand(6, 7, device=dev) > 0.2
+def test_matmul_softmax_opcheck_and_compile(device):
+    a = torch.randn(1, 4, 6, 8, device=device, requires_grad=True)
+    b = torch.randn(1, 2, 7, 8, device=device, requires_grad=True)
+    mask = torch.rand(6, 7, device=device) > 0.2
     op = torch.ops.flashmod.matmul_softmax.default
     torch.library.opcheck(op, (a, b), {"is_causal": True})
     torch.library.opcheck(op, (a, b), {"scale": 0.5, "attn_mask": mask})
     compiled = torch.compile(
-        lambda x, y: flashmod.matmul_softmax(x + 1, y, attn_mask=mask), fullgraph=True, backend=compile_backend(dev)
+        lambda x, y: flashmod.matmul_softmax(x + 1, y, attn_mask=mask), fullgraph=True, backend=compile_backend(device)
     )
     torch.testing.assert_close(compiled(a, b), matmul_softmax_ref(a + 1, b, attn_mask=mask))
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_matmul_softmax_bad_inputs(dev):
-    a = torch.randn(1, 4, 6, 8, device=dev)
-    b = torch.randn(1, 2, 7, 8, device=dev)
-    flashmod.matmul_softmax(a, b, attn_mask=torch.ones(6, 7, dtype=torch.bool, device=dev))  # positive control
+def test_matmul_softmax_bad_inputs(device):
+    a = torch.randn(1, 4, 6, 8, device=device)
+    b = torch.randn(1, 2, 7, 8, device=device)
+    flashmod.matmul_softmax(a, b, attn_mask=torch.ones(6, 7, dtype=torch.bool, device=device))  # positive control
     op = "flashmod.matmul_softmax: "
     cases = [
         ((a[0], b), {}, op + r"a must be a 4-D tensor \(batch, heads, seqlen, depth\), got a 3-D tensor"),
         ((a, b.half()), {}, op + "b must have a's dtype torch.float32, got torch.float16"),
         ((a, b[..., :5]), {}, op + r"b must have a's depth \(last dimension\) 8, got 5"),
-        ((a, torch.randn(1, 3, 7, 8, device=dev)), {}, op + "a's heads must be a multiple of b's heads"),
+        ((a, torch.randn(1, 3, 7, 8, device=device)), {}, op + "a's heads must be a multiple of b's heads"),
         (
             (a, b),
-            {"attn_mask": torch.ones(6, 5, dtype=torch.bool, device=dev)},
+            {"attn_mask": torch.ones(6, 5, dtype=torch.bool, device=device)},
             op + r"attn_mask must be broadcastable to \(batch, a_heads, M, N\) = \[1, 4, 6, 7\], got shape \[6, 5\]",
         ),
         (
             (a, b),
-            {"attn_mask": torch.ones(6, 7, dtype=torch.int32, device=dev)},
+            {"attn_mask": torch.ones(6, 7, dtype=torch.int32, device=device)},
             op + "attn_mask must be bool or a's dtype torch.float32, got torch.int32",
         ),
         ((a, b), {"scale": float("inf")}, op + "scale must be finite, got inf"),
@@ -552,4 +526,4 @@ def test_matmul_softmax_bad_inputs(dev):
         with pytest.raises(RuntimeError, match=message):
             flashmod.matmul_softmax(*args, **kw)
     with pytest.raises(NotImplementedError, match="gradients with respect to attn_mask are not supported"):
-        flashmod.matmul_softmax(a, b, attn_mask=torch.randn(6, 7, device=dev, requires_grad=True))
+        flashmod.matmul_softmax(a, b, attn_mask=torch.randn(6, 7, device=device, requires_grad=True))

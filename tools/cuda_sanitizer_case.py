@@ -1,0 +1,58 @@
+"""Small shapes covering every CUDA attention kernel path once, for compute-sanitizer.
+
+tests/attention/test_cuda.py::test_compute_sanitizer runs it; by hand, from the repository root:
+
+    compute-sanitizer --tool memcheck --kernel-name kns=attention_fwd --error-exitcode 1 \\
+        python tools/cuda_sanitizer_case.py
+    compute-sanitizer --tool racecheck --kernel-name kns=attention_fwd --error-exitcode 1 \\
+        python tools/cuda_sanitizer_case.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source tree
+from flashmod.ops import attention_op  # noqa: E402
+
+# The decode kernel's variants, forced through the knobs of csrc/attention/cuda/attention_cuda.cpp
+# (tests/attention/test_cuda.py's DECODE_MODES covers more).
+DECODE_MODES = {
+    "heuristic": {},
+    "packed_5splits": {"FLASHMOD_DECODE_SPLITS": "5"},
+    "unpacked_3splits": {"FLASHMOD_DECODE_PACK": "0", "FLASHMOD_DECODE_SPLITS": "3"},
+}
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for nq, nk, d in [(17, 113, 64), (130, 77, 128), (5, 33, 256), (70, 70, 40)]:
+            q, k, v = (torch.randn(1, 2, n, d, device="cuda", dtype=dtype) for n in (nq, nk, nk))
+            mask = torch.rand(nq, nk, device="cuda") > 0.3
+            attention_op(q, k, v)
+            attention_op(q, k, v, is_causal=True, bottom_right=False)
+            attention_op(q, k, v, mask, softcap=5.0, window_left=20, window_right=3)
+            attention_op(q, k, v, mask, is_causal=True)  # bool mask alone: the wgmma kernel's bit path
+        if dtype != torch.float32:  # decode kernel: GQA packing + split-KV and its combine
+            q, k = (
+                torch.randn(1, 8, 3, 59, device="cuda", dtype=dtype),
+                torch.randn(1, 2, 700, 59, device="cuda", dtype=dtype),
+            )
+            for knobs in DECODE_MODES.values():
+                # This process is the sanitizer's child and ends here: setting its environment is harmless.
+                for name in ("FLASHMOD_DECODE_PACK", "FLASHMOD_DECODE_SPLITS"):
+                    os.environ.pop(name, None)
+                os.environ.update(knobs)
+                attention_op(q, k, k, is_causal=True)
+                attention_op(q, k, k, torch.rand(3, 700, device="cuda") > 0.5, softcap=3.0)
+    torch.cuda.synchronize()
+    print("sanitizer case done")
+
+
+if __name__ == "__main__":
+    main()
