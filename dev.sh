@@ -2,8 +2,8 @@
 # flashmod's front door. From a fresh clone:
 #   ./dev.sh example   attention through flashmod on the default device: parity with torch, speed
 #   ./dev.sh test      the test suite (what CI runs)
-#   ./dev.sh bench     the benchmark (CUDA if present, else CPU)
-# Each installs only what is missing (torch, ninja, pytest, transformers), then builds the
+#   ./dev.sh bench     the benchmark: bench_attention.py with CUDA, else bench_cpu.py; table, JSON, plot
+# Each installs only what is missing (torch, ninja, pytest, transformers; matplotlib for bench), then builds the
 # extension in place; ninja recompiles only what changed. Set PYTHON to choose the interpreter.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -22,6 +22,8 @@ ensure_dependencies() {
   has torch || install "torch==2.13.0"
   has ninja || install ninja || echo "flashmod: ninja unavailable, building without it (slower)"
   if [[ "${1:-}" == test ]]; then has pytest || install pytest; fi
+  # matplotlib only draws the plot: without it the benchmark still prints and writes its results.
+  if [[ "${1:-}" == bench ]]; then has matplotlib || install matplotlib || echo "flashmod: matplotlib unavailable, no plot"; fi
   # transformers is optional: without it (and without a network) the HF parts are skipped.
   has transformers || install "transformers>=5.0,<6" || echo "flashmod: transformers unavailable, HF parts skipped"
 }
@@ -52,7 +54,11 @@ case "$command" in
   bench)
     ensure_dependencies bench
     build
-    "$PYTHON" benchmarks/bench_attention.py "$@"
+    if "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+      "$PYTHON" benchmarks/bench_attention.py "$@"
+    else
+      "$PYTHON" benchmarks/bench_cpu.py "$@"
+    fi
     ;;
   *)
     echo "usage: ./dev.sh example|test|bench [args...]" >&2

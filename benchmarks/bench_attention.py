@@ -1,341 +1,264 @@
-"""Forward-pass benchmark: flashmod.attention against PyTorch SDPA's backends.
+"""CUDA benchmark: flashmod.attention against every PyTorch SDPA backend, in one process.
 
-    python benchmarks/bench_attention.py                  # CUDA: FLASH, CUDNN, EFFICIENT, MATH
-    python benchmarks/bench_attention.py --device cpu     # flashmod CPU vs torch CPU SDPA
-    python benchmarks/bench_attention.py --quick          # a few shapes only
+    python benchmarks/bench_attention.py                      # forward, every shape group
+    python benchmarks/bench_attention.py --mode fwdbwd        # forward + backward (training)
+    python benchmarks/bench_attention.py --quick              # a few shapes only
 
-Shapes follow the FlashAttention papers (B * N = 16k tokens, H * D = 2048, N = 512 .. 16k,
-D = 64 / 128 / 256, causal and not), plus decode-like shapes (Nq = 1 .. 16 against long KV
-caches, GQA), key-padding masks and fp32 inputs. Every backend runs in this process on the same inputs; each
-result is validated against flashmod's before it is timed; times are medians of many runs after
-warm-up (triton.testing.do_bench on CUDA). TFLOP/s = 4 * B * H * Nq * Nk * D / t, halved for
-causal. Writes <out-dir>/<tag>.json and <tag>.png, and prints a table.
+(The CPU benchmark is benchmarks/bench_cpu.py; ``./dev.sh bench`` picks the one for this machine.)
+
+Shapes follow the FlashAttention papers: B * N = 16k tokens, H * D = 2048, N = 512 .. 16k (1k .. 16k
+for fwdbwd), D = 64 / 128 / 256, causal and not; plus grouped-query prefill (32 query heads on 8
+key/value heads), bool key-padding masks, fp32, and (forward only) decode shapes (Nq = 1 .. 16
+against long KV caches). Every contender runs on the same inputs and is first checked against
+flashmod's result (outputs, and in fwdbwd the gradients); then all are timed in the same interleaved
+rounds (benchmarks/harness.py: median after warm-up, device time) and their peak memory measured.
+FLOPs: forward 4 * B * Hq * Nq * Nk * D, halved for causal; forward + backward 3.5x that (the
+backward's five matmuls, one of them the recomputed scores, against the forward's two). Prints a
+table and writes <out-dir>/<tag>.json and <tag>.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import math
 import os
-import statistics
 import sys
-import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from harness import (
+    PEAK_MEMORY_METHOD,
+    device_name,
+    median_times,
+    peak_extra_bytes,
+    plot_tflops,
+    print_table,
+    with_env,
+    write_json,
+)
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from flashmod.ops import attention_op  # noqa: E402
+from flashmod.ops import attention_op
 
-try:
-    from tqdm import tqdm
-except ImportError:  # pragma: no cover
-
-    def tqdm(x, **_):
-        return x
-
-
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-BACKENDS = {
+SDPA_BACKENDS = {
     "FLASH": SDPBackend.FLASH_ATTENTION,
     "CUDNN": SDPBackend.CUDNN_ATTENTION,
     "EFFICIENT": SDPBackend.EFFICIENT_ATTENTION,
     "MATH": SDPBackend.MATH,
 }
-# MATH materializes (B, H, Nq, Nk) scores (several copies): past this many score elements it
-# would take tens of GB or seconds per call, so it is skipped and the table says "skip".
+# MATH materializes (B, H, Nq, Nk) scores (several copies, more for the backward): past this many
+# score elements it would take tens of GB or seconds per call, so the table says "skip".
 MATH_MAX_SCORES = 2**29
+BACKWARD_FLOPS_FACTOR = 3.5
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_OUT_DIR = os.path.join("build", "bench")
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", dict], torch.Tensor]
 
 
-def cuda_shapes(quick: bool):
+def shape(kind: str, dtype: str, b: int, hq: int, hkv: int, nq: int, nk: int, d: int, causal: bool, mask: bool):
+    return dict(kind=kind, dtype=dtype, b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, causal=causal, mask=mask)
+
+
+def cuda_shapes(mode: str, quick: bool) -> list[dict]:
+    lengths = (1024, 4096) if quick else ((512,) if mode == "fwd" else ()) + (1024, 2048, 4096, 8192, 16384)
     shapes = []
     for dtype in ("bf16", "fp16"):
         for d in (64, 128, 256):
             if d == 256 and dtype == "fp16":
                 continue
-            for n in (512, 1024, 2048, 4096, 8192, 16384):
-                if quick and n not in (1024, 4096):
-                    continue
+            for n in lengths:
                 for causal in (False, True):
-                    shapes.append(
-                        dict(
-                            kind="paper",
-                            dtype=dtype,
-                            b=16384 // n,
-                            hq=2048 // d,
-                            hkv=2048 // d,
-                            nq=n,
-                            nk=n,
-                            d=d,
-                            causal=causal,
-                            mask=False,
-                        )
-                    )
-    for nq in (1, 4, 16):
-        for nk in (4096, 16384, 65536):
-            if quick and nk != 16384:
-                continue
-            shapes.append(
-                dict(kind="decode", dtype="bf16", b=8, hq=32, hkv=8, nq=nq, nk=nk, d=128, causal=False, mask=False)
-            )
+                    shapes.append(shape("paper", dtype, 16384 // n, 2048 // d, 2048 // d, n, n, d, causal, False))
+    if mode == "fwd":  # decode is inference: no backward
+        for nq in (1, 4, 16):
+            for nk in (16384,) if quick else (4096, 16384, 65536):
+                shapes.append(shape("decode", "bf16", 8, 32, 8, nq, nk, 128, False, False))
     for d in (64, 128):  # fp32: flashmod's 3xTF32 kernel against SDPA's fp32-capable backends
         for n in (1024, 4096):
             for causal in (False, True):
-                shapes.append(
-                    dict(kind="fp32", dtype="fp32", b=4, hq=16, hkv=16, nq=n, nk=n, d=d, causal=causal, mask=False)
-                )
+                shapes.append(shape("fp32", "fp32", 4, 16, 16, n, n, d, causal, False))
     for n in (1024, 4096):  # grouped-query prefill (32 query heads on 8 key/value heads)
         for causal in (False, True):
-            shapes.append(
-                dict(kind="gqa", dtype="bf16", b=16384 // n, hq=32, hkv=8, nq=n, nk=n, d=128, causal=causal, mask=False)
-            )
+            shapes.append(shape("gqa", "bf16", 16384 // n, 32, 8, n, n, 128, causal, False))
     for n in (1024, 4096):
-        shapes.append(
-            dict(kind="padding", dtype="bf16", b=8, hq=16, hkv=16, nq=n, nk=n, d=128, causal=False, mask=True)
-        )
+        shapes.append(shape("padding", "bf16", 8, 16, 16, n, n, 128, False, True))
     return shapes
 
 
-def cpu_shapes(quick: bool):
-    shapes = []
-    for dtype in ("fp32", "bf16"):
-        for n in (128, 512, 1024) if not quick else (512,):
-            for causal in (False, True):
-                shapes.append(
-                    dict(kind="cpu", dtype=dtype, b=1, hq=8, hkv=8, nq=n, nk=n, d=64, causal=causal, mask=False)
-                )
-    return shapes
-
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def flops(s):
+def forward_flops(s: dict) -> float:
     f = 4.0 * s["b"] * s["hq"] * s["nq"] * s["nk"] * s["d"]
     return f / 2 if s["causal"] else f
 
 
-def make_inputs(s, device):
+def label(s: dict) -> str:
+    base = f"{s['kind']:7s} {s['dtype']} b{s['b']} h{s['hq']}/{s['hkv']} nq{s['nq']} nk{s['nk']} d{s['d']}"
+    return base + (" causal" if s["causal"] else "") + (" mask" if s["mask"] else "")
+
+
+def make_inputs(s: dict, device: str, requires_grad: bool):
     dt = DTYPES[s["dtype"]]
-    q = torch.randn(s["b"], s["hq"], s["nq"], s["d"], device=device, dtype=dt)
-    k = torch.randn(s["b"], s["hkv"], s["nk"], s["d"], device=device, dtype=dt)
-    v = torch.randn(s["b"], s["hkv"], s["nk"], s["d"], device=device, dtype=dt)
+    q = torch.randn(s["b"], s["hq"], s["nq"], s["d"], device=device, dtype=dt, requires_grad=requires_grad)
+    k = torch.randn(s["b"], s["hkv"], s["nk"], s["d"], device=device, dtype=dt, requires_grad=requires_grad)
+    v = torch.randn(s["b"], s["hkv"], s["nk"], s["d"], device=device, dtype=dt, requires_grad=requires_grad)
     mask = None
-    if s["mask"]:
+    if s["mask"]:  # key padding, every row keeps at least half its keys
         lengths = torch.randint(s["nk"] // 2, s["nk"] + 1, (s["b"],), device=device)
         mask = (torch.arange(s["nk"], device=device)[None] < lengths[:, None])[:, None, None, :]
     return q, k, v, mask
 
 
-def fn_flashmod(s, q, k, v, mask):
-    return lambda: attention_op(q, k, v, mask, is_causal=s["causal"], bottom_right=False)[0]
+def flashmod_attend(q, k, v, mask, s):
+    return attention_op(q, k, v, mask, is_causal=s["causal"], bottom_right=False)[0]
 
 
-def fn_sdpa(s, q, k, v, mask, backend):
-    gqa = s["hq"] != s["hkv"]
+def sdpa_attend(backend: SDPBackend | None) -> Attend:
+    """torch's SDPA forced onto ``backend`` (None: its own dispatch, e.g. on the CPU)."""
 
-    def run():
+    def attend(q, k, v, mask, s):
+        gqa = s["hq"] != s["hkv"]
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=s["causal"], enable_gqa=gqa)
         with sdpa_kernel([backend]):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=s["causal"], enable_gqa=gqa)
 
-    return run
+    return attend
 
 
-def time_cuda(fn):
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # ms
-
-
-def time_cpu(fn, reps=5):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
+def step(attend: Attend, mode: str, q, k, v, mask, s, grad_out):
+    """One timed call: the forward, or forward + backward returning the gradients."""
+    if mode == "fwd":
+        return lambda: (attend(q, k, v, mask, s),)
+    return lambda: torch.autograd.grad(attend(q, k, v, mask, s), (q, k, v), grad_out)
 
 
-def label(s):
-    base = f"{s['kind']:7s} {s['dtype']} b{s['b']} h{s['hq']}/{s['hkv']} nq{s['nq']} nk{s['nk']} d{s['d']}"
-    return base + (" causal" if s["causal"] else "") + (" mask" if s["mask"] else "")
+def mismatch(ours: tuple, theirs: tuple, dtype: str) -> str | None:
+    """None if every tensor of ``theirs`` matches flashmod's within the precision, else why not."""
+    tol = 1e-4 if dtype == "fp32" else 3e-2
+    for name, a, b in zip(("out",) if len(ours) == 1 else ("dq", "dk", "dv"), ours, theirs):
+        scale = max(1.0, a.float().abs().max().item())
+        err = (b.float() - a.float()).abs().max().item() / scale
+        if not err <= tol:
+            return f"mismatch {name} {err:.1e}"
+    return None
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--tag", default=None, help="file name stem (default: <date>-<device>)")
-    ap.add_argument("--backends", default="FLASH,CUDNN,EFFICIENT,MATH")
-    ap.add_argument("--kinds", default="paper,decode,gqa,padding,fp32,cpu", help="shape groups to run")
-    ap.add_argument("--dtypes", default="bf16,fp16,fp32")
-    ap.add_argument("--dims", default="", help="head dims to keep (default: all)")
+def run(
+    shapes: list[dict],
+    contenders: dict[str, Attend],
+    device: str,
+    mode: str,
+    warmup: int,
+    reps: int,
+    skip: Callable[[str, dict], str | None] = lambda name, s: None,
+    progress: bool = True,
+) -> list[dict]:
+    """Checks, times and measures every contender on every shape; rows for :func:`harness.print_table`.
+    ``skip(name, shape)`` gives a reason to leave a contender out of a shape, or None."""
+    rows = []
+    for i, s in enumerate(shapes):
+        if progress:
+            print(f"[{i + 1}/{len(shapes)}] {label(s)}", file=sys.stderr, flush=True)
+        torch.manual_seed(0)
+        q, k, v, mask = make_inputs(s, device, requires_grad=mode == "fwdbwd")
+        grad_out = torch.randn_like(q) if mode == "fwdbwd" else None
+        flops = forward_flops(s) * (BACKWARD_FLOPS_FACTOR if mode == "fwdbwd" else 1.0)
+        row = dict(shape=s, label=label(s), mode=mode, flops=flops, results={})
+        fns = {name: step(attend, mode, q, k, v, mask, s, grad_out) for name, attend in contenders.items()}
+        reference = fns["flashmod"]()
+        runnable = {}
+        for name, fn in fns.items():
+            reason = skip(name, s)
+            if reason is None and name != "flashmod":
+                try:
+                    reason = mismatch(reference, fn(), s["dtype"])
+                except RuntimeError as e:  # this backend does not take the shape, dtype or mask
+                    reason = "n/a: " + (str(e).splitlines() or [""])[0][:80]
+            if reason is None:
+                runnable[name] = fn
+            else:
+                row["results"][name] = {"status": reason}
+        del reference
+        times = median_times(runnable, device, warmup, reps)
+        for name, fn in runnable.items():
+            peak = peak_extra_bytes(fn, device)
+            row["results"][name] = {
+                "status": "ok",
+                "ms": times[name] * 1e3,
+                "tflops": flops / times[name] / 1e12,
+                "peak_mib": peak / 2**20,
+            }
+        rows.append(row)
+        del q, k, v, mask, grad_out, fns, runnable
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def report(rows: list[dict], contenders: list[str], device: str, mode: str, out_dir: str, tag: str, meta: dict):
+    """The table, the JSON and the plot of one run."""
+    print()
+    print_table(rows, contenders)
+    print(f"peak memory: {PEAK_MEMORY_METHOD[device]}")
+    write_json(
+        os.path.join(out_dir, f"{tag}.json"),
+        dict(meta, mode=mode, contenders=contenders, peak_memory=PEAK_MEMORY_METHOD[device], rows=rows),
+    )
+    what = "forward" if mode == "fwd" else "forward + backward"
+    plot_tflops(rows, contenders, f"flashmod {what}, {meta['device']}", os.path.join(out_dir, f"{tag}.png"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd", help="forward only, or forward + backward")
+    ap.add_argument("--quick", action="store_true", help="two sequence lengths per group, fewer decode shapes")
+    ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the JSON and the plot go (default: %(default)s)")
+    ap.add_argument("--tag", default=None, help="file name stem (default: <date>-cuda-<mode>)")
+    ap.add_argument("--backends", default=",".join(SDPA_BACKENDS), help="SDPA backends to compare, comma-separated")
+    ap.add_argument("--kinds", default="paper,decode,gqa,padding,fp32", help="shape groups to run, comma-separated")
+    ap.add_argument("--dtypes", default="bf16,fp16,fp32", help="dtypes to run, comma-separated")
+    ap.add_argument("--dims", default="", help="head dims to keep, comma-separated (default: all)")
     ap.add_argument("--min-n", type=int, default=0, help="skip paper shapes with N below this")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed calls per contender before timing")
+    ap.add_argument("--reps", type=int, default=50, help="timed rounds (the median is reported)")
     ap.add_argument(
         "--portable",
         action="store_true",
         help="also time flashmod's portable mma.sync kernel (FLASHMOD_DISABLE_SM90=1) where the wgmma one runs",
     )
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU; the CPU benchmark is benchmarks/bench_cpu.py")
 
-    device = args.device
-    if device == "cuda":
-        name = torch.cuda.get_device_name(0)
-        shapes = cuda_shapes(args.quick)
-        timer = time_cuda
-        backends = [b for b in args.backends.split(",") if b]
-        if args.portable:
-            backends = ["flashmod-mma"] + backends
-    else:
-        name = f"CPU ({torch.get_num_threads()} threads)"
-        shapes = cpu_shapes(args.quick)
-        timer = time_cpu
-        backends = ["SDPA_CPU"]
     dims = {int(x) for x in args.dims.split(",") if x}
     shapes = [
         s
-        for s in shapes
+        for s in cuda_shapes(args.mode, args.quick)
         if s["kind"] in args.kinds.split(",")
         and s["dtype"] in args.dtypes.split(",")
         and (not dims or s["d"] in dims)
         and (s["kind"] != "paper" or s["nq"] >= args.min_n)
     ]
-    tag = args.tag or f"{datetime.date.today().isoformat()}-{device}"
-    print(f"device: {name}; torch {torch.__version__}; {len(shapes)} shapes; backends: flashmod, {', '.join(backends)}")
+    contenders: dict[str, Attend] = {"flashmod": flashmod_attend}
+    if args.portable:
+        contenders["flashmod-mma"] = lambda *a: with_env("FLASHMOD_DISABLE_SM90=1", lambda: flashmod_attend(*a))()
+    for name in filter(None, args.backends.split(",")):
+        contenders[name] = sdpa_attend(SDPA_BACKENDS[name])
 
-    rows = []
-    for s in tqdm(shapes, desc="bench", file=sys.stderr):
-        torch.manual_seed(0)
-        q, k, v, mask = make_inputs(s, device)
-        ref = fn_flashmod(s, q, k, v, mask)()
-        row = dict(shape=s, label=label(s), flops=flops(s), results={})
-        cands = {"flashmod": fn_flashmod(s, q, k, v, mask)}
-        for bname in backends:
-            if bname == "MATH" and s["b"] * s["hq"] * s["nq"] * s["nk"] > MATH_MAX_SCORES:
-                row["results"][bname] = {"status": "skip (too large for MATH)"}
-                continue
-            if bname == "flashmod-mma":
-                cands[bname] = fn_flashmod(s, q, k, v, mask)
-            elif bname == "SDPA_CPU":
-                gqa = s["hq"] != s["hkv"]
-                cands[bname] = lambda q=q, k=k, v=v, m=mask, c=s["causal"], g=gqa: F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=m, is_causal=c, enable_gqa=g
-                )
-            else:
-                cands[bname] = fn_sdpa(s, q, k, v, mask, BACKENDS[bname])
-        for bname, fn in cands.items():
-            portable = bname == "flashmod-mma"
-            if portable:
-                os.environ["FLASHMOD_DISABLE_SM90"] = "1"
-            try:
-                out = fn()
-                if bname != "flashmod":
-                    err = (out.float() - ref.float()).abs().max().item()
-                    tol = 1e-4 if s["dtype"] == "fp32" else 3e-2
-                    if not err <= tol:
-                        row["results"][bname] = {"status": f"mismatch {err:.2e}"}
-                        continue
-                del out
-                ms = timer(fn)
-                row["results"][bname] = {"status": "ok", "ms": ms, "tflops": row["flops"] / ms / 1e9}
-            except Exception as e:  # unsupported shape/dtype/mask for that backend
-                row["results"][bname] = {"status": "n/a: " + str(e).splitlines()[0][:80] if str(e) else "n/a"}
-            finally:
-                if portable:
-                    del os.environ["FLASHMOD_DISABLE_SM90"]
-        rows.append(row)
-        del q, k, v, mask, ref, cands
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    def skip(name: str, s: dict) -> str | None:
+        if name == "MATH" and s["b"] * s["hq"] * s["nq"] * s["nk"] > MATH_MAX_SCORES:
+            return "skip (too large for MATH)"
+        return None
 
-    # Table
-    cols = ["flashmod"] + backends
-    print()
+    name = device_name("cuda")
     print(
-        f"{'shape':60s} "
-        + " ".join(f"{c:>10s}" for c in cols)
-        + "   "
-        + " ".join(f"{'fm/' + c:>12s}" for c in backends)
+        f"device: {name}; torch {torch.__version__}; mode {args.mode}; {len(shapes)} shapes; "
+        f"contenders: {', '.join(contenders)}"
     )
-    for row in rows:
-        r = row["results"]
-        cells = []
-        for c in cols:
-            x = r.get(c, {})
-            cells.append(
-                (f"{x['tflops']:10.1f}" if x.get("tflops", 0) >= 10 else f"{x.get('tflops', 0):10.4f}")
-                if x.get("status") == "ok"
-                else f"{x.get('status', '-')[:10]:>10s}"
-            )
-        ratios = []
-        fm = r.get("flashmod", {})
-        for c in backends:
-            x = r.get(c, {})
-            if fm.get("status") == "ok" and x.get("status") == "ok":
-                ratios.append(f"{x['ms'] / fm['ms']:12.2f}")
-            else:
-                ratios.append(f"{'-':>12s}")
-        print(f"{row['label']:60s} " + " ".join(cells) + "   " + " ".join(ratios))
-    print("(TFLOP/s; fm/X = time of X / time of flashmod, > 1 means flashmod is faster)")
-
-    os.makedirs(args.out_dir, exist_ok=True)
-    meta = dict(
-        device=name,
-        torch=torch.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        backends=cols,
-        rows=rows,
-    )
-    jpath = os.path.join(args.out_dir, f"{tag}.json")
-    with open(jpath, "w") as f:
-        json.dump(meta, f, indent=1)
-    print(f"wrote {jpath}")
-    try:
-        plot(rows, cols, name, os.path.join(args.out_dir, f"{tag}.png"))
-    except Exception as e:  # matplotlib missing: the JSON and table still stand
-        print(f"no plot: {e}")
-
-
-def plot(rows, cols, name, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = {}
-    for row in rows:
-        s = row["shape"]
-        if s["kind"] not in ("paper", "cpu"):
-            continue
-        groups.setdefault((s["dtype"], s["d"], s["causal"]), []).append(row)
-    if not groups:
-        return
-    n = len(groups)
-    ncol = min(4, n)
-    nrow = math.ceil(n / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(4.5 * ncol, 3.5 * nrow), squeeze=False)
-    for ax, ((dtype, d, causal), grp) in zip(axes.flat, sorted(groups.items())):
-        xs = [g["shape"]["nq"] for g in grp]
-        for c in cols:
-            ys = [g["results"].get(c, {}).get("tflops", float("nan")) for g in grp]
-            ax.plot(xs, ys, marker="o", label=c)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{dtype} d={d}{' causal' if causal else ''}")
-        ax.set_xlabel("seqlen")
-        ax.set_ylabel("TFLOP/s")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"flashmod forward vs SDPA backends, {name}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    print(f"wrote {path}")
+    rows = run(shapes, contenders, "cuda", args.mode, args.warmup, args.reps, skip)
+    tag = args.tag or f"{datetime.date.today().isoformat()}-cuda-{args.mode}"
+    report(rows, list(contenders), "cuda", args.mode, args.out_dir, tag, dict(device=name, torch=torch.__version__))
 
 
 if __name__ == "__main__":

@@ -1,153 +1,120 @@
-"""CPU forward benchmark: flashmod.attention vs torch's F.scaled_dot_product_attention (flash).
+"""CPU benchmark: flashmod.attention against torch's F.scaled_dot_product_attention, in one process.
 
-Both run in this process with the same thread count, interleaved shape by shape so that machine
-noise hits both contenders alike. Each shape is validated against the fp64 reference first.
+    ./dev.sh bench                                  # on a machine without CUDA: this, forward
+    PYTHONPATH=. python benchmarks/bench_cpu.py --mode fwdbwd
+    PYTHONPATH=. python benchmarks/bench_cpu.py --smoke --mode fwdbwd   # tiny shapes: does it run
 
-    PYTHONPATH=. python benchmarks/bench_cpu.py --tag v1 [--quick] [--dtypes fp32 bf16]
+Both contenders use the same threads (printed; set OMP_NUM_THREADS or --threads) and run in the same
+interleaved rounds, so machine noise hits both alike; torch's SDPA picks its own CPU kernel (its
+flash kernel wherever it applies). The output names the CPU and the flashmod kernel its instruction
+set selects (csrc/attention/cpu/attention_cpu.cpp, pick_kernel). Shapes: B = 1, H = 8-16,
+N = 512-4096, D = 64/128, causal and not, fp32 and bf16; fwdbwd adds grouped-query (32/8 heads) and
+bool key-padding cases. Checks, timing, FLOPs (fwdbwd = 3.5x forward) and the table, JSON and plot
+are bench_attention.py's; peak memory is the RSS high-water mark of one call (benchmarks/harness.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
-import json
-import math
 import os
 import platform
-import statistics
-import time
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from bench_attention import DEFAULT_OUT_DIR, flashmod_attend, report, run, sdpa_attend, shape
+from harness import cpu_name, track_rss_of_large_blocks
 
-from flashmod.ops import attention_op
-from flashmod.reference import attention_reference
+import flashmod  # noqa: F401  (loads the operators)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# (B, H, N, D): the issue's range, B=1, H 8-16, N 512-4096, D 64/128.
+# (B, H, N, D)
 SHAPES = [(1, 16, 512, 64), (1, 16, 1024, 64), (1, 8, 2048, 128), (1, 8, 4096, 64), (1, 16, 1024, 128)]
 QUICK_SHAPES = [(1, 16, 512, 64), (1, 8, 2048, 128)]
+SMOKE_SHAPES = [(1, 2, 64, 32)]
 
 
-def cpu_name() -> str:
+def cpu_shapes(mode: str, dtypes: list[str], quick: bool, smoke: bool) -> list[dict]:
+    base = SMOKE_SHAPES if smoke else QUICK_SHAPES if quick else SHAPES
+    n_extra = 64 if smoke else 1024
+    shapes = []
+    for dtype in dtypes:
+        for causal in (False, True):
+            shapes += [shape("cpu", dtype, b, h, h, n, n, d, causal, False) for b, h, n, d in base]
+        if mode == "fwdbwd" or smoke:
+            shapes.append(shape("gqa", dtype, 1, 32 if not smoke else 4, 8 if not smoke else 2, n_extra, n_extra,
+                                128 if not smoke else 32, True, False))  # fmt: skip
+            shapes.append(shape("padding", dtype, 2, 8 if not smoke else 2, 8 if not smoke else 2, n_extra, n_extra,
+                                64 if not smoke else 32, False, True))  # fmt: skip
+    return shapes
+
+
+def _amx_granted() -> bool:
+    """Whether Linux lets this process use the AMX tile state (what the C++ side asks once too)."""
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+        arch_prctl, req_xcomp_perm, xfeature_tiledata = 158, 0x1023, 18
+        return ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xfeature_tiledata) == 0
+    except (OSError, AttributeError):
+        return False
 
 
-def time_interleaved(fns: list, min_runs: int, budget_s: float) -> list[float]:
-    """Median seconds per call of each fn, alternating them run by run after one warm-up each."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    start = time.perf_counter()
-    while len(times[0]) < min_runs or time.perf_counter() - start < budget_s:
-        for fn, t in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            t.append(time.perf_counter() - t0)
-        if len(times[0]) >= 4 * min_runs:
-            break
-    return [statistics.median(t) for t in times]
-
-
-def validate(q, k, v, causal: bool) -> float:
-    """Max |flashmod - fp64 reference| relative to that of plain attention in q's dtype."""
-    out, _ = attention_op(q, k, v, is_causal=causal, bottom_right=False)
-    ref, _ = attention_reference(q, k, v, is_causal=causal, bottom_right=False, compute_dtype=torch.float64)
-    plain, _ = attention_reference(q, k, v, is_causal=causal, bottom_right=False, compute_dtype=q.dtype)
-    err = (out.double() - ref).abs().max().item()
-    plain_err = (plain.double() - ref).abs().max().item()
-    ratio = err / max(plain_err, 1e-7)
-    assert ratio <= 2.0, f"flashmod error {err:.3g} is {ratio:.2f}x plain attention's {plain_err:.3g}"
-    return ratio
+def flashmod_cpu_kernel() -> str:
+    """The kernel pick_kernel (csrc/attention/cpu/attention_cpu.cpp) selects on this CPU, derived from
+    the same CPU flags and FLASHMOD_CPU_ISA (the extension does not report it)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "baseline"
+    flags: set[str] = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    forced = os.environ.get("FLASHMOD_CPU_ISA", "")
+    if avx512 and not forced and {"amx_tile", "amx_bf16"} <= flags and _amx_granted():
+        return "amx (bf16 on AMX tiles, other dtypes on AVX-512)"
+    if avx512 and forced in ("", "avx512"):
+        return "avx512"
+    if avx2 and forced in ("", "avx512", "avx2"):
+        return "avx2"
+    return "baseline"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tag", default="dev")
-    ap.add_argument("--quick", action="store_true", help="two shapes, shorter timing")
-    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
-    ap.add_argument("--budget", type=float, default=1.0, help="seconds of timing per shape")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd", help="forward only, or forward + backward")
+    ap.add_argument("--quick", action="store_true", help="two shapes per dtype and causality")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and few runs: checks that the benchmark runs")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="dtypes to run, comma-separated (fp32, bf16, fp16)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per contender (default: 2, smoke 1)")
+    ap.add_argument("--reps", type=int, default=None, help="timed rounds, the median is reported (default: 7, smoke 3)")
+    ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the JSON and the plot go (default: %(default)s)")
+    ap.add_argument("--tag", default=None, help="file name stem (default: <date>-cpu-<mode>)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
+    reps = args.reps if args.reps is not None else (3 if args.smoke else 7)
 
-    threads = torch.get_num_threads()
-    print(
-        f"CPU: {cpu_name()}  threads: {threads}  torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
+    track_rss_of_large_blocks()
+    shapes = cpu_shapes(args.mode, args.dtypes.split(","), args.quick, args.smoke)
+    contenders = {"flashmod": flashmod_attend, "SDPA": sdpa_attend(None)}
+    meta = dict(
+        device=f"{cpu_name()} ({torch.get_num_threads()} threads)",
+        cpu=cpu_name(),
+        threads=torch.get_num_threads(),
+        flashmod_kernel=flashmod_cpu_kernel(),
+        torch=torch.__version__,
+        torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
     )
-    shapes = QUICK_SHAPES if args.quick else SHAPES
-    min_runs = 3 if args.quick else 5
-    rows = []
     print(
-        f"{'dtype':5} {'causal':6} {'B':>2} {'H':>3} {'N':>5} {'D':>4} | {'flashmod GF/s':>13} "
-        f"{'torch GF/s':>10} {'ratio':>6} | err/plain"
+        f"CPU: {meta['cpu']}; threads: {meta['threads']}; flashmod kernel: {meta['flashmod_kernel']}; "
+        f"torch {meta['torch']} ({meta['torch_cpu_capability']}); mode {args.mode}; {len(shapes)} shapes"
     )
-    for name in args.dtypes:
-        dtype = DTYPES[name]
-        for causal in (False, True):
-            for b, h, n, d in shapes:
-                gen = torch.Generator().manual_seed(0)
-                q, k, v = (torch.randn(b, h, n, d, generator=gen).to(dtype) for _ in range(3))
-                err_ratio = validate(q, k, v, causal)
-
-                def ours(q=q, k=k, v=v, causal=causal):
-                    attention_op(q, k, v, is_causal=causal, bottom_right=False)
-
-                def theirs(q=q, k=k, v=v, causal=causal):
-                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                        F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-                t_ours, t_torch = time_interleaved([ours, theirs], min_runs, args.budget)
-                flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                row = dict(
-                    dtype=name,
-                    causal=causal,
-                    B=b,
-                    H=h,
-                    N=n,
-                    D=d,
-                    flashmod_s=t_ours,
-                    torch_s=t_torch,
-                    flashmod_gflops=flops / t_ours / 1e9,
-                    torch_gflops=flops / t_torch / 1e9,
-                    ratio=t_torch / t_ours,
-                    err_vs_plain=err_ratio,
-                )
-                rows.append(row)
-                print(
-                    f"{name:5} {str(causal):6} {b:>2} {h:>3} {n:>5} {d:>4} | "
-                    f"{row['flashmod_gflops']:13.1f} {row['torch_gflops']:10.1f} {row['ratio']:6.2f} | "
-                    f"{err_ratio:.2f}",
-                    flush=True,
-                )
-    geomeans = {}
-    for name in args.dtypes:
-        ratios = [r["ratio"] for r in rows if r["dtype"] == name]
-        geomeans[name] = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        print(f"geomean ratio {name}: {geomeans[name]:.3f}")
-
-    date = datetime.date.today().isoformat()
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{date}-cpu-{args.tag}.json")
-    with open(path, "w") as f:
-        json.dump(
-            dict(
-                cpu=cpu_name(),
-                threads=threads,
-                torch=torch.__version__,
-                tag=args.tag,
-                rows=rows,
-                geomean_ratio=geomeans,
-            ),
-            f,
-            indent=1,
-        )
-    print(f"wrote {path}")
+    rows = run(shapes, contenders, "cpu", args.mode, warmup, reps)
+    tag = args.tag or f"{datetime.date.today().isoformat()}-cpu-{args.mode}{'-smoke' if args.smoke else ''}"
+    report(rows, list(contenders), "cpu", args.mode, args.out_dir, tag, meta)
 
 
 if __name__ == "__main__":

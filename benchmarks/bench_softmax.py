@@ -3,8 +3,8 @@
     python benchmarks/bench_softmax.py --device cpu
     python benchmarks/bench_softmax.py --device cuda
 
-Times are medians over many runs after warm-up (CUDA: events around each run). Prints a table and
-writes benchmarks/results/<date>-<device>-softmax.json. Columns:
+Times are medians over interleaved rounds after warm-up (benchmarks/harness.py). Prints a table and
+writes build/bench/<date>-<device>-softmax.json (or --out). Columns:
   softmax:         torch.softmax(x, -1) vs flashmod.softmax(x, -1); on CUDA also the achieved
                    bandwidth (read + write) as a fraction of a same-size device copy (x -> y).
   matmul_softmax:  torch.softmax(scale * a @ b^T [masked], -1) vs flashmod.matmul_softmax, and the
@@ -15,113 +15,15 @@ writes benchmarks/results/<date>-<device>-softmax.json. Columns:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
-import gc
-import json
 import math
 import os
-import platform
-import statistics
-import time
 from functools import partial
 
 import torch
+from harness import device_name, median_times, peak_extra_bytes, track_rss_of_large_blocks, with_env, write_json
 
 import flashmod
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
-    return platform.processor()
-
-
-def median_times(fns: dict, device: str, warmup: int, reps: int) -> dict:
-    """Median seconds per call of each fn, timed in interleaved rounds (one call of each per round),
-    so that clock or thermal drift during the run weighs on every contender alike.
-
-    CUDA: device time between events around each call. Each round starts behind a ~1 ms spin
-    kernel, so the host has queued the whole round before the GPU reaches it: the events time the
-    kernels, not the Python and dispatch overhead of launching them (which would otherwise count
-    against whichever call has more of it: ~10-20 us, 3-5% of a 0.4 ms kernel)."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in fns}
-    if device == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(reps):
-            torch.cuda._sleep(2_000_000)  # cycles: ~1 ms
-            events = []
-            for name, fn in fns.items():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                events.append((name, start, end))
-            torch.cuda.synchronize()
-            for name, start, end in events:
-                times[name].append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(reps):
-            for name, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def with_env(settings: str, fn):
-    """fn run with the environment settings "NAME=value[,NAME=value...]" (knobs csrc reads per call)."""
-    pairs = [setting.split("=", 1) for setting in settings.split(",")]
-
-    def run():
-        old = {name: os.environ.get(name) for name, _ in pairs}
-        os.environ.update(dict(pairs))
-        try:
-            return fn()
-        finally:
-            for name, value in old.items():
-                if value is None:
-                    del os.environ[name]
-                else:
-                    os.environ[name] = value
-
-    return run
-
-
-def _proc_status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-def peak_extra_bytes(fn, device: str) -> int:
-    """Peak memory fn() allocates beyond what exists before it (its output included)."""
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = fn()
-        torch.cuda.synchronize()
-        del out
-        return torch.cuda.max_memory_allocated() - before
-    before = _proc_status("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM (peak RSS) to the current RSS
-    out = fn()
-    del out
-    return _proc_status("VmHWM:") - before
 
 
 def bench_softmax(device: str, dtypes, total: int, warmup: int, reps: int, variants: list[str]) -> list[dict]:
@@ -210,11 +112,14 @@ def print_table(title: str, rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--reps", type=int, default=None, help="timed runs per case (default: cpu 15, cuda 50)")
     parser.add_argument(
-        "--out", default=None, help="JSON path (default: benchmarks/results/<date>-<device>-softmax.json)"
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="default: cuda if present",
     )
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per case (default: cpu 15, cuda 50)")
+    parser.add_argument("--out", default=None, help="JSON path (default: build/bench/<date>-<device>-softmax.json)")
     parser.add_argument(
         "--variant",
         action="append",
@@ -235,8 +140,7 @@ def main() -> None:
             ((1, 32, 512, 4096, 64), False),
         ]
     else:
-        # glibc serves big blocks from mmap and unmaps them at free, so RSS follows live tensors.
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB
+        track_rss_of_large_blocks()
         dtypes = [torch.float32, torch.bfloat16]
         total, warmup, reps = 1 << 22, 3, args.reps or 15
         mm_shapes = [
@@ -256,21 +160,11 @@ def main() -> None:
         print_table("matmul_softmax vs torch.softmax(scale * a @ b^T, -1) (memory_ratio = ours / torch)", mm_rows)
 
     date = datetime.date.today().isoformat()
-    path = args.out or os.path.join(RESULTS, f"{date}-{device}-softmax.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(
-            {
-                "device": device_name(device),
-                "torch": torch.__version__,
-                "date": date,
-                "softmax": softmax_rows,
-                "matmul_softmax": mm_rows,
-            },
-            f,
-            indent=1,
-        )
-    print(f"\nwrote {path}")
+    path = args.out or os.path.join("build", "bench", f"{date}-{device}-softmax.json")
+    write_json(
+        path,
+        {"device": device_name(device), "torch": torch.__version__, "softmax": softmax_rows, "matmul_softmax": mm_rows},
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """CPU emulation of the fused fp32 matmul_softmax's 3xTF32 products (csrc/softmax/cuda/matmul_softmax.cu).
 
-    python benchmarks/check_3xtf32.py
+    python tools/check_3xtf32.py
 
 Each fp32 operand is split as hi = tf32(x), lo = tf32(x - hi) (round to nearest, ties away, as
 cvt.rna.tf32.f32); per k-step of 8 the kernel runs acc += a_lo.b_hi, acc += a_hi.b_lo,

@@ -1,9 +1,9 @@
 """Host time per call on tiny tensors, where launching is all the work (decode steps, small layers).
 
-    python benchmarks/host_overhead.py [--device cuda]
+    python tools/host_overhead.py [--device cuda]
 
-Each contender runs back to back N times with one synchronize at the end; the time per call is
-the host's cost of a call (the GPU finishes each tiny kernel long before the next launch). Prints
+Each contender runs back to back many times with one synchronize at the end
+(benchmarks/harness.py, host_seconds_per_call). Prints
 flashmod's ops next to torch's, with and without an input that needs a gradient (flashmod skips its
 Python autograd layer when none does: flashmod/ops.py, no_grad_needed).
 """
@@ -11,33 +11,26 @@ Python autograd layer when none does: flashmod/ops.py, no_grad_needed).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from harness import host_seconds_per_call  # noqa: E402
+
 import flashmod  # noqa: E402
-
-
-def per_call_us(fn, device: str, n: int = 5000) -> float:
-    for _ in range(500):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda (default: cuda if present)",
+    )
     device = parser.parse_args().device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q = torch.randn(1, 32, 1, 128, device=device, dtype=dtype)  # one decode step of one layer
@@ -56,7 +49,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"host time per call, {name}, torch {torch.__version__}")
     for label, fn in cases.items():
-        print(f"  {label:40} {per_call_us(fn, device):7.1f} us")
+        print(f"  {label:40} {host_seconds_per_call(fn, device) * 1e6:7.1f} us")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ The rule: flashmod's max error vs fp64 is at most 2x that of plain attention com
 input's dtype (plus a small absolute slack). FLASHMOD_CPU_ISA=avx2|baseline checks the narrower
 kernels on an AVX-512 machine.
 
-    PYTHONPATH=. python benchmarks/check_cpu.py [--quick]
+    PYTHONPATH=. python tools/check_cpu.py [--quick]
 """
 
 from __future__ import annotations

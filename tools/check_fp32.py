@@ -1,6 +1,6 @@
 """fp32 attention accuracy, kernel by kernel (a debugging aid, not a test).
 
-    python benchmarks/check_fp32.py
+    python tools/check_fp32.py
 
 For a few shapes: the 3xTF32 tensor-core kernel (default for head dims <= 128 and > 32 query
 rows) and the CUDA-core kernel (FLASHMOD_FP32_FFMA=1), each against an fp64 reference, beside plain

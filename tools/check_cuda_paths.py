@@ -1,6 +1,6 @@
 """Quick side-by-side check of flashmod's CUDA kernels on one GPU (a debugging aid, not a test).
 
-    python benchmarks/check_cuda_paths.py
+    python tools/check_cuda_paths.py
 
 For a grid of shapes it runs the default kernel (wgmma on sm_90) and the portable mma.sync one
 (FLASHMOD_DISABLE_SM90=1) and prints each one's max error against an fp64 reference next to the

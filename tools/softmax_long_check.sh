@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check for long softmax rows (NOTES.md "softmax long rows"): build, the CUDA softmax tests
+# The GPU check for long softmax rows (benchmarks/results/design/softmax.md): build, the CUDA softmax tests
 # (every launch path by name), the path each benchmark shape takes, then the softmax benchmark with
 # the register-cached cluster path (FLASHMOD_SOFTMAX_STREAM=0) timed in the same rounds.
-# Usage: bash benchmarks/softmax_long_check.sh   (logs go to $OUT, or ./gpu_logs)
+# Usage: bash tools/softmax_long_check.sh   (logs go to $OUT, or ./gpu_logs)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-gpu_logs}
@@ -14,8 +14,7 @@ if ! MAX_JOBS=$(nproc) FLASHMOD_CUDA_ARCHS="80;90a" FLASHMOD_NVCC_EXTRA="-Xptxas
   exit 1
 fi
 grep -A2 "softmax_stream_kernel" "$OUT/build.log" | grep -E "registers|spill" | head -12
-timeout 300 python -m pytest tests/test_softmax.py -q -p no:cacheprovider \
-  -k "cuda or long_row or past_grid or stream" 2>&1 | tee "$OUT/tests.log" | tail -15
+timeout 300 python -m pytest tests/softmax -q -p no:cacheprovider -m cuda 2>&1 | tee "$OUT/tests.log" | tail -15
 FLASHMOD_SOFTMAX_TRACE=1 python -c "
 import torch, flashmod
 for dtype in (torch.float32, torch.float16, torch.bfloat16):

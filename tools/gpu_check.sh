@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build (all cores, sm_80 + sm_90a), tests, benchmarks.
-# Usage: bash benchmarks/gpu_check.sh [tests|bench|all]   (logs go to $OUT, or ./gpu_logs)
-#   TEST_K      pytest -k filter (default: every test id with "cuda", the CUDA-only file, and the
-#               softmax launch-path tests: long_row, past_grid, stream)
+# Usage: bash tools/gpu_check.sh [tests|bench|softmax|all]   (logs go to $OUT, or ./gpu_logs)
+#   TEST_M      pytest -m expression (default: cuda, every test that runs on the GPU)
 #   BENCH_ARGS  arguments of bench_attention.py (default: the speed-bar subset, all backends)
 #   TEST_SECONDS / BENCH_SECONDS   time limits
 set -uo pipefail
@@ -32,7 +31,7 @@ except RuntimeError as e:
 "
 if [[ $what == tests || $what == all ]]; then
   OMP_NUM_THREADS=2 timeout ${TEST_SECONDS:-240} python -m pytest tests -q -n 12 -p no:cacheprovider -x \
-    -k "${TEST_K:-cuda or long_row or past_grid or stream}" 2>&1 | tee "$OUT/tests.log" | tail -25
+    -m "${TEST_M:-cuda}" 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 if [[ $what == bench || $what == all ]]; then
   timeout ${BENCH_SECONDS:-200} python benchmarks/bench_attention.py --out-dir "$OUT" --tag cuda-attention \

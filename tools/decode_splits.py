@@ -1,6 +1,6 @@
 """Decode split-KV sweep (a tuning aid): flashmod at forced split counts vs SDPA FLASH, one process.
 
-    python benchmarks/decode_splits.py
+    python tools/decode_splits.py
 
 Shapes: bf16, B = 8, Hq = 32, Hkv = 8, D = 128, Nq = 1, Nk = 1k..64k. FLASHMOD_DECODE_SPLITS=n
 forces n splits (0 = the heuristic in csrc/attention/cuda/entry_points.h choose_splits).
@@ -8,15 +8,17 @@ forces n splits (0 = the heuristic in csrc/attention/cuda/entry_points.h choose_
 
 from __future__ import annotations
 
-import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from harness import median_times, with_env  # noqa: E402
+
 from flashmod.ops import attention_op  # noqa: E402
 
 
@@ -34,14 +36,11 @@ def main() -> None:
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-        cells = [flops / triton.testing.do_bench(flash, warmup=25, rep=100, return_mode="median") / 1e9]
+        fns = {"FLASH": flash}
         for s in splits:
-            os.environ["FLASHMOD_DECODE_SPLITS"] = str(s)
-            fn = lambda q=q, k=k, v=v: attention_op(q, k, v)  # noqa: E731
-            ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-            cells.append(flops / ms / 1e9)
-        os.environ.pop("FLASHMOD_DECODE_SPLITS", None)
-        print(f"{nk:>6} " + " ".join(f"{c:7.2f}" for c in cells))
+            fns[s] = with_env(f"FLASHMOD_DECODE_SPLITS={s}", lambda q=q, k=k, v=v: attention_op(q, k, v))
+        seconds = median_times(fns, "cuda", warmup=10, reps=100)
+        print(f"{nk:>6} " + " ".join(f"{flops / t / 1e12:7.2f}" for t in seconds.values()))
 
 
 if __name__ == "__main__":
