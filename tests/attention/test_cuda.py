@@ -209,7 +209,7 @@ def test_fp32_kernels(monkeypatch, ffma, nq, nk, d, opts):
 def test_fp64_rejected_and_head_dim_limit(repo_root):
     # In a subprocess: on the GPU machine's build (g++ 13.3, 2026-11-22) a TORCH_CHECK whose message
     # holds an integer crashed the process (SIGSEGV) instead of raising, on CPU tensors too (see
-    # benchmarks/results/NOTES.md); a crash here must fail this test, not end the whole run.
+    # csrc/common/error_message.h); a crash here must fail this test, not end the whole run.
     code = """
 import torch, flashmod
 x = torch.randn(1, 1, 4, 8, device="cuda", dtype=torch.float64)

@@ -101,7 +101,7 @@ inline int64_t decode_key_blocks(const AttentionParams& p, int bc) {
 // the SMs can hold, so most of HBM's bandwidth idles while each CTA walks all of Nk. Splitting
 // every CTA's key blocks into `splits` runs multiplies the grid; aim for one full wave of
 // resident CTAs (slots = SMs x CTAs per SM): every SM streams, and each split stays as long as
-// possible. Measured on an H100 (benchmarks/decode_splits.py, bf16, B 8, Hq 32 / Hkv 8, D 128,
+// possible. Measured on an H100 (tools/decode_splits.py, bf16, B 8, Hq 32 / Hkv 8, D 128,
 // Nq 1; 64 packed CTAs, 264 slots): one wave (4 splits) 8.05 / 10.92 / 12.15 TFLOP/s at Nk 4k /
 // 16k / 64k, two waves (8 splits) 7.43 / 10.69 / 11.99, FLASH 8.05 / 10.93 / 12.09. floor()
 // keeps the grid at or just under a full wave. Each split keeps >= kMinBlocksPerSplit key blocks

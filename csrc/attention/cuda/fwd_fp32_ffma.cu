@@ -8,7 +8,7 @@
 // Each quad splits the keys of a block for S = Q_i K_j^T and the head dim for O += P V_j; P goes
 // through shared memory because every thread of the quad needs the whole row of it. Scores are
 // always transformed (scale, soft cap, mask) before the softmax; the exp2 only folds log2(e).
-// Speed: see benchmarks/results/NOTES.md (a small fraction of the fp16/bf16 kernel's).
+// Speed: see benchmarks/results/design/cuda-fp32.md (a small fraction of the fp16/bf16 kernel's).
 #include <math_constants.h>
 
 #include <cstdint>

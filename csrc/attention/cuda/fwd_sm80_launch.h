@@ -17,7 +17,7 @@ namespace flashmod::cuda_kernels {
 // feeds twice the mma work, and ldmatrix traffic stays under shared-memory bandwidth. Past
 // D = 128 the O accumulator alone (D fp32 registers per thread at 32 rows per warp) would not
 // fit, so warps own 16 rows. Measured on an H100 (bf16, N = 1k..16k, vs SDPA FLASH in the same
-// process; benchmarks/results/NOTES.md):
+// process; benchmarks/results/design/cuda-sm80.md):
 //   D = 64:  128x64 with Q in registers 1.02-1.08x FLASH; 128x64 re-reading Q 0.97-1.02x;
 //            128x128 1.00-1.08x; 128x64 3 stages + Q in regs 1.01-1.08x (no better, more smem).
 //   D = 128: 128x64 0.96-1.08x over three runs (FLASH itself moves ~3% run to run); 128x32

@@ -12,7 +12,7 @@ namespace sm90 {
 
 // (Bc, warpgroups, stages[, CTAs per SM]) per head dim; Br = 64 * warpgroups.
 // Measured on an H100 (bf16, N = 1k..16k, causal and not, ratio to SDPA FLASH in the same process;
-// benchmarks/results/NOTES.md "v5"/"v6"):
+// benchmarks/results/design/cuda-sm90.md):
 //   D = 64:  64 x 64-key tiles, 2 warpgroups, 2 CTAs per SM (109 registers)  1.18-1.30x
 //            Br 128 x Bc 128, 1 CTA per SM                                  0.95-1.14x
 //            Br 64 (1 warpgroup) x Bc 64, 3 CTAs per SM                      1.06-1.16x

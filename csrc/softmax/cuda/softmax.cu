@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kThreadsPerRow* kRowsPerBlock, kMinBlocks)
   // again (see the write).
   constexpr bool kPairs = kMinBlocks > 0 && kVec > 1 && sizeof(T) == 2;
   using Cached = typename Cache<T, kVec, kPairs>::type;
-#ifdef FLASHMOD_SOFTMAX_NO_EXP_CACHE  // A/B hook for benchmarks/results/NOTES.md
+#ifdef FLASHMOD_SOFTMAX_NO_EXP_CACHE  // A/B hook for benchmarks/results/design/softmax.md
   constexpr bool kCacheExp = false;
 #else
   constexpr bool kCacheExp = std::is_same_v<Cached, float> && kPhase == Phase::kWhole;
@@ -413,8 +413,9 @@ bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stre
 }
 
 // Rows > 16k that load in 16-byte packs, on sm_90: the stream path (softmax_stream_sm90.cuh),
-// measured 0.86-0.92 of copy bandwidth against the cluster path's 0.81-0.88 (NOTES.md, "softmax
-// long rows (v5)"). Shorter rows stay on the warp and block kernels, which measured faster there.
+// measured 0.86-0.92 of copy bandwidth against the cluster path's 0.81-0.88
+// (benchmarks/results/design/softmax.md, v5). Shorter rows stay on the warp and block kernels,
+// which measured faster there.
 // FLASHMOD_SOFTMAX_STREAM=0 skips it, for side-by-side timing against the cluster path.
 template <typename T, int kVec>
 bool launch_stream(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {

@@ -1,7 +1,7 @@
 // Long softmax rows on sm_90: row segments streamed through shared memory by the bulk-copy engine,
 // so that loading the next row overlaps reducing and writing the current one.
 //
-// Why (benchmarks/results/NOTES.md, "softmax long rows" v2-v5): the register-cached cluster path
+// Why (benchmarks/results/design/softmax.md, long rows v2-v5): the register-cached cluster path
 // reads a row, waits at a cluster barrier, then writes, and its SM issues no loads while it waits.
 // It reached 0.79-0.90 of copy bandwidth on rows of 64k-256k elements. Here a producer warp keeps a
 // ring of 16 KB chunks in shared memory filled with cp.async.bulk: as soon as a chunk of row r has
