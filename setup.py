@@ -63,7 +63,10 @@ if want_cuda():
     cuda_defines = ["-DFLASHMOD_WITH_CUDA"] + (["-DFLASHMOD_BUILT_SM90A"] if "90a" in cuda_archs() else [])
     extension = CUDAExtension(
         "flashmod._C",
-        ext_sources + sources("csrc/*/cuda/*.cpp") + sources("csrc/*/cuda/*.cu") + sources("csrc/*/cuda/generated/*.cu"),
+        ext_sources
+        + sources("csrc/*/cuda/*.cpp")
+        + sources("csrc/*/cuda/*.cu")
+        + sources("csrc/*/cuda/generated/*.cu"),
         # FLASHMOD_BUILT_SM90A tells the host launcher that the Hopper (wgmma) kernels exist as
         # machine code; without sm_90a in the build, H100s run the portable kernel.
         extra_compile_args={"cxx": cxx_flags + cuda_defines, "nvcc": nvcc_flags},
