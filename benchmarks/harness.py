@@ -156,6 +156,10 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
 
 
+def _mib(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+
 def print_table(rows: list[dict], contenders: list[str], baseline: str = "flashmod") -> None:
     """Rows as the attention benchmarks write them (``label``, ``results[contender]`` with ``status``,
     ``ms``, ``tflops``, ``peak_mib``): TFLOP/s per contender, then time of X / time of ``baseline``."""
@@ -185,7 +189,7 @@ def print_table(rows: list[dict], contenders: list[str], baseline: str = "flashm
             else f"{'-':>12s}"
             for c in others
         ]
-        peaks = "/".join(f"{res[c]['peak_mib']:.3g}" if "peak_mib" in res.get(c, {}) else "-" for c in contenders)
+        peaks = "/".join(_mib(res[c]["peak_mib"]) if "peak_mib" in res.get(c, {}) else "-" for c in contenders)
         print(f"{row['label']:{width}s} " + " ".join(cells) + "   " + " ".join(ratios) + "   " + peaks)
     print(f"(TFLOP/s; fm/X = time of X / time of {baseline}, > 1 means {baseline} is faster)")
     for c in others:

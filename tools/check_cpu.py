@@ -81,7 +81,7 @@ def check(
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a smaller grid of shapes")
     args = ap.parse_args()
     rng = random.Random(0)
     cases = []
