@@ -27,6 +27,10 @@ TORCH_LIBRARY(flashmod, m) {
       "Tensor out, Tensor lse, Tensor? attn_mask=None, float? scale=None, bool is_causal=False, "
       "bool bottom_right=True, int window_left=-1, int window_right=-1, float softcap=0.0) -> "
       "(Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // Exact merge of partial attention results over disjoint key sets: outs[i] (..., D) with lses[i]
+  // (...) fp32 -> out = sum_i exp(lse_i - lse) outs[i], lse = log(sum_i exp(lse_i)); partials with
+  // lse -inf (no visible key) contribute nothing, a row with none visible gives (0, -inf).
+  m.def("merge_attention(Tensor[] outs, Tensor[] lses) -> (Tensor out, Tensor lse)");
   // Softmax of x along dim (online normalizer); a row of all -inf gives zeros.
   m.def("softmax(Tensor x, int dim) -> Tensor");
   // softmax(scale * a @ b^T + mask, -1) fused: a (B, Ha, M, K), b (B, Hb, N, K) -> (B, Ha, M, N).

@@ -17,6 +17,7 @@ Inside real models:
 from . import hf as _hf
 from .functional import attention, flash_attn_func
 from .hf import HF_ATTN_IMPLEMENTATION
+from .merge_ops import merge_attention
 from .modules import FlashAttention, FlashMultiheadAttention
 from .ops import attention_op
 from .patch import patch, patched, unpatch
@@ -34,6 +35,7 @@ __all__ = [
     "attention_reference",
     "flash_attn_func",
     "matmul_softmax",
+    "merge_attention",
     "patch",
     "softmax",
     "patched",

@@ -1,0 +1,244 @@
+"""Context-parallel (ring) attention on ``torch.distributed``.
+
+Each rank holds a slice of the sequence. K/V slices travel around the ring of ranks with
+point-to-point sends overlapped with the local attention, and the partial results are merged exactly
+through their log-sum-exps (:func:`flashmod.merge_attention`). The backward runs the ring again:
+K/V travel with their gradient accumulators, and every rank adds its queries' share with the
+single-device backward kernel (``flashmod::attention_backward`` against the merged output and lse,
+which makes each share exact without renormalizing).
+
+Placement: non-causal attention takes contiguous slices. Causal attention splits the sequence into
+``2 * world_size`` chunks and gives rank ``r`` chunks ``r`` and ``2 * world_size - 1 - r`` (zigzag),
+so every rank does the same amount of causal work; each ring step is then one dense attention call
+(the first chunk's queries see the visiting first chunk, or the second chunk's queries see both
+visiting chunks), and step 0 is plain causal attention on the local slice.
+:func:`shard_sequence` and :func:`unshard_sequence` place a sequence and gather it back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .merge_ops import merge_attention
+from .ops import attention_op
+
+
+def _chunk_lengths(total: int, chunks: int) -> list[int]:
+    """Lengths of ``torch.tensor_split(x, chunks)``: the first ``total % chunks`` get one more."""
+    return [total // chunks + (1 if i < total % chunks else 0) for i in range(chunks)]
+
+
+def _rank_chunks(rank: int, world_size: int, causal: bool) -> list[int]:
+    return [rank, 2 * world_size - 1 - rank] if causal else [rank]
+
+
+def shard_sequence(x: Tensor, dim: int, rank: int, world_size: int, causal: bool = False) -> Tensor:
+    """The slice of ``x`` along ``dim`` that rank ``rank`` holds in :func:`ring_attention`.
+
+    Non-causal: the ``rank``-th of ``world_size`` contiguous pieces (``torch.tensor_split``'s sizes).
+    Causal: pieces ``rank`` and ``2 * world_size - 1 - rank`` of ``2 * world_size``, concatenated.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"shard_sequence: rank must be in [0, world_size={world_size}), got {rank}")
+    pieces = torch.tensor_split(x, 2 * world_size if causal else world_size, dim=dim)
+    return torch.cat([pieces[c] for c in _rank_chunks(rank, world_size, causal)], dim=dim)
+
+
+def unshard_sequence(parts: list[Tensor], dim: int, causal: bool = False) -> Tensor:
+    """Inverse of :func:`shard_sequence`: ``parts[r]`` is rank ``r``'s slice; returns the sequence."""
+    world_size = len(parts)
+    if not causal:
+        return torch.cat(parts, dim=dim)
+    total = sum(p.shape[dim] for p in parts)
+    lengths = _chunk_lengths(total, 2 * world_size)
+    ordered: list[Tensor | None] = [None] * (2 * world_size)
+    for rank, part in enumerate(parts):
+        first, second = _rank_chunks(rank, world_size, True)
+        ordered[first], ordered[second] = torch.split(part, [lengths[first], lengths[second]], dim=dim)
+    return torch.cat(ordered, dim=dim)
+
+
+class _Ring:
+    """Who sends to whom, and the slice lengths every rank holds (one all_gather of ints)."""
+
+    def __init__(self, group, local_len: int, device: torch.device, causal: bool) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        # Point-to-point ops name peers by their global rank.
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
+        self.next = ranks[(self.rank + 1) % self.world_size]
+        self.prev = ranks[(self.rank - 1) % self.world_size]
+        lens = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
+        dist.all_gather(lens, torch.tensor([local_len], dtype=torch.int64, device=device), group=group)
+        self.local_lens = [int(t.item()) for t in lens]
+        self.causal = causal
+        if causal:
+            chunk = _chunk_lengths(sum(self.local_lens), 2 * self.world_size)
+            self.first_len = [chunk[r] for r in range(self.world_size)]
+            expected = [chunk[r] + chunk[2 * self.world_size - 1 - r] for r in range(self.world_size)]
+            if expected != self.local_lens:
+                raise ValueError(
+                    "ring_attention(causal=True): the ranks' sequence slices must be placed by "
+                    f"shard_sequence(..., causal=True) (lengths {expected}), got lengths {self.local_lens}"
+                )
+
+    def source(self, step: int) -> int:
+        """The rank whose K/V slice this rank holds at ``step``."""
+        return (self.rank - step) % self.world_size
+
+    def exchange(self, send: list[Tensor], recv_like_rank: int) -> tuple[list, list[Tensor]]:
+        """Starts sending ``send`` to the next rank and receiving the previous rank's tensors (shaped as
+        rank ``recv_like_rank``'s slice along dim 2). Returns the requests and the receive buffers."""
+        buffers = []
+        for t in send:
+            shape = list(t.shape)
+            shape[2] = self.local_lens[recv_like_rank]
+            buffers.append(torch.empty(shape, dtype=t.dtype, device=t.device))
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, b, self.prev, self.group) for b in buffers]
+        return dist.batch_isend_irecv(ops), buffers
+
+    def step_plan(self, step: int) -> tuple[slice, slice, bool] | None:
+        """(query rows, key rows of the visiting slice, causal) of this step's one attention call, or
+        None when none of this rank's queries sees the visiting keys."""
+        src = self.source(step)
+        if step == 0:
+            return slice(None), slice(None), self.causal
+        if not self.causal:
+            return slice(None), slice(None), False
+        if src < self.rank:  # both local query chunks lie after the visiting first chunk only
+            return slice(None), slice(0, self.first_len[src]), False
+        # src > rank: only the local second chunk lies after the visiting slice, and after all of it
+        return slice(self.first_len[self.rank], None), slice(None), False
+
+
+def _rows(t: Tensor, rows: slice) -> Tensor:
+    return t[:, :, rows]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, softcap):
+        ring = _Ring(group, q.shape[2], q.device, causal)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        k_cur, v_cur = k, v
+        for step in range(ring.world_size):
+            pending = None
+            if step < ring.world_size - 1:
+                pending = ring.exchange([k_cur, v_cur], ring.source(step + 1))
+            plan = ring.step_plan(step)
+            if plan is not None:
+                rows, keys, step_causal = plan
+                o_part, lse_part = attention_op(
+                    _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys), None, scale, step_causal, False,
+                    -1, -1, softcap,
+                )  # fmt: skip
+                merged_o, merged_lse = merge_attention([_rows(out, rows), o_part], [lse[:, :, rows], lse_part])
+                out[:, :, rows] = merged_o
+                lse[:, :, rows] = merged_lse
+            if pending is not None:
+                requests, (k_cur, v_cur) = pending
+                for request in requests:
+                    request.wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.scale, ctx.softcap = ring, scale, softcap
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring: _Ring = ctx.ring
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        # K/V travel with the fp32 sums of their gradients; after the last step one more hop brings
+        # each sum home.
+        k_cur, v_cur = k, v
+        dk_cur = torch.zeros_like(k, dtype=torch.float32)
+        dv_cur = torch.zeros_like(v, dtype=torch.float32)
+        for step in range(ring.world_size):
+            plan = ring.step_plan(step)
+            if plan is not None:
+                rows, keys, step_causal = plan
+                dq_part, dk_part, dv_part = torch.ops.flashmod.attention_backward(
+                    _rows(grad_out, rows), None, _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys),
+                    _rows(out, rows), lse[:, :, rows], None, ctx.scale, step_causal, False, -1, -1, ctx.softcap,
+                )  # fmt: skip
+                dq[:, :, rows] += dq_part
+                dk_cur[:, :, keys] += dk_part
+                dv_cur[:, :, keys] += dv_part
+            last = step == ring.world_size - 1
+            send = [dk_cur, dv_cur] if last else [k_cur, v_cur, dk_cur, dv_cur]
+            requests, received = ring.exchange(send, ring.source(step + 1))
+            for request in requests:
+                request.wait()
+            if last:
+                dk_cur, dv_cur = received
+            else:
+                k_cur, v_cur, dk_cur, dv_cur = received
+        return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None, None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention over a sequence split across the ranks of ``group`` (SDPA layout ``(B, H, S, D)``).
+
+    Every rank passes its own slice ``q``, ``k``, ``v`` (placed by :func:`shard_sequence` with the same
+    ``causal``) and gets its queries' rows of the full attention, as single-device
+    ``flashmod.attention`` over the whole sequence would give them. GQA (fewer k/v heads) and softcap
+    work as in the single-device op; causal is top-left aligned over the full sequence (SDPA's
+    ``is_causal``). Differentiable with respect to q, k and v.
+
+    Args:
+        q: ``(B, Hq, S_local, D)``; k, v: ``(B, Hkv, S_local, D)``, this rank's slices.
+        group: the process group forming the ring (default: the world).
+        causal: causal attention over the full sequence (slices placed in zigzag order).
+        scale: score scale (default ``1/sqrt(D)``).
+        softcap: ``softcap * tanh(score / softcap)`` when > 0.
+        return_lse: also return the float32 log-sum-exp ``(B, Hq, S_local)``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_attention: torch.distributed must be initialized (dist.init_process_group)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"ring_attention: {name} must be 4-D (batch, heads, seqlen, head_dim), got shape {list(t.shape)}"
+            )
+    if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
+        raise ValueError(
+            "ring_attention: q, k and v must hold the same sequence slice, got lengths "
+            f"q {q.shape[2]}, k {k.shape[2]}, v {v.shape[2]}"
+        )
+    out, lse = _RingAttention.apply(q, k, v, group, causal, scale, softcap)
+    return (out, lse) if return_lse else out
+
+
+def ring_flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    group: dist.ProcessGroup | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`ring_attention` in flash-attn's layout: q ``(B, S_local, Hq, D)``, k/v ``(B, S_local, Hkv, D)``;
+    shard along dim 1. Returns ``(B, S_local, Hq, D)`` (and the lse ``(B, Hq, S_local)``)."""
+    result = ring_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, causal, softmax_scale, softcap, True
+    )
+    out, lse = result
+    return (out.transpose(1, 2), lse) if return_lse else out.transpose(1, 2)
