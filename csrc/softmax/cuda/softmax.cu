@@ -341,8 +341,8 @@ int64_t segments_for(int64_t n) {
 }
 
 // FLASHMOD_SOFTMAX_TRACE (any value): print which long-row path each call takes, to stderr.
-// tests/test_softmax.py uses it to check that each path is taken where expected. Read per call,
-// and only on the long-row paths, whose kernels take far longer than a getenv.
+// tests/softmax/test_softmax.py uses it to check that each path is taken where expected. Read per
+// call, and only on the long-row paths, whose kernels take far longer than a getenv.
 void trace(int64_t n, const char* path, int threads, int64_t blocks_per_row) {
   if (std::getenv("FLASHMOD_SOFTMAX_TRACE") == nullptr) return;
   std::fprintf(stderr, "flashmod softmax: n=%lld path=%s threads=%d blocks_per_row=%lld\n",
