@@ -4,12 +4,14 @@
 
 * ``register_fake``: shapes/dtypes for torch.compile, with the same checks as the C++ host code
   (``csrc/attention/attention_host.cpp``) written as ``torch._check`` so they fire while tracing too;
-* ``flashmod::attention_backward`` (declared in C++ too): its fake implementation;
+* ``flashmod::attention_backward`` (fused kernels in C++): its fake implementation, and the
+  reference math as its CUDA kernel in builds without the fused CUDA backward;
 * ``register_autograd``: makes the forward op itself differentiable.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -100,7 +102,6 @@ def _attention_fake(
     return out, lse
 
 
-@torch.library.impl("flashmod::attention_backward", "CompositeExplicitAutograd")
 def _attention_backward_reference(
     grad_out: Tensor,
     grad_lse: Tensor | None,
@@ -117,17 +118,64 @@ def _attention_backward_reference(
     window_right: int = -1,
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of flashmod::attention's (out, lse) with respect to (q, k, v): the chunked
-    reference math (interim, until the fused kernels register for CPU and CUDA)."""
+    """The chunked reference math as the CUDA kernel of attention_backward, for builds without the
+    fused CUDA backward (it is registered only then, and says so once)."""
+    global _warned_reference_backward
+    if not _warned_reference_backward:
+        _warned_reference_backward = True
+        warnings.warn(
+            "flashmod: this build has no fused CUDA backward kernel; attention gradients on CUDA use the "
+            "chunked reference math (correct, several times slower and larger in memory)",
+            stacklevel=2,
+        )
     return attention_backward_chunked(
         grad_out, grad_lse, q, k, v, lse, attn_mask, scale,
         is_causal, bottom_right, window_left, window_right, softcap,
     )  # fmt: skip
 
 
+_warned_reference_backward = False
+if not torch._C._dispatch_has_kernel_for_dispatch_key("flashmod::attention_backward", "CUDA"):
+    torch.library.impl("flashmod::attention_backward", "CUDA")(_attention_backward_reference)
+
+
+def _check_like_q(name: str, t: Tensor, q: Tensor) -> None:
+    p = "flashmod.attention_backward: "
+    torch._check(
+        list(t.shape) == list(q.shape), lambda: f"{p}{name} must have q's shape {list(q.shape)}, got {list(t.shape)}"
+    )
+    torch._check(t.dtype == q.dtype, lambda: f"{p}{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    torch._check(t.device == q.device, lambda: f"{p}{name} must be on q's device {q.device}, got {t.device}")
+
+
+def _check_rows(name: str, t: Tensor, q: Tensor, any_float: bool) -> None:
+    p = "flashmod.attention_backward: "
+    rows = [q.shape[0], q.shape[1], q.shape[2]]
+    torch._check(
+        list(t.shape) == rows,
+        lambda: f"{p}{name} must have shape (batch, q_heads, seqlen_q) = {rows}, got {list(t.shape)}",
+    )
+    torch._check(
+        t.dtype.is_floating_point if any_float else t.dtype == torch.float32,
+        lambda: f"{p}{name} must be {'a floating tensor' if any_float else 'float32'}, got {t.dtype}",
+    )
+    torch._check(t.device == q.device, lambda: f"{p}{name} must be on q's device {q.device}, got {t.device}")
+
+
 @torch.library.register_fake("flashmod::attention_backward")
-def _attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask=None, scale=None, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _attention_backward_fake(
+    grad_out, grad_lse, q, k, v, out, lse, attn_mask=None, scale=None, is_causal=False, bottom_right=True,
+    window_left=-1, window_right=-1, softcap=0.0,
+):  # fmt: skip
+    """Mirror of prepare_attention_backward in csrc/attention/attention_host.cpp."""
+    _check_inputs(q, k, v, attn_mask, scale, window_left, window_right, softcap)
+    _check_like_q("out", out, q)
+    _check_like_q("grad_out", grad_out, q)
+    _check_rows("lse", lse, q, any_float=False)
+    if grad_lse is not None:
+        _check_rows("grad_lse", grad_lse, q, any_float=True)
+    dense = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
+    return tuple(torch.empty_like(t) for t in dense)
 
 
 def _setup_context(ctx, inputs, output) -> None:
