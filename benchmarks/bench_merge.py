@@ -56,9 +56,9 @@ def main() -> None:
         dst = torch.empty_like(src)
         times = harness.median_times(
             {
-                "merge": lambda: flashmod.merge_attention(outs, lses),
-                "copy": lambda: dst.copy_(src),
-                "torch": lambda: torch_merge(outs, lses),
+                "merge": lambda outs=outs, lses=lses: flashmod.merge_attention(outs, lses),
+                "copy": lambda dst=dst, src=src: dst.copy_(src),
+                "torch": lambda outs=outs, lses=lses: torch_merge(outs, lses),
             },
             dev,
             warmup=3,
