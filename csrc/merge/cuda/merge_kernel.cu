@@ -1,6 +1,5 @@
-// The merge_attention kernel: one warp per row. Lane i holds partial i's lse, the warp reduces the
-// max and the sum of exponentials with shuffles, then every lane walks its columns of each partial
-// with the broadcast weight. Memory-bound: each partial row is read once, the result written once.
+// The merge_attention kernel. Memory-bound: each partial row is read once, the result written
+// once; the weights exp(lse_i - lse) come from the P lses of the row.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math_constants.h>
@@ -11,48 +10,58 @@
 namespace flashmod::cuda_kernels {
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
-static_assert(kMaxMergeParts <= 32, "one lane holds each partial's lse");
+constexpr int kThreadsPerBlock = 256;
 
-template <typename Elem, int kVec>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock) merge_attention_kernel(const MergeParams p) {
-  const int lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+// kLanes threads share one row, each loading kVec elements (16 bytes where aligned) per partial:
+// at D = 128 in bf16 that is 16 lanes, so a warp streams two rows and no lane idles. Every lane
+// computes the row's weights itself from the P lses (P <= kMaxMergeParts loads, served by L1):
+// cheaper than shuffles, and it keeps the weights in registers for the column loop.
+template <typename Elem, int kVec, int kLanes>
+__global__ void __launch_bounds__(kThreadsPerBlock) merge_attention_kernel(const MergeParams p) {
+  constexpr int kRowsPerBlock = kThreadsPerBlock / kLanes;
+  const int lane = threadIdx.x % kLanes;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanes;
   if (row >= p.rows) return;
-  const float lse_lane = lane < p.parts ? p.lses[lane][row] : -CUDART_INF_F;
-  float m = lse_lane;
-  bool nan = isnan(lse_lane);
-  for (int offset = 16; offset > 0; offset /= 2) {
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    nan = __any_sync(0xffffffffu, nan);
+  float lse_of[kMaxMergeParts];
+  float m = -CUDART_INF_F;
+  bool nan = false;
+#pragma unroll
+  for (int i = 0; i < kMaxMergeParts; ++i) {
+    lse_of[i] = i < p.parts ? __ldg(p.lses[i] + row) : -CUDART_INF_F;
+    nan |= isnan(lse_of[i]);
+    m = fmaxf(m, lse_of[i]);
   }
   Elem* out = static_cast<Elem*>(p.out) + row * p.head_dim;
   if (nan || m == -CUDART_INF_F) {
     // No partial saw a visible key: the row is empty (0, -inf); a NaN lse stays NaN.
     const Elem fill = from_float<Elem>(nan ? CUDART_NAN_F : 0.f);
-    for (int64_t c = lane; c < p.head_dim; c += 32) out[c] = fill;
+    for (int64_t c = lane; c < p.head_dim; c += kLanes) out[c] = fill;
     if (lane == 0) p.lse[row] = nan ? CUDART_NAN_F : -CUDART_INF_F;
     return;
   }
-  float sum = lane < p.parts ? expf(lse_lane - m) : 0.f;
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxMergeParts; ++i) sum += expf(lse_of[i] - m);  // exp(-inf) = 0
   const float lse = m + logf(sum);
-  const float weight_lane = expf(lse_lane - lse);  // 0 for lanes without a partial
+  float weight[kMaxMergeParts];
+#pragma unroll
+  for (int i = 0; i < kMaxMergeParts; ++i) weight[i] = expf(lse_of[i] - lse);
 
-  for (int64_t c0 = static_cast<int64_t>(lane) * kVec; c0 < p.head_dim; c0 += 32 * kVec) {
+  for (int64_t c0 = static_cast<int64_t>(lane) * kVec; c0 < p.head_dim; c0 += kLanes * kVec) {
     float acc[kVec] = {};
-    for (int i = 0; i < p.parts; ++i) {
-      const float w = __shfl_sync(0xffffffffu, weight_lane, i);
-      if (w == 0.f) continue;  // a partial without visible keys is never read (its out may be 0)
+#pragma unroll
+    for (int i = 0; i < kMaxMergeParts; ++i) {
+      // A partial without visible keys (or past p.parts) has weight 0 and is never read.
+      if (weight[i] == 0.f) continue;
       const Elem* o = static_cast<const Elem*>(p.outs[i]) + row * p.head_dim + c0;
       if constexpr (kVec > 1) {
-        // 16-byte loads: the host checked the alignment of every row start.
+        // 16-byte loads: the host side checked the alignment of every row start.
         Elem v[kVec];
         *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(o));
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[e] = fmaf(w, to_float(v[e]), acc[e]);
+        for (int e = 0; e < kVec; ++e) acc[e] = fmaf(weight[i], to_float(v[e]), acc[e]);
       } else {
-        acc[0] = fmaf(w, to_float(__ldg(o)), acc[0]);
+        acc[0] = fmaf(weight[i], to_float(__ldg(o)), acc[0]);
       }
     }
     if constexpr (kVec > 1) {
@@ -67,19 +76,31 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) merge_attention_kernel(co
   if (lane == 0) p.lse[row] = lse;
 }
 
+template <typename Elem, int kVec, int kLanes>
+cudaError_t launch_with(const MergeParams& p, cudaStream_t stream) {
+  constexpr int kRowsPerBlock = kThreadsPerBlock / kLanes;
+  const int64_t blocks = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  merge_attention_kernel<Elem, kVec, kLanes>
+      <<<static_cast<unsigned>(blocks), kThreadsPerBlock, 0, stream>>>(p);
+  return cudaPeekAtLastError();
+}
+
+// Lanes per row: enough to cover the row in one pass of 16-byte loads where possible (8 .. 32).
+template <typename Elem, int kVec>
+cudaError_t launch_for_width(const MergeParams& p, cudaStream_t stream) {
+  const int64_t chunks = (p.head_dim + kVec - 1) / kVec;
+  if (chunks <= 8) return launch_with<Elem, kVec, 8>(p, stream);
+  if (chunks <= 16) return launch_with<Elem, kVec, 16>(p, stream);
+  return launch_with<Elem, kVec, 32>(p, stream);
+}
+
 template <typename Elem>
 cudaError_t launch_for(const MergeParams& p, cudaStream_t stream) {
   constexpr int kVec16 = 16 / sizeof(Elem);
   bool vec16 = p.head_dim % kVec16 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
   for (int i = 0; i < p.parts; ++i) vec16 &= reinterpret_cast<uintptr_t>(p.outs[i]) % 16 == 0;
-  const int64_t blocks = (p.rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const dim3 grid(static_cast<unsigned>(blocks)), block(32 * kWarpsPerBlock);
-  if (vec16)
-    merge_attention_kernel<Elem, kVec16><<<grid, block, 0, stream>>>(p);
-  else
-    merge_attention_kernel<Elem, 1><<<grid, block, 0, stream>>>(p);
-  return cudaPeekAtLastError();
+  return vec16 ? launch_for_width<Elem, kVec16>(p, stream) : launch_for_width<Elem, 1>(p, stream);
 }
 
 }  // namespace
