@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -64,9 +66,11 @@ def _check_inputs(
     window_left: int,
     window_right: int,
     softcap: float,
+    op: str = "flashmod.attention",
 ) -> None:
-    """Mirror of csrc/attention/attention_host.cpp's checks (same order, same messages)."""
-    p = "flashmod.attention: "
+    """Mirror of csrc/attention/attention_host.cpp's checks (same order, same messages); ``op``
+    prefixes every message (the backward shares the forward's checks)."""
+    p = f"{op}: "
     for name, t in (("q", q), ("k", k), ("v", v)):
         torch._check(
             t.dim() == 4,
@@ -101,9 +105,7 @@ def _check_inputs(
             f"and k/v heads {k.shape[1]}"
         ),
     )
-    check_mask(
-        "flashmod.attention", attn_mask, q, "q", (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), ATTENTION_MASK_DIMS
-    )
+    check_mask(op, attn_mask, q, "q", (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), ATTENTION_MASK_DIMS)
     torch._check(scale is None or math.isfinite(scale), lambda: f"{p}scale must be finite, got {scale}")
     torch._check(window_left >= -1, lambda: f"{p}window_left must be >= -1 (-1 = unbounded), got {window_left}")
     torch._check(window_right >= -1, lambda: f"{p}window_right must be >= -1 (-1 = unbounded), got {window_right}")
@@ -141,7 +143,59 @@ def _attention_fake(
     return out, lse
 
 
-@torch.library.impl("flashmod::attention_backward", "CompositeExplicitAutograd")
+def _check_like(p: str, name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+    torch._check(
+        t.shape == ref.shape, lambda: f"{p}{name} must have {ref_name}'s shape {list(ref.shape)}, got {list(t.shape)}"
+    )
+    torch._check(t.dtype == ref.dtype, lambda: f"{p}{name} must have {ref_name}'s dtype {ref.dtype}, got {t.dtype}")
+    torch._check(
+        t.device == ref.device, lambda: f"{p}{name} must be on {ref_name}'s device {ref.device}, got {t.device}"
+    )
+
+
+def _check_row_stat(p: str, name: str, t: Tensor, q: Tensor, fp32_only: bool) -> None:
+    want = [q.shape[0], q.shape[1], q.shape[2]]
+    torch._check(
+        list(t.shape) == want,
+        lambda: f"{p}{name} must have shape (batch, q_heads, seqlen_q) = {want}, got {list(t.shape)}",
+    )
+    if fp32_only:
+        torch._check(t.dtype == torch.float32, lambda: f"{p}{name} must be float32, got {t.dtype}")
+    else:
+        torch._check(t.dtype.is_floating_point, lambda: f"{p}{name} must be a floating dtype, got {t.dtype}")
+    torch._check(t.device == q.device, lambda: f"{p}{name} must be on q's device {q.device}, got {t.device}")
+
+
+@torch.library.register_fake("flashmod::attention_backward")
+def _attention_backward_fake(
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    bottom_right: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Mirror of csrc/attention/attention_host.cpp's prepare_attention_backward: the forward's
+    checks, then out, lse, grad_out and grad_lse; gradients in the fixed-up inputs' layouts."""
+    op = "flashmod.attention_backward"
+    _check_inputs(q, k, v, attn_mask, scale, window_left, window_right, softcap, op=op)
+    p = f"{op}: "
+    _check_like(p, "out", out, "q", q)
+    _check_row_stat(p, "lse", lse, q, fp32_only=True)
+    _check_like(p, "grad_out", grad_out, "out", out)
+    if grad_lse is not None:
+        _check_row_stat(p, "grad_lse", grad_lse, q, fp32_only=False)
+    return tuple(torch.empty_like(t if t.stride(-1) == 1 else t.contiguous()) for t in (q, k, v))
+
+
 def _attention_backward_reference(
     grad_out: Tensor,
     grad_lse: Tensor | None,
@@ -158,17 +212,32 @@ def _attention_backward_reference(
     window_right: int = -1,
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of flashmod::attention's (out, lse) with respect to (q, k, v): the chunked
-    reference math (interim, until the fused kernels register for CPU and CUDA)."""
+    """The chunked reference math as flashmod::attention_backward's CUDA kernel, for builds whose
+    C++ library has no fused CUDA backward. Warns once: it is several times slower and holds
+    (chunk_rows x Nk) score tensors."""
+    _warn_reference_backward_once()
+    _attention_backward_fake(
+        grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale,
+        is_causal, bottom_right, window_left, window_right, softcap,
+    )  # fmt: skip
     return attention_backward_chunked(
         grad_out, grad_lse, q, k, v, lse, attn_mask, scale,
         is_causal, bottom_right, window_left, window_right, softcap,
     )  # fmt: skip
 
 
-@torch.library.register_fake("flashmod::attention_backward")
-def _attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask=None, scale=None, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+@functools.cache
+def _warn_reference_backward_once() -> None:
+    warnings.warn(
+        "flashmod.attention_backward: this build of flashmod has no fused CUDA backward kernel "
+        "(flashmod._C was built without it), so CUDA gradients run the chunked reference in "
+        "flashmod/reference.py: slower and with more memory",
+        stacklevel=3,
+    )
+
+
+if not torch._C._dispatch_has_kernel_for_dispatch_key("flashmod::attention_backward", "CUDA"):
+    torch.library.impl("flashmod::attention_backward", "CUDA")(_attention_backward_reference)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -1,0 +1,341 @@
+// CPU backward of flashmod::attention: FlashAttention-2's recomputation. Per (Br x Bc) tile,
+// P = exp(S - lse) from the saved lse, D_i = rowsum(dO_i o O_i) - grad_lse_i, then
+//   dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = P o (dP - D_i) (o (1 - tanh^2) under softcap),
+//   dK_j += scale dS^T Q_i,  dQ_i += scale dS K_j.
+// The five products run through the BLAS torch links (sgemm_/dgemm_, single-threaded inside
+// at::parallel_for); the elementwise part is plain loops the compiler vectorizes.
+//
+// Determinism: one task is one (batch, kv head) and owns every gradient row it writes (dQ of its
+// query group, dK/dV of its kv head), walking key blocks, q heads and query blocks in a fixed
+// order. The result is bitwise the same on every run and at any thread count.
+// Memory: O(tile) per thread, plus (fp16/bf16 only) the task's rows widened to fp32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "../attention_host.h"
+
+namespace flashmod {
+namespace {
+
+// Fortran BLAS from the library torch links (MKL in x86 wheels; ATen's cpublas wrappers are not
+// exported). Called from inside at::parallel_for it runs single-threaded.
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+            const float* beta, float* c, const int* ldc);
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const double* alpha, const double* a, const int* lda, const double* b, const int* ldb,
+            const double* beta, double* c, const int* ldc);
+}
+
+// BLAS wants ld >= the stored row length even when a single row makes the stride irrelevant.
+int leading_dim(int64_t ld, int64_t rows, int64_t row_length) {
+  return static_cast<int>(rows == 1 ? std::max<int64_t>(row_length, 1) : ld);
+}
+
+// Row-major C (m x n) = alpha op(A) op(B) + beta C. BLAS is column-major: a row-major matrix is
+// its column-major transpose, so C^T = op(B)^T op(A)^T keeps the flags and swaps the operands.
+template <typename acc_t>
+void matmul_rows(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, acc_t alpha,
+                 const acc_t* a, int64_t lda, const acc_t* b, int64_t ldb, acc_t beta, acc_t* c,
+                 int64_t ldc) {
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+  const int lda_i = trans_a ? leading_dim(lda, k, m) : leading_dim(lda, m, k);
+  const int ldb_i = trans_b ? leading_dim(ldb, n, k) : leading_dim(ldb, k, n);
+  const int ldc_i = leading_dim(ldc, m, n);
+  if constexpr (std::is_same_v<acc_t, float>) {
+    sgemm_(&tb, &ta, &ni, &mi, &ki, &alpha, b, &ldb_i, a, &lda_i, &beta, c, &ldc_i);
+  } else {
+    dgemm_(&tb, &ta, &ni, &mi, &ki, &alpha, b, &ldb_i, a, &lda_i, &beta, c, &ldc_i);
+  }
+}
+
+// e^x with a relative error of ~2 ulp, branch-free so the loops that call it vectorize; -inf and
+// anything below -87.3 (whose e^x is no normal fp32) give exactly 0.
+inline float exp_fast(float x) {
+  const float clamped = std::max(x, -87.3f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;  // Cody-Waite: ln2 = hi - lo
+  float poly = 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &poly, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  float result;
+  std::memcpy(&result, &bits, 4);
+  return x < -87.3f ? 0.0f : result;
+}
+inline double exp_fast(double x) {
+  return std::exp(x);
+}
+
+// Reads the additive mask element at off as acc_t, whatever its storage.
+template <typename acc_t, typename scalar_t>
+acc_t mask_value(const AttentionParams& p, int64_t off) {
+  if (p.mask_kind == MaskKind::kAdditiveF32) return static_cast<const float*>(p.mask)[off];
+  return static_cast<acc_t>(static_cast<const scalar_t*>(p.mask)[off]);
+}
+
+// scalar_t: the tensors' element type; acc_t: the math (float, double for fp64).
+template <typename scalar_t, typename acc_t>
+void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
+  constexpr int64_t Br = 64, Bc = 128;
+  constexpr bool widen = !std::is_same_v<scalar_t, acc_t>;
+  const int64_t D = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
+  const acc_t scale = static_cast<acc_t>(p.scale), softcap = static_cast<acc_t>(p.softcap);
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+
+  // Tile buffers first, then (fp16/bf16) the widened rows of this task.
+  acc_t* S = scratch;          // Br x Bc: scores, then P
+  acc_t* dP = S + Br * Bc;     // Br x Bc: dP, then dS
+  acc_t* T = dP + Br * Bc;     // Br x Bc: tanh(raw / softcap)
+  acc_t* delta = T + Br * Bc;  // group x Nq: rowsum(dO o O) - grad_lse
+  acc_t* wide = delta + group * Nq;
+
+  const auto* Kin = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const auto* Vin = static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  auto* dKout =
+      static_cast<scalar_t*>(p.grad_k) + b * p.grad_k_batch_stride + hk * p.grad_k_head_stride;
+  auto* dVout =
+      static_cast<scalar_t*>(p.grad_v) + b * p.grad_v_batch_stride + hk * p.grad_v_head_stride;
+  auto q_of = [&](int64_t g) {
+    return static_cast<const scalar_t*>(p.q) + b * p.q_batch_stride +
+           (hk * group + g) * p.q_head_stride;
+  };
+  auto dout_of = [&](int64_t g) {
+    return static_cast<const scalar_t*>(p.grad_out) + b * p.grad_out_batch_stride +
+           (hk * group + g) * p.grad_out_head_stride;
+  };
+  auto out_of = [&](int64_t g) {
+    return static_cast<const scalar_t*>(p.out) + b * p.out_batch_stride +
+           (hk * group + g) * p.out_head_stride;
+  };
+  auto dq_of = [&](int64_t g) {
+    return static_cast<scalar_t*>(p.grad_q) + b * p.grad_q_batch_stride +
+           (hk * group + g) * p.grad_q_head_stride;
+  };
+
+  for (int64_t g = 0; g < group; ++g) {
+    const scalar_t* dO = dout_of(g);
+    const scalar_t* O = out_of(g);
+    const int64_t row0 = (b * p.heads_q + hk * group + g) * Nq;
+    for (int64_t i = 0; i < Nq; ++i) {
+      const scalar_t* o_row = O + i * p.out_row_stride;
+      const scalar_t* do_row = dO + i * p.grad_out_row_stride;
+      acc_t sum = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        sum += static_cast<acc_t>(do_row[d]) * static_cast<acc_t>(o_row[d]);
+      }
+      delta[g * Nq + i] = sum - (p.grad_lse ? static_cast<acc_t>(p.grad_lse[row0 + i]) : acc_t(0));
+    }
+  }
+
+  // Rows in acc_t. fp32/fp64 read the tensors in place and accumulate into the (zeroed)
+  // gradients; fp16/bf16 widen the task's rows once and narrow the gradients at the end.
+  const acc_t *K, *V;
+  acc_t *dK, *dV;
+  int64_t k_ld, v_ld, dk_ld, dv_ld, q_ld, do_ld, dq_ld;
+  std::vector<const acc_t*> Q(group), dO(group);
+  std::vector<acc_t*> dQ(group);
+  if constexpr (widen) {
+    auto widen_rows = [&](const scalar_t* src, int64_t stride, int64_t rows, acc_t* dst) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < D; ++d) dst[r * D + d] = static_cast<acc_t>(src[r * stride + d]);
+      }
+    };
+    acc_t* next = wide;
+    auto take = [&](int64_t rows) {
+      acc_t* t = next;
+      next += rows * D;
+      return t;
+    };
+    acc_t* k_wide = take(Nk);
+    acc_t* v_wide = take(Nk);
+    widen_rows(Kin, p.k_row_stride, Nk, k_wide);
+    widen_rows(Vin, p.v_row_stride, Nk, v_wide);
+    K = k_wide, V = v_wide;
+    dK = take(Nk), dV = take(Nk);
+    std::fill(dK, dK + 2 * Nk * D, acc_t(0));  // dK and dV are adjacent
+    for (int64_t g = 0; g < group; ++g) {
+      acc_t* q_wide = take(Nq);
+      acc_t* do_wide = take(Nq);
+      widen_rows(q_of(g), p.q_row_stride, Nq, q_wide);
+      widen_rows(dout_of(g), p.grad_out_row_stride, Nq, do_wide);
+      Q[g] = q_wide, dO[g] = do_wide;
+      dQ[g] = take(Nq);
+      std::fill(dQ[g], dQ[g] + Nq * D, acc_t(0));
+    }
+    k_ld = v_ld = dk_ld = dv_ld = q_ld = do_ld = dq_ld = D;
+  } else {
+    K = reinterpret_cast<const acc_t*>(Kin), V = reinterpret_cast<const acc_t*>(Vin);
+    dK = reinterpret_cast<acc_t*>(dKout), dV = reinterpret_cast<acc_t*>(dVout);
+    for (int64_t g = 0; g < group; ++g) {
+      Q[g] = reinterpret_cast<const acc_t*>(q_of(g));
+      dO[g] = reinterpret_cast<const acc_t*>(dout_of(g));
+      dQ[g] = reinterpret_cast<acc_t*>(dq_of(g));
+    }
+    k_ld = p.k_row_stride, v_ld = p.v_row_stride, dk_ld = p.grad_k_row_stride;
+    dv_ld = p.grad_v_row_stride, q_ld = p.q_row_stride, do_ld = p.grad_out_row_stride;
+    dq_ld = p.grad_q_row_stride;
+  }
+
+  const int64_t off = p.diag_offset, wl = p.window_left, wr = p.window_right;
+  const bool has_mask = p.mask_kind != MaskKind::kNone;
+  const bool capped = softcap > 0;
+  for (int64_t c0 = 0; c0 < Nk; c0 += Bc) {
+    const int64_t cols = std::min(Bc, Nk - c0), c_last = c0 + cols - 1;
+    // Query rows whose window reaches this key block: i + off - wl <= c_last, i + off + wr >= c0.
+    int64_t i_begin = 0, i_end = Nq;
+    if (wr >= 0) i_begin = std::max<int64_t>(0, c0 - off - wr);
+    if (wl >= 0) i_end = std::min<int64_t>(Nq, c_last - off + wl + 1);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* lse = p.lse + (b * p.heads_q + hk * group + g) * Nq;
+      const int64_t h = hk * group + g;
+      for (int64_t r0 = i_begin; r0 < i_end; r0 += Br) {
+        const int64_t rows = std::min(Br, i_end - r0), r_last = r0 + rows - 1;
+        const acc_t* Qi = Q[g] + r0 * q_ld;
+        const acc_t* dOi = dO[g] + r0 * do_ld;
+        matmul_rows<acc_t>(false, true, rows, cols, D, acc_t(1), Qi, q_ld, K + c0 * k_ld, k_ld,
+                           acc_t(0), S, Bc);
+        // Window bounds only matter on tiles the diagonal band's edges cross.
+        const bool window_inside =
+            (wr < 0 || c_last <= r0 + off + wr) && (wl < 0 || c0 >= r_last + off - wl);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = r0 + r;
+          acc_t* s_row = S + r * Bc;
+          acc_t* t_row = T + r * Bc;
+          const acc_t row_lse = static_cast<acc_t>(lse[i]);
+          if (row_lse == neg_inf) {  // no visible key: P = 0, gradients 0
+            std::fill(s_row, s_row + cols, acc_t(0));
+            continue;
+          }
+          if (capped) {
+            for (int64_t c = 0; c < cols; ++c) {
+              const acc_t t = std::tanh(s_row[c] * scale / softcap);
+              t_row[c] = t;
+              s_row[c] = softcap * t;
+            }
+          } else {
+            for (int64_t c = 0; c < cols; ++c) s_row[c] *= scale;
+          }
+          if (has_mask) {
+            const int64_t base = b * p.mask_batch_stride + h * p.mask_head_stride +
+                                 i * p.mask_row_stride + c0 * p.mask_col_stride;
+            if (p.mask_kind == MaskKind::kBool) {
+              const auto* m = static_cast<const uint8_t*>(p.mask) + base;
+              for (int64_t c = 0; c < cols; ++c) {
+                if (!m[c * p.mask_col_stride]) s_row[c] = neg_inf;
+              }
+            } else {
+              for (int64_t c = 0; c < cols; ++c) {
+                s_row[c] += mask_value<acc_t, scalar_t>(p, base + c * p.mask_col_stride);
+              }
+            }
+          }
+          if (!window_inside) {
+            const int64_t lo = wl >= 0 ? i + off - wl - c0 : 0;
+            const int64_t hi = wr >= 0 ? i + off + wr - c0 : cols - 1;
+            for (int64_t c = 0; c < cols; ++c) {
+              if (c < lo || c > hi) s_row[c] = neg_inf;
+            }
+          }
+          for (int64_t c = 0; c < cols; ++c) s_row[c] = exp_fast(s_row[c] - row_lse);
+        }
+        matmul_rows<acc_t>(true, false, cols, D, rows, acc_t(1), S, Bc, dOi, do_ld, acc_t(1),
+                           dV + c0 * dv_ld, dv_ld);
+        matmul_rows<acc_t>(false, true, rows, cols, D, acc_t(1), dOi, do_ld, V + c0 * v_ld, v_ld,
+                           acc_t(0), dP, Bc);
+        for (int64_t r = 0; r < rows; ++r) {
+          const acc_t d_i = delta[g * Nq + r0 + r];
+          acc_t* dp_row = dP + r * Bc;
+          const acc_t* p_row = S + r * Bc;
+          for (int64_t c = 0; c < cols; ++c) dp_row[c] = p_row[c] * (dp_row[c] - d_i);
+          if (capped) {
+            const acc_t* t_row = T + r * Bc;
+            for (int64_t c = 0; c < cols; ++c) dp_row[c] *= acc_t(1) - t_row[c] * t_row[c];
+          }
+        }
+        matmul_rows<acc_t>(true, false, cols, D, rows, scale, dP, Bc, Qi, q_ld, acc_t(1),
+                           dK + c0 * dk_ld, dk_ld);
+        matmul_rows<acc_t>(false, false, rows, D, cols, scale, dP, Bc, K + c0 * k_ld, k_ld,
+                           acc_t(1), dQ[g] + r0 * dq_ld, dq_ld);
+      }
+    }
+  }
+
+  if constexpr (widen) {
+    auto narrow_rows = [&](const acc_t* src, int64_t rows, scalar_t* dst, int64_t stride) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < D; ++d) dst[r * stride + d] = static_cast<scalar_t>(src[r * D + d]);
+      }
+    };
+    narrow_rows(dK, Nk, dKout, p.grad_k_row_stride);
+    narrow_rows(dV, Nk, dVout, p.grad_v_row_stride);
+    for (int64_t g = 0; g < group; ++g) narrow_rows(dQ[g], Nq, dq_of(g), p.grad_q_row_stride);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void backward_cpu(const AttentionBwdParams& p) {
+  constexpr int64_t kTileElements = 3 * 64 * 128;
+  const int64_t group = p.heads_q / p.heads_kv;
+  int64_t per_task = kTileElements + group * p.seqlen_q;
+  if (!std::is_same_v<scalar_t, acc_t>) {
+    per_task += (4 * p.seqlen_k + 3 * group * p.seqlen_q) * p.head_dim;
+  }
+  at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> scratch(per_task);
+    for (int64_t task = begin; task < end; ++task)
+      backward_task<scalar_t, acc_t>(p, task, scratch.data());
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
+    bool bottom_right, int64_t window_left, int64_t window_right, double softcap) {
+  PreparedAttentionBackward prepared =
+      prepare_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
+                                 bottom_right, window_left, window_right, softcap);
+  // The kernel accumulates: fp32/fp64 straight into the gradients. Rows no key reaches (and all of
+  // an empty problem) stay 0.
+  prepared.grad_q.zero_();
+  prepared.grad_k.zero_();
+  prepared.grad_v.zero_();
+  const AttentionBwdParams& p = prepared.params;
+  if (prepared.grad_q.numel() > 0 && prepared.grad_k.numel() > 0) {
+    switch (p.dtype) {
+      case ScalarKind::kFloat32: backward_cpu<float, float>(p); break;
+      case ScalarKind::kFloat64: backward_cpu<double, double>(p); break;
+      case ScalarKind::kFloat16: backward_cpu<c10::Half, float>(p); break;
+      case ScalarKind::kBFloat16: backward_cpu<c10::BFloat16, float>(p); break;
+    }
+  }
+  return {prepared.grad_q, prepared.grad_k, prepared.grad_v};
+}
+
+}  // namespace
+}  // namespace flashmod
+
+TORCH_LIBRARY_IMPL(flashmod, CPU, m) {
+  m.impl("attention_backward", &flashmod::attention_backward_cpu);
+}
