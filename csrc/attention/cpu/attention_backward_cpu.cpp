@@ -85,6 +85,9 @@ inline double exp_fast(double x) {
   return std::exp(x);
 }
 
+// Tile of Br queries x Bc keys.
+constexpr int64_t Br = 128, Bc = 128;
+
 // Reads the additive mask element at off as acc_t, whatever its storage.
 template <typename acc_t, typename scalar_t>
 acc_t mask_value(const AttentionParams& p, int64_t off) {
@@ -95,7 +98,6 @@ acc_t mask_value(const AttentionParams& p, int64_t off) {
 // scalar_t: the tensors' element type; acc_t: the math (float, double for fp64).
 template <typename scalar_t, typename acc_t>
 void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
-  constexpr int64_t Br = 64, Bc = 128;
   constexpr bool widen = !std::is_same_v<scalar_t, acc_t>;
   const int64_t D = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -295,7 +297,7 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
 
 template <typename scalar_t, typename acc_t>
 void backward_cpu(const AttentionBwdParams& p) {
-  constexpr int64_t kTileElements = 3 * 64 * 128;
+  constexpr int64_t kTileElements = 3 * Br * Bc;
   const int64_t group = p.heads_q / p.heads_kv;
   int64_t per_task = kTileElements + group * p.seqlen_q;
   if (!std::is_same_v<scalar_t, acc_t>) {
