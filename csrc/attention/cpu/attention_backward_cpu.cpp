@@ -20,6 +20,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../attention_host.h"
@@ -324,6 +325,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   prepared.grad_k.zero_();
   prepared.grad_v.zero_();
   const AttentionBwdParams& p = prepared.params;
+  // BLAS takes 32-bit leading dimensions; offsets along them are 64-bit pointer arithmetic.
+  for (auto [name, stride] :
+       {std::pair{"q", p.q_row_stride}, std::pair{"k", p.k_row_stride},
+        std::pair{"v", p.v_row_stride}, std::pair{"grad_out", p.grad_out_row_stride}}) {
+    TORCH_CHECK(stride <= std::numeric_limits<int>::max(), "flashmod.attention_backward: on CPU, ",
+                name, "'s row stride (stride(2)) must be at most 2^31 - 1 elements, got ", stride);
+  }
   if (prepared.grad_q.numel() > 0 && prepared.grad_k.numel() > 0) {
     switch (p.dtype) {
       case ScalarKind::kFloat32: backward_cpu<float, float>(p); break;
