@@ -66,7 +66,9 @@ void matmul_rows(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, ac
 // anything below -87.3 (whose e^x is no normal fp32) give exactly 0.
 inline float exp_fast(float x) {
   const float clamped = std::max(x, -87.3f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  // Round to nearest by adding and removing 1.5 * 2^23 (vectorizes on SSE2, unlike nearbyint).
+  constexpr float kRoundShift = 12582912.0f;
+  const float n = (clamped * 1.44269504088896341f + kRoundShift) - kRoundShift;
   const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;  // Cody-Waite: ln2 = hi - lo
   float poly = 1.9875691500e-4f;
   poly = poly * r + 1.3981999507e-3f;
