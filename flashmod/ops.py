@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -45,9 +46,10 @@ def _check_inputs(
     window_left: int,
     window_right: int,
     softcap: float,
+    op: str = "flashmod.attention",
 ) -> None:
-    """Mirror of csrc/attention/attention_host.cpp's checks (same order, same messages)."""
-    op = "flashmod.attention"
+    """Mirror of csrc/attention/attention_host.cpp's checks (same order, same messages); ``op``
+    prefixes every message (the backward shares the forward's checks)."""
     p = f"{op}: "
     check_4d(op, "batch, heads, seqlen, head_dim", q=q, k=k, v=v)
     check_float_dtype(op, "q", q)
@@ -102,6 +104,59 @@ def _attention_fake(
     return out, lse
 
 
+def _check_like(p: str, name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+    torch._check(
+        t.shape == ref.shape, lambda: f"{p}{name} must have {ref_name}'s shape {list(ref.shape)}, got {list(t.shape)}"
+    )
+    torch._check(t.dtype == ref.dtype, lambda: f"{p}{name} must have {ref_name}'s dtype {ref.dtype}, got {t.dtype}")
+    torch._check(
+        t.device == ref.device, lambda: f"{p}{name} must be on {ref_name}'s device {ref.device}, got {t.device}"
+    )
+
+
+def _check_row_stat(p: str, name: str, t: Tensor, q: Tensor, fp32_only: bool) -> None:
+    want = [q.shape[0], q.shape[1], q.shape[2]]
+    torch._check(
+        list(t.shape) == want,
+        lambda: f"{p}{name} must have shape (batch, q_heads, seqlen_q) = {want}, got {list(t.shape)}",
+    )
+    if fp32_only:
+        torch._check(t.dtype == torch.float32, lambda: f"{p}{name} must be float32, got {t.dtype}")
+    else:
+        torch._check(t.dtype.is_floating_point, lambda: f"{p}{name} must be a floating dtype, got {t.dtype}")
+    torch._check(t.device == q.device, lambda: f"{p}{name} must be on q's device {q.device}, got {t.device}")
+
+
+@torch.library.register_fake("flashmod::attention_backward")
+def _attention_backward_fake(
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    bottom_right: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Mirror of csrc/attention/attention_host.cpp's prepare_attention_backward: the forward's
+    checks, then out, lse, grad_out and grad_lse; gradients in the fixed-up inputs' layouts."""
+    op = "flashmod.attention_backward"
+    _check_inputs(q, k, v, attn_mask, scale, window_left, window_right, softcap, op=op)
+    p = f"{op}: "
+    _check_like(p, "out", out, "q", q)
+    _check_row_stat(p, "lse", lse, q, fp32_only=True)
+    _check_like(p, "grad_out", grad_out, "out", out)
+    if grad_lse is not None:
+        _check_row_stat(p, "grad_lse", grad_lse, q, fp32_only=False)
+    return tuple(torch.empty_like(t if t.stride(-1) == 1 else t.contiguous()) for t in (q, k, v))
+
+
 def _attention_backward_reference(
     grad_out: Tensor,
     grad_lse: Tensor | None,
@@ -118,64 +173,32 @@ def _attention_backward_reference(
     window_right: int = -1,
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The chunked reference math as the CUDA kernel of attention_backward, for builds without the
-    fused CUDA backward (it is registered only then, and says so once)."""
-    global _warned_reference_backward
-    if not _warned_reference_backward:
-        _warned_reference_backward = True
-        warnings.warn(
-            "flashmod: this build has no fused CUDA backward kernel; attention gradients on CUDA use the "
-            "chunked reference math (correct, several times slower and larger in memory)",
-            stacklevel=2,
-        )
+    """The chunked reference math as flashmod::attention_backward's CUDA kernel, for builds whose
+    C++ library has no fused CUDA backward. Warns once: it is several times slower and holds
+    (chunk_rows x Nk) score tensors."""
+    _warn_reference_backward_once()
+    _attention_backward_fake(
+        grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale,
+        is_causal, bottom_right, window_left, window_right, softcap,
+    )  # fmt: skip
     return attention_backward_chunked(
         grad_out, grad_lse, q, k, v, lse, attn_mask, scale,
         is_causal, bottom_right, window_left, window_right, softcap,
     )  # fmt: skip
 
 
-_warned_reference_backward = False
+@functools.cache
+def _warn_reference_backward_once() -> None:
+    warnings.warn(
+        "flashmod.attention_backward: this build of flashmod has no fused CUDA backward kernel "
+        "(flashmod._C was built without it), so CUDA gradients run the chunked reference in "
+        "flashmod/reference.py: slower and with more memory",
+        stacklevel=3,
+    )
+
+
 if not torch._C._dispatch_has_kernel_for_dispatch_key("flashmod::attention_backward", "CUDA"):
     torch.library.impl("flashmod::attention_backward", "CUDA")(_attention_backward_reference)
-
-
-def _check_like_q(name: str, t: Tensor, q: Tensor) -> None:
-    p = "flashmod.attention_backward: "
-    torch._check(
-        list(t.shape) == list(q.shape), lambda: f"{p}{name} must have q's shape {list(q.shape)}, got {list(t.shape)}"
-    )
-    torch._check(t.dtype == q.dtype, lambda: f"{p}{name} must have q's dtype {q.dtype}, got {t.dtype}")
-    torch._check(t.device == q.device, lambda: f"{p}{name} must be on q's device {q.device}, got {t.device}")
-
-
-def _check_rows(name: str, t: Tensor, q: Tensor, any_float: bool) -> None:
-    p = "flashmod.attention_backward: "
-    rows = [q.shape[0], q.shape[1], q.shape[2]]
-    torch._check(
-        list(t.shape) == rows,
-        lambda: f"{p}{name} must have shape (batch, q_heads, seqlen_q) = {rows}, got {list(t.shape)}",
-    )
-    torch._check(
-        t.dtype.is_floating_point if any_float else t.dtype == torch.float32,
-        lambda: f"{p}{name} must be {'a floating tensor' if any_float else 'float32'}, got {t.dtype}",
-    )
-    torch._check(t.device == q.device, lambda: f"{p}{name} must be on q's device {q.device}, got {t.device}")
-
-
-@torch.library.register_fake("flashmod::attention_backward")
-def _attention_backward_fake(
-    grad_out, grad_lse, q, k, v, out, lse, attn_mask=None, scale=None, is_causal=False, bottom_right=True,
-    window_left=-1, window_right=-1, softcap=0.0,
-):  # fmt: skip
-    """Mirror of prepare_attention_backward in csrc/attention/attention_host.cpp."""
-    _check_inputs(q, k, v, attn_mask, scale, window_left, window_right, softcap)
-    _check_like_q("out", out, q)
-    _check_like_q("grad_out", grad_out, q)
-    _check_rows("lse", lse, q, any_float=False)
-    if grad_lse is not None:
-        _check_rows("grad_lse", grad_lse, q, any_float=True)
-    dense = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
-    return tuple(torch.empty_like(t) for t in dense)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -1,9 +1,11 @@
 """The one reference implementation of flashmod's attention, in plain torch.
 
-It serves three masters: the backward pass (``attention_backward`` recomputes the probabilities from
-the saved log-sum-exp, a chunk of queries at a time, so no ``Nq x Nk`` tensor is ever held), the
-tests (``attention_reference`` in fp32/fp64 is the ground truth, in low precision it is "plain
-PyTorch attention" for the error-ratio rule) and the benchmarks. Semantics, shared with the kernels:
+It serves the tests (``attention_reference`` in fp32/fp64 is the ground truth, in low precision it
+is "plain PyTorch attention" for the error-ratio rule), the benchmarks, the dropout training
+fallback, and, as ``attention_backward_chunked`` (probabilities recomputed from the saved
+log-sum-exp a chunk of queries at a time, so no ``Nq x Nk`` tensor is held), the oracle of the fused
+backward kernels, which stands in for the CUDA one only in builds without it (flashmod/ops.py).
+Semantics, shared with the kernels:
 
 * ``q (B, Hq, Nq, D)``, ``k``/``v (B, Hkv, Nk, D)``; q-head ``h`` reads kv-head ``h // (Hq // Hkv)``.
 * score = ``scale * q @ k^T``; if ``softcap > 0`` then ``softcap * tanh(score / softcap)``; then the

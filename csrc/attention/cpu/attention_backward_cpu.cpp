@@ -1,16 +1,14 @@
-// CPU registration of flashmod::attention_backward: FlashAttention-2's backward, tiled, on the
-// CPU's BLAS (ATen's matrix product, single-threaded inside each task) for the five tile products
-// and plain loops for the elementwise steps.
+// CPU backward of flashmod::attention: FlashAttention-2's recomputation. Per (Br x Bc) tile,
+// P = exp(S - lse) from the saved lse, D_i = rowsum(dO_i o O_i) - grad_lse_i, then
+//   dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = P o (dP - D_i) (o (1 - tanh^2) under softcap),
+//   dK_j += scale dS^T Q_i,  dQ_i += scale dS K_j.
+// The five products run through the BLAS torch links (sgemm_/dgemm_, single-threaded inside
+// at::parallel_for); the elementwise part is plain loops the compiler vectorizes.
 //
-// One task per (batch, kv head): it owns dK/dV of that head and dQ of the query heads of its GQA
-// group, so every gradient element is summed by one thread in one fixed order (bitwise the same
-// on every run, at any thread count) and nothing needs atomics or a reduction pass. Within a task,
-// key blocks K_j (Bc rows) are the outer loop: dK_j, dV_j stay in a small tile until every query
-// block that sees K_j was visited; dQ_i is summed over j in the fp32 row buffer of its head. Each
-// score tile is recomputed exactly once: P_ij = exp(S_ij - lse_i) from the saved lse.
-//
-// Memory per thread: the kv head's K and V widened to the math type, the group's Q, dO and dQ
-// (O(N D)), and a few Br x Bc tiles; never an Nq x Nk matrix.
+// Determinism: one task is one (batch, kv head) and owns every gradient row it writes (dQ of its
+// query group, dK/dV of its kv head), walking key blocks, q heads and query blocks in a fixed
+// order. The result is bitwise the same on every run and at any thread count.
+// Memory: O(tile) per thread, plus (fp16/bf16 only) the task's rows widened to fp32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -19,8 +17,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../attention_host.h"
@@ -28,244 +28,288 @@
 namespace flashmod {
 namespace {
 
-// Tile shape. 64 x 64 keeps the score tiles (four Br x Bc buffers) in L2 next to the K_j/V_j
-// tiles at D = 128, while each product is large enough for the BLAS kernels to run at speed.
-constexpr int64_t kBr = 64;
-constexpr int64_t kBc = 64;
-
-// A row-major matrix in one of the task's buffers as a tensor view (no copy).
-template <typename T>
-at::Tensor matrix_view(const T* ptr, int64_t rows, int64_t cols, int64_t ld) {
-  return at::from_blob(const_cast<T*>(ptr), {rows, cols}, {ld, 1},
-                       at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+// Fortran BLAS from the library torch links (MKL in x86 wheels; ATen's cpublas wrappers are not
+// exported). Called from inside at::parallel_for it runs single-threaded.
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+            const float* beta, float* c, const int* ldc);
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const double* alpha, const double* a, const int* lda, const double* b, const int* ldb,
+            const double* beta, double* c, const int* ldc);
 }
 
-// Row-major C (m x n) = alpha * op(A) op(B) + beta * C, beta 0 or 1, through ATen's matrix
-// product: inside at::parallel_for it runs single-threaded on the CPU's BLAS kernels, and for a
-// fixed shape it sums in a fixed order.
-template <typename T>
-void gemm_rows(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
-               int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
-  const at::Tensor lhs = trans_a ? matrix_view(a, k, m, lda).t() : matrix_view(a, m, k, lda);
-  const at::Tensor rhs = trans_b ? matrix_view(b, n, k, ldb).t() : matrix_view(b, k, n, ldb);
-  at::Tensor out = matrix_view(c, m, n, ldc);
-  if (beta == T(0)) {
-    at::mm_out(out, lhs, rhs);
-    if (alpha != T(1)) out.mul_(alpha);
+// BLAS wants ld >= the stored row length even when a single row makes the stride irrelevant.
+int leading_dim(int64_t ld, int64_t rows, int64_t row_length) {
+  return static_cast<int>(rows == 1 ? std::max<int64_t>(row_length, 1) : ld);
+}
+
+// Row-major C (m x n) = alpha op(A) op(B) + beta C. BLAS is column-major: a row-major matrix is
+// its column-major transpose, so C^T = op(B)^T op(A)^T keeps the flags and swaps the operands.
+template <typename acc_t>
+void matmul_rows(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, acc_t alpha,
+                 const acc_t* a, int64_t lda, const acc_t* b, int64_t ldb, acc_t beta, acc_t* c,
+                 int64_t ldc) {
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+  const int lda_i = trans_a ? leading_dim(lda, k, m) : leading_dim(lda, m, k);
+  const int ldb_i = trans_b ? leading_dim(ldb, n, k) : leading_dim(ldb, k, n);
+  const int ldc_i = leading_dim(ldc, m, n);
+  if constexpr (std::is_same_v<acc_t, float>) {
+    sgemm_(&tb, &ta, &ni, &mi, &ki, &alpha, b, &ldb_i, a, &lda_i, &beta, c, &ldc_i);
   } else {
-    out.addmm_(lhs, rhs, beta, alpha);
+    dgemm_(&tb, &ta, &ni, &mi, &ki, &alpha, b, &ldb_i, a, &lda_i, &beta, c, &ldc_i);
   }
 }
 
-template <typename T, typename Elem>
-void widen_rows(const Elem* src, int64_t row_stride, int64_t rows, int64_t d, T* dst) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < d; ++c) dst[r * d + c] = static_cast<T>(src[r * row_stride + c]);
+// e^x with a relative error of ~2 ulp, branch-free so the loops that call it vectorize; -inf and
+// anything below -87.3 (whose e^x is no normal fp32) give exactly 0.
+inline float exp_fast(float x) {
+  const float clamped = std::max(x, -87.3f);
+  // Round to nearest by adding and removing 1.5 * 2^23 (vectorizes on SSE2, unlike nearbyint).
+  constexpr float kRoundShift = 12582912.0f;
+  const float n = (clamped * 1.44269504088896341f + kRoundShift) - kRoundShift;
+  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;  // Cody-Waite: ln2 = hi - lo
+  float poly = 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &poly, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  float result;
+  std::memcpy(&result, &bits, 4);
+  return x < -87.3f ? 0.0f : result;
+}
+inline double exp_fast(double x) {
+  return std::exp(x);
 }
 
-template <typename T, typename Elem>
-void narrow_rows(const T* src, int64_t rows, int64_t d, Elem* dst, int64_t row_stride) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < d; ++c) dst[r * row_stride + c] = static_cast<Elem>(src[r * d + c]);
+// Tile of Br queries x Bc keys.
+constexpr int64_t Br = 128, Bc = 128;
+
+// Reads the additive mask element at off as acc_t, whatever its storage.
+template <typename acc_t, typename scalar_t>
+acc_t mask_value(const AttentionParams& p, int64_t off) {
+  if (p.mask_kind == MaskKind::kAdditiveF32) return static_cast<const float*>(p.mask)[off];
+  return static_cast<acc_t>(static_cast<const scalar_t*>(p.mask)[off]);
 }
 
-// The query rows [lo, hi) that can see any key of [j0, j1) under the window rule of
-// AttentionParams (key j visible to query i iff i + off - wl <= j <= i + off + wr).
-std::pair<int64_t, int64_t> visible_query_rows(const AttentionParams& p, int64_t j0, int64_t j1) {
-  int64_t lo = 0, hi = p.seqlen_q;
-  if (p.window_right >= 0) lo = std::max(lo, j0 - p.diag_offset - p.window_right);
-  if (p.window_left >= 0) hi = std::min(hi, j1 - 1 - p.diag_offset + p.window_left + 1);
-  return {lo, std::max(lo, hi)};
-}
+// scalar_t: the tensors' element type; acc_t: the math (float, double for fp64).
+template <typename scalar_t, typename acc_t>
+void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
+  constexpr bool widen = !std::is_same_v<scalar_t, acc_t>;
+  const int64_t D = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
+  const acc_t scale = static_cast<acc_t>(p.scale), softcap = static_cast<acc_t>(p.softcap);
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
 
-template <typename Elem, typename T>
-struct BackwardTask {
-  const AttentionBwdParams& p;
-  const T scale, softcap;
+  // Tile buffers first, then (fp16/bf16) the widened rows of this task.
+  acc_t* S = scratch;          // Br x Bc: scores, then P
+  acc_t* dP = S + Br * Bc;     // Br x Bc: dP, then dS
+  acc_t* T = dP + Br * Bc;     // Br x Bc: tanh(raw / softcap)
+  acc_t* delta = T + Br * Bc;  // group x Nq: rowsum(dO o O) - grad_lse
+  acc_t* wide = delta + group * Nq;
 
-  // S_ij -> the row's final logits in place (scale, softcap, mask; -inf where invisible), and
-  // with softcap the tanh factor 1 - t^2 into dtanh.
-  void masked_logits(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols, T* s,
-                     T* dtanh) const {
-    const T neg_inf = -std::numeric_limits<T>::infinity();
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = i0 + r;
-      T* srow = s + r * kBc;
-      T* trow = dtanh + r * kBc;
-      const int64_t diag = i + p.diag_offset;
-      for (int64_t c = 0; c < cols; ++c) {
-        const int64_t j = j0 + c;
-        T x = srow[c] * scale;
-        if (softcap > 0) {
-          const T t = std::tanh(x / softcap);
-          x = softcap * t;
-          trow[c] = 1 - t * t;
-        }
-        bool visible = (p.window_left < 0 || j >= diag - p.window_left) &&
-                       (p.window_right < 0 || j <= diag + p.window_right);
-        if (visible && p.mask_kind != MaskKind::kNone) {
-          const int64_t off = b * p.mask_batch_stride + h * p.mask_head_stride +
-                              i * p.mask_row_stride + j * p.mask_col_stride;
-          switch (p.mask_kind) {
-            case MaskKind::kBool: visible = static_cast<const uint8_t*>(p.mask)[off] != 0; break;
-            case MaskKind::kAdditiveF32: x += static_cast<const float*>(p.mask)[off]; break;
-            default: x += static_cast<T>(static_cast<const Elem*>(p.mask)[off]); break;
-          }
-        }
-        srow[c] = visible ? x : neg_inf;
+  const auto* Kin = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const auto* Vin = static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  auto* dKout =
+      static_cast<scalar_t*>(p.grad_k) + b * p.grad_k_batch_stride + hk * p.grad_k_head_stride;
+  auto* dVout =
+      static_cast<scalar_t*>(p.grad_v) + b * p.grad_v_batch_stride + hk * p.grad_v_head_stride;
+  auto q_of = [&](int64_t g) {
+    return static_cast<const scalar_t*>(p.q) + b * p.q_batch_stride +
+           (hk * group + g) * p.q_head_stride;
+  };
+  auto dout_of = [&](int64_t g) {
+    return static_cast<const scalar_t*>(p.grad_out) + b * p.grad_out_batch_stride +
+           (hk * group + g) * p.grad_out_head_stride;
+  };
+  auto out_of = [&](int64_t g) {
+    return static_cast<const scalar_t*>(p.out) + b * p.out_batch_stride +
+           (hk * group + g) * p.out_head_stride;
+  };
+  auto dq_of = [&](int64_t g) {
+    return static_cast<scalar_t*>(p.grad_q) + b * p.grad_q_batch_stride +
+           (hk * group + g) * p.grad_q_head_stride;
+  };
+
+  for (int64_t g = 0; g < group; ++g) {
+    const scalar_t* dO = dout_of(g);
+    const scalar_t* O = out_of(g);
+    const int64_t row0 = (b * p.heads_q + hk * group + g) * Nq;
+    for (int64_t i = 0; i < Nq; ++i) {
+      const scalar_t* o_row = O + i * p.out_row_stride;
+      const scalar_t* do_row = dO + i * p.grad_out_row_stride;
+      acc_t sum = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        sum += static_cast<acc_t>(do_row[d]) * static_cast<acc_t>(o_row[d]);
       }
+      delta[g * Nq + i] = sum - (p.grad_lse ? static_cast<acc_t>(p.grad_lse[row0 + i]) : acc_t(0));
     }
   }
 
-  // Logits -> P_ij = exp(logit - lse_i) in place. A row without visible keys has lse = -inf:
-  // its probabilities are 0, not exp(nan).
-  static void probs(int64_t rows, int64_t cols, const T* lse, T* s) {
-    const T neg_inf = -std::numeric_limits<T>::infinity();
-    for (int64_t r = 0; r < rows; ++r) {
-      T* srow = s + r * kBc;
-      const T l = lse[r];
-      for (int64_t c = 0; c < cols; ++c)
-        srow[c] = l != neg_inf && srow[c] != neg_inf ? std::exp(srow[c] - l) : T(0);
-    }
-  }
-
-  // The saved lse is fp32 even for fp64 inputs: its rounding (~1e-7 relative) would scale every
-  // fp64 gradient of the row by that much. So for fp64 the lse of the keys this call sees is
-  // recomputed and replaces the saved one where both agree to fp32 precision. Where they differ
-  // more, the caller passed the lse of a larger key set (e.g. ring attention's merged lse, with
-  // these keys one share of it), and the saved value is the right one.
-  void refine_lse(int64_t b, int64_t h, const T* q_head, const T* k_head, T* lse, T* s,
-                  T* dtanh) const {
-    const int64_t nq = p.seqlen_q, nk = p.seqlen_k, d = p.head_dim;
-    const T neg_inf = -std::numeric_limits<T>::infinity();
-    for (int64_t i0 = 0; i0 < nq; i0 += kBr) {
-      const int64_t rows = std::min(kBr, nq - i0);
-      T m[kBr], l[kBr];
-      std::fill(m, m + kBr, neg_inf);
-      std::fill(l, l + kBr, T(0));
-      for (int64_t j0 = 0; j0 < nk; j0 += kBc) {
-        const int64_t cols = std::min(kBc, nk - j0);
-        gemm_rows<T>(false, true, rows, cols, d, T(1), q_head + i0 * d, d, k_head + j0 * d, d, T(0),
-                     s, kBc);
-        masked_logits(b, h, i0, rows, j0, cols, s, dtanh);
-        for (int64_t r = 0; r < rows; ++r) {
-          T block_max = neg_inf;
-          for (int64_t c = 0; c < cols; ++c) block_max = std::max(block_max, s[r * kBc + c]);
-          if (block_max == neg_inf) continue;
-          const T new_m = std::max(m[r], block_max);
-          T sum = 0;
-          for (int64_t c = 0; c < cols; ++c) sum += std::exp(s[r * kBc + c] - new_m);
-          l[r] = l[r] * std::exp(m[r] - new_m) + sum;
-          m[r] = new_m;
-        }
-      }
+  // Rows in acc_t. fp32/fp64 read the tensors in place and accumulate into the (zeroed)
+  // gradients; fp16/bf16 widen the task's rows once and narrow the gradients at the end.
+  const acc_t *K, *V;
+  acc_t *dK, *dV;
+  int64_t k_ld, v_ld, dk_ld, dv_ld, q_ld, do_ld, dq_ld;
+  std::vector<const acc_t*> Q(group), dO(group);
+  std::vector<acc_t*> dQ(group);
+  if constexpr (widen) {
+    auto widen_rows = [&](const scalar_t* src, int64_t stride, int64_t rows, acc_t* dst) {
       for (int64_t r = 0; r < rows; ++r) {
-        const T saved = lse[i0 + r];
-        if (saved == neg_inf || m[r] == neg_inf) continue;
-        const T exact = m[r] + std::log(l[r]);
-        if (std::abs(exact - saved) <= 4e-6 * std::max(T(1), std::abs(saved))) lse[i0 + r] = exact;
+        for (int64_t d = 0; d < D; ++d) dst[r * D + d] = static_cast<acc_t>(src[r * stride + d]);
       }
+    };
+    acc_t* next = wide;
+    auto take = [&](int64_t rows) {
+      acc_t* t = next;
+      next += rows * D;
+      return t;
+    };
+    acc_t* k_wide = take(Nk);
+    acc_t* v_wide = take(Nk);
+    widen_rows(Kin, p.k_row_stride, Nk, k_wide);
+    widen_rows(Vin, p.v_row_stride, Nk, v_wide);
+    K = k_wide, V = v_wide;
+    dK = take(Nk), dV = take(Nk);
+    std::fill(dK, dK + 2 * Nk * D, acc_t(0));  // dK and dV are adjacent
+    for (int64_t g = 0; g < group; ++g) {
+      acc_t* q_wide = take(Nq);
+      acc_t* do_wide = take(Nq);
+      widen_rows(q_of(g), p.q_row_stride, Nq, q_wide);
+      widen_rows(dout_of(g), p.grad_out_row_stride, Nq, do_wide);
+      Q[g] = q_wide, dO[g] = do_wide;
+      dQ[g] = take(Nq);
+      std::fill(dQ[g], dQ[g] + Nq * D, acc_t(0));
     }
+    k_ld = v_ld = dk_ld = dv_ld = q_ld = do_ld = dq_ld = D;
+  } else {
+    K = reinterpret_cast<const acc_t*>(Kin), V = reinterpret_cast<const acc_t*>(Vin);
+    dK = reinterpret_cast<acc_t*>(dKout), dV = reinterpret_cast<acc_t*>(dVout);
+    for (int64_t g = 0; g < group; ++g) {
+      Q[g] = reinterpret_cast<const acc_t*>(q_of(g));
+      dO[g] = reinterpret_cast<const acc_t*>(dout_of(g));
+      dQ[g] = reinterpret_cast<acc_t*>(dq_of(g));
+    }
+    k_ld = p.k_row_stride, v_ld = p.v_row_stride, dk_ld = p.grad_k_row_stride;
+    dv_ld = p.grad_v_row_stride, q_ld = p.q_row_stride, do_ld = p.grad_out_row_stride;
+    dq_ld = p.grad_q_row_stride;
   }
 
-  void run(int64_t b, int64_t hk) const {
-    const int64_t group = p.heads_q / p.heads_kv, d = p.head_dim;
-    const int64_t nq = p.seqlen_q, nk = p.seqlen_k;
-    std::vector<T> k(nk * d), v(nk * d), q(group * nq * d), dout(group * nq * d);
-    std::vector<T> dq(group * nq * d, T(0)), delta(group * nq), lse(group * nq);
-    widen_rows(static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride,
-               p.k_row_stride, nk, d, k.data());
-    widen_rows(static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride,
-               p.v_row_stride, nk, d, v.data());
+  const int64_t off = p.diag_offset, wl = p.window_left, wr = p.window_right;
+  const bool has_mask = p.mask_kind != MaskKind::kNone;
+  const bool capped = softcap > 0;
+  for (int64_t c0 = 0; c0 < Nk; c0 += Bc) {
+    const int64_t cols = std::min(Bc, Nk - c0), c_last = c0 + cols - 1;
+    // Query rows whose window reaches this key block: i + off - wl <= c_last, i + off + wr >= c0.
+    int64_t i_begin = 0, i_end = Nq;
+    if (wr >= 0) i_begin = std::max<int64_t>(0, c0 - off - wr);
+    if (wl >= 0) i_end = std::min<int64_t>(Nq, c_last - off + wl + 1);
     for (int64_t g = 0; g < group; ++g) {
+      const float* lse = p.lse + (b * p.heads_q + hk * group + g) * Nq;
       const int64_t h = hk * group + g;
-      widen_rows(static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
-                 p.q_row_stride, nq, d, q.data() + g * nq * d);
-      const Elem* go = static_cast<const Elem*>(p.grad_out) + b * p.grad_out_batch_stride +
-                       h * p.grad_out_head_stride;
-      widen_rows(go, p.grad_out_row_stride, nq, d, dout.data() + g * nq * d);
-      // D_i = rowsum(dO_i o O_i) - grad_lse_i: the only place O enters.
-      const Elem* o =
-          static_cast<const Elem*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
-      const float* glse = p.grad_lse ? p.grad_lse + (b * p.heads_q + h) * nq : nullptr;
-      for (int64_t i = 0; i < nq; ++i) {
-        T acc = 0;
-        const T* dorow = dout.data() + (g * nq + i) * d;
-        for (int64_t c = 0; c < d; ++c)
-          acc += dorow[c] * static_cast<T>(o[i * p.out_row_stride + c]);
-        delta[g * nq + i] = acc - (glse ? static_cast<T>(glse[i]) : T(0));
-      }
-      const float* saved_lse = p.lse + (b * p.heads_q + h) * nq;
-      for (int64_t i = 0; i < nq; ++i) lse[g * nq + i] = static_cast<T>(saved_lse[i]);
-    }
-
-    std::vector<T> s(kBr * kBc), dp(kBr * kBc), dtanh(kBr * kBc), dk(kBc * d), dv(kBc * d);
-    if constexpr (std::is_same_v<T, double>) {
-      for (int64_t g = 0; g < group; ++g)
-        refine_lse(b, hk * group + g, q.data() + g * nq * d, k.data(), lse.data() + g * nq,
-                   s.data(), dtanh.data());
-    }
-    for (int64_t j0 = 0; j0 < nk; j0 += kBc) {
-      const int64_t cols = std::min(kBc, nk - j0);
-      std::fill(dk.begin(), dk.end(), T(0));
-      std::fill(dv.begin(), dv.end(), T(0));
-      const T* kj = k.data() + j0 * d;
-      const T* vj = v.data() + j0 * d;
-      const auto [row_lo, row_hi] = visible_query_rows(p, j0, j0 + cols);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = hk * group + g;
-        for (int64_t i0 = row_lo; i0 < row_hi; i0 += kBr) {
-          const int64_t rows = std::min(kBr, row_hi - i0);
-          const T* qi = q.data() + (g * nq + i0) * d;
-          const T* doi = dout.data() + (g * nq + i0) * d;
-          // S_ij = Q_i K_j^T, then P_ij = exp(score - lse_i).
-          gemm_rows<T>(false, true, rows, cols, d, T(1), qi, d, kj, d, T(0), s.data(), kBc);
-          masked_logits(b, h, i0, rows, j0, cols, s.data(), dtanh.data());
-          probs(rows, cols, lse.data() + g * nq + i0, s.data());
-          // dV_j += P_ij^T dO_i
-          gemm_rows<T>(true, false, cols, d, rows, T(1), s.data(), kBc, doi, d, T(1), dv.data(), d);
-          // dP_ij = dO_i V_j^T
-          gemm_rows<T>(false, true, rows, cols, d, T(1), doi, d, vj, d, T(0), dp.data(), kBc);
-          // dS_ij = P_ij o (dP_ij - D_i), times d(softcap)/d(score); scale folds into the products.
-          for (int64_t r = 0; r < rows; ++r) {
-            const T di = delta[g * nq + i0 + r];
-            T* dsrow = dp.data() + r * kBc;
-            const T* prow = s.data() + r * kBc;
-            for (int64_t c = 0; c < cols; ++c) dsrow[c] = prow[c] * (dsrow[c] - di);
-            if (softcap > 0)
-              for (int64_t c = 0; c < cols; ++c) dsrow[c] *= dtanh[r * kBc + c];
+      for (int64_t r0 = i_begin; r0 < i_end; r0 += Br) {
+        const int64_t rows = std::min(Br, i_end - r0), r_last = r0 + rows - 1;
+        const acc_t* Qi = Q[g] + r0 * q_ld;
+        const acc_t* dOi = dO[g] + r0 * do_ld;
+        matmul_rows<acc_t>(false, true, rows, cols, D, acc_t(1), Qi, q_ld, K + c0 * k_ld, k_ld,
+                           acc_t(0), S, Bc);
+        // Window bounds only matter on tiles the diagonal band's edges cross.
+        const bool window_inside =
+            (wr < 0 || c_last <= r0 + off + wr) && (wl < 0 || c0 >= r_last + off - wl);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = r0 + r;
+          acc_t* s_row = S + r * Bc;
+          acc_t* t_row = T + r * Bc;
+          const acc_t row_lse = static_cast<acc_t>(lse[i]);
+          if (row_lse == neg_inf) {  // no visible key: P = 0, gradients 0
+            std::fill(s_row, s_row + cols, acc_t(0));
+            continue;
           }
-          // dK_j += scale dS_ij^T Q_i;  dQ_i += scale dS_ij K_j
-          gemm_rows<T>(true, false, cols, d, rows, scale, dp.data(), kBc, qi, d, T(1), dk.data(),
-                       d);
-          gemm_rows<T>(false, false, rows, d, cols, scale, dp.data(), kBc, kj, d, T(1),
-                       dq.data() + (g * nq + i0) * d, d);
+          if (capped) {
+            for (int64_t c = 0; c < cols; ++c) {
+              const acc_t t = std::tanh(s_row[c] * scale / softcap);
+              t_row[c] = t;
+              s_row[c] = softcap * t;
+            }
+          } else {
+            for (int64_t c = 0; c < cols; ++c) s_row[c] *= scale;
+          }
+          if (has_mask) {
+            const int64_t base = b * p.mask_batch_stride + h * p.mask_head_stride +
+                                 i * p.mask_row_stride + c0 * p.mask_col_stride;
+            if (p.mask_kind == MaskKind::kBool) {
+              const auto* m = static_cast<const uint8_t*>(p.mask) + base;
+              for (int64_t c = 0; c < cols; ++c) {
+                if (!m[c * p.mask_col_stride]) s_row[c] = neg_inf;
+              }
+            } else {
+              for (int64_t c = 0; c < cols; ++c) {
+                s_row[c] += mask_value<acc_t, scalar_t>(p, base + c * p.mask_col_stride);
+              }
+            }
+          }
+          if (!window_inside) {
+            const int64_t lo = wl >= 0 ? i + off - wl - c0 : 0;
+            const int64_t hi = wr >= 0 ? i + off + wr - c0 : cols - 1;
+            for (int64_t c = 0; c < cols; ++c) {
+              if (c < lo || c > hi) s_row[c] = neg_inf;
+            }
+          }
+          for (int64_t c = 0; c < cols; ++c) s_row[c] = exp_fast(s_row[c] - row_lse);
         }
+        matmul_rows<acc_t>(true, false, cols, D, rows, acc_t(1), S, Bc, dOi, do_ld, acc_t(1),
+                           dV + c0 * dv_ld, dv_ld);
+        matmul_rows<acc_t>(false, true, rows, cols, D, acc_t(1), dOi, do_ld, V + c0 * v_ld, v_ld,
+                           acc_t(0), dP, Bc);
+        for (int64_t r = 0; r < rows; ++r) {
+          const acc_t d_i = delta[g * Nq + r0 + r];
+          acc_t* dp_row = dP + r * Bc;
+          const acc_t* p_row = S + r * Bc;
+          for (int64_t c = 0; c < cols; ++c) dp_row[c] = p_row[c] * (dp_row[c] - d_i);
+          if (capped) {
+            const acc_t* t_row = T + r * Bc;
+            for (int64_t c = 0; c < cols; ++c) dp_row[c] *= acc_t(1) - t_row[c] * t_row[c];
+          }
+        }
+        matmul_rows<acc_t>(true, false, cols, D, rows, scale, dP, Bc, Qi, q_ld, acc_t(1),
+                           dK + c0 * dk_ld, dk_ld);
+        matmul_rows<acc_t>(false, false, rows, D, cols, scale, dP, Bc, K + c0 * k_ld, k_ld,
+                           acc_t(1), dQ[g] + r0 * dq_ld, dq_ld);
       }
-      narrow_rows(dk.data(), cols, d,
-                  static_cast<Elem*>(p.grad_k) + b * p.grad_k_batch_stride +
-                      hk * p.grad_k_head_stride + j0 * p.grad_k_row_stride,
-                  p.grad_k_row_stride);
-      narrow_rows(dv.data(), cols, d,
-                  static_cast<Elem*>(p.grad_v) + b * p.grad_v_batch_stride +
-                      hk * p.grad_v_head_stride + j0 * p.grad_v_row_stride,
-                  p.grad_v_row_stride);
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t h = hk * group + g;
-      narrow_rows(
-          dq.data() + g * nq * d, nq, d,
-          static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride + h * p.grad_q_head_stride,
-          p.grad_q_row_stride);
     }
   }
-};
 
-template <typename Elem, typename T>
-void backward_all_heads(const AttentionBwdParams& p) {
-  const BackwardTask<Elem, T> task{p, static_cast<T>(p.scale), static_cast<T>(p.softcap)};
+  if constexpr (widen) {
+    auto narrow_rows = [&](const acc_t* src, int64_t rows, scalar_t* dst, int64_t stride) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < D; ++d) dst[r * stride + d] = static_cast<scalar_t>(src[r * D + d]);
+      }
+    };
+    narrow_rows(dK, Nk, dKout, p.grad_k_row_stride);
+    narrow_rows(dV, Nk, dVout, p.grad_v_row_stride);
+    for (int64_t g = 0; g < group; ++g) narrow_rows(dQ[g], Nq, dq_of(g), p.grad_q_row_stride);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void backward_cpu(const AttentionBwdParams& p) {
+  constexpr int64_t kTileElements = 3 * Br * Bc;
+  const int64_t group = p.heads_q / p.heads_kv;
+  int64_t per_task = kTileElements + group * p.seqlen_q;
+  if (!std::is_same_v<scalar_t, acc_t>) {
+    per_task += (4 * p.seqlen_k + 3 * group * p.seqlen_q) * p.head_dim;
+  }
   at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) task.run(t / p.heads_kv, t % p.heads_kv);
+    std::vector<acc_t> scratch(per_task);
+    for (int64_t task = begin; task < end; ++task)
+      backward_task<scalar_t, acc_t>(p, task, scratch.data());
   });
 }
 
@@ -277,14 +321,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   PreparedAttentionBackward prepared =
       prepare_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
                                  bottom_right, window_left, window_right, softcap);
+  // The kernel accumulates: fp32/fp64 straight into the gradients. Rows no key reaches (and all of
+  // an empty problem) stay 0.
+  prepared.grad_q.zero_();
+  prepared.grad_k.zero_();
+  prepared.grad_v.zero_();
   const AttentionBwdParams& p = prepared.params;
-  // Every task writes all of its gradients (zeros where no key or query exists).
-  if (prepared.grad_q.numel() + prepared.grad_k.numel() > 0) {
+  // BLAS takes 32-bit leading dimensions; offsets along them are 64-bit pointer arithmetic.
+  for (auto [name, stride] :
+       {std::pair{"q", p.q_row_stride}, std::pair{"k", p.k_row_stride},
+        std::pair{"v", p.v_row_stride}, std::pair{"grad_out", p.grad_out_row_stride}}) {
+    TORCH_CHECK(stride <= std::numeric_limits<int>::max(), "flashmod.attention_backward: on CPU, ",
+                name, "'s row stride (stride(2)) must be at most 2^31 - 1 elements, got ", stride);
+  }
+  if (prepared.grad_q.numel() > 0 && prepared.grad_k.numel() > 0) {
     switch (p.dtype) {
-      case ScalarKind::kFloat16: backward_all_heads<c10::Half, float>(p); break;
-      case ScalarKind::kBFloat16: backward_all_heads<c10::BFloat16, float>(p); break;
-      case ScalarKind::kFloat64: backward_all_heads<double, double>(p); break;
-      default: backward_all_heads<float, float>(p); break;
+      case ScalarKind::kFloat32: backward_cpu<float, float>(p); break;
+      case ScalarKind::kFloat64: backward_cpu<double, double>(p); break;
+      case ScalarKind::kFloat16: backward_cpu<c10::Half, float>(p); break;
+      case ScalarKind::kBFloat16: backward_cpu<c10::BFloat16, float>(p); break;
     }
   }
   return {prepared.grad_q, prepared.grad_k, prepared.grad_v};
