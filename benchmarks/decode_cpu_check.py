@@ -1,6 +1,6 @@
 """CPU decode timing: flashmod vs F.scaled_dot_product_attention, interleaved, median of 60.
 
-PYTHONPATH=. python benchmarks/decode_cpu_check.py   (FLASHMOD_CPU_NO_DECODE=1: the old path)
+PYTHONPATH=. python benchmarks/decode_cpu_check.py   (FLASHMOD_CPU_DECODE=0: the old path)
 """
 
 import statistics
