@@ -56,11 +56,10 @@ if want_cuda():
         "--expt-relaxed-constexpr",
         "-lineinfo",
         *cuda_gencode_flags(),
-        # Extra nvcc flags, e.g. "-Xptxas -v" for the register report, or the tuning hooks
-        # -DFLASHMOD_TUNE_<D>=v of csrc/attention/cuda/fwd_sm80_launch.h.
+        # Extra nvcc flags, e.g. "-Xptxas -v" for the register report.
         *os.environ.get("FLASHMOD_NVCC_EXTRA", "").split(),
     ]
-    cuda_defines = ["-DFLASHMOD_WITH_CUDA"] + (["-DFLASHMOD_BUILT_SM90A"] if "90a" in cuda_archs() else [])
+    cuda_defines = ["-DFLASHMOD_BUILT_SM90A"] if "90a" in cuda_archs() else []
     extension = CUDAExtension(
         "flashmod._C",
         ext_sources

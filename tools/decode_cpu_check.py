@@ -1,7 +1,7 @@
 """CPU decode timing: flashmod vs F.scaled_dot_product_attention on decode shapes (Nq <= 4, long KV,
 GQA), 2 threads, interleaved rounds, median of 60 (benchmarks/harness.py).
 
-    PYTHONPATH=. python tools/decode_cpu_check.py   (FLASHMOD_CPU_NO_DECODE=1: the prefill kernel)
+    PYTHONPATH=. python tools/decode_cpu_check.py   (FLASHMOD_CPU_DECODE=0: the prefill kernel)
 """
 
 from __future__ import annotations

@@ -14,9 +14,29 @@ import pytest
 SLICE = "cpu and forward_matches and (plain or causal_bottom_right_mqa or bool_mask_empty_rows or softcap_causal)"
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+# What each forced ISA needs beyond the baseline (the C++ side also checks; forcing one the CPU lacks is an error).
+ISA_FLAGS = {
+    "amx": {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "avx2": {"avx2", "fma", "f16c"},
+    "baseline": set(),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_forced_instruction_set_matches_reference(isa, repo_root):
+    if not ISA_FLAGS[isa] <= cpu_flags():
+        pytest.skip(f"this CPU lacks {isa}")
     env = dict(os.environ, FLASHMOD_CPU_ISA=isa)
     forward_tests = Path(__file__).with_name("test_attention.py")
     result = subprocess.run(
@@ -28,3 +48,47 @@ def test_forced_instruction_set_matches_reference(isa, repo_root):
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+@pytest.mark.parametrize("value", ["avx1024", "AVX2", "sse", "amx", "avx512"])
+def test_unknown_or_missing_instruction_set_is_an_error_listing_the_allowed_ones(value):
+    if value in ISA_FLAGS and ISA_FLAGS[value] <= cpu_flags():
+        pytest.skip(f"this CPU has {value}, so forcing it is no error")
+    env = dict(os.environ, FLASHMOD_CPU_ISA=value)
+    script = (
+        "import torch, flashmod\n"
+        "q = torch.randn(1, 2, 17, 40)\n"
+        "try:\n"
+        "    torch.ops.flashmod.attention(q, q, q)\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+        "else:\n"
+        "    raise SystemExit('no error')\n"
+    )
+    tests = Path(__file__).parent
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=tests.parent)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"FLASHMOD_CPU_ISA='{value}'" in result.stdout
+    assert "allowed: amx, avx512, avx2, baseline" in result.stdout
+    reason = "is not supported by this CPU" if value in ISA_FLAGS else "is not a known ISA"
+    assert reason in result.stdout
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "on"])
+def test_malformed_flag_is_an_error_naming_the_knob(value):
+    env = dict(os.environ, FLASHMOD_CPU_DECODE=value)
+    env.pop("FLASHMOD_CPU_ISA", None)
+    script = (
+        "import torch, flashmod\n"
+        "q = torch.randn(1, 2, 3, 40)\n"
+        "try:\n"
+        "    torch.ops.flashmod.attention(q, q, q)\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+        "else:\n"
+        "    raise SystemExit('no error')\n"
+    )
+    tests = Path(__file__).parent
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=tests.parent)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"FLASHMOD_CPU_DECODE must be 0 or 1, got '{value}'" in result.stdout

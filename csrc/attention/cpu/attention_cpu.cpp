@@ -17,6 +17,8 @@
 #include <unistd.h>
 #endif
 
+#include "../../common/error_message.h"
+#include "../../common/knobs.h"
 #include "../attention_host.h"
 #include "kernel.h"
 
@@ -37,8 +39,9 @@ bool amx_usable() {
 #endif
 }
 
-// The widest kernel this CPU (and OS) supports. FLASHMOD_CPU_ISA=avx512|avx2|baseline forces a
-// narrower one, so that every variant can be tested on one machine.
+// The widest kernel this CPU (and OS) supports. FLASHMOD_CPU_ISA=amx|avx512|avx2|baseline forces
+// one, so that every variant can be tested on one machine; a name that is unknown or that this CPU
+// cannot run is an error, never a silent fall back to the slowest kernel.
 const cpu::KernelInfo& pick_kernel() {
   static const cpu::KernelInfo* kernel = [] {
     __builtin_cpu_init();
@@ -47,11 +50,27 @@ const cpu::KernelInfo& pick_kernel() {
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                         __builtin_cpu_supports("avx512dq");
-    const char* forced = std::getenv("FLASHMOD_CPU_ISA");
-    const std::string want = forced ? forced : "";
-    if (avx512 && want.empty() && amx_usable()) return &cpu::kAmxBf16Kernel;
-    if (avx512 && (want.empty() || want == "avx512")) return &cpu::kAvx512Kernel;
-    if (avx2 && (want.empty() || want == "avx512" || want == "avx2")) return &cpu::kAvx2Kernel;
+    const bool amx = avx512 && amx_usable();
+    const std::string want = env_text("FLASHMOD_CPU_ISA");
+    if (want.empty()) {
+      if (amx) return &cpu::kAmxBf16Kernel;
+      if (avx512) return &cpu::kAvx512Kernel;
+      if (avx2) return &cpu::kAvx2Kernel;
+      return &cpu::kBaselineKernel;
+    }
+    std::string usable = "baseline";
+    if (avx2) usable = "avx2, " + usable;
+    if (avx512) usable = "avx512, " + usable;
+    if (amx) usable = "amx, " + usable;
+    if (want == "amx" && amx) return &cpu::kAmxBf16Kernel;
+    if (want == "avx512" && avx512) return &cpu::kAvx512Kernel;
+    if (want == "avx2" && avx2) return &cpu::kAvx2Kernel;
+    if (want == "baseline") return &cpu::kBaselineKernel;
+    const bool known = want == "amx" || want == "avx512" || want == "avx2";
+    TORCH_CHECK(false,
+                error_message("FLASHMOD_CPU_ISA='", want, "' ",
+                              known ? "is not supported by this CPU" : "is not a known ISA",
+                              "; allowed: amx, avx512, avx2, baseline; this CPU runs: ", usable));
     return &cpu::kBaselineKernel;
   }();
   return *kernel;
@@ -93,7 +112,7 @@ bool attention_cpu_decode(const cpu::KernelInfo& kernel, const AttentionParams& 
 
 void attention_cpu_vectorized(const AttentionParams& p) {
   const cpu::KernelInfo& kernel = pick_kernel();
-  if (std::getenv("FLASHMOD_CPU_NO_DECODE") == nullptr && attention_cpu_decode(kernel, p)) return;
+  if (env_flag("FLASHMOD_CPU_DECODE", true) && attention_cpu_decode(kernel, p)) return;
   const int64_t shared_bytes = kernel.shared_bytes ? kernel.shared_bytes(p) : 0;
   at::Tensor shared;
   if (shared_bytes > 0) {

@@ -8,12 +8,11 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
-#include "../attention_host.h"
 #include "../../common/error_message.h"
+#include "../../common/knobs.h"
+#include "../attention_host.h"
 #include "entry_points.h"
 
 namespace flashmod {
@@ -49,8 +48,7 @@ at::Tensor aligned_copy(const at::Tensor& t) {
 bool use_sm90_kernel(int padded_head_dim) {
 #ifdef FLASHMOD_BUILT_SM90A
   if (padded_head_dim != 64 && padded_head_dim != 128 && padded_head_dim != 256) return false;
-  const char* disable = std::getenv("FLASHMOD_DISABLE_SM90");
-  if (disable != nullptr && std::strcmp(disable, "1") == 0) return false;
+  if (env_flag("FLASHMOD_DISABLE_SM90", false)) return false;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   return prop->major == 9 && prop->minor == 0;
 #else
@@ -60,23 +58,19 @@ bool use_sm90_kernel(int padded_head_dim) {
 }
 
 // Decode-shaped calls (seqlen_q <= kDecodeMaxNq): the decode kernel, with GQA packing and
-// split-KV chosen from the shapes (entry_points.h: pack_gqa_rows, choose_splits). Returns false when
-// the shape is not decode-shaped; err is then untouched. Test/tuning knobs, read per call:
+// split-KV chosen from the shapes (entry_points.h: pack_gqa_rows, choose_splits). Returns false
+// when the shape is not decode-shaped; err is then untouched. Test/tuning knobs, read per call:
 // FLASHMOD_DECODE=0 (prefill kernel instead), FLASHMOD_DECODE_PACK=0 (no GQA packing),
 // FLASHMOD_DECODE_SPLITS=n (exactly n splits).
 template <typename Elem>
 bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, int padded,
                 const at::TensorOptions& options, cudaStream_t stream, cudaError_t& err) {
-  auto env_int = [](const char* name, int fallback) {
-    const char* v = std::getenv(name);
-    return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
-  };
-  if (p.seqlen_q > cuda_kernels::kDecodeMaxNq || env_int("FLASHMOD_DECODE", 1) == 0) return false;
-  if (env_int("FLASHMOD_DECODE_PACK", 1) != 0) cuda_kernels::pack_gqa_rows(p);
+  if (p.seqlen_q > cuda_kernels::kDecodeMaxNq || !env_flag("FLASHMOD_DECODE", true)) return false;
+  if (env_flag("FLASHMOD_DECODE_PACK", true)) cuda_kernels::pack_gqa_rows(p);
   cuda_kernels::DecodeOptions opt;
   // torch caches the properties per device (one cudaGetDeviceProperties each).
   opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  opt.forced_splits = env_int("FLASHMOD_DECODE_SPLITS", 0);
+  opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
   // The split-KV workspace comes from torch's caching allocator on the current stream; freeing
   // it when this function returns is stream-ordered, so the kernels still queued keep it.
   at::Tensor workspace;
@@ -128,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaError_t err = cudaSuccess;
   if (p.dtype == ScalarKind::kFloat32) {
-    err = cuda_kernels::run_attention_fwd_fp32(p, stream);
+    err = cuda_kernels::run_attention_fwd_fp32(p, env_flag("FLASHMOD_FP32_FFMA", false), stream);
   } else {
     // Alignment fix-ups (see aligned_copy); the copies are kept alive by prepared.
     auto fix = [](at::Tensor& t, const void*& ptr, int64_t& bs, int64_t& hs, int64_t& rs) {

@@ -143,8 +143,9 @@ cudaError_t launch_per_query_block(Kernel kernel, const AttentionParams& p, int 
 }
 
 // fp32: the 3xTF32 tensor-core kernel for head dims <= 128 and more than 32 query rows, else (or
-// with FLASHMOD_FP32_FFMA=1) the CUDA-core kernel. Both keep fp32 accuracy; any alignment.
-cudaError_t run_attention_fwd_fp32(const AttentionParams& p, cudaStream_t stream);
+// with force_ffma, the host's FLASHMOD_FP32_FFMA=1) the CUDA-core kernel. Both keep fp32
+// accuracy; any alignment.
+cudaError_t run_attention_fwd_fp32(const AttentionParams& p, bool force_ffma, cudaStream_t stream);
 cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t stream);
 
 // Padded head dims the kernels are compiled for.

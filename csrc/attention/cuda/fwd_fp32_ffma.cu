@@ -12,11 +12,10 @@
 #include <math_constants.h>
 
 #include <cstdint>
-#include <cstdlib>
 
+#include "../../common/cuda/ptx_ops.h"
 #include "cta_tile.h"
 #include "entry_points.h"
-#include "../../common/cuda/ptx_ops.h"
 #include "visibility.h"
 
 namespace flashmod::cuda_kernels {
@@ -186,12 +185,11 @@ cudaError_t launch_fp32(const AttentionParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t run_attention_fwd_fp32(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t run_attention_fwd_fp32(const AttentionParams& p, bool force_ffma, cudaStream_t stream) {
   // Decode-like shapes (<= 32 query rows) fill a 32-row CTA here but half of the tensor-core
-  // kernel's 64 rows. FLASHMOD_FP32_FFMA=1 (read per call) forces this kernel, for tests.
-  const char* ffma = std::getenv("FLASHMOD_FP32_FFMA");
-  const bool forced = ffma != nullptr && ffma[0] == '1';
-  if (!forced && p.head_dim <= 128 && p.seqlen_q > 32) return run_attention_fwd_fp32_tc(p, stream);
+  // kernel's 64 rows.
+  if (!force_ffma && p.head_dim <= 128 && p.seqlen_q > 32)
+    return run_attention_fwd_fp32_tc(p, stream);
   if (p.head_dim <= 32) return launch_fp32<32>(p, stream);
   if (p.head_dim <= 64) return launch_fp32<64>(p, stream);
   if (p.head_dim <= 128) return launch_fp32<128>(p, stream);

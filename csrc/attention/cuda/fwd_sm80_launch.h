@@ -7,8 +7,8 @@
 
 #include <atomic>
 
-#include "fwd_sm80_kernel.h"
 #include "entry_points.h"
+#include "fwd_sm80_kernel.h"
 
 namespace flashmod::cuda_kernels {
 
@@ -26,59 +26,20 @@ namespace flashmod::cuda_kernels {
 //   D = 160..256: 64x64, 4 warps of 16 rows: fits sm80's 163 KB; 0.77-0.86x FLASH at D = 256.
 template <typename Elem, int kHeadDim>
 struct FwdConfig;
-// Tuning hook: -DFLASHMOD_TUNE_<D>=v swaps in candidate v below for head dim D = 64, 128, 256
-// (setup.py forwards FLASHMOD_NVCC_EXTRA; nvcc splits -D values at commas, hence the indirection).
-#define FLASHMOD_CAND_1 128, 64, 4, 2, true
-#define FLASHMOD_CAND_2 128, 128, 4, 2, false
-#define FLASHMOD_CAND_3 128, 128, 4, 2, true
-#define FLASHMOD_CAND_4 128, 64, 4, 3, true
-#define FLASHMOD_CAND_5 128, 64, 4, 3, false
-#define FLASHMOD_CAND_6 64, 64, 4, 2, false
-#define FLASHMOD_CAND_7 128, 32, 4, 2, false
-#define FLASHMOD_CAND_8 128, 64, 8, 2, false
-#define FLASHMOD_CAND_(v) FLASHMOD_CAND_##v
-#define FLASHMOD_CAND(v) FLASHMOD_CAND_(v)
-#define FLASHMOD_TILE_DEFAULT_32 128, 64, 4, 2, true
-#define FLASHMOD_TILE_DEFAULT_64 128, 64, 4, 2, true
-#define FLASHMOD_TILE_DEFAULT_96 128, 64, 4, 2, false
-#define FLASHMOD_TILE_DEFAULT_128 128, 64, 4, 2, false
-#define FLASHMOD_TILE_DEFAULT_160 64, 64, 4, 2, false
-#define FLASHMOD_TILE_DEFAULT_192 64, 64, 4, 2, false
-#define FLASHMOD_TILE_DEFAULT_224 64, 64, 4, 2, false
-#define FLASHMOD_TILE_DEFAULT_256 64, 64, 4, 2, false
-#ifdef FLASHMOD_TUNE_64
-#define FLASHMOD_TILE_64 FLASHMOD_CAND(FLASHMOD_TUNE_64)
-#else
-#define FLASHMOD_TILE_64 FLASHMOD_TILE_DEFAULT_64
-#endif
-#ifdef FLASHMOD_TUNE_128
-#define FLASHMOD_TILE_128 FLASHMOD_CAND(FLASHMOD_TUNE_128)
-#else
-#define FLASHMOD_TILE_128 FLASHMOD_TILE_DEFAULT_128
-#endif
-#ifdef FLASHMOD_TUNE_256
-#define FLASHMOD_TILE_256 FLASHMOD_CAND(FLASHMOD_TUNE_256)
-#else
-#define FLASHMOD_TILE_256 FLASHMOD_TILE_DEFAULT_256
-#endif
-#define FLASHMOD_TILE_32 FLASHMOD_TILE_DEFAULT_32
-#define FLASHMOD_TILE_96 FLASHMOD_TILE_DEFAULT_96
-#define FLASHMOD_TILE_160 FLASHMOD_TILE_DEFAULT_160
-#define FLASHMOD_TILE_192 FLASHMOD_TILE_DEFAULT_192
-#define FLASHMOD_TILE_224 FLASHMOD_TILE_DEFAULT_224
-#define FLASHMOD_CONFIG(D)                                \
-  template <typename Elem>                                \
-  struct FwdConfig<Elem, D> {                             \
-    using Traits = FwdTraits<Elem, D, FLASHMOD_TILE_##D>; \
+// Tile per head dim (Br, Bc, warps, CTAs per SM, Q kept in registers), as measured above.
+#define FLASHMOD_CONFIG(D, ...)                     \
+  template <typename Elem>                          \
+  struct FwdConfig<Elem, D> {                       \
+    using Traits = FwdTraits<Elem, D, __VA_ARGS__>; \
   };
-FLASHMOD_CONFIG(32)
-FLASHMOD_CONFIG(64)
-FLASHMOD_CONFIG(96)
-FLASHMOD_CONFIG(128)
-FLASHMOD_CONFIG(160)
-FLASHMOD_CONFIG(192)
-FLASHMOD_CONFIG(224)
-FLASHMOD_CONFIG(256)
+FLASHMOD_CONFIG(32, 128, 64, 4, 2, true)
+FLASHMOD_CONFIG(64, 128, 64, 4, 2, true)
+FLASHMOD_CONFIG(96, 128, 64, 4, 2, false)
+FLASHMOD_CONFIG(128, 128, 64, 4, 2, false)
+FLASHMOD_CONFIG(160, 64, 64, 4, 2, false)
+FLASHMOD_CONFIG(192, 64, 64, 4, 2, false)
+FLASHMOD_CONFIG(224, 64, 64, 4, 2, false)
+FLASHMOD_CONFIG(256, 64, 64, 4, 2, false)
 #undef FLASHMOD_CONFIG
 
 template <class Tr>

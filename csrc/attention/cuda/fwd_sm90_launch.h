@@ -4,8 +4,8 @@
 
 #include <cuda_runtime.h>
 
-#include "fwd_sm90_kernel.h"
 #include "entry_points.h"
+#include "fwd_sm90_kernel.h"
 
 namespace flashmod::cuda_kernels {
 namespace sm90 {
@@ -25,45 +25,19 @@ namespace sm90 {
 //            Br 64 x Bc 128 (smem allows 1 CTA per SM)                       0.81-1.08x
 //            S_{j+1} overlapped (Bc 64 or 128)                               1.01-1.40x (no gain)
 //            2 CTAs per SM at 128 registers spills (48-120 bytes): not run.
-// Tuning hook: -DFLASHMOD_TUNE_SM90_<D>=v picks candidate v (benchmarks/tune_variants.sh).
-#define FLASHMOD_SM90_CAND_1 128, 2, 2
-#define FLASHMOD_SM90_CAND_2 64, 2, 2
-#define FLASHMOD_SM90_CAND_5 128, 2, 3
-#define FLASHMOD_SM90_CAND_6 128, 1, 2
-#define FLASHMOD_SM90_CAND_7 64, 2, 2, 2
-#define FLASHMOD_SM90_CAND_8 64, 1, 2
-#define FLASHMOD_SM90_CAND_(v) FLASHMOD_SM90_CAND_##v
-#define FLASHMOD_SM90_CAND(v) FLASHMOD_SM90_CAND_(v)
-#ifdef FLASHMOD_TUNE_SM90_64
-#define FLASHMOD_SM90_TILE_64 FLASHMOD_SM90_CAND(FLASHMOD_TUNE_SM90_64)
-#else
-#define FLASHMOD_SM90_TILE_64 64, 2, 2, 2
-#endif
-#ifdef FLASHMOD_TUNE_SM90_128
-#define FLASHMOD_SM90_TILE_128 FLASHMOD_SM90_CAND(FLASHMOD_TUNE_SM90_128)
-#else
-#define FLASHMOD_SM90_TILE_128 128, 2, 2
-#endif
-
-#ifdef FLASHMOD_TUNE_SM90_256
-#define FLASHMOD_SM90_TILE_256 FLASHMOD_SM90_CAND(FLASHMOD_TUNE_SM90_256)
-#else
-#define FLASHMOD_SM90_TILE_256 64, 2, 2
-#endif
-
 template <typename Elem, int kHeadDim>
 struct FwdConfigSm90;
 template <typename Elem>
 struct FwdConfigSm90<Elem, 64> {
-  using Traits = FwdTraitsSm90<Elem, 64, FLASHMOD_SM90_TILE_64>;
+  using Traits = FwdTraitsSm90<Elem, 64, 64, 2, 2, 2>;
 };
 template <typename Elem>
 struct FwdConfigSm90<Elem, 128> {
-  using Traits = FwdTraitsSm90<Elem, 128, FLASHMOD_SM90_TILE_128>;
+  using Traits = FwdTraitsSm90<Elem, 128, 128, 2, 2>;
 };
 template <typename Elem>
 struct FwdConfigSm90<Elem, 256> {
-  using Traits = FwdTraitsSm90<Elem, 256, FLASHMOD_SM90_TILE_256>;
+  using Traits = FwdTraitsSm90<Elem, 256, 64, 2, 2>;
 };
 
 template <class Tr>

@@ -1,0 +1,37 @@
+// Environment knobs: kernel-choice switches for tests and benchmarks, read per call by the host
+// glue only (attention_cpu.cpp, attention_cuda.cpp, softmax_cuda.cpp, ...) and handed to kernels
+// in their options structs. One polarity: FLASHMOD_X=1 turns the named thing on (or forces it),
+// FLASHMOD_X=0 turns it off; unset keeps the default. Any other value is an error naming the knob.
+//
+// Every knob (all for tests and benchmarks, comparing kernels on one machine; TRACE for debugging):
+//   FLASHMOD_CPU_ISA=amx|avx512|avx2|baseline  forces that CPU kernel (read once per process); a
+//                                     name that is unknown or that this CPU lacks is an error
+//   FLASHMOD_CPU_DECODE=0             CPU decode shapes run the prefill kernel
+//   FLASHMOD_DISABLE_SM90=1           the portable mma.sync kernel on an H100/H200
+//   FLASHMOD_FP32_FFMA=1              fp32 on the CUDA-core (FFMA) kernel, not 3xTF32
+//   FLASHMOD_DECODE=0                 CUDA decode shapes run the prefill kernel
+//   FLASHMOD_DECODE_PACK=0            no GQA row packing in the CUDA decode kernel
+//   FLASHMOD_DECODE_SPLITS=n          exactly n split-KV splits (0: the heuristic)
+//   FLASHMOD_SOFTMAX_TRACE=1          prints the softmax launch path
+//   FLASHMOD_SOFTMAX_STREAM=0         the sm_90 softmax stream path off
+//   FLASHMOD_SOFTMAX_STREAM_CLUSTER=c forces the stream path's cluster size
+//   FLASHMOD_MMSM_SINGLE_PASS_MAX_N=n caps fp32 matmul_softmax's single-pass rows (0: two-pass)
+// Not yet moved onto these helpers (still getenv in their kernel files): the three SOFTMAX knobs
+// and MMSM_SINGLE_PASS_MAX_N.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace flashmod {
+
+// FLASHMOD_X: unset -> fallback, "1" -> true, "0" -> false, anything else -> error.
+bool env_flag(const char* name, bool fallback);
+
+// A decimal integer; unset or empty -> fallback, anything that is not a whole integer -> error.
+int64_t env_int(const char* name, int64_t fallback);
+
+// The raw text; unset -> empty. For knobs whose values are names (FLASHMOD_CPU_ISA).
+std::string env_text(const char* name);
+
+}  // namespace flashmod
