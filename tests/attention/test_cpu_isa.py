@@ -51,7 +51,7 @@ def test_forced_instruction_set_matches_reference(isa, repo_root):
 
 
 @pytest.mark.parametrize("value", ["avx1024", "AVX2", "sse", "amx", "avx512"])
-def test_unknown_or_missing_instruction_set_is_an_error_listing_the_allowed_ones(value):
+def test_unknown_or_missing_instruction_set_is_an_error_listing_the_allowed_ones(value, repo_root):
     if value in ISA_FLAGS and ISA_FLAGS[value] <= cpu_flags():
         pytest.skip(f"this CPU has {value}, so forcing it is no error")
     env = dict(os.environ, FLASHMOD_CPU_ISA=value)
@@ -65,8 +65,7 @@ def test_unknown_or_missing_instruction_set_is_an_error_listing_the_allowed_ones
         "else:\n"
         "    raise SystemExit('no error')\n"
     )
-    tests = Path(__file__).parent
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=tests.parent)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=repo_root)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"FLASHMOD_CPU_ISA='{value}'" in result.stdout
     assert "allowed: amx, avx512, avx2, baseline" in result.stdout
@@ -75,7 +74,7 @@ def test_unknown_or_missing_instruction_set_is_an_error_listing_the_allowed_ones
 
 
 @pytest.mark.parametrize("value", ["2", "yes", "on"])
-def test_malformed_flag_is_an_error_naming_the_knob(value):
+def test_malformed_flag_is_an_error_naming_the_knob(value, repo_root):
     env = dict(os.environ, FLASHMOD_CPU_DECODE=value)
     env.pop("FLASHMOD_CPU_ISA", None)
     script = (
@@ -88,7 +87,6 @@ def test_malformed_flag_is_an_error_naming_the_knob(value):
         "else:\n"
         "    raise SystemExit('no error')\n"
     )
-    tests = Path(__file__).parent
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=tests.parent)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=repo_root)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"FLASHMOD_CPU_DECODE must be 0 or 1, got '{value}'" in result.stdout
