@@ -16,13 +16,15 @@ EXAMPLES = {
     "transformer_block": ["transformer_block.py", "--device", "cpu"],
     "compile": ["compile.py", "--device", "cpu", "--backend", "aot_eager"],
     "hf_generate": ["hf_generate.py", "--device", "cpu", "--prompt-len", "16", "--new-tokens", "4"],
+    # Exits non-zero when the ring-parallel loss or gradients differ from the single-process ones.
+    "hf_ring_attention": ["hf_ring_attention.py", "--world-size", "2", "--seqlen", "67"],
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_example_runs(name, repo_root):
-    if name == "hf_generate" and importlib.util.find_spec("transformers") is None:
+    if name.startswith("hf_") and importlib.util.find_spec("transformers") is None:
         pytest.skip("needs transformers")
     script, *args = EXAMPLES[name]
     env = dict(os.environ, PYTHONPATH=str(repo_root), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
