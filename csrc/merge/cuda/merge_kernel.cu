@@ -86,12 +86,15 @@ cudaError_t launch_with(const MergeParams& p, cudaStream_t stream) {
   return cudaPeekAtLastError();
 }
 
-// Lanes per row: enough to cover the row in one pass of 16-byte loads where possible (8 .. 32).
+// Lanes per row: two 16-byte chunks per lane where the row has them, so each lane keeps two
+// independent loads per partial in flight (one chunk per lane left 2-partial merges at 0.83 of copy
+// bandwidth on the H100; v2 in benchmarks/results/design/merge-and-ring.md).
 template <typename Elem, int kVec>
 cudaError_t launch_for_width(const MergeParams& p, cudaStream_t stream) {
   const int64_t chunks = (p.head_dim + kVec - 1) / kVec;
-  if (chunks <= 8) return launch_with<Elem, kVec, 8>(p, stream);
-  if (chunks <= 16) return launch_with<Elem, kVec, 16>(p, stream);
+  if (chunks <= 8) return launch_with<Elem, kVec, 4>(p, stream);
+  if (chunks <= 16) return launch_with<Elem, kVec, 8>(p, stream);
+  if (chunks <= 32) return launch_with<Elem, kVec, 16>(p, stream);
   return launch_with<Elem, kVec, 32>(p, stream);
 }
 
