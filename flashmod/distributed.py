@@ -63,7 +63,9 @@ def unshard_sequence(parts: list[Tensor], dim: int, causal: bool = False) -> Ten
 class _Ring:
     """Who sends to whom, and the slice lengths every rank holds (one all_gather of ints)."""
 
-    def __init__(self, group, local_len: int, device: torch.device, causal: bool) -> None:
+    def __init__(
+        self, group, local_len: int, device: torch.device, causal: bool, window: tuple[int, int] = (-1, -1)
+    ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -75,8 +77,13 @@ class _Ring:
         dist.all_gather(lens, torch.tensor([local_len], dtype=torch.int64, device=device), group=group)
         self.local_lens = [int(t.item()) for t in lens]
         self.causal = causal
+        # The band of visible keys around each query's global position (-1: unbounded side).
+        self.window_left, self.window_right = window[0], (0 if causal else window[1])
+        # Per rank: its chunks as (global start, length, offset in the rank's slice).
+        self.chunks: list[list[tuple[int, int, int]]] = []
         if causal:
             chunk = _chunk_lengths(sum(self.local_lens), 2 * self.world_size)
+            starts = [sum(chunk[:c]) for c in range(2 * self.world_size)]
             self.first_len = [chunk[r] for r in range(self.world_size)]
             expected = [chunk[r] + chunk[2 * self.world_size - 1 - r] for r in range(self.world_size)]
             if expected != self.local_lens:
@@ -84,6 +91,12 @@ class _Ring:
                     "ring_attention(causal=True): the ranks' sequence slices must be placed by "
                     f"shard_sequence(..., causal=True) (lengths {expected}), got lengths {self.local_lens}"
                 )
+            for r in range(self.world_size):
+                second = 2 * self.world_size - 1 - r
+                self.chunks.append([(starts[r], chunk[r], 0), (starts[second], chunk[second], chunk[r])])
+        else:
+            for r in range(self.world_size):
+                self.chunks.append([(sum(self.local_lens[:r]), self.local_lens[r], 0)])
 
     def source(self, step: int) -> int:
         """The rank whose K/V slice this rank holds at ``step``."""
@@ -101,9 +114,17 @@ class _Ring:
         ops += [dist.P2POp(dist.irecv, b, self.prev, self.group) for b in buffers]
         return dist.batch_isend_irecv(ops), buffers
 
-    def step_plan(self, step: int) -> tuple[slice, slice, bool] | None:
-        """(query rows, key rows of the visiting slice, causal) of this step's one attention call, or
-        None when none of this rank's queries sees the visiting keys."""
+    def step_calls(self, step: int) -> list[tuple[slice, slice, bool, int, int]]:
+        """This step's attention calls: (query rows, key rows of the visiting slice, causal, window_left,
+        window_right), each a top-left aligned call of the single-device op."""
+        if self.window_left < 0 and self.window_right < 0 or self.causal and self.window_left < 0:
+            plan = self._dense_plan(step)
+            return [] if plan is None else [(*plan, -1, -1)]
+        return self._banded_calls(step)
+
+    def _dense_plan(self, step: int) -> tuple[slice, slice, bool] | None:
+        """Full or causal attention: one call per step (zigzag placement makes every step after the
+        first one dense call), or None when none of this rank's queries sees the visiting keys."""
         src = self.source(step)
         if step == 0:
             return slice(None), slice(None), self.causal
@@ -114,6 +135,30 @@ class _Ring:
         # src > rank: only the local second chunk lies after the visiting slice, and after all of it
         return slice(self.first_len[self.rank], None), slice(None), False
 
+    def _banded_calls(self, step: int) -> list[tuple[slice, slice, bool, int, int]]:
+        """Sliding windows: one call per (local query chunk, visiting key chunk) pair whose band meets.
+        Query i (global a + i) sees key j (global b + j) iff j - i lies in [d - wl, d + wr], d = a - b.
+        The op's band is centred on j - i = 0, so keys left of a band that starts above 0 and queries
+        above a band that ends below 0 are sliced off (they see nothing), which re-centres it."""
+        calls = []
+        wl, wr = self.window_left, self.window_right
+        for a, lq, q_off in self.chunks[self.rank]:
+            for b, lk, k_off in self.chunks[self.source(step)]:
+                d = a - b
+                low = d - wl if wl >= 0 else None
+                high = d + wr if wr >= 0 else None
+                key_skip = max(0, low) if low is not None else 0
+                query_skip = max(0, -high) if high is not None else 0
+                if key_skip >= lk or query_skip >= lq:
+                    continue
+                d += query_skip - key_skip
+                call_wl = wl - d if wl >= 0 else -1  # d - wl <= 0 after the slicing
+                call_wr = d + wr if wr >= 0 else -1  # d + wr >= 0 after the slicing
+                rows = slice(q_off + query_skip, q_off + lq)
+                keys = slice(k_off + key_skip, k_off + lk)
+                calls.append((rows, keys, False, call_wl, call_wr))
+        return calls
+
 
 def _rows(t: Tensor, rows: slice) -> Tensor:
     return t[:, :, rows]
@@ -121,8 +166,8 @@ def _rows(t: Tensor, rows: slice) -> Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, softcap):
-        ring = _Ring(group, q.shape[2], q.device, causal)
+    def forward(ctx, q, k, v, group, causal, scale, softcap, window):
+        ring = _Ring(group, q.shape[2], q.device, causal, window)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         k_cur, v_cur = k, v
@@ -130,12 +175,10 @@ class _RingAttention(torch.autograd.Function):
             pending = None
             if step < ring.world_size - 1:
                 pending = ring.exchange([k_cur, v_cur], ring.source(step + 1))
-            plan = ring.step_plan(step)
-            if plan is not None:
-                rows, keys, step_causal = plan
+            for rows, keys, step_causal, wl, wr in ring.step_calls(step):
                 o_part, lse_part = attention_op(
                     _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys), None, scale, step_causal, False,
-                    -1, -1, softcap,
+                    wl, wr, softcap,
                 )  # fmt: skip
                 merged_o, merged_lse = merge_attention([_rows(out, rows), o_part], [lse[:, :, rows], lse_part])
                 out[:, :, rows] = merged_o
@@ -161,12 +204,10 @@ class _RingAttention(torch.autograd.Function):
         dk_cur = torch.zeros_like(k, dtype=torch.float32)
         dv_cur = torch.zeros_like(v, dtype=torch.float32)
         for step in range(ring.world_size):
-            plan = ring.step_plan(step)
-            if plan is not None:
-                rows, keys, step_causal = plan
+            for rows, keys, step_causal, wl, wr in ring.step_calls(step):
                 dq_part, dk_part, dv_part = torch.ops.flashmod.attention_backward(
                     _rows(grad_out, rows), None, _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys),
-                    _rows(out, rows), lse[:, :, rows], None, ctx.scale, step_causal, False, -1, -1, ctx.softcap,
+                    _rows(out, rows), lse[:, :, rows], None, ctx.scale, step_causal, False, wl, wr, ctx.softcap,
                 )  # fmt: skip
                 dq[:, :, rows] += dq_part
                 dk_cur[:, :, keys] += dk_part
@@ -180,7 +221,7 @@ class _RingAttention(torch.autograd.Function):
                 dk_cur, dv_cur = received
             else:
                 k_cur, v_cur, dk_cur, dv_cur = received
-        return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(
@@ -192,14 +233,15 @@ def ring_attention(
     scale: float | None = None,
     softcap: float = 0.0,
     return_lse: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over a sequence split across the ranks of ``group`` (SDPA layout ``(B, H, S, D)``).
 
     Every rank passes its own slice ``q``, ``k``, ``v`` (placed by :func:`shard_sequence` with the same
     ``causal``) and gets its queries' rows of the full attention, as single-device
     ``flashmod.attention`` over the whole sequence would give them. GQA (fewer k/v heads) and softcap
-    work as in the single-device op; causal is top-left aligned over the full sequence (SDPA's
-    ``is_causal``). Differentiable with respect to q, k and v.
+    and sliding windows work as in the single-device op; causal is top-left aligned over the full
+    sequence (SDPA's ``is_causal``). Differentiable with respect to q, k and v.
 
     Args:
         q: ``(B, Hq, S_local, D)``; k, v: ``(B, Hkv, S_local, D)``, this rank's slices.
@@ -208,7 +250,15 @@ def ring_attention(
         scale: score scale (default ``1/sqrt(D)``).
         softcap: ``softcap * tanh(score / softcap)`` when > 0.
         return_lse: also return the float32 log-sum-exp ``(B, Hq, S_local)``.
+        window_size: ``(left, right)`` sliding window over global positions: query ``i`` sees keys
+            ``i - left <= j <= i + right`` (``-1``: unbounded side; causal sets ``right = 0``).
     """
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    ):
+        raise ValueError(f"ring_attention: window_size must be a pair of ints >= -1 (left, right), got {window_size!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention: torch.distributed must be initialized (dist.init_process_group)")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -221,7 +271,7 @@ def ring_attention(
             "ring_attention: q, k and v must hold the same sequence slice, got lengths "
             f"q {q.shape[2]}, k {k.shape[2]}, v {v.shape[2]}"
         )
-    out, lse = _RingAttention.apply(q, k, v, group, causal, scale, softcap)
+    out, lse = _RingAttention.apply(q, k, v, group, causal, scale, softcap, tuple(window_size))
     return (out, lse) if return_lse else out
 
 
@@ -234,11 +284,13 @@ def ring_flash_attn_func(
     softcap: float = 0.0,
     group: dist.ProcessGroup | None = None,
     return_lse: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`ring_attention` in flash-attn's layout: q ``(B, S_local, Hq, D)``, k/v ``(B, S_local, Hkv, D)``;
     shard along dim 1. Returns ``(B, S_local, Hq, D)`` (and the lse ``(B, Hq, S_local)``)."""
     result = ring_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, causal, softmax_scale, softcap, True
-    )
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, causal, softmax_scale, softcap, True,
+        window_size,
+    )  # fmt: skip
     out, lse = result
     return (out.transpose(1, 2), lse) if return_lse else out.transpose(1, 2)

@@ -15,13 +15,18 @@ from tolerance import assert_within_rule
 import flashmod
 from flashmod.distributed import ring_attention, ring_flash_attn_func, shard_sequence, unshard_sequence  # noqa: F401
 
-# (world_size, causal, seqlen, heads_q, heads_kv, dtype): odd lengths, GQA, low precision.
+# (world_size, causal, seqlen, heads_q, heads_kv, dtype, window): odd lengths, GQA, low precision,
+# sliding windows narrower and wider than a rank's chunks.
 CASES = [
-    (2, False, 17, 4, 4, torch.float32),
-    (2, True, 113, 4, 2, torch.float32),
-    (4, True, 203, 4, 1, torch.float32),
-    (4, False, 67, 2, 2, torch.bfloat16),
-    (2, True, 64, 4, 2, torch.bfloat16),
+    (2, False, 17, 4, 4, torch.float32, (-1, -1)),
+    (2, True, 113, 4, 2, torch.float32, (-1, -1)),
+    (4, True, 203, 4, 1, torch.float32, (-1, -1)),
+    (4, False, 67, 2, 2, torch.bfloat16, (-1, -1)),
+    (2, True, 64, 4, 2, torch.bfloat16, (-1, -1)),
+    (2, True, 113, 4, 2, torch.float32, (9, -1)),
+    (4, True, 203, 2, 1, torch.float32, (40, -1)),
+    (3, False, 97, 2, 2, torch.float32, (5, 30)),
+    (4, False, 131, 2, 1, torch.float32, (-1, 7)),
 ]
 
 
@@ -36,7 +41,7 @@ def _worker(rank: int, world_size: int, port: int, case: tuple, errors) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        _, causal, seqlen, hq, hkv, dtype = case
+        _, causal, seqlen, hq, hkv, dtype, window = case
         gen = torch.Generator().manual_seed(1234)  # every rank draws the same full problem
         q = torch.randn(2, hq, seqlen, 40, generator=gen).to(dtype)
         k = torch.randn(2, hkv, seqlen, 40, generator=gen).to(dtype)
@@ -47,15 +52,18 @@ def _worker(rank: int, world_size: int, port: int, case: tuple, errors) -> None:
         # The truth in fp64, and plain attention in the inputs' precision, whose error against the
         # truth bounds ours (the low-precision rule: 2x forward, 3x gradients).
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        expected = flashmod.attention_reference(*full, scale=scale, is_causal=causal, compute_dtype=dtype)[0]
+        window_opts = {"window_left": window[0], "window_right": window[1], "bottom_right": False}
+        expected = flashmod.attention_reference(
+            *full, scale=scale, is_causal=causal, compute_dtype=dtype, **window_opts
+        )[0]
         expected.backward(grad)
         exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        ref = flashmod.attention_reference(*exact, scale=scale, is_causal=causal)[0]
+        ref = flashmod.attention_reference(*exact, scale=scale, is_causal=causal, **window_opts)[0]
         ref.backward(grad.double())
 
         shard = lambda t: shard_sequence(t, 2, rank, world_size, causal)  # noqa: E731
         local = [shard(t).clone().requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*local, causal=causal, scale=scale)
+        out = ring_attention(*local, causal=causal, scale=scale, window_size=window)
         out.backward(shard(grad))
 
         # Each rank checks its own rows of the output and its slices of the gradients.
@@ -66,7 +74,9 @@ def _worker(rank: int, world_size: int, port: int, case: tuple, errors) -> None:
             assert_within_rule(g, e, w, 2.0 if name == "out" else 3.0, dtype, f"rank {rank} {name}")
 
         # flash-attn layout twin: (B, S, H, D) slices give the transposed rows.
-        bshd = ring_flash_attn_func(*(t.detach().transpose(1, 2) for t in local), causal=causal, softmax_scale=scale)
+        bshd = ring_flash_attn_func(
+            *(t.detach().transpose(1, 2) for t in local), causal=causal, softmax_scale=scale, window_size=window
+        )
         torch.testing.assert_close(bshd.transpose(1, 2), out.detach(), rtol=0, atol=0)
     except BaseException as e:  # reported to the parent, which fails the test
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
@@ -76,8 +86,9 @@ def _worker(rank: int, world_size: int, port: int, case: tuple, errors) -> None:
 
 
 def _case_id(case: tuple) -> str:
-    world_size, causal, seqlen, hq, hkv, dtype = case
-    return f"w{world_size}-{'causal' if causal else 'full'}-n{seqlen}-{hq}x{hkv}-{str(dtype)[6:]}"
+    world_size, causal, seqlen, hq, hkv, dtype, window = case
+    band = "" if window == (-1, -1) else f"-window{window[0]}_{window[1]}"
+    return f"w{world_size}-{'causal' if causal else 'full'}-n{seqlen}-{hq}x{hkv}-{str(dtype)[6:]}{band}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -138,3 +149,10 @@ def test_ring_attention_under_torch_compile():
     errors = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_compiled_worker, args=(2, _free_port(), errors), nprocs=2, start_method="spawn")
     assert errors.empty(), errors.get()
+
+
+@pytest.mark.parametrize("window", [5, None, (1.7, 0), (-2, 3), (True, 1)])
+def test_ring_attention_rejects_a_bad_window_size(window):
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="window_size must be a pair of ints >= -1"):
+        ring_attention(q, q, q, window_size=window)
