@@ -10,9 +10,9 @@ import flashmod
 from flashmod.reference import attention_reference
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-# fp32/fp64: max error relative to the largest gradient. fp64 is bounded by the fp32 lse the
-# forward saves (P = exp(S - lse) carries its rounding).
-TIGHT = {torch.float32: 2e-5, torch.float64: 1e-6}
+# fp32/fp64: max error relative to the largest gradient. fp64 holds to rounding although the
+# forward saves an fp32 lse: the CPU backward recomputes the lse in fp64 where the two agree.
+TIGHT = {torch.float32: 2e-5, torch.float64: 1e-12}
 
 
 def make_inputs(device, dtype, b, hq, hkv, nq, nk, d):
@@ -149,9 +149,8 @@ def test_gradcheck(device):
     def out_only(q, k, v):
         return flashmod.ops.attention_op(q, k, v, attn_mask=mask, is_causal=True, softcap=2.0)[0]
 
-    # out only: lse is an fp32 output, too coarse for finite differences. The backward reads that
-    # fp32 lse, so fp64 gradients carry ~1e-7 relative error.
-    assert torch.autograd.gradcheck(out_only, (q, k, v), atol=1e-5, rtol=1e-4)
+    # out only: lse is an fp32 output, too coarse for finite differences.
+    assert torch.autograd.gradcheck(out_only, (q, k, v))
 
 
 def test_deterministic(device):

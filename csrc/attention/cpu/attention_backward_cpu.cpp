@@ -205,6 +205,88 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
   const int64_t off = p.diag_offset, wl = p.window_left, wr = p.window_right;
   const bool has_mask = p.mask_kind != MaskKind::kNone;
   const bool capped = softcap > 0;
+  // Row i of a score tile (key columns c0 .. c0 + cols) -> its logits: scale, softcap (tanh kept in
+  // t_row for the gradient), mask, window; -inf where the key is not visible. window_inside: the
+  // tile lies inside the band, so the window needs no per-element test.
+  auto logits_row = [&](int64_t h, int64_t i, int64_t c0, int64_t cols, bool window_inside,
+                        acc_t* s_row, acc_t* t_row) {
+    if (capped) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const acc_t t = std::tanh(s_row[c] * scale / softcap);
+        t_row[c] = t;
+        s_row[c] = softcap * t;
+      }
+    } else {
+      for (int64_t c = 0; c < cols; ++c) s_row[c] *= scale;
+    }
+    if (has_mask) {
+      const int64_t base = b * p.mask_batch_stride + h * p.mask_head_stride +
+                           i * p.mask_row_stride + c0 * p.mask_col_stride;
+      if (p.mask_kind == MaskKind::kBool) {
+        const auto* m = static_cast<const uint8_t*>(p.mask) + base;
+        for (int64_t c = 0; c < cols; ++c) {
+          if (!m[c * p.mask_col_stride]) s_row[c] = neg_inf;
+        }
+      } else {
+        for (int64_t c = 0; c < cols; ++c) {
+          s_row[c] += mask_value<acc_t, scalar_t>(p, base + c * p.mask_col_stride);
+        }
+      }
+    }
+    if (!window_inside) {
+      const int64_t lo = wl >= 0 ? i + off - wl - c0 : 0;
+      const int64_t hi = wr >= 0 ? i + off + wr - c0 : cols - 1;
+      for (int64_t c = 0; c < cols; ++c) {
+        if (c < lo || c > hi) s_row[c] = neg_inf;
+      }
+    }
+  };
+
+  // The saved lse is fp32 even for fp64 inputs, and its rounding (~1e-7 relative) would scale
+  // every fp64 gradient of the row by as much. For fp64 the lse over the keys this call sees is
+  // recomputed and replaces the saved one where the two agree to fp32 precision; where they differ
+  // more, the caller passed the lse of a larger key set (ring attention's merged lse, with these
+  // keys one share of it), and the saved value is the right one.
+  std::vector<acc_t> lse_rows(group * Nq);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* saved = p.lse + (b * p.heads_q + hk * group + g) * Nq;
+    for (int64_t i = 0; i < Nq; ++i) lse_rows[g * Nq + i] = static_cast<acc_t>(saved[i]);
+  }
+  if constexpr (std::is_same_v<acc_t, double>) {
+    std::vector<acc_t> row_max(Br), row_sum(Br);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = hk * group + g;
+      for (int64_t r0 = 0; r0 < Nq; r0 += Br) {
+        const int64_t rows = std::min(Br, Nq - r0);
+        std::fill(row_max.begin(), row_max.end(), neg_inf);
+        std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
+        for (int64_t c0 = 0; c0 < Nk; c0 += Bc) {
+          const int64_t cols = std::min(Bc, Nk - c0);
+          matmul_rows<acc_t>(false, true, rows, cols, D, acc_t(1), Q[g] + r0 * q_ld, q_ld,
+                             K + c0 * k_ld, k_ld, acc_t(0), S, Bc);
+          for (int64_t r = 0; r < rows; ++r) {
+            acc_t* s_row = S + r * Bc;
+            logits_row(h, r0 + r, c0, cols, false, s_row, T + r * Bc);
+            acc_t block_max = neg_inf;
+            for (int64_t c = 0; c < cols; ++c) block_max = std::max(block_max, s_row[c]);
+            if (block_max == neg_inf) continue;
+            const acc_t m = std::max(row_max[r], block_max);
+            acc_t sum = 0;
+            for (int64_t c = 0; c < cols; ++c) sum += std::exp(s_row[c] - m);
+            row_sum[r] = row_sum[r] * std::exp(row_max[r] - m) + sum;
+            row_max[r] = m;
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          acc_t& saved = lse_rows[g * Nq + r0 + r];
+          if (saved == neg_inf || row_max[r] == neg_inf) continue;
+          const acc_t exact = row_max[r] + std::log(row_sum[r]);
+          if (std::abs(exact - saved) <= 4e-6 * std::max(acc_t(1), std::abs(saved))) saved = exact;
+        }
+      }
+    }
+  }
+
   for (int64_t c0 = 0; c0 < Nk; c0 += Bc) {
     const int64_t cols = std::min(Bc, Nk - c0), c_last = c0 + cols - 1;
     // Query rows whose window reaches this key block: i + off - wl <= c_last, i + off + wr >= c0.
@@ -212,7 +294,7 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
     if (wr >= 0) i_begin = std::max<int64_t>(0, c0 - off - wr);
     if (wl >= 0) i_end = std::min<int64_t>(Nq, c_last - off + wl + 1);
     for (int64_t g = 0; g < group; ++g) {
-      const float* lse = p.lse + (b * p.heads_q + hk * group + g) * Nq;
+      const acc_t* lse = lse_rows.data() + g * Nq;
       const int64_t h = hk * group + g;
       for (int64_t r0 = i_begin; r0 < i_end; r0 += Br) {
         const int64_t rows = std::min(Br, i_end - r0), r_last = r0 + rows - 1;
@@ -226,42 +308,12 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t i = r0 + r;
           acc_t* s_row = S + r * Bc;
-          acc_t* t_row = T + r * Bc;
-          const acc_t row_lse = static_cast<acc_t>(lse[i]);
+          const acc_t row_lse = lse[i];
           if (row_lse == neg_inf) {  // no visible key: P = 0, gradients 0
             std::fill(s_row, s_row + cols, acc_t(0));
             continue;
           }
-          if (capped) {
-            for (int64_t c = 0; c < cols; ++c) {
-              const acc_t t = std::tanh(s_row[c] * scale / softcap);
-              t_row[c] = t;
-              s_row[c] = softcap * t;
-            }
-          } else {
-            for (int64_t c = 0; c < cols; ++c) s_row[c] *= scale;
-          }
-          if (has_mask) {
-            const int64_t base = b * p.mask_batch_stride + h * p.mask_head_stride +
-                                 i * p.mask_row_stride + c0 * p.mask_col_stride;
-            if (p.mask_kind == MaskKind::kBool) {
-              const auto* m = static_cast<const uint8_t*>(p.mask) + base;
-              for (int64_t c = 0; c < cols; ++c) {
-                if (!m[c * p.mask_col_stride]) s_row[c] = neg_inf;
-              }
-            } else {
-              for (int64_t c = 0; c < cols; ++c) {
-                s_row[c] += mask_value<acc_t, scalar_t>(p, base + c * p.mask_col_stride);
-              }
-            }
-          }
-          if (!window_inside) {
-            const int64_t lo = wl >= 0 ? i + off - wl - c0 : 0;
-            const int64_t hi = wr >= 0 ? i + off + wr - c0 : cols - 1;
-            for (int64_t c = 0; c < cols; ++c) {
-              if (c < lo || c > hi) s_row[c] = neg_inf;
-            }
-          }
+          logits_row(h, i, c0, cols, window_inside, s_row, T + r * Bc);
           for (int64_t c = 0; c < cols; ++c) s_row[c] = exp_fast(s_row[c] - row_lse);
         }
         matmul_rows<acc_t>(true, false, cols, D, rows, acc_t(1), S, Bc, dOi, do_ld, acc_t(1),
