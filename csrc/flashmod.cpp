@@ -1,6 +1,6 @@
 // The flashmod operator library: every schema is declared here, once. Backends register their
-// kernels with TORCH_LIBRARY_IMPL in csrc/<op>/cpu/ and csrc/<op>/cuda/; flashmod/ops.py adds the fake
-// (meta) implementations and autograd.
+// kernels with TORCH_LIBRARY_IMPL in csrc/<op>/cpu/ and csrc/<op>/cuda/; flashmod/ops.py adds the
+// fake (meta) implementations and autograd.
 #include <Python.h>
 #include <torch/library.h>
 

@@ -58,14 +58,14 @@ struct AttentionParams {
   MaskKind mask_kind = MaskKind::kNone;
 };
 
-// The backward's description: the forward's fields (q, k, v, out, lse, mask, window, scale, softcap)
-// plus the incoming gradients and the outputs. out is read, not written.
+// The backward's description: the forward's fields (q, k, v, out, lse, mask, window, scale,
+// softcap) plus the incoming gradients and the outputs. out is read, not written.
 struct AttentionBwdParams : AttentionParams {
-  const void* grad_out = nullptr;  // (B, Hq, Nq, D), q's dtype
-  const float* grad_lse = nullptr; // (B, Hq, Nq) contiguous fp32, or nullptr (zero)
-  void* grad_q = nullptr;          // (B, Hq, Nq, D), q's dtype
-  void* grad_k = nullptr;          // (B, Hkv, Nk, D), k's dtype: summed over the query group
-  void* grad_v = nullptr;          // (B, Hkv, Nk, D), v's dtype: summed over the query group
+  const void* grad_out = nullptr;   // (B, Hq, Nq, D), q's dtype
+  const float* grad_lse = nullptr;  // (B, Hq, Nq) contiguous fp32, or nullptr (zero)
+  void* grad_q = nullptr;           // (B, Hq, Nq, D), q's dtype
+  void* grad_k = nullptr;           // (B, Hkv, Nk, D), k's dtype: summed over the query group
+  void* grad_v = nullptr;           // (B, Hkv, Nk, D), v's dtype: summed over the query group
   int64_t grad_out_batch_stride = 0, grad_out_head_stride = 0, grad_out_row_stride = 0;
   int64_t grad_q_batch_stride = 0, grad_q_head_stride = 0, grad_q_row_stride = 0;
   int64_t grad_k_batch_stride = 0, grad_k_head_stride = 0, grad_k_row_stride = 0;

@@ -1,7 +1,8 @@
 // Plain descriptions of one softmax / matmul_softmax call, as every backend kernel receives them.
 //
 // No torch headers (the CUDA translation units include only this file, so nvcc compiles them on a
-// machine without torch or a GPU). csrc/softmax/softmax_host.cpp fills them after the shared checks.
+// machine without torch or a GPU). csrc/softmax/softmax_host.cpp fills them after the shared
+// checks.
 #pragma once
 
 #include <cstdint>

@@ -19,9 +19,9 @@
 
 #include <cstdint>
 
+#include "../../common/cuda/ptx_ops.h"
 #include "cta_tile.h"
 #include "entry_points.h"
-#include "../../common/cuda/ptx_ops.h"
 #include "visibility.h"
 
 namespace flashmod::cuda_kernels {

@@ -11,14 +11,14 @@
 
 #include <cstdint>
 
+#include "../../common/cuda/ptx_ops.h"
+#include "../../common/cuda/smem_tile.h"
 #include "../attention_params.h"
 #include "cta_tile.h"
-#include "kernel_traits.h"
 #include "entry_points.h"
+#include "kernel_traits.h"
 #include "online_softmax.h"
-#include "../../common/cuda/ptx_ops.h"
 #include "score_mask.h"
-#include "../../common/cuda/smem_tile.h"
 #include "visibility.h"
 
 namespace flashmod::cuda_kernels {
@@ -27,8 +27,8 @@ namespace flashmod::cuda_kernels {
 // transformed (scale, cap, mask) before the softmax. Otherwise scores stay raw q.k, the scale
 // folds into exp2, and only key blocks that straddle the window or seqlen_k are masked.
 //
-// kDecode: the decode variant (few query rows, long K/V; fwd_sm80_launch.h picks it from the shapes).
-// Two additions, both outside the key loop's per-block work:
+// kDecode: the decode variant (few query rows, long K/V; fwd_sm80_launch.h picks it from the
+// shapes). Two additions, both outside the key loop's per-block work:
 //   * GQA packing (p.pos_period > 0): rows are (head, position) pairs of one kv group, so the
 //     window rule is applied to the position, row % pos_period;
 //   * split-KV (sk.splits > 1): each CTA walks one part of its key blocks and writes its rows'

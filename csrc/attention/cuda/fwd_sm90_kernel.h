@@ -15,15 +15,15 @@
 
 #include <cstdint>
 
+#include "../../common/cuda/ptx_ops.h"
+#include "../../common/cuda/smem_tile.h"
+#include "../../common/cuda/wgmma_ops.h"
 #include "../attention_params.h"
 #include "cta_tile.h"
 #include "entry_points.h"
 #include "online_softmax.h"
-#include "../../common/cuda/ptx_ops.h"
 #include "score_mask.h"
-#include "../../common/cuda/smem_tile.h"
 #include "visibility.h"
-#include "../../common/cuda/wgmma_ops.h"
 
 namespace flashmod::cuda_kernels::sm90 {
 

@@ -7,8 +7,8 @@
 
 #include <cstdint>
 
-#include "../attention_params.h"
 #include "../../common/cuda/ptx_ops.h"
+#include "../attention_params.h"
 
 namespace flashmod::cuda_kernels {
 

@@ -1,6 +1,6 @@
 // CUDA registrations of flashmod::softmax and flashmod::matmul_softmax: the shared host checks
-// (csrc/softmax/softmax_host.cpp), then the launchers of softmax.cu / matmul_softmax.cu on the current
-// stream of the inputs' device.
+// (csrc/softmax/softmax_host.cpp), then the launchers of softmax.cu / matmul_softmax.cu on the
+// current stream of the inputs' device.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

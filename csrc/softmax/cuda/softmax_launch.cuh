@@ -1,4 +1,5 @@
-// The launchers that csrc/softmax/cuda/softmax_cuda.cpp calls: plain C++ signatures, no torch, no kernels.
+// The launchers that csrc/softmax/cuda/softmax_cuda.cpp calls: plain C++ signatures, no torch, no
+// kernels.
 #pragma once
 
 #include <cuda_runtime_api.h>
