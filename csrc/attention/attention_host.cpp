@@ -8,6 +8,7 @@
 
 #include "../common/error_message.h"
 #include "../common/mask_check.h"
+#include "../common/scalar_kind_of.h"
 
 namespace flashmod {
 namespace {
@@ -54,15 +55,6 @@ void check_qkv(const char* prefix, const at::Tensor& q, const at::Tensor& k, con
               flashmod::error_message(
                   prefix, "q's heads must be a multiple of k's heads (GQA/MQA), got q heads ",
                   q.size(1), " and k/v heads ", k.size(1)));
-}
-
-ScalarKind scalar_kind(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return ScalarKind::kFloat32;
-    case at::kHalf: return ScalarKind::kFloat16;
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    default: return ScalarKind::kFloat64;
-  }
 }
 
 // The checks and fix-ups the forward and the backward share: q, k, v, the mask and the options.
@@ -127,7 +119,7 @@ PreparedInputs prepare_inputs(const char* op, const char* prefix, const at::Tens
   p.diag_offset = bottom_right ? p.seqlen_k - p.seqlen_q : 0;
   p.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   p.softcap = softcap;
-  p.dtype = scalar_kind(q.scalar_type());
+  p.dtype = scalar_kind_of(q.scalar_type());
   return r;
 }
 

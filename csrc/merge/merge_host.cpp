@@ -3,20 +3,12 @@
 #include <c10/util/Exception.h>
 
 #include "../common/error_message.h"
+#include "../common/scalar_kind_of.h"
 
 namespace flashmod {
 namespace {
 
 constexpr const char* kOp = "flashmod.merge_attention: ";
-
-ScalarKind merge_scalar_kind(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return ScalarKind::kFloat16;
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    case at::kDouble: return ScalarKind::kFloat64;
-    default: return ScalarKind::kFloat32;
-  }
-}
 
 void check_inputs(at::TensorList outs, at::TensorList lses) {
   TORCH_CHECK(!outs.empty(), error_message(kOp, "outs must hold at least one partial output"));
@@ -85,7 +77,7 @@ std::pair<at::Tensor, at::Tensor> merge_attention_passes(
     p.lse = lse.data_ptr<float>();
     p.head_dim = head_dim;
     p.rows = head_dim > 0 ? out.numel() / head_dim : lse.numel();
-    p.dtype = merge_scalar_kind(out.scalar_type());
+    p.dtype = scalar_kind_of(out.scalar_type());
     if (p.rows > 0) run_pass(p);
     if (take == pending_outs.size()) return {out, lse};
     // The merged result stands in for the partials it covered.

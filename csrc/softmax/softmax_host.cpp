@@ -8,6 +8,7 @@
 
 #include "../common/error_message.h"
 #include "../common/mask_check.h"
+#include "../common/scalar_kind_of.h"
 
 namespace flashmod {
 namespace {
@@ -25,15 +26,6 @@ void check_fp64_device(const char* op, const char* name, const at::Tensor& t) {
 }
 
 }  // namespace
-
-ScalarKind scalar_kind_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return ScalarKind::kFloat32;
-    case at::kHalf: return ScalarKind::kFloat16;
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    default: return ScalarKind::kFloat64;
-  }
-}
 
 PreparedSoftmax prepare_softmax(const at::Tensor& x, int64_t dim) {
   TORCH_CHECK(is_supported_float(x.scalar_type()),

@@ -36,6 +36,4 @@ PreparedMatmulSoftmax prepare_matmul_softmax(const at::Tensor& a, const at::Tens
 // (B, Ha, M, N) temporary exists. The backend then scales, masks and normalizes it in place.
 void logits_into_output(PreparedMatmulSoftmax& prepared);
 
-ScalarKind scalar_kind_of(at::ScalarType t);
-
 }  // namespace flashmod
