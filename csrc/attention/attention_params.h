@@ -70,6 +70,10 @@ struct AttentionBwdParams : AttentionParams {
   int64_t grad_q_batch_stride = 0, grad_q_head_stride = 0, grad_q_row_stride = 0;
   int64_t grad_k_batch_stride = 0, grad_k_head_stride = 0, grad_k_row_stride = 0;
   int64_t grad_v_batch_stride = 0, grad_v_head_stride = 0, grad_v_row_stride = 0;
+  // Optional (attention_backward's compute_grad_mask): (B, Hq, Nq, Nk) contiguous fp32, receives
+  // dL/d(score after the mask) at every visible (query, key) pair and 0 elsewhere; the caller
+  // reduces it over the mask's broadcast dimensions. nullptr: not wanted.
+  float* grad_mask = nullptr;
 };
 
 }  // namespace flashmod

@@ -1,4 +1,4 @@
-"""CPU decode path (csrc/attention/cpu/kernel_impl.h decode_tasks): up to 8 queries per head, the query heads
+"""CPU decode path (csrc/attention/cpu/engine_decode.h decode_tasks): up to 8 queries per head, the query heads
 of a kv group in one task, and the visible keys split across threads (partial softmax states merged
 in split order) when the heads alone cannot keep every thread busy."""
 

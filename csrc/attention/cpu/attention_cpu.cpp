@@ -1,5 +1,5 @@
 // CPU forward: FlashAttention's tiled online softmax. fp32/fp16/bf16 run the vectorized kernel
-// of kernel_impl.h, compiled per instruction set and picked at run time; fp64 (used for gradcheck,
+// of engine_prefill.h / engine_decode.h, compiled per instruction set and picked at run time; fp64 (used for gradcheck,
 // not for speed) runs the scalar loop below.
 #include <ATen/Parallel.h>
 #include <torch/library.h>

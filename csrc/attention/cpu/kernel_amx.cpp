@@ -1,5 +1,5 @@
 // bf16 on AMX (Sapphire Rapids and later): S_ij and P_ij V_j on the tile unit, the online softmax
-// on AVX-512 as in kernel_impl.h. Every other dtype and shape runs the AVX-512 engine.
+// on AVX-512 as in engine_prefill.h. Every other dtype and shape runs the AVX-512 engine.
 //
 // All eight tiles are 16 rows x 64 bytes: C tiles hold 16 x 16 fp32, A tiles 16 rows x 32 bf16,
 // B tiles 16 rows of 16 bf16 pairs, B[k/2][n] = (X[k][n], X[k+1][n]) for the K x N operand X.
@@ -26,7 +26,9 @@ constexpr int kNV = 4, kKB = 6, kRB = 6, kDV = 4;
 // (same engine constants) did not move.
 constexpr int64_t kBc = 256;
 
-#include "kernel_impl.h"
+#include "engine_common.h"
+#include "engine_prefill.h"
+#include "engine_decode.h"
 
 static_assert(kBr % 32 == 0 && kBc % 32 == 0, "the tiles below work on 32 x 32 blocks");
 

@@ -17,7 +17,9 @@ constexpr int kNV = 2, kKB = 8, kRB = 4, kDV = 4;
 // Bc = 64: S_ij (Bc x Br fp32) and a D=128 fp32 K_j/V_j tile (32 KiB) stay near L1.
 constexpr int64_t kBc = 64;
 
-#include "kernel_impl.h"
+#include "engine_common.h"
+#include "engine_prefill.h"
+#include "engine_decode.h"
 
 }  // namespace
 

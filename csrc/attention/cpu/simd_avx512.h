@@ -1,4 +1,4 @@
-// AVX-512 definitions for kernel_impl.h, shared by kernel_avx512.cpp and kernel_amx.cpp. Included
+// AVX-512 definitions for engine_common.h, shared by kernel_avx512.cpp and kernel_amx.cpp. Included
 // inside their anonymous namespace, after their `#pragma GCC target`.
 
 // GCC 12's AVX-512 intrinsics pass an "undefined" vector as the unused merge source, which

@@ -14,33 +14,12 @@
 #include "../../common/knobs.h"
 #include "../attention_host.h"
 #include "entry_points.h"
+#include "host_alignment.h"
 
 namespace flashmod {
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
-
-bool aligned16(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-}
-
-// cp.async copies 16-byte chunks from 16-byte aligned addresses, so every row start of q/k/v must
-// be 16-byte aligned: base pointer aligned and batch/head/row strides multiples of 8 elements.
-bool rows_aligned16(const at::Tensor& t) {
-  return aligned16(t.data_ptr()) && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
-         t.stride(2) % 8 == 0;
-}
-
-// A copy of t whose rows are padded to a multiple of 8 elements (16 bytes), viewed back to t's
-// shape. Only taken for inputs like head_dim = 59 or slices at odd offsets; documented cost:
-// one extra read and write of that tensor.
-at::Tensor aligned_copy(const at::Tensor& t) {
-  const int64_t d = t.size(3), padded = (d + 7) / 8 * 8;
-  at::Tensor buf = at::empty({t.size(0), t.size(1), t.size(2), padded}, t.options());
-  at::Tensor view = buf.narrow(3, 0, d);
-  view.copy_(t);
-  return view;
-}
 
 // The wgmma kernels run on sm_90 (H100/H200) when the build carries their sm_90a machine code.
 // FLASHMOD_DISABLE_SM90=1 forces the portable mma.sync kernel (tests compare the two; benchmarks

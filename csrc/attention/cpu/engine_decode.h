@@ -1,0 +1,292 @@
+// The decode engine (few queries per head). Included by kernel_<isa>.cpp after engine_common.h.
+
+// one (batch, kv head): every query head of the GQA group and every query position, so K_j and V_j
+// are read once per group. Scores are row-major (keys in the lanes), so the softmax runs on whole
+// vectors; P V broadcasts one P entry per (row, key) and reads V rows widened in registers. The
+// visible key range may be cut into `splits` parts run as separate tasks: each leaves an
+// unnormalized (O, m, l) that decode_merge combines in split order (deterministic).
+
+constexpr int64_t kDecRows = kDecodeRows;
+constexpr int64_t kDecBc = 256;  // keys per block
+
+struct DecodeLayout {
+  int64_t rows_total, chunks, lo, hi, split_len;
+};
+
+inline DecodeLayout decode_layout(const AttentionParams& p, int64_t splits) {
+  DecodeLayout L;
+  L.rows_total = (p.heads_q / p.heads_kv) * p.seqlen_q;
+  L.chunks = (L.rows_total + kDecRows - 1) / kDecRows;
+  const int64_t Nk = p.seqlen_k, off = p.diag_offset;
+  L.lo = p.window_left >= 0 ? clamp64(off - p.window_left, 0, Nk) : 0;
+  L.hi = p.window_right >= 0 ? clamp64(p.seqlen_q - 1 + off + p.window_right + 1, 0, Nk) : Nk;
+  if (L.hi < L.lo) L.hi = L.lo;
+  const int64_t n = L.hi - L.lo;
+  L.split_len = (n + splits - 1) / splits;
+  L.split_len = (L.split_len + kW - 1) / kW * kW;
+  if (L.split_len == 0) L.split_len = kW;
+  return L;
+}
+
+// acc[r][0..DV) += sum_c P[r][c] V_c over `cols` keys; then O_r = alpha_r O_r + acc_r.
+template <class Tag, int R, int DV>
+inline void decode_pv_block(const float* P, const typename Tag::storage* V, int64_t ldv,
+                            int64_t cols, const float* alpha, float* O, int64_t ldo) {
+  vf acc[R][DV] = {};
+  for (int64_t c = 0; c < cols; ++c) {
+    vf pr[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) pr[r] = splat(P[r * kDecBc + c]);
+#pragma GCC unroll 8
+    for (int dv = 0; dv < DV; ++dv) {
+      const vf v = Tag::load(V + c * ldv + dv * kW);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][dv] = fmadd(pr[r], v, acc[r][dv]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const vf a = splat(alpha[r]);
+#pragma GCC unroll 8
+    for (int dv = 0; dv < DV; ++dv) {
+      float* o = O + r * ldo + dv * kW;
+      storeu(o, fmadd(loadu(o), a, acc[r][dv]));
+    }
+  }
+}
+
+template <class Tag, int R>
+inline void decode_pv_rows(const float* P, const typename Tag::storage* V, int64_t ldv,
+                           int64_t cols, const float* alpha, float* O, int64_t D) {
+  constexpr int kDVd = R <= 2 ? 8 : 4;
+  int64_t d = 0;
+  for (; d + kDVd * kW <= D; d += kDVd * kW)
+    decode_pv_block<Tag, R, kDVd>(P, V + d, ldv, cols, alpha, O + d, D);
+  for (; d + 2 * kW <= D; d += 2 * kW)
+    decode_pv_block<Tag, R, 2>(P, V + d, ldv, cols, alpha, O + d, D);
+  for (; d < D; d += kW) decode_pv_block<Tag, R, 1>(P, V + d, ldv, cols, alpha, O + d, D);
+}
+
+// Decode tasks [begin, end) of batch * heads_kv * chunks * splits (split fastest). With splits >
+// 1, `partial` receives per task kDecRows x (D + 2) floats: O unnormalized, then m, then l.
+template <class Tag>
+void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int64_t begin,
+                  int64_t end) {
+  using T = typename Tag::storage;
+  const int64_t D = p.head_dim, Nq = p.seqlen_q, group = p.heads_q / p.heads_kv;
+  const DecodeLayout L = decode_layout(p, splits);
+  const float scale = static_cast<float>(p.scale);
+  void* mem = std::aligned_alloc(64, sizeof(float) * (kDecRows * (kDecBc + 2 * D + 8)));
+  float* S = static_cast<float*>(mem);  // kDecRows x kDecBc
+  float* Qs = S + kDecRows * kDecBc;    // kDecRows x D, scaled
+  float* O = Qs + kDecRows * D;         // kDecRows x D
+  float m[kDecRows], l[kDecRows], alpha[kDecRows];
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t split = task % splits, chunk = (task / splits) % L.chunks;
+    const int64_t bk = task / (splits * L.chunks), b = bk / p.heads_kv, hk = bk % p.heads_kv;
+    const int64_t rr0 = chunk * kDecRows, rows = min64(kDecRows, L.rows_total - rr0);
+    const T* K = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+    const T* V = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+    int64_t hs[kDecRows], is[kDecRows];
+    int64_t row_lo = L.hi, row_hi = L.lo;  // union of the rows' windows
+    for (int64_t r = 0; r < rows; ++r) {
+      hs[r] = hk * group + (rr0 + r) / Nq;
+      is[r] = (rr0 + r) % Nq;
+      const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + hs[r] * p.q_head_stride +
+                   is[r] * p.q_row_stride;
+      for (int64_t d = 0; d < D; ++d) Qs[r * D + d] = Tag::to_float(q[d]) * scale;
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+      const int64_t diag = is[r] + p.diag_offset;
+      row_lo = min64(row_lo, p.window_left >= 0 ? max64(L.lo, diag - p.window_left) : L.lo);
+      row_hi = max64(row_hi, p.window_right >= 0 ? min64(L.hi, diag + p.window_right + 1) : L.hi);
+    }
+    std::memset(O, 0, sizeof(float) * kDecRows * D);
+    const int64_t s_lo = max64(row_lo, L.lo + split * L.split_len);
+    const int64_t s_hi = min64(row_hi, L.lo + (split + 1) * L.split_len);
+    const bool plain = p.softcap <= 0 && p.mask_kind == MaskKind::kNone;
+    for (int64_t c0 = s_lo; c0 < s_hi; c0 += kDecBc) {
+      const int64_t cols = min64(kDecBc, s_hi - c0), colsp = (cols + kW - 1) / kW * kW;
+      // Scores.
+      for (int64_t c = 0; c < cols; ++c) {
+        const T* k = K + (c0 + c) * p.k_row_stride;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* q = Qs + r * D;
+          vf acc0 = splat(0.0f), acc1 = acc0;
+          int64_t d = 0;
+          for (; d + 2 * kW <= D; d += 2 * kW) {
+            acc0 = fmadd(Tag::load(k + d), loadu(q + d), acc0);
+            acc1 = fmadd(Tag::load(k + d + kW), loadu(q + d + kW), acc1);
+          }
+          if (d < D) acc0 = fmadd(Tag::load(k + d), loadu(q + d), acc0);
+          S[r * kDecBc + c] = hsum(acc0 + acc1);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = S + r * kDecBc;
+        for (int64_t c = cols; c < colsp; ++c) s[c] = kNegInf;
+        if (!plain) {
+          if (p.softcap > 0) {
+            const float cap = static_cast<float>(p.softcap), inv_cap = 1.0f / cap;
+            for (int64_t c = 0; c < cols; ++c) s[c] = cap * tanhf(s[c] * inv_cap);
+          }
+          if (p.mask_kind != MaskKind::kNone) {
+            const int64_t cs = p.mask_col_stride;
+            const int64_t base = b * p.mask_batch_stride + hs[r] * p.mask_head_stride +
+                                 is[r] * p.mask_row_stride + c0 * cs;
+            if (p.mask_kind == MaskKind::kBool) {
+              const auto* mk = static_cast<const uint8_t*>(p.mask) + base;
+              for (int64_t c = 0; c < cols; ++c) {
+                if (!mk[c * cs]) s[c] = kNegInf;
+              }
+            } else if (p.mask_kind == MaskKind::kAdditive) {
+              const auto* mk = static_cast<const T*>(p.mask) + base;
+              for (int64_t c = 0; c < cols; ++c) s[c] += Tag::to_float(mk[c * cs]);
+            } else {
+              const auto* mk = static_cast<const float*>(p.mask) + base;
+              for (int64_t c = 0; c < cols; ++c) s[c] += mk[c * cs];
+            }
+          }
+        }
+        const int64_t diag = is[r] + p.diag_offset;
+        if (p.window_left >= 0) {
+          for (int64_t c = 0; c < cols && c0 + c < diag - p.window_left; ++c) s[c] = kNegInf;
+        }
+        if (p.window_right >= 0) {
+          for (int64_t c = max64(0, diag + p.window_right + 1 - c0); c < cols; ++c) s[c] = kNegInf;
+        }
+        // Online softmax over whole vectors of keys.
+        vf mx0 = splat(kNegInf), mx1 = mx0;
+        int64_t c = 0;
+        for (; c + 2 * kW <= colsp; c += 2 * kW) {
+          mx0 = vmax(mx0, loadu(s + c));
+          mx1 = vmax(mx1, loadu(s + c + kW));
+        }
+        if (c < colsp) mx0 = vmax(mx0, loadu(s + c));
+        mx0 = vmax(mx0, mx1);
+        float bm = mx0[0];
+        for (int i = 1; i < kW; ++i) bm = bm > mx0[i] ? bm : mx0[i];
+        const float m_new = m[r] > bm ? m[r] : bm;
+        const float m_use = m_new == kNegInf ? 0.0f : m_new;
+        const vf neg_m = splat(-m_use);
+        vf sum0 = splat(0.0f), sum1 = sum0;
+        for (c = 0; c + 2 * kW <= colsp; c += 2 * kW) {
+          const vf p0 = exp_neg(loadu(s + c) + neg_m), p1 = exp_neg(loadu(s + c + kW) + neg_m);
+          storeu(s + c, p0);
+          storeu(s + c + kW, p1);
+          sum0 += p0;
+          sum1 += p1;
+        }
+        if (c < colsp) {
+          const vf p0 = exp_neg(loadu(s + c) + neg_m);
+          storeu(s + c, p0);
+          sum0 += p0;
+        }
+        const float a = exp_neg(splat(m[r] - m_use))[0];
+        l[r] = l[r] * a + hsum(sum0 + sum1);
+        m[r] = m_new;
+        alpha[r] = a;
+      }
+      // P V.
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) {
+        decode_pv_rows<Tag, 4>(S + r * kDecBc, V + c0 * p.v_row_stride, p.v_row_stride, cols,
+                               alpha + r, O + r * D, D);
+      }
+      for (; r + 2 <= rows; r += 2) {
+        decode_pv_rows<Tag, 2>(S + r * kDecBc, V + c0 * p.v_row_stride, p.v_row_stride, cols,
+                               alpha + r, O + r * D, D);
+      }
+      if (r < rows) {
+        decode_pv_rows<Tag, 1>(S + r * kDecBc, V + c0 * p.v_row_stride, p.v_row_stride, cols,
+                               alpha + r, O + r * D, D);
+      }
+    }
+    if (splits > 1) {
+      float* part = partial + task * kDecRows * (D + 2);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(part + r * (D + 2), O + r * D, sizeof(float) * D);
+        part[r * (D + 2) + D] = m[r];
+        part[r * (D + 2) + D + 1] = l[r];
+      }
+      continue;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      T* o = static_cast<T*>(p.out) + b * p.out_batch_stride + hs[r] * p.out_head_stride +
+             is[r] * p.out_row_stride;
+      const bool empty = !(l[r] > 0.0f);
+      if constexpr (sizeof(T) == 4) {
+        for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : O[r * D + d] / l[r];
+      } else {
+        const float inv_l = empty ? 0.0f : 1.0f / l[r];
+        for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(O[r * D + d] * inv_l);
+      }
+      p.lse[(b * p.heads_q + hs[r]) * Nq + is[r]] = empty ? kNegInf : m[r] + logf(l[r]);
+    }
+  }
+  std::free(mem);
+}
+
+// Combines the splits of decode chunks [begin, end) of batch * heads_kv * chunks, in split order.
+template <class Tag>
+void decode_merge_chunks(const AttentionParams& p, int64_t splits, const float* partial,
+                         int64_t begin, int64_t end) {
+  using T = typename Tag::storage;
+  const int64_t D = p.head_dim, Nq = p.seqlen_q, group = p.heads_q / p.heads_kv;
+  const DecodeLayout L = decode_layout(p, splits);
+  float* acc = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * ((D + 15) / 16 * 16)));
+  for (int64_t ct = begin; ct < end; ++ct) {
+    const int64_t chunk = ct % L.chunks, bk = ct / L.chunks;
+    const int64_t b = bk / p.heads_kv, hk = bk % p.heads_kv;
+    const int64_t rr0 = chunk * kDecRows, rows = min64(kDecRows, L.rows_total - rr0);
+    const float* part0 = partial + ct * splits * kDecRows * (D + 2);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = hk * group + (rr0 + r) / Nq, i = (rr0 + r) % Nq;
+      float M = kNegInf;
+      for (int64_t s = 0; s < splits; ++s) {
+        const float ms = part0[(s * kDecRows + r) * (D + 2) + D];
+        M = M > ms ? M : ms;
+      }
+      const float m_use = M == kNegInf ? 0.0f : M;
+      float Lsum = 0.0f;
+      for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+      for (int64_t s = 0; s < splits; ++s) {
+        const float* ps = part0 + (s * kDecRows + r) * (D + 2);
+        const float w = exp_neg(splat(ps[D] - m_use))[0];
+        Lsum += w * ps[D + 1];
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * ps[d];
+      }
+      T* o = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride +
+             i * p.out_row_stride;
+      const bool empty = !(Lsum > 0.0f);
+      if constexpr (sizeof(T) == 4) {
+        for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : acc[d] / Lsum;
+      } else {
+        const float inv_l = empty ? 0.0f : 1.0f / Lsum;
+        for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(acc[d] * inv_l);
+      }
+      p.lse[(b * p.heads_q + h) * Nq + i] = empty ? kNegInf : M + logf(Lsum);
+    }
+  }
+  std::free(acc);
+}
+
+void decode_run(const AttentionParams& p, int64_t splits, float* partial, int64_t begin,
+                int64_t end) {
+  switch (p.dtype) {
+    case ScalarKind::kFloat32: decode_tasks<F32>(p, splits, partial, begin, end); break;
+    case ScalarKind::kBFloat16: decode_tasks<BF16>(p, splits, partial, begin, end); break;
+    case ScalarKind::kFloat16: decode_tasks<F16>(p, splits, partial, begin, end); break;
+    case ScalarKind::kFloat64: break;
+  }
+}
+
+void decode_merge(const AttentionParams& p, int64_t splits, const float* partial, int64_t begin,
+                  int64_t end) {
+  switch (p.dtype) {
+    case ScalarKind::kFloat32: decode_merge_chunks<F32>(p, splits, partial, begin, end); break;
+    case ScalarKind::kBFloat16: decode_merge_chunks<BF16>(p, splits, partial, begin, end); break;
+    case ScalarKind::kFloat16: decode_merge_chunks<F16>(p, splits, partial, begin, end); break;
+    case ScalarKind::kFloat64: break;
+  }
+}

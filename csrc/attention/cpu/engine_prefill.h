@@ -1,0 +1,383 @@
+// The prefill engine: tasks of Br queries against their visible key blocks (see engine_common.h
+// for the layout). Included by kernel_<isa>.cpp after engine_common.h.
+
+// S[KB keys x Br queries] = K (KB rows, stride ldk) . Q_i^T. KB * kNV accumulators stay in
+// registers; each step loads kNV vectors of Q_i^T and broadcasts KB elements of K.
+template <int KB>
+inline void scores_block(const float* QT, const float* K, int64_t ldk, int64_t D, float* S) {
+  vf acc[KB][kNV] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    vf q[kNV];
+#pragma GCC unroll 8
+    for (int nv = 0; nv < kNV; ++nv) q[nv] = loadu(QT + d * kBr + nv * kW);
+#pragma GCC unroll 16
+    for (int kb = 0; kb < KB; ++kb) {
+      const vf k = splat(K[kb * ldk + d]);
+#pragma GCC unroll 8
+      for (int nv = 0; nv < kNV; ++nv) acc[kb][nv] = fmadd(k, q[nv], acc[kb][nv]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int kb = 0; kb < KB; ++kb) {
+#pragma GCC unroll 8
+    for (int nv = 0; nv < kNV; ++nv) storeu(S + kb * kBr + nv * kW, acc[kb][nv]);
+  }
+}
+
+// The cols x Br block of S: whole register blocks, then the tail key by key halving.
+inline void scores(const float* QT, const float* K, int64_t ldk, int64_t D, int64_t cols,
+                   float* S) {
+  int64_t c = 0;
+  for (; c + kKB <= cols; c += kKB) scores_block<kKB>(QT, K + c * ldk, ldk, D, S + c * kBr);
+  for (; c + 4 <= cols; c += 4) scores_block<4>(QT, K + c * ldk, ldk, D, S + c * kBr);
+  for (; c + 2 <= cols; c += 2) scores_block<2>(QT, K + c * ldk, ldk, D, S + c * kBr);
+  for (; c < cols; ++c) scores_block<1>(QT, K + c * ldk, ldk, D, S + c * kBr);
+}
+
+// S_ij for a task of at most kW queries (decode): dot products along D, one horizontal sum per
+// score, instead of Br lanes of which all but `rows` would be padding. Lanes rows .. kW are 0;
+// they are zeroed by a vector store before the scalar ones (a vector built lane by lane in
+// registers stalled on store forwarding, a quarter of the decode time). K is widened as it is
+// loaded: with one query per key there is no reuse that a widened tile would serve.
+template <class Tag>
+void scores_few_rows(const float* Qr, int64_t Dp, const typename Tag::storage* K, int64_t ldk,
+                     int64_t D, int64_t cols, int64_t rows, float* S) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const auto* k = K + c * ldk;
+    float* s = S + c * kBr;
+    storeu(s, splat(0.0f));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* q = Qr + r * Dp;
+      vf acc0 = splat(0.0f), acc1 = acc0;
+      int64_t d = 0;
+      for (; d + 2 * kW <= D; d += 2 * kW) {
+        acc0 = fmadd(Tag::load(k + d), loadu(q + d), acc0);
+        acc1 = fmadd(Tag::load(k + d + kW), loadu(q + d + kW), acc1);
+      }
+      if (d + kW <= D) {
+        acc0 = fmadd(Tag::load(k + d), loadu(q + d), acc0);
+        d += kW;
+      }
+      float dot = hsum(acc0 + acc1);
+      for (; d < D; ++d) dot += Tag::to_float(k[d]) * q[d];
+      s[r] = dot;
+    }
+  }
+}
+
+// O[r .. r+kRB, dcol .. dcol+DV*kW] = alpha * O + P^T(cols keys) V. The block's sum starts from
+// zero and joins O once: summing all Nk terms into O one by one doubled the fp32 error at
+// Nk=4096 compared with a BLAS P V (measured 2.7x plain attention's max error before, see notes).
+template <int RB, int DV>
+inline void pv_block(const float* P, const float* V, int64_t ldv, int64_t cols, const float* alpha,
+                     float* O, int64_t ldo) {
+  vf acc[RB][DV] = {};
+  for (int64_t c = 0; c < cols; ++c) {
+    vf p[RB];
+#pragma GCC unroll 8
+    for (int rb = 0; rb < RB; ++rb) p[rb] = splat(P[c * kBr + rb]);
+#pragma GCC unroll 8
+    for (int dv = 0; dv < DV; ++dv) {
+      const vf v = loadu(V + c * ldv + dv * kW);
+#pragma GCC unroll 8
+      for (int rb = 0; rb < RB; ++rb) acc[rb][dv] = fmadd(p[rb], v, acc[rb][dv]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int rb = 0; rb < RB; ++rb) {
+    const vf a = splat(alpha[rb]);
+#pragma GCC unroll 8
+    for (int dv = 0; dv < DV; ++dv) {
+      float* o = O + rb * ldo + dv * kW;
+      storeu(o, fmadd(loadu(o), a, acc[rb][dv]));
+    }
+  }
+}
+
+template <int DV>
+inline void pv_rows(const float* P, const float* V, int64_t ldv, int64_t cols, const float* alpha,
+                    float* O, int64_t ldo, int64_t rows) {
+  int64_t r = 0;
+  for (; r + kRB <= rows; r += kRB) {
+    pv_block<kRB, DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
+  }
+  if (r + 4 <= rows) {  // Br = 64 with kRB = 6 leaves 4
+    pv_block<4, DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
+    r += 4;
+  }
+  for (; r < rows; r += 2) pv_block<2, DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
+}
+
+// O_i = diag(alpha) O_i + P_ij V_j over the first `rows` (rounded up to even) rows, Dp columns.
+inline void pv(const float* P, const float* V, int64_t ldv, int64_t cols, const float* alpha,
+               float* O, int64_t Dp, int64_t rows) {
+  rows = (rows + 1) / 2 * 2;
+  int64_t d = 0;
+  for (; d + kDV * kW <= Dp; d += kDV * kW)
+    pv_rows<kDV>(P, V + d, ldv, cols, alpha, O + d, Dp, rows);
+  switch ((Dp - d) / kW) {
+    case 3: pv_rows<3>(P, V + d, ldv, cols, alpha, O + d, Dp, rows); break;
+    case 2: pv_rows<2>(P, V + d, ldv, cols, alpha, O + d, Dp, rows); break;
+    case 1: pv_rows<1>(P, V + d, ldv, cols, alpha, O + d, Dp, rows); break;
+    default: break;
+  }
+}
+
+// Turns S_ij (cols x Br) into P_ij = exp(scale S_ij - m_new) in place and updates m, l; alpha
+// gets exp(m_old - m_new) for rescaling O_i. scale > 0 (the engines whose scores come unscaled
+// fold the scale in here for free). A query whose keys so far are all masked keeps m = -inf; it
+// then subtracts 0 instead, so every exponent is -inf (giving 0), never NaN.
+inline void online_softmax(float* S, int64_t cols, int64_t rows, float scale, float* m, float* l,
+                           float* alpha) {
+  for (int64_t nv = 0; nv * kW < rows; ++nv) {
+    float* s = S + nv * kW;
+    vf mx0 = splat(kNegInf), mx1 = mx0;  // two chains: the max's latency dominates otherwise
+    int64_t c = 0;
+    for (; c + 2 <= cols; c += 2) {
+      mx0 = vmax(mx0, loadu(s + c * kBr));
+      mx1 = vmax(mx1, loadu(s + (c + 1) * kBr));
+    }
+    if (c < cols) mx0 = vmax(mx0, loadu(s + c * kBr));
+    const vf m_old = loadu(m + nv * kW);
+    const vf m_new = vmax(m_old, vmax(mx0, mx1) * splat(scale));
+    const vf m_use = m_new == splat(kNegInf) ? splat(0.0f) : m_new;
+    const vf a = exp_neg(m_old - m_use), neg_m = -m_use, sc = splat(scale);
+    vf sum0 = splat(0.0f), sum1 = sum0;
+    for (c = 0; c + 2 <= cols; c += 2) {
+      const vf p0 = exp_neg(fmadd(loadu(s + c * kBr), sc, neg_m));
+      const vf p1 = exp_neg(fmadd(loadu(s + (c + 1) * kBr), sc, neg_m));
+      storeu(s + c * kBr, p0);
+      storeu(s + (c + 1) * kBr, p1);
+      sum0 += p0;
+      sum1 += p1;
+    }
+    if (c < cols) {
+      const vf p0 = exp_neg(fmadd(loadu(s + c * kBr), sc, neg_m));
+      storeu(s + c * kBr, p0);
+      sum0 += p0;
+    }
+    storeu(l + nv * kW, fmadd(loadu(l + nv * kW), a, sum0 + sum1));
+    storeu(m + nv * kW, m_new);
+    storeu(alpha + nv * kW, a);
+  }
+}
+
+// Widens rows x D elements (row stride ld) into dst (row stride ldd), zero-filling columns
+// D .. ldd so that whole vectors can be read.
+template <class Tag>
+void widen_rows(const typename Tag::storage* src, int64_t ld, int64_t rows, int64_t D, float* dst,
+                int64_t ldd) {
+  for (int64_t c = 0; c < rows; ++c) {
+    const auto* s = src + c * ld;
+    float* o = dst + c * ldd;
+    int64_t d = 0;
+    for (; d + kW <= D; d += kW) storeu(o + d, Tag::load(s + d));
+    for (; d < D; ++d) o[d] = Tag::to_float(s[d]);
+    for (; d < ldd; ++d) o[d] = 0.0f;
+  }
+}
+
+// Applies the soft cap, the mask and the window to S_ij (before the softmax) for queries
+// r0 .. r0+rows and keys c0 .. c0+cols.
+template <class Tag>
+void transform_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t r0, int64_t rows,
+                      int64_t c0, int64_t cols, bool window_interior, float* S) {
+  if (p.softcap > 0) {
+    const float cap = static_cast<float>(p.softcap), inv_cap = 1.0f / cap;
+    for (int64_t i = 0; i < cols * kBr; ++i) S[i] = cap * tanhf(S[i] * inv_cap);
+  }
+  if (p.mask_kind != MaskKind::kNone) {
+    const int64_t base = b * p.mask_batch_stride + h * p.mask_head_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = base + (r0 + r) * p.mask_row_stride + c0 * p.mask_col_stride;
+      const int64_t cs = p.mask_col_stride;
+      float* s = S + r;
+      if (p.mask_kind == MaskKind::kBool) {
+        const auto* mk = static_cast<const uint8_t*>(p.mask) + row;
+        for (int64_t c = 0; c < cols; ++c) {
+          if (!mk[c * cs]) s[c * kBr] = kNegInf;
+        }
+      } else if (p.mask_kind == MaskKind::kAdditive) {
+        const auto* mk = static_cast<const typename Tag::storage*>(p.mask) + row;
+        for (int64_t c = 0; c < cols; ++c) s[c * kBr] += Tag::to_float(mk[c * cs]);
+      } else {
+        const auto* mk = static_cast<const float*>(p.mask) + row;
+        for (int64_t c = 0; c < cols; ++c) s[c * kBr] += mk[c * cs];
+      }
+    }
+  }
+  if (!window_interior) {
+    // Key j sees queries i with j - off - wr <= i <= j - off + wl: one run of lanes per key.
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t j = c0 + c - p.diag_offset - r0;
+      const int64_t lo = p.window_right >= 0 ? clamp64(j - p.window_right, 0, kBr) : 0;
+      const int64_t hi = p.window_left >= 0 ? clamp64(j + p.window_left + 1, 0, kBr) : kBr;
+      float* s = S + c * kBr;
+      for (int64_t r = 0; r < kBr; ++r) {
+        if (r < lo || r >= hi) s[r] = kNegInf;
+      }
+    }
+  }
+}
+
+// The generic engine: fp32 register-blocked micro-kernels on widened tiles.
+template <class Tag>
+struct VecEngine {
+  using T = typename Tag::storage;
+  static constexpr bool kIsF32 = sizeof(T) == 4;
+
+  static bool supports(const AttentionParams&) { return true; }
+  static constexpr bool kScaledScores = true;  // the scale is in QT
+
+  static void pack_q(const T* Q, int64_t ldq, int64_t rows, int64_t D, float scale, Workspace& ws) {
+    if (rows <= kW) {  // scores_few_rows
+      const int64_t Dp = (D + kW - 1) / kW * kW;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < Dp; ++d) {
+          ws.Qr[r * Dp + d] = d < D ? Tag::to_float(Q[r * ldq + d]) * scale : 0.0f;
+        }
+      }
+      return;
+    }
+    for (int64_t r = 0; r < kBr; ++r) {
+      if (r < rows) {
+        const T* q = Q + r * ldq;
+        for (int64_t d = 0; d < D; ++d) ws.QT[d * kBr + r] = Tag::to_float(q[d]) * scale;
+      } else {
+        for (int64_t d = 0; d < D; ++d) ws.QT[d * kBr + r] = 0.0f;
+      }
+    }
+  }
+
+  // fp32 K_j is read in place.
+  static void scores(const T* K_j, int64_t ldk, int64_t cols, int64_t D, int64_t rows,
+                     float /*scale: in QT*/, Workspace& ws) {
+    if (rows <= kW) {
+      scores_few_rows<Tag>(ws.Qr, (D + kW - 1) / kW * kW, K_j, ldk, D, cols, rows, ws.S);
+    } else if constexpr (kIsF32) {
+      ::flashmod::cpu::scores(ws.QT, reinterpret_cast<const float*>(K_j), ldk, D, cols, ws.S);
+    } else {
+      widen_rows<Tag>(K_j, ldk, cols, D, ws.K, D);
+      ::flashmod::cpu::scores(ws.QT, ws.K, D, D, cols, ws.S);
+    }
+  }
+
+  static void softmax(int64_t cols, int64_t rows, float scale, Workspace& ws) {
+    online_softmax(ws.S, cols, rows, scale, ws.m, ws.l, ws.alpha);
+  }
+
+  // fp32 V_j is read in place when whole vectors of a row stay inside the row.
+  static void pv(const T* V_j, int64_t ldv, int64_t /*kv_head*/, int64_t /*c0*/, int64_t cols,
+                 int64_t D, int64_t Dp, int64_t rows, Workspace& ws) {
+    if (kIsF32 && Dp == D) {
+      ::flashmod::cpu::pv(ws.S, reinterpret_cast<const float*>(V_j), ldv, cols, ws.alpha, ws.O, Dp,
+                          rows);
+    } else {
+      widen_rows<Tag>(V_j, ldv, cols, D, ws.V, Dp);
+      ::flashmod::cpu::pv(ws.S, ws.V, Dp, cols, ws.alpha, ws.O, Dp, rows);
+    }
+  }
+
+  // out rows r0 .. r0+rows = O_i / l.
+  static void finalize(const Workspace& ws, T* out, int64_t ldo, int64_t rows, int64_t D,
+                       int64_t Dp) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float l = ws.l[r];
+      const bool empty = !(l > 0.0f);  // no visible key: out = 0
+      T* o = out + r * ldo;
+      const float* acc = ws.O + r * Dp;
+      if constexpr (kIsF32) {  // a division rounds once, a multiply by 1/l twice
+        for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : acc[d] / l;
+      } else {  // ... which fp16/bf16 rounding swamps, and divisions are slow
+        const float inv_l = empty ? 0.0f : 1.0f / l;
+        for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(acc[d] * inv_l);
+      }
+    }
+  }
+};
+
+// One task: queries r0 .. r0+Br of one (batch, head) against all its visible keys.
+template <class Tag, template <class> class Engine>
+void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
+  using T = typename Tag::storage;
+  const int64_t D = p.head_dim, Dp = (D + kW - 1) / kW * kW;
+  const int64_t Nq = p.seqlen_q, Nk = p.seqlen_k, off = p.diag_offset;
+  const int64_t Tr = (Nq + kBr - 1) / kBr;
+  const int64_t bh = task / Tr, t = task % Tr;
+  // A thread runs a contiguous range of tasks; alternating early and late query blocks gives each
+  // range a similar share of causal work.
+  const int64_t i_block = t % 2 == 0 ? t / 2 : Tr - 1 - t / 2;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
+  const int64_t r0 = i_block * kBr, rows = min64(kBr, Nq - r0);
+
+  const T* Q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+  const T* K = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const T* V = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  T* O = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
+  float* lse = p.lse + (b * p.heads_q + h) * Nq;
+
+  const float scale = static_cast<float>(p.scale);
+  Engine<Tag>::pack_q(Q + r0 * p.q_row_stride, p.q_row_stride, rows, D, scale, ws);
+  for (int64_t r = 0; r < kBr; ++r) {
+    ws.m[r] = kNegInf;
+    ws.l[r] = 0.0f;
+  }
+  std::memset(ws.O, 0, sizeof(float) * kBr * Dp);
+
+  // Keys outside every row's window are never visited; blocks wholly inside it skip the test.
+  const int64_t diag_first = r0 + off, diag_last = r0 + rows - 1 + off;
+  const int64_t lo = p.window_left >= 0 ? max64(0, diag_first - p.window_left) : 0;
+  const int64_t hi = p.window_right >= 0 ? min64(Nk, diag_last + p.window_right + 1) : Nk;
+  for (int64_t c0 = lo; c0 < hi; c0 += kBc) {
+    const int64_t cols = min64(kBc, hi - c0);
+    Engine<Tag>::scores(K + c0 * p.k_row_stride, p.k_row_stride, cols, D, rows, scale, ws);
+    const bool interior = (p.window_left < 0 || c0 >= diag_last - p.window_left) &&
+                          (p.window_right < 0 || c0 + cols - 1 <= diag_first + p.window_right);
+    // The soft cap and masks apply to scaled scores, and a scale <= 0 would flip the maximum:
+    // then the scale is applied first, else the softmax folds it in.
+    const float score_scale = Engine<Tag>::kScaledScores ? 1.0f : scale;
+    if (p.softcap > 0 || p.mask_kind != MaskKind::kNone || !interior || !(score_scale > 0.0f)) {
+      if (score_scale != 1.0f) {
+        for (int64_t i = 0; i < cols * kBr; i += kW)
+          storeu(ws.S + i, loadu(ws.S + i) * splat(scale));
+      }
+      transform_scores<Tag>(p, b, h, r0, rows, c0, cols, interior, ws.S);
+      Engine<Tag>::softmax(cols, rows, 1.0f, ws);
+    } else {
+      Engine<Tag>::softmax(cols, rows, score_scale, ws);
+    }
+    Engine<Tag>::pv(V + c0 * p.v_row_stride, p.v_row_stride, b * p.heads_kv + hk, c0, cols, D, Dp,
+                    rows, ws);
+  }
+
+  Engine<Tag>::finalize(ws, O + r0 * p.out_row_stride, p.out_row_stride, rows, D, Dp);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float l = ws.l[r];
+    lse[r0 + r] = l > 0.0f ? ws.m[r] + logf(l) : kNegInf;  // no visible key: -inf
+  }
+}
+
+// Runs tasks [begin, end); bf16 goes to BF16Engine where it supports the shape.
+template <template <class> class BF16Engine>
+void run_tasks_with(const AttentionParams& p, const void* shared, int64_t begin, int64_t end) {
+  const int64_t Dp = (p.head_dim + kW - 1) / kW * kW;
+  Workspace ws(p.head_dim, Dp);
+  ws.shared = shared;
+  ws.seqlen_k = p.seqlen_k;
+  const bool bf16_engine = BF16Engine<BF16>::supports(p);
+  for (int64_t task = begin; task < end; ++task) {
+    switch (p.dtype) {
+      case ScalarKind::kFloat32: run_task<F32, VecEngine>(p, task, ws); break;
+      case ScalarKind::kBFloat16:
+        if (bf16_engine) {
+          run_task<BF16, BF16Engine>(p, task, ws);
+        } else {
+          run_task<BF16, VecEngine>(p, task, ws);
+        }
+        break;
+      case ScalarKind::kFloat16: run_task<F16, VecEngine>(p, task, ws); break;
+      case ScalarKind::kFloat64: break;  // the glue runs fp64 on its own path
+    }
+  }
+}
+

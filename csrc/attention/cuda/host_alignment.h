@@ -1,0 +1,33 @@
+// Torch-side helpers of the CUDA host code (forward and backward): the 16-byte row alignment the
+// cp.async tile loads need, and the padded copy taken when an input lacks it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace flashmod {
+
+inline bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+// cp.async copies 16-byte chunks from 16-byte aligned addresses, so every row start of q/k/v must
+// be 16-byte aligned: base pointer aligned and batch/head/row strides multiples of 8 elements.
+inline bool rows_aligned16(const at::Tensor& t) {
+  return aligned16(t.data_ptr()) && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
+         t.stride(2) % 8 == 0;
+}
+
+// A copy of t whose rows are padded to a multiple of 8 elements (16 bytes), viewed back to t's
+// shape. Only taken for inputs like head_dim = 59 or slices at odd offsets; documented cost:
+// one extra read and write of that tensor.
+inline at::Tensor aligned_copy(const at::Tensor& t) {
+  const int64_t d = t.size(3), padded = (d + 7) / 8 * 8;
+  at::Tensor buf = at::empty({t.size(0), t.size(1), t.size(2), padded}, t.options());
+  at::Tensor view = buf.narrow(3, 0, d);
+  view.copy_(t);
+  return view;
+}
+
+}  // namespace flashmod
