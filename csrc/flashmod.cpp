@@ -27,6 +27,13 @@ TORCH_LIBRARY(flashmod, m) {
       "Tensor out, Tensor lse, Tensor? attn_mask=None, float? scale=None, bool is_causal=False, "
       "bool bottom_right=True, int window_left=-1, int window_right=-1, float softcap=0.0) -> "
       "(Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // attention_backward computed by the chunked reference math (flashmod/reference.py, in Python):
+  // the fused kernels' oracle, and what CUDA runs for float32 until it has a fused kernel.
+  m.def(
+      "attention_backward_reference(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, "
+      "Tensor v, Tensor out, Tensor lse, Tensor? attn_mask=None, float? scale=None, "
+      "bool is_causal=False, bool bottom_right=True, int window_left=-1, int window_right=-1, "
+      "float softcap=0.0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // Exact merge of partial attention results over disjoint key sets: outs[i] (..., D) with lses[i]
   // (...) fp32 -> out = sum_i exp(lse_i - lse) outs[i], lse = log(sum_i exp(lse_i)); partials with
   // lse -inf (no visible key) contribute nothing, a row with none visible gives (0, -inf).

@@ -157,6 +157,7 @@ def _attention_backward_fake(
     return tuple(torch.empty_like(t if t.stride(-1) == 1 else t.contiguous()) for t in (q, k, v))
 
 
+@torch.library.impl("flashmod::attention_backward_reference", "CompositeExplicitAutograd")
 def _attention_backward_reference(
     grad_out: Tensor,
     grad_lse: Tensor | None,
@@ -173,10 +174,9 @@ def _attention_backward_reference(
     window_right: int = -1,
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The chunked reference math as flashmod::attention_backward's CUDA kernel, for builds whose
-    C++ library has no fused CUDA backward. Warns once: it is several times slower and holds
-    (chunk_rows x Nk) score tensors."""
-    _warn_reference_backward_once()
+    """``flashmod::attention_backward_reference``: the chunked reference math with
+    attention_backward's checks. CUDA's attention_backward runs it for float32 (no fused kernel
+    yet, with a warning); tests use it as the oracle."""
     _attention_backward_fake(
         grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale,
         is_causal, bottom_right, window_left, window_right, softcap,
@@ -185,6 +185,16 @@ def _attention_backward_reference(
         grad_out, grad_lse, q, k, v, lse, attn_mask, scale,
         is_causal, bottom_right, window_left, window_right, softcap,
     )  # fmt: skip
+
+
+torch.library.register_fake("flashmod::attention_backward_reference")(_attention_backward_fake)
+
+
+def _attention_backward_without_cuda_kernel(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """flashmod::attention_backward's CUDA kernel in builds whose C++ library has none (built
+    without CUDA): the reference math, with a warning."""
+    _warn_reference_backward_once()
+    return _attention_backward_reference(*args)
 
 
 @functools.cache
@@ -198,7 +208,7 @@ def _warn_reference_backward_once() -> None:
 
 
 if not torch._C._dispatch_has_kernel_for_dispatch_key("flashmod::attention_backward", "CUDA"):
-    torch.library.impl("flashmod::attention_backward", "CUDA")(_attention_backward_reference)
+    torch.library.impl("flashmod::attention_backward", "CUDA")(_attention_backward_without_cuda_kernel)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -19,8 +19,6 @@
 namespace flashmod {
 namespace {
 
-constexpr int64_t kMaxHeadDim = 256;
-
 // The wgmma kernels run on sm_90 (H100/H200) when the build carries their sm_90a machine code.
 // FLASHMOD_DISABLE_SM90=1 forces the portable mma.sync kernel (tests compare the two; benchmarks
 // time both).
@@ -87,14 +85,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
   const c10::cuda::CUDAGuard guard(q.device());
   PreparedAttention prepared = prepare_attention(q, k, v, attn_mask, scale, is_causal, bottom_right,
                                                  window_left, window_right, softcap);
-  // Same order and wording as flashmod/ops.py's fake implementation.
-  TORCH_CHECK(q.scalar_type() != at::kDouble,
-              flashmod::error_message(
-                  "flashmod.attention: q's dtype float64 is supported on CPU only, got it on ",
-                  q.device()));
-  TORCH_CHECK(q.size(3) <= kMaxHeadDim,
-              flashmod::error_message("flashmod.attention: q's head_dim must be <= ", kMaxHeadDim,
-                                      " on CUDA, got ", q.size(3)));
+  check_cuda_attention_inputs("flashmod.attention", q);
   if (nothing_to_compute(prepared)) return {prepared.out, prepared.lse};
 
   AttentionParams& p = prepared.params;

@@ -155,4 +155,29 @@ inline int padded_head_dim(int64_t d) {
   return -1;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The backward (bwd_sm80_kernel.h).
+
+// Row statistics of the backward, (B, Hq, rows_padded) fp32 each: rows_padded rounds seqlen_q up
+// to kBwdRowPad so the kernels read whole blocks of them; the pad rows hold lse2 = +inf and
+// delta = 0 (P = 0: they contribute nothing).
+constexpr int kBwdRowPad = 128;
+struct BwdRowStats {
+  float* lse2 = nullptr;   // lse * log2(e); +inf where lse = -inf
+  float* delta = nullptr;  // rowsum(dO * O) - grad_lse
+  int64_t rows_padded = 0;
+  int vec_store = 0;  // grad_q/k/v rows are 4-byte aligned: store element pairs as one word
+};
+
+// Fills st.lse2 and st.delta from p's lse, out, grad_out and grad_lse (bwd_rowstats.cu).
+cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdRowStats& st,
+                                       cudaStream_t stream);
+
+// dK/dV and dQ of fp16/bf16 attention on tensor cores for head_dim <= kHeadDim, after
+// run_attention_bwd_rowstats filled st. Same alignment rules as run_attention_fwd (q, k, v,
+// grad_out rows 16-byte aligned). p.grad_mask, when set, must be zero-filled by the caller.
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st,
+                              cudaStream_t stream);
+
 }  // namespace flashmod::cuda_kernels

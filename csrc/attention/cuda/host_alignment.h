@@ -1,12 +1,27 @@
-// Torch-side helpers of the CUDA host code (forward and backward): the 16-byte row alignment the
-// cp.async tile loads need, and the padded copy taken when an input lacks it.
+// Torch-side helpers of the CUDA host code (forward and backward): the CUDA-only input checks, the
+// 16-byte row alignment the cp.async tile loads need, and the padded copy taken when an input
+// lacks it.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
 
+#include "../../common/error_message.h"
+
 namespace flashmod {
+
+constexpr int64_t kCudaMaxHeadDim = 256;
+
+// What CUDA adds to the shared checks (same order and wording as flashmod/ops.py's fakes).
+inline void check_cuda_attention_inputs(const char* op, const at::Tensor& q) {
+  TORCH_CHECK(q.scalar_type() != at::kDouble,
+              flashmod::error_message(
+                  op, ": q's dtype float64 is supported on CPU only, got it on ", q.device()));
+  TORCH_CHECK(q.size(3) <= kCudaMaxHeadDim,
+              flashmod::error_message(op, ": q's head_dim must be <= ", kCudaMaxHeadDim,
+                                      " on CUDA, got ", q.size(3)));
+}
 
 inline bool aligned16(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;

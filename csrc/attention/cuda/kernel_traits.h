@@ -47,3 +47,58 @@ struct FwdTraits {
 };
 
 }  // namespace flashmod::cuda_kernels
+
+namespace flashmod::cuda_kernels {
+
+// The backward's dK/dV kernel: one CTA per (key block K_j, kv head, batch); each warp owns 16 key
+// rows (one m16 tile), so S_ij^T = K_j Q_i^T, dP_ij^T = V_j dO_i^T and the dK_j/dV_j accumulators
+// of a row never leave its warp (no cross-warp reduction, no atomics: deterministic). The CTA
+// walks every query block Q_i of every query head of the GQA group, Br rows at a time,
+// double-buffering Q_i, dO_i and their row statistics.
+template <typename Elem_, int kHeadDim_, int kWarps, int kBr>
+struct BwdKVTraits {
+  using Elem = Elem_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int Bc = 16 * kWarps;  // key rows per CTA
+  static constexpr int Br = kBr;          // query rows per step
+  static constexpr int kNWarps = kWarps;
+  static constexpr int kNThreads = 32 * kWarps;
+  static constexpr int kNTiles = Br / 8;         // n8 tiles of S^T per warp
+  static constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of dK / dV per warp
+  static constexpr int kKSteps = kHeadDim / 16;  // k16 steps of K Q^T
+  static constexpr int kSmemKV = Bc * kHeadDim;
+  static constexpr int kSmemQ = Br * kHeadDim;  // one stage of Q_i or dO_i
+  // K_j, V_j once; Q_i, dO_i and the rows' lse/delta (fp32) in two stages.
+  static constexpr int kSmemBytes =
+      static_cast<int>(sizeof(Elem)) * (2 * kSmemKV + 2 * 2 * kSmemQ) + 2 * 2 * Br * 4;
+  static_assert(sizeof(Elem) == 2, "tensor-core path is for fp16/bf16");
+  static_assert(Br % 16 == 0, "P^T and dS^T feed the next mma in k16 slices");
+  static_assert(kHeadDim % 32 == 0, "head dims are padded to multiples of 32");
+  static_assert(Br % 8 == 0 && Br / 4 <= kNThreads, "one 16-byte chunk of lse/delta per thread");
+  static_assert(kSmemBytes <= 163 * 1024, "must also fit an A100");
+};
+
+// The backward's dQ kernel: one CTA per (query block Q_i, q head, batch), warps split Q_i by
+// rows as in the forward, walking the visible key blocks K_j/V_j (double-buffered).
+template <typename Elem_, int kHeadDim_, int kWarps, int kBc>
+struct BwdQTraits {
+  using Elem = Elem_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int Br = 16 * kWarps;
+  static constexpr int Bc = kBc;
+  static constexpr int kNWarps = kWarps;
+  static constexpr int kNThreads = 32 * kWarps;
+  static constexpr int kNTiles = Bc / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kKSteps = kHeadDim / 16;
+  static constexpr int kSmemQ = Br * kHeadDim;
+  static constexpr int kSmemKV = Bc * kHeadDim;
+  static constexpr int kSmemBytes =
+      static_cast<int>(sizeof(Elem)) * (2 * kSmemQ + 2 * 2 * kSmemKV);  // Q, dO; 2 x (K, V)
+  static_assert(sizeof(Elem) == 2, "tensor-core path is for fp16/bf16");
+  static_assert(Bc % 16 == 0, "dS feeds the dQ mma in k16 slices");
+  static_assert(kHeadDim % 32 == 0, "head dims are padded to multiples of 32");
+  static_assert(kSmemBytes <= 163 * 1024, "must also fit an A100");
+};
+
+}  // namespace flashmod::cuda_kernels

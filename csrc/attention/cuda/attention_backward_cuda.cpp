@@ -1,0 +1,123 @@
+// CUDA registration of flashmod::attention_backward: the shared checks
+// (prepare_attention_backward), the CUDA-only ones, alignment fix-ups, the row statistics
+// workspace, and the dispatch to the fused kernels by dtype and padded head dim. fp32 has no fused
+// kernel yet: it runs flashmod::attention_backward_reference (the chunked math of
+// flashmod/reference.py), with a warning.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "../../common/error_message.h"
+#include "../attention_host.h"
+#include "entry_points.h"
+#include "host_alignment.h"
+
+namespace flashmod {
+namespace {
+
+using BackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    std::optional<double>, bool, bool, int64_t, int64_t, double);
+
+// grad_q/k/v rows start 4-byte aligned: the kernels store element pairs as one word.
+bool rows_aligned4(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0 && t.stride(0) % 2 == 0 &&
+         t.stride(1) % 2 == 0 && t.stride(2) % 2 == 0;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
+    bool bottom_right, int64_t window_left, int64_t window_right, double softcap) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  if (q.scalar_type() == at::kFloat) {
+    TORCH_WARN_ONCE(
+        "flashmod.attention_backward: float32 on CUDA has no fused backward kernel yet; it runs "
+        "the "
+        "chunked reference math (flashmod/reference.py), slower and with more memory. fp16/bf16 "
+        "use the fused kernels.");
+    static const auto reference =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("flashmod::attention_backward_reference", "")
+            .typed<BackwardFn>();
+    return reference.call(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
+                          bottom_right, window_left, window_right, softcap);
+  }
+  PreparedAttentionBackward r =
+      prepare_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
+                                 bottom_right, window_left, window_right, softcap);
+  check_cuda_attention_inputs("flashmod.attention_backward", q);
+  AttentionBwdParams& p = r.params;
+  if (r.grad_q.numel() == 0 && r.grad_k.numel() == 0) return {r.grad_q, r.grad_k, r.grad_v};
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) {
+    // No (query, key) pair: every gradient is 0.
+    return {r.grad_q.zero_(), r.grad_k.zero_(), r.grad_v.zero_()};
+  }
+
+  // Alignment fix-ups (see aligned_copy); the copies are kept alive by r.
+  auto fix = [](at::Tensor& t, const void*& ptr, int64_t& bs, int64_t& hs, int64_t& rs) {
+    if (rows_aligned16(t)) return;
+    t = aligned_copy(t);
+    ptr = t.data_ptr();
+    bs = t.stride(0), hs = t.stride(1), rs = t.stride(2);
+  };
+  fix(r.q, p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+  fix(r.k, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  fix(r.v, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+  fix(r.grad_out, p.grad_out, p.grad_out_batch_stride, p.grad_out_head_stride,
+      p.grad_out_row_stride);
+
+  cuda_kernels::BwdRowStats st;
+  st.rows_padded = (p.seqlen_q + cuda_kernels::kBwdRowPad - 1) / cuda_kernels::kBwdRowPad *
+                   cuda_kernels::kBwdRowPad;
+  at::Tensor stats =
+      at::empty({2, p.batch * p.heads_q * st.rows_padded}, q.options().dtype(at::kFloat));
+  st.lse2 = stats[0].data_ptr<float>();
+  st.delta = stats[1].data_ptr<float>();
+  st.vec_store = rows_aligned4(r.grad_q) && rows_aligned4(r.grad_k) && rows_aligned4(r.grad_v);
+
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaError_t err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream);
+  const bool bf16 = p.dtype == ScalarKind::kBFloat16;
+  if (err == cudaSuccess) {
+    switch (cuda_kernels::padded_head_dim(p.head_dim)) {
+#define FLASHMOD_BWD_CASE(D)                                                      \
+  case D:                                                                         \
+    err = bf16 ? cuda_kernels::run_attention_bwd<__nv_bfloat16, D>(p, st, stream) \
+               : cuda_kernels::run_attention_bwd<__half, D>(p, st, stream);       \
+    break;
+      FLASHMOD_BWD_CASE(32)
+      FLASHMOD_BWD_CASE(64)
+      FLASHMOD_BWD_CASE(96)
+      FLASHMOD_BWD_CASE(128)
+      FLASHMOD_BWD_CASE(160)
+      FLASHMOD_BWD_CASE(192)
+      FLASHMOD_BWD_CASE(224)
+      FLASHMOD_BWD_CASE(256)
+#undef FLASHMOD_BWD_CASE
+      default:
+        TORCH_CHECK(false, flashmod::error_message(
+                               "flashmod.attention_backward: unsupported head_dim ", p.head_dim));
+    }
+  }
+  TORCH_CHECK(err != cudaErrorInvalidConfiguration,
+              flashmod::error_message("flashmod.attention_backward: too many blocks for one launch "
+                                      "(batch * heads * blocks of the sequence must be < 2^31)"));
+  C10_CUDA_CHECK(err);
+  return {r.grad_q, r.grad_k, r.grad_v};
+}
+
+}  // namespace
+}  // namespace flashmod
+
+TORCH_LIBRARY_IMPL(flashmod, CUDA, m) {
+  m.impl("attention_backward", &flashmod::attention_backward_cuda);
+}

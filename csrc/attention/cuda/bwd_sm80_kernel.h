@@ -1,0 +1,458 @@
+// The tensor-core backward (FlashAttention-2's, made deterministic): three kernels.
+//
+//   1. attention_bwd_rowstats_kernel: per query row, delta_i = rowsum(dO_i * O_i) - grad_lse_i and
+//      the saved lse in log2 units (+inf for a row that saw no key, so that its P is exactly 0).
+//   2. attention_bwd_dkdv_kernel: per key block K_j, over every visible query block Q_i of the GQA
+//      group: S^T = K_j Q_i^T, P^T = exp(S^T - lse), dP^T = V_j dO_i^T, dS^T = P^T (dP^T - delta),
+//      dV_j += P^T dO_i, dK_j += dS^T Q_i.
+//   3. attention_bwd_dq_kernel: per query block Q_i, over its visible key blocks: S, P, dP, dS as
+//      above (not transposed), dQ_i += dS K_j.
+// FlashAttention-2 accumulates dQ with atomic adds from the dK/dV pass, whose order varies from
+// run to run; recomputing S and dP in a dQ pass of its own costs 3 more matmuls per block pair
+// (7 instead of 5) and makes every gradient bitwise reproducible with no atomics at all.
+//
+// Scores: s = scale * q.k, then softcap * tanh(s / softcap) if a soft cap is set, then the mask;
+// ds/d(q.k) = scale * (1 - tanh^2). grad_lse enters through delta: d lse_i / d s_ij = P_ij.
+#pragma once
+
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "../../common/cuda/ptx_ops.h"
+#include "../../common/cuda/smem_tile.h"
+#include "../attention_params.h"
+#include "entry_points.h"
+#include "kernel_traits.h"
+#include "score_mask.h"
+#include "visibility.h"
+
+namespace flashmod::cuda_kernels {
+
+// kWhich: both dK and dV (head dims <= 128), or one of them per launch (larger head dims, whose
+// two accumulators would not fit the registers together).
+enum BwdWhich : int { kBwdBoth = 0, kBwdOnlyDV = 1, kBwdOnlyDK = 2 };
+
+// The score transform of one (query i, key j) pair of the general path (a mask tensor, a soft cap
+// or a non-positive scale): returns P = exp(s - lse) (0 where hidden) and leaves in dcap the
+// derivative of the soft cap (1 without one).
+template <typename Elem>
+__device__ __forceinline__ float general_prob(const AttentionBwdParams& p, const ScoreTransform& tf,
+                                              float qk, int64_t mask_row, int j,
+                                              const RowWindow& win, float lse2, float& dcap) {
+  float x = qk * tf.scale;
+  dcap = 1.f;
+  if (tf.softcap > 0.f) {
+    x = soft_cap(x, tf.softcap, tf.inv_softcap);
+    const float t = x * tf.inv_softcap;
+    dcap = 1.f - t * t;
+  }
+  bool visible = win.contains(j);
+  if (visible && p.mask_kind != MaskKind::kNone)
+    visible = apply_mask<Elem>(p, mask_row + j * p.mask_col_stride, x);
+  return visible ? exp2f(fmaf(x, 1.4426950408889634f, -lse2)) : 0.f;
+}
+
+// dS from P and dP: 0 where P is 0 (hidden keys, underflow), so an inf or NaN in dP of a hidden
+// key cannot leak in; a NaN P (a NaN score) stays NaN.
+__device__ __forceinline__ float grad_score(float prob, float dp, float delta) {
+  return prob == 0.f ? 0.f : prob * (dp - delta);
+}
+
+// Stores a warp's m16 x kHeadDim accumulator rows (scaled by `mul`) to global memory: lane rows
+// g and g + 8 of the tile, element pairs of each n8 tile; rows >= valid_rows and columns >=
+// head_dim are not written.
+template <typename Elem, int kDTiles>
+__device__ __forceinline__ void store_rows(Elem* dst, int64_t row_stride,
+                                           const float (&acc)[kDTiles][4], float mul, int row0,
+                                           int valid_rows, int head_dim, int lane, bool vec) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = row0 + g + 8 * hh;
+    if (row >= valid_rows) continue;
+    Elem* out = dst + static_cast<int64_t>(row) * row_stride;
+#pragma unroll
+    for (int di = 0; di < kDTiles; ++di) {
+      const int col = 8 * di + 2 * t;
+      if (col >= head_dim) continue;
+      const float lo = acc[di][2 * hh] * mul, hi = acc[di][2 * hh + 1] * mul;
+      if (vec && col + 1 < head_dim) {
+        *reinterpret_cast<uint32_t*>(out + col) = Mma16816<Elem>::pack(lo, hi);
+      } else {
+        out[col] = from_float<Elem>(lo);
+        if (col + 1 < head_dim) out[col + 1] = from_float<Elem>(hi);
+      }
+    }
+  }
+}
+
+// Packs an m16 x 16 slice (n8 tiles 2kk and 2kk + 1) of an fp32 accumulator into the A fragment
+// of the next m16n8k16: the accumulator layout of two adjacent n8 tiles is the A layout.
+template <typename Elem, int kNTiles>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&acc)[kNTiles][4], int kk) {
+  a[0] = Mma16816<Elem>::pack(acc[2 * kk][0], acc[2 * kk][1]);
+  a[1] = Mma16816<Elem>::pack(acc[2 * kk][2], acc[2 * kk][3]);
+  a[2] = Mma16816<Elem>::pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+  a[3] = Mma16816<Elem>::pack(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+
+// C[16 x (8 kNTiles)] += A[16 x D] B^T where A's rows start at a_off (ldmatrix lane offsets) in
+// one swizzled tile and B's rows (the n index) in another: S = Q K^T, S^T = K Q^T, dP = dO V^T.
+template <typename Elem, int kHeadDim, int kNTiles>
+__device__ __forceinline__ void mma_abt(float (&c)[kNTiles][4], uint32_t a_base,
+                                        const LaneTileOffsets<kHeadDim>& a_off, uint32_t b_base,
+                                        const LaneTileOffsets<kHeadDim>& b_off) {
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    uint32_t a[4];
+    ldmatrix_x4(a, a_base + 2 * a_off.at(0, ks));
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, b_base + 2 * b_off.at(np * 16, ks));
+      Mma16816<Elem>::run(c[2 * np], a, b[0], b[1]);
+      Mma16816<Elem>::run(c[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc[16 x D] += A[16 x (8 kNTiles)] B where A is an accumulator (P, dS) packed to 16 bits and B
+// a row-major (k x D) tile read transposed: dV += P^T dO, dK += dS^T Q, dQ += dS K.
+template <typename Elem, int kHeadDim, int kNTiles>
+__device__ __forceinline__ void mma_ab(float (&acc)[kHeadDim / 8][4],
+                                       const float (&a_acc)[kNTiles][4], uint32_t b_base,
+                                       const LaneTileOffsets<kHeadDim>& bt_off) {
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 2; ++kk) {
+    uint32_t a[4];
+    pack_a<Elem>(a, a_acc, kk);
+#pragma unroll
+    for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, b_base + 2 * bt_off.at(kk * 16, dp));
+      Mma16816<Elem>::run(acc[2 * dp], a, b[0], b[1]);
+      Mma16816<Elem>::run(acc[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+template <int kNTiles>
+__device__ __forceinline__ void zero(float (&c)[kNTiles][4]) {
+#pragma unroll
+  for (int i = 0; i < kNTiles; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[i][e] = 0.f;
+}
+
+// Query rows [lo, hi] that can see a key in [k_first, k_last] (the window rule inverted).
+struct QueryRange {
+  int64_t lo, hi;
+};
+__device__ __forceinline__ QueryRange visible_queries(const AttentionParams& p, int64_t k_first,
+                                                      int64_t k_last) {
+  int64_t lo = 0, hi = p.seqlen_q - 1;
+  if (p.window_right >= 0) {
+    const int64_t w = k_first - p.diag_offset - p.window_right;
+    lo = w > lo ? w : lo;
+  }
+  if (p.window_left >= 0) {
+    const int64_t w = k_last - p.diag_offset + p.window_left;
+    hi = w < hi ? w : hi;
+  }
+  return {lo, hi};
+}
+
+template <class Tr, bool kGeneral, int kWhich>
+__global__ void __launch_bounds__(Tr::kNThreads)
+    attention_bwd_dkdv_kernel(const AttentionBwdParams p, const BwdRowStats st) {
+  using Elem = typename Tr::Elem;
+  constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
+  constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
+  constexpr bool kDV = kWhich != kBwdOnlyDK, kDK = kWhich != kBwdOnlyDV;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Elem* sK = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sV = sK + Tr::kSmemKV;
+  Elem* sQ = sV + Tr::kSmemKV;                                 // 2 stages
+  Elem* sdO = sQ + 2 * Tr::kSmemQ;                             // 2 stages
+  float* sL = reinterpret_cast<float*>(sdO + 2 * Tr::kSmemQ);  // 2 stages of Br lse2
+  float* sDelta = sL + 2 * Br;                                 // 2 stages of Br delta
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int Nk = static_cast<int>(p.seqlen_k), head_dim = static_cast<int>(p.head_dim);
+  const int num_n_blocks = (Nk + Bc - 1) / Bc;
+  int64_t bid = blockIdx.x;
+  const int n_block = static_cast<int>(bid % num_n_blocks);
+  bid /= num_n_blocks;
+  const int64_t hk = bid % p.heads_kv, b = bid / p.heads_kv;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int k0 = n_block * Bc, rows_k = min(Bc, Nk - k0);
+
+  const QueryRange qr = visible_queries(p, k0, k0 + rows_k - 1);
+  const int m_lo = qr.lo <= qr.hi ? static_cast<int>(qr.lo / Br) : 0;
+  const int m_count = qr.lo <= qr.hi ? static_cast<int>(qr.hi / Br) + 1 - m_lo : 0;
+  const int steps = static_cast<int>(group) * m_count;
+
+  const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
+                   static_cast<int64_t>(k0) * p.k_row_stride;
+  const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride +
+                   static_cast<int64_t>(k0) * p.v_row_stride;
+
+  const TileCopyPlan<Bc, D, kThreads> kv_copy(tid, head_dim);
+  const TileCopyPlan<Br, D, kThreads> q_copy(tid, head_dim);
+  const uint32_t sK_addr = smem_addr(sK), sV_addr = smem_addr(sV);
+  const uint32_t sQ_addr0 = smem_addr(sQ), sdO_addr0 = smem_addr(sdO);
+  constexpr uint32_t kQStageBytes = 2 * Tr::kSmemQ;
+
+  // Step s = (head of the group, query block): head-major, so each head's rows stream in order.
+  auto load_step = [&](int s, int stage) {
+    const int64_t h = hk * group + s / m_count;
+    const int m = m_lo + s % m_count;
+    const int64_t r0 = static_cast<int64_t>(m) * Br;
+    const int valid = p.seqlen_q - r0 < Br ? static_cast<int>(p.seqlen_q - r0) : Br;
+    const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                    r0 * p.q_row_stride;
+    const Elem* dout = static_cast<const Elem*>(p.grad_out) + b * p.grad_out_batch_stride +
+                       h * p.grad_out_head_stride + r0 * p.grad_out_row_stride;
+    q_copy.load(sQ_addr0 + stage * kQStageBytes, q, p.q_row_stride, valid);
+    q_copy.load(sdO_addr0 + stage * kQStageBytes, dout, p.grad_out_row_stride, valid);
+    // The row statistics are padded to whole blocks: Br / 4 chunks of each, no bounds.
+    const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
+    if (tid < Br / 4) {
+      cp_async_16(smem_addr(sL + stage * Br + 4 * tid), st.lse2 + stat + 4 * tid, 16);
+    } else if (tid < Br / 2) {
+      const int c = tid - Br / 4;
+      cp_async_16(smem_addr(sDelta + stage * Br + 4 * c), st.delta + stat + 4 * c, 16);
+    }
+  };
+
+  kv_copy.load(sK_addr, gK, p.k_row_stride, rows_k);
+  kv_copy.load(sV_addr, gV, p.v_row_stride, rows_k);
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  const int lm_mat = lane >> 3, lm_row = lane & 7;
+  const int warp_row0 = warp * 16;
+  const LaneTileOffsets<D> a_off(warp_row0 + lm_row + (lm_mat & 1) * 8, lm_mat >> 1);  // K, V rows
+  const LaneTileOffsets<D> b_off(lm_row + (lm_mat >> 1) * 8, lm_mat & 1);   // Q, dO rows as B
+  const LaneTileOffsets<D> bt_off(lm_row + (lm_mat & 1) * 8, lm_mat >> 1);  // Q, dO as B^T
+
+  const ScoreTransform tf(p);
+  const float scale_log2 = tf.scale * 1.4426950408889634f;
+  // This lane's two key rows (absolute key index).
+  const int key_row[2] = {k0 + warp_row0 + g, k0 + warp_row0 + g + 8};
+
+  float dV[kDV ? DT : 1][4], dK[kDK ? DT : 1][4];
+  zero(dV);
+  zero(dK);
+
+  for (int s = 0; s < steps; ++s) {
+    const int stage = s & 1;
+    cp_async_wait<0>();
+    // Publishes step s's tiles (and K_j/V_j at s = 0) copied by every thread, and every warp is
+    // done with step s - 1, whose buffers the prefetch below overwrites.
+    __syncthreads();
+    if (s + 1 < steps) load_step(s + 1, stage ^ 1);
+    cp_async_commit();
+
+    const int64_t h = hk * group + s / m_count;
+    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+    const uint32_t sQ_addr = sQ_addr0 + stage * kQStageBytes;
+    const uint32_t sdO_addr = sdO_addr0 + stage * kQStageBytes;
+    const float* lse2 = sL + stage * Br;
+    const float* delta = sDelta + stage * Br;
+
+    float St[NT][4];
+    zero(St);
+    mma_abt<Elem, D, NT>(St, sK_addr, a_off, sQ_addr, b_off);
+    float dPt[kDK ? NT : 1][4];
+    if constexpr (kDK) {
+      zero(dPt);
+      mma_abt<Elem, D, NT>(dPt, sV_addr, a_off, sdO_addr, b_off);
+    }
+
+    // P^T and dS^T in place of S^T and dP^T. Element (ni, e): key row key_row[e / 2], query
+    // r0 + 8 ni + 2 t + e % 2.
+    const bool all_visible =
+        !kGeneral && key_block_unmasked(p, r0, r0 + Br - 1, n_block, Bc) && k0 + Bc <= Nk;
+    const int64_t mask_head = b * p.mask_batch_stride + h * p.mask_head_stride;
+    float* gmask =
+        p.grad_mask ? p.grad_mask + ((b * p.heads_q + h) * p.seqlen_q) * p.seqlen_k : nullptr;
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int qc = 8 * ni + 2 * t + c;  // query column within the step
+        const int64_t i = r0 + qc;
+        const float l2 = lse2[qc], dl = kDK ? delta[qc] : 0.f;
+        RowWindow win{0, Nk - 1};
+        if (!all_visible) win = row_window(p, i < p.seqlen_q ? i : p.seqlen_q - 1);
+        const int64_t mask_row =
+            mask_head + (i < p.seqlen_q ? i : p.seqlen_q - 1) * p.mask_row_stride;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int e = 2 * hh + c;
+          const int j = key_row[hh];
+          float prob, dcap = 1.f;
+          if constexpr (kGeneral) {
+            prob = general_prob<Elem>(p, tf, St[ni][e], mask_row, j, win, l2, dcap);
+          } else {
+            prob = win.contains(j) ? exp2f(fmaf(St[ni][e], scale_log2, -l2)) : 0.f;
+          }
+          St[ni][e] = prob;
+          if constexpr (kDK) {
+            const float ds = grad_score(prob, dPt[ni][e], dl);
+            if (gmask != nullptr && i < p.seqlen_q && j < Nk) gmask[i * p.seqlen_k + j] = ds;
+            dPt[ni][e] = ds * dcap;
+          }
+        }
+      }
+
+    if constexpr (kDV) mma_ab<Elem, D, NT>(dV, St, sdO_addr, bt_off);
+    if constexpr (kDK) mma_ab<Elem, D, NT>(dK, dPt, sQ_addr, bt_off);
+  }
+  cp_async_wait<0>();
+
+  const bool vec = st.vec_store != 0;
+  if constexpr (kDV) {
+    Elem* gdV = static_cast<Elem*>(p.grad_v) + b * p.grad_v_batch_stride +
+                hk * p.grad_v_head_stride + static_cast<int64_t>(k0) * p.grad_v_row_stride;
+    store_rows<Elem, DT>(gdV, p.grad_v_row_stride, dV, 1.f, warp_row0, rows_k, head_dim, lane, vec);
+  }
+  if constexpr (kDK) {
+    Elem* gdK = static_cast<Elem*>(p.grad_k) + b * p.grad_k_batch_stride +
+                hk * p.grad_k_head_stride + static_cast<int64_t>(k0) * p.grad_k_row_stride;
+    store_rows<Elem, DT>(gdK, p.grad_k_row_stride, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
+                         vec);
+  }
+}
+
+template <class Tr, bool kGeneral>
+__global__ void __launch_bounds__(Tr::kNThreads)
+    attention_bwd_dq_kernel(const AttentionBwdParams p, const BwdRowStats st) {
+  using Elem = typename Tr::Elem;
+  constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
+  constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sdO = sQ + Tr::kSmemQ;
+  Elem* sK = sdO + Tr::kSmemQ;      // 2 stages
+  Elem* sV = sK + 2 * Tr::kSmemKV;  // 2 stages
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int num_m_blocks = (Nq + Br - 1) / Br;
+  int64_t bid = blockIdx.x;
+  int m_block = static_cast<int>(bid % num_m_blocks);
+  bid /= num_m_blocks;
+  const int64_t h = bid % p.heads_q, b = bid / p.heads_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  // With a right window bound (causal) the last query blocks see the most keys: start them first.
+  if (p.window_right >= 0) m_block = num_m_blocks - 1 - m_block;
+  const int r0 = m_block * Br, rows_q = min(Br, Nq - r0);
+
+  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+
+  const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                   static_cast<int64_t>(r0) * p.q_row_stride;
+  const Elem* gdO = static_cast<const Elem*>(p.grad_out) + b * p.grad_out_batch_stride +
+                    h * p.grad_out_head_stride + static_cast<int64_t>(r0) * p.grad_out_row_stride;
+  const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+
+  const TileCopyPlan<Br, D, kThreads> q_copy(tid, head_dim);
+  const TileCopyPlan<Bc, D, kThreads> kv_copy(tid, head_dim);
+  const uint32_t sQ_addr = smem_addr(sQ), sdO_addr = smem_addr(sdO);
+  const uint32_t sK_addr0 = smem_addr(sK), sV_addr0 = smem_addr(sV);
+  constexpr uint32_t kKVStageBytes = 2 * Tr::kSmemKV;
+  auto load_kv = [&](int n, int stage) {
+    const int valid = min(Bc, Nk - n * Bc);
+    const int64_t row0 = static_cast<int64_t>(n) * Bc;
+    kv_copy.load(sK_addr0 + stage * kKVStageBytes, gK + row0 * p.k_row_stride, p.k_row_stride,
+                 valid);
+    kv_copy.load(sV_addr0 + stage * kKVStageBytes, gV + row0 * p.v_row_stride, p.v_row_stride,
+                 valid);
+  };
+
+  q_copy.load(sQ_addr, gQ, p.q_row_stride, rows_q);
+  q_copy.load(sdO_addr, gdO, p.grad_out_row_stride, rows_q);
+  if (range.lo < range.hi) load_kv(range.lo, 0);
+  cp_async_commit();
+
+  const int lm_mat = lane >> 3, lm_row = lane & 7;
+  const int warp_row0 = warp * 16;
+  const LaneTileOffsets<D> a_off(warp_row0 + lm_row + (lm_mat & 1) * 8, lm_mat >> 1);  // Q, dO
+  const LaneTileOffsets<D> b_off(lm_row + (lm_mat >> 1) * 8, lm_mat & 1);   // K, V rows as B
+  const LaneTileOffsets<D> bt_off(lm_row + (lm_mat & 1) * 8, lm_mat >> 1);  // K as B^T
+
+  const ScoreTransform tf(p);
+  const float scale_log2 = tf.scale * 1.4426950408889634f;
+  // This lane's two query rows and their statistics (padded: rows past Nq read lse2 = +inf).
+  int64_t row[2];
+  float l2[2], dl[2];
+  RowWindow win[2];
+  int64_t mask_row[2];
+  const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int rr = warp_row0 + g + 8 * hh;
+    row[hh] = r0 + rr;
+    l2[hh] = st.lse2[stat + rr];
+    dl[hh] = st.delta[stat + rr];
+    const int64_t ic = row[hh] < Nq ? row[hh] : Nq - 1;
+    win[hh] = row_window(p, ic);
+    mask_row[hh] = b * p.mask_batch_stride + h * p.mask_head_stride + ic * p.mask_row_stride;
+  }
+
+  float dQ[DT][4];
+  zero(dQ);
+
+  for (int n = range.lo; n < range.hi; ++n) {
+    const int stage = (n - range.lo) & 1;
+    cp_async_wait<0>();
+    // Publishes K_j/V_j (and Q_i, dO_i at the first block) copied by every thread, and every warp
+    // is done with block n - 1, whose buffers the prefetch below overwrites.
+    __syncthreads();
+    if (n + 1 < range.hi) load_kv(n + 1, stage ^ 1);
+    cp_async_commit();
+
+    const uint32_t sK_addr = sK_addr0 + stage * kKVStageBytes;
+    const uint32_t sV_addr = sV_addr0 + stage * kKVStageBytes;
+    float S[NT][4], dP[NT][4];
+    zero(S);
+    zero(dP);
+    mma_abt<Elem, D, NT>(S, sQ_addr, a_off, sK_addr, b_off);
+    mma_abt<Elem, D, NT>(dP, sdO_addr, a_off, sV_addr, b_off);
+
+    const bool all_visible = !kGeneral && key_block_unmasked(p, r0, r0 + Br - 1, n, Bc);
+    const int key0 = n * Bc + 2 * t;
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = e >> 1, j = key0 + 8 * ni + (e & 1);
+        float prob, dcap = 1.f;
+        if constexpr (kGeneral) {
+          prob = general_prob<Elem>(p, tf, S[ni][e], mask_row[hh], j, win[hh], l2[hh], dcap);
+        } else {
+          const bool visible = all_visible || win[hh].contains(j);
+          prob = visible ? exp2f(fmaf(S[ni][e], scale_log2, -l2[hh])) : 0.f;
+        }
+        S[ni][e] = grad_score(prob, dP[ni][e], dl[hh]) * dcap;
+      }
+    mma_ab<Elem, D, NT>(dQ, S, sK_addr, bt_off);
+  }
+  cp_async_wait<0>();
+
+  Elem* gdQ = static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride + h * p.grad_q_head_stride +
+              static_cast<int64_t>(r0) * p.grad_q_row_stride;
+  store_rows<Elem, DT>(gdQ, p.grad_q_row_stride, dQ, tf.scale, warp_row0, rows_q, head_dim, lane,
+                       st.vec_store != 0);
+}
+
+}  // namespace flashmod::cuda_kernels

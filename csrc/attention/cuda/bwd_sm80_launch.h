@@ -1,0 +1,74 @@
+// Tile choices per head dim and the (torch-free) launches of the tensor-core backward. Each
+// attention_bwd_<dtype>_hd<D>.cu instantiates one run_attention_bwd.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "bwd_sm80_kernel.h"
+#include "entry_points.h"
+
+namespace flashmod::cuda_kernels {
+
+// dK/dV: (warps, Br, one kernel for both or one per gradient); each warp owns 16 key rows, so
+// Bc = 16 x warps. The per-thread accumulators hold 16 x D x 2 / 32 = D floats for dK and dV
+// together, plus Br / 2 each for S^T and dP^T: past D = 128 they cannot share the registers, and
+// dV and dK get a launch each (S^T is then computed twice; dP^T only in the dK launch).
+// dQ: (warps, Bc), 16 query rows per warp; D / 2 + Bc accumulator floats per thread.
+template <typename Elem, int kHeadDim>
+struct BwdConfig {
+  static constexpr bool kSplit = kHeadDim > 128;
+  using KV = BwdKVTraits<Elem, kHeadDim, kSplit ? 4 : 8, kHeadDim <= 64 ? 64 : 32>;
+  using Q = BwdQTraits<Elem, kHeadDim, 4, kHeadDim <= 128 ? 64 : 32>;
+};
+
+// Launches kernel on a 1-D grid of `blocks` CTAs, opting in to more than 48 KB of dynamic shared
+// memory where needed (per kernel, as CUDA requires).
+template <typename Kernel, typename... Args>
+cudaError_t launch_bwd_kernel(Kernel kernel, int64_t blocks, int threads, int smem_bytes,
+                              cudaStream_t stream, Args... args) {
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (blocks == 0) return cudaSuccess;
+  if (smem_bytes > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<static_cast<unsigned>(blocks), threads, smem_bytes, stream>>>(args...);
+  return cudaPeekAtLastError();
+}
+
+template <class Tr, bool kGeneral, int kWhich>
+cudaError_t launch_bwd_dkdv(const AttentionBwdParams& p, const BwdRowStats& st,
+                            cudaStream_t stream) {
+  const int64_t blocks = (p.seqlen_k + Tr::Bc - 1) / Tr::Bc * p.heads_kv * p.batch;
+  return launch_bwd_kernel(attention_bwd_dkdv_kernel<Tr, kGeneral, kWhich>, blocks, Tr::kNThreads,
+                           Tr::kSmemBytes, stream, p, st);
+}
+
+template <typename Elem, int kHeadDim, bool kGeneral>
+cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
+  using Cfg = BwdConfig<Elem, kHeadDim>;
+  cudaError_t err;
+  if constexpr (Cfg::kSplit) {
+    err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdOnlyDV>(p, st, stream);
+    if (err == cudaSuccess)
+      err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdOnlyDK>(p, st, stream);
+  } else {
+    err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdBoth>(p, st, stream);
+  }
+  if (err != cudaSuccess) return err;
+  using TrQ = typename Cfg::Q;
+  const int64_t blocks = (p.seqlen_q + TrQ::Br - 1) / TrQ::Br * p.heads_q * p.batch;
+  return launch_bwd_kernel(attention_bwd_dq_kernel<TrQ, kGeneral>, blocks, TrQ::kNThreads,
+                           TrQ::kSmemBytes, stream, p, st);
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st,
+                              cudaStream_t stream) {
+  const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
+  return general ? launch_bwd<Elem, kHeadDim, true>(p, st, stream)
+                 : launch_bwd<Elem, kHeadDim, false>(p, st, stream);
+}
+
+}  // namespace flashmod::cuda_kernels
