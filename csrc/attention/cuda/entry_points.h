@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "../attention_params.h"
+#include "generated/kernel_variants.h"
 
 namespace flashmod::cuda_kernels {
 
@@ -148,9 +149,9 @@ cudaError_t launch_per_query_block(Kernel kernel, const AttentionParams& p, int 
 cudaError_t run_attention_fwd_fp32(const AttentionParams& p, bool force_ffma, cudaStream_t stream);
 cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t stream);
 
-// Padded head dims the kernels are compiled for.
+// The padded head dim whose kernels serve head_dim d (the smallest built one >= d), or -1.
 inline int padded_head_dim(int64_t d) {
-  for (int pd : {32, 64, 96, 128, 160, 192, 224, 256})
+  for (int pd : kFwdSm80HeadDims)
     if (d <= pd) return pd;
   return -1;
 }

@@ -1,6 +1,6 @@
 // Tile choices per head dim and the (torch-free) launch of the tensor-core kernel. Each
-// attention_fwd_<dtype>_hd<D>.cu instantiates one run_attention_fwd so ninja compiles the
-// 16 variants in parallel.
+// generated/fwd_sm80_<dtype>_hd<D>.cu (tools/gen_kernels.py) instantiates the entry points of one
+// variant, so ninja compiles them in parallel.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,5 +1,6 @@
 // Tile choices and the (torch-free) launch of the Hopper wgmma kernel. Each
-// attention_fwd_sm90_<dtype>_hd<D>.cu instantiates one run_attention_fwd_sm90.
+// generated/fwd_sm90_<dtype>_hd<D>.cu (tools/gen_kernels.py) instantiates one
+// run_attention_fwd_sm90.
 #pragma once
 
 #include <cuda_runtime.h>
