@@ -123,26 +123,6 @@ inline int choose_splits(int64_t ctas, int64_t key_blocks, int64_t slots) {
   return static_cast<int>((key_blocks + per - 1) / per);
 }
 
-// Launches `kernel` with one CTA of `threads` threads per (query block of br rows, head, batch) and
-// smem_bytes of dynamic shared memory, opting in above 48 KB (per kernel, as CUDA requires).
-template <typename Kernel, typename... Args>
-cudaError_t launch_per_query_block(Kernel kernel, const AttentionParams& p, int br, int threads,
-                                   int smem_bytes, cudaStream_t stream, Args... args) {
-  const int64_t blocks = (p.seqlen_q + br - 1) / br * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  if (smem_bytes > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (err != cudaSuccess) return err;
-  }
-  cudaLaunchConfig_t config = {};  // (not <<<>>>: this header is also read by the host compiler)
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
-  config.stream = stream;
-  return cudaLaunchKernelEx(&config, kernel, args...);
-}
-
 // fp32: the 3xTF32 tensor-core kernel for head dims <= 128 and more than 32 query rows, else (or
 // with force_ffma, the host's FLASHMOD_FP32_FFMA=1) the CUDA-core kernel. Both keep fp32
 // accuracy; any alignment.

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "cta_tile.h"
 #include "entry_points.h"
@@ -303,8 +304,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 template <int kHeadDim>
 cudaError_t launch_fp32_tc(const AttentionParams& p, bool vec16, cudaStream_t stream) {
-  return launch_per_query_block(attention_fwd_fp32_tc_kernel<kHeadDim>, p, kBr, kThreads,
-                                Tf32Tile<kHeadDim>::kBytes, stream, p, vec16);
+  return cuda::launch_kernel(attention_fwd_fp32_tc_kernel<kHeadDim>, cta_count(p, kBr), kThreads,
+                             Tf32Tile<kHeadDim>::kBytes, stream, p, vec16);
 }
 
 bool aligned16(const void* ptr) {

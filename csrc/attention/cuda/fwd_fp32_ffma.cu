@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "cta_tile.h"
 #include "entry_points.h"
@@ -179,8 +180,8 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
 
 template <int kHeadDim>
 cudaError_t launch_fp32(const AttentionParams& p, cudaStream_t stream) {
-  return launch_per_query_block(attention_fwd_fp32_kernel<kHeadDim>, p, kBr, kThreads,
-                                Fp32Smem<kHeadDim>::kBytes, stream, p);
+  return cuda::launch_kernel(attention_fwd_fp32_kernel<kHeadDim>, cta_count(p, kBr), kThreads,
+                             Fp32Smem<kHeadDim>::kBytes, stream, p);
 }
 
 }  // namespace

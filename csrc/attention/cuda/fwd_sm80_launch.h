@@ -7,6 +7,7 @@
 
 #include <atomic>
 
+#include "../../common/cuda/kernel_launch.h"
 #include "entry_points.h"
 #include "fwd_sm80_kernel.h"
 
@@ -45,18 +46,9 @@ FLASHMOD_CONFIG(256, 64, 64, 4, 2, false)
 template <class Tr>
 cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cudaStream_t stream) {
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
-  const int64_t blocks = (p.seqlen_q + Tr::Br - 1) / Tr::Br * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   auto kernel = general ? attention_fwd_kernel<Tr, true> : attention_fwd_kernel<Tr, false>;
-  if (Tr::kSmemBytes > 48 * 1024) {
-    // Dynamic shared memory above 48 KB is opt-in per kernel.
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-    if (err != cudaSuccess) return err;
-  }
-  kernel<<<static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, flags,
-                                                                                   SplitKvArgs{});
-  return cudaSuccess;  // the caller checks the launch itself (cudaGetLastError)
+  return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads, Tr::kSmemBytes, stream, p,
+                             flags, SplitKvArgs{});
 }
 
 template <typename Elem, int kHeadDim>
@@ -135,7 +127,8 @@ int decode_ctas_per_sm(Kernel kernel, int threads, int smem, std::atomic<int>* c
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxCachedDevices) return 1;
   int n = cache[dev].load(std::memory_order_relaxed);
   if (n > 0) return n;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess ||
+  if (cuda::allow_dynamic_smem(kernel, smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess ||
       n < 1)
     n = 1;
   cache[dev].store(n, std::memory_order_relaxed);  // racing callers store the same value
@@ -150,12 +143,7 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
   auto kernel =
       general ? attention_fwd_kernel<Tr, true, true> : attention_fwd_kernel<Tr, false, true>;
-  if (Tr::kSmemBytes > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-    if (err != cudaSuccess) return err;
-  }
-  const int64_t ctas = (p.seqlen_q + Tr::Br - 1) / Tr::Br * p.heads_q * p.batch;
+  const int64_t ctas = cta_count(p, Tr::Br);
   int splits = opt.forced_splits;
   if (splits <= 0) {
     static std::atomic<int> per_sm_cache[2][kMaxCachedDevices];
@@ -164,7 +152,7 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
     splits = choose_splits(ctas, decode_key_blocks(p, Tr::Bc),
                            static_cast<int64_t>(opt.num_sms) * per_sm);
   }
-  if (ctas * splits > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (ctas * splits > cuda::kMaxGridBlocks) return cudaErrorInvalidConfiguration;
 
   SplitKvArgs sk;
   sk.splits = splits;
@@ -176,17 +164,12 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
     sk.o = w;
     sk.lse = w + static_cast<size_t>(splits) * rows * kHeadDim;
   }
-  kernel<<<static_cast<unsigned>(ctas * splits), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, flags,
-                                                                                          sk);
-  if (splits > 1) {
-    const cudaError_t err = cudaPeekAtLastError();
-    if (err != cudaSuccess) return err;
-    const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
-    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    attention_fwd_split_combine_kernel<Elem, kHeadDim>
-        <<<static_cast<unsigned>(blocks), 32 * kCombineWarps, 0, stream>>>(p, sk);
-  }
-  return cudaSuccess;
+  const cudaError_t err = cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads, Tr::kSmemBytes,
+                                              stream, p, flags, sk);
+  if (err != cudaSuccess || splits == 1) return err;
+  return cuda::launch_kernel(attention_fwd_split_combine_kernel<Elem, kHeadDim>,
+                             (rows + kCombineWarps - 1) / kCombineWarps, 32 * kCombineWarps, 0,
+                             stream, p, sk);
 }
 
 }  // namespace flashmod::cuda_kernels
