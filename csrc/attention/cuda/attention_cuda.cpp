@@ -13,6 +13,7 @@
 #include "../../common/error_message.h"
 #include "../../common/knobs.h"
 #include "../attention_host.h"
+#include "decode_heuristics.h"
 #include "entry_points.h"
 #include "generated/kernel_variants.h"
 #include "host_alignment.h"
@@ -21,6 +22,13 @@ namespace flashmod {
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
+
+// The padded head dim whose kernels serve head_dim d (the smallest built one >= d), or -1.
+int padded_head_dim(int64_t d) {
+  for (int pd : cuda_kernels::kFwdSm80HeadDims)
+    if (d <= pd) return pd;
+  return -1;
+}
 
 // The wgmma kernels run on sm_90 (H100/H200) when the build carries their sm_90a machine code.
 // FLASHMOD_DISABLE_SM90=1 forces the portable mma.sync kernel (tests compare the two; benchmarks
@@ -38,9 +46,9 @@ bool use_sm90_kernel(int padded_head_dim) {
 }
 
 // Decode-shaped calls (seqlen_q <= kDecodeMaxNq): the decode kernel, with GQA packing and
-// split-KV chosen from the shapes (entry_points.h: pack_gqa_rows, choose_splits). Returns false
-// when the shape is not decode-shaped; err is then untouched. Test/tuning knobs, read per call:
-// FLASHMOD_DECODE=0 (prefill kernel instead), FLASHMOD_DECODE_PACK=0 (no GQA packing),
+// split-KV chosen from the shapes (decode_heuristics.h: pack_gqa_rows, choose_splits). Returns
+// false when the shape is not decode-shaped; err is then untouched. Test/tuning knobs, read per
+// call: FLASHMOD_DECODE=0 (prefill kernel instead), FLASHMOD_DECODE_PACK=0 (no GQA packing),
 // FLASHMOD_DECODE_SPLITS=n (exactly n splits).
 bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, int padded,
                 const at::TensorOptions& options, cudaStream_t stream, cudaError_t& err) {
@@ -111,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
 
     cuda_kernels::FwdLaunchFlags flags{};
     flags.out_vec16 = rows_aligned16(prepared.out) && p.head_dim % 8 == 0;
-    const int padded = cuda_kernels::padded_head_dim(p.head_dim);
+    const int padded = padded_head_dim(p.head_dim);
     const int key = cuda_kernels::variant_key(p.dtype, padded);
     if (run_decode(p, flags, padded, q.options(), stream, err)) {
       // run_decode launched it
