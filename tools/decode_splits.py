@@ -3,7 +3,7 @@
     python tools/decode_splits.py
 
 Shapes: bf16, B = 8, Hq = 32, Hkv = 8, D = 128, Nq = 1, Nk = 1k..64k. FLASHMOD_DECODE_SPLITS=n
-forces n splits (0 = the heuristic in csrc/attention/cuda/entry_points.h choose_splits).
+forces n splits (0 = the heuristic in csrc/attention/cuda/decode_heuristics.h choose_splits).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ if ! MAX_JOBS=$(nproc) FLASHMOD_CUDA_ARCHS="80;90a" python setup.py build_ext --
 fi
 echo "build: $(($(date +%s) - start)) s"
 # The Hopper kernel must be wgmma (HGMMA) in the machine code, not an mma.sync fallback.
-obj=$(find build -name 'attention_fwd_sm90_bf16_hd128.o' | head -1)
+obj=$(find build -name 'fwd_sm90_bf16_hd128.o' | head -1)
 [[ -n $obj ]] && echo "HGMMA in sm90 object: $(cuobjdump --dump-sass "$obj" 2>/dev/null | grep -c HGMMA)"
 export PYTHONPATH=$PWD
 # A bad input must raise, not crash the process (it once did on this image).

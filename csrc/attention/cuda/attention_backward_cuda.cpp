@@ -16,6 +16,7 @@
 #include "../../common/error_message.h"
 #include "../attention_host.h"
 #include "entry_points.h"
+#include "generated/kernel_variants.h"
 #include "host_alignment.h"
 
 namespace flashmod {
@@ -86,22 +87,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaError_t err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream);
-  const bool bf16 = p.dtype == ScalarKind::kBFloat16;
   if (err == cudaSuccess) {
-    switch (cuda_kernels::padded_head_dim(p.head_dim)) {
-#define FLASHMOD_BWD_CASE(D)                                                      \
-  case D:                                                                         \
-    err = bf16 ? cuda_kernels::run_attention_bwd<__nv_bfloat16, D>(p, st, stream) \
-               : cuda_kernels::run_attention_bwd<__half, D>(p, st, stream);       \
+    const int padded = padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim);
+    switch (cuda_kernels::variant_key(p.dtype, padded)) {
+#define FLASHMOD_BWD_CASE(Elem, kind, D)                           \
+  case cuda_kernels::variant_key(ScalarKind::kind, D):             \
+    err = cuda_kernels::run_attention_bwd<Elem, D>(p, st, stream); \
     break;
-      FLASHMOD_BWD_CASE(32)
-      FLASHMOD_BWD_CASE(64)
-      FLASHMOD_BWD_CASE(96)
-      FLASHMOD_BWD_CASE(128)
-      FLASHMOD_BWD_CASE(160)
-      FLASHMOD_BWD_CASE(192)
-      FLASHMOD_BWD_CASE(224)
-      FLASHMOD_BWD_CASE(256)
+      FLASHMOD_BWD_SM80_VARIANTS(FLASHMOD_BWD_CASE)
 #undef FLASHMOD_BWD_CASE
       default:
         TORCH_CHECK(false, flashmod::error_message(

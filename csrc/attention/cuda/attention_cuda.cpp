@@ -13,7 +13,9 @@
 #include "../../common/error_message.h"
 #include "../../common/knobs.h"
 #include "../attention_host.h"
+#include "decode_heuristics.h"
 #include "entry_points.h"
+#include "generated/kernel_variants.h"
 #include "host_alignment.h"
 
 namespace flashmod {
@@ -24,7 +26,7 @@ namespace {
 // time both).
 bool use_sm90_kernel(int padded_head_dim) {
 #ifdef FLASHMOD_BUILT_SM90A
-  if (padded_head_dim != 64 && padded_head_dim != 128 && padded_head_dim != 256) return false;
+  if (!cuda_kernels::has_head_dim(cuda_kernels::kFwdSm90HeadDims, padded_head_dim)) return false;
   if (env_flag("FLASHMOD_DISABLE_SM90", false)) return false;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   return prop->major == 9 && prop->minor == 0;
@@ -35,11 +37,10 @@ bool use_sm90_kernel(int padded_head_dim) {
 }
 
 // Decode-shaped calls (seqlen_q <= kDecodeMaxNq): the decode kernel, with GQA packing and
-// split-KV chosen from the shapes (entry_points.h: pack_gqa_rows, choose_splits). Returns false
-// when the shape is not decode-shaped; err is then untouched. Test/tuning knobs, read per call:
-// FLASHMOD_DECODE=0 (prefill kernel instead), FLASHMOD_DECODE_PACK=0 (no GQA packing),
+// split-KV chosen from the shapes (decode_heuristics.h: pack_gqa_rows, choose_splits). Returns
+// false when the shape is not decode-shaped; err is then untouched. Test/tuning knobs, read per
+// call: FLASHMOD_DECODE=0 (prefill kernel instead), FLASHMOD_DECODE_PACK=0 (no GQA packing),
 // FLASHMOD_DECODE_SPLITS=n (exactly n splits).
-template <typename Elem>
 bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, int padded,
                 const at::TensorOptions& options, cudaStream_t stream, cudaError_t& err) {
   if (p.seqlen_q > cuda_kernels::kDecodeMaxNq || !env_flag("FLASHMOD_DECODE", true)) return false;
@@ -59,17 +60,12 @@ bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, in
     *w->first = at::empty({static_cast<int64_t>((bytes + 3) / 4)}, w->second->dtype(at::kFloat));
     return w->first->data_ptr();
   };
-  switch (padded) {
-#define FLASHMOD_DECODE_CASE(D) \
-  case D: err = cuda_kernels::run_attention_fwd_decode<Elem, D>(p, flags, opt, ws, stream); break;
-    FLASHMOD_DECODE_CASE(32)
-    FLASHMOD_DECODE_CASE(64)
-    FLASHMOD_DECODE_CASE(96)
-    FLASHMOD_DECODE_CASE(128)
-    FLASHMOD_DECODE_CASE(160)
-    FLASHMOD_DECODE_CASE(192)
-    FLASHMOD_DECODE_CASE(224)
-    FLASHMOD_DECODE_CASE(256)
+  switch (cuda_kernels::variant_key(p.dtype, padded)) {
+#define FLASHMOD_DECODE_CASE(Elem, kind, D)                                           \
+  case cuda_kernels::variant_key(ScalarKind::kind, D):                                \
+    err = cuda_kernels::run_attention_fwd_decode<Elem, D>(p, flags, opt, ws, stream); \
+    break;
+    FLASHMOD_FWD_SM80_VARIANTS(FLASHMOD_DECODE_CASE)
 #undef FLASHMOD_DECODE_CASE
     default: return false;
   }
@@ -107,46 +103,32 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
 
     cuda_kernels::FwdLaunchFlags flags{};
     flags.out_vec16 = rows_aligned16(prepared.out) && p.head_dim % 8 == 0;
-    const bool bf16 = p.dtype == ScalarKind::kBFloat16;
-    const int padded = cuda_kernels::padded_head_dim(p.head_dim);
-    const bool decoded = bf16
-                             ? run_decode<__nv_bfloat16>(p, flags, padded, q.options(), stream, err)
-                             : run_decode<__half>(p, flags, padded, q.options(), stream, err);
-#define FLASHMOD_DISPATCH(D)                                                         \
-  case D:                                                                            \
-    err = bf16 ? cuda_kernels::run_attention_fwd<__nv_bfloat16, D>(p, flags, stream) \
-               : cuda_kernels::run_attention_fwd<__half, D>(p, flags, stream);       \
-    break;
-    if (decoded) {
+    const int padded = padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
+    const int key = cuda_kernels::variant_key(p.dtype, padded);
+    if (run_decode(p, flags, padded, q.options(), stream, err)) {
       // run_decode launched it
     } else if (use_sm90_kernel(padded)) {
-#define FLASHMOD_DISPATCH_SM90(D)                                                         \
-  case D:                                                                                 \
-    err = bf16 ? cuda_kernels::run_attention_fwd_sm90<__nv_bfloat16, D>(p, flags, stream) \
-               : cuda_kernels::run_attention_fwd_sm90<__half, D>(p, flags, stream);       \
+      switch (key) {
+#define FLASHMOD_SM90_CASE(Elem, kind, D)                                  \
+  case cuda_kernels::variant_key(ScalarKind::kind, D):                     \
+    err = cuda_kernels::run_attention_fwd_sm90<Elem, D>(p, flags, stream); \
     break;
-      switch (padded) {
-        FLASHMOD_DISPATCH_SM90(64)
-        FLASHMOD_DISPATCH_SM90(128)
-        FLASHMOD_DISPATCH_SM90(256)
+        FLASHMOD_FWD_SM90_VARIANTS(FLASHMOD_SM90_CASE)
+#undef FLASHMOD_SM90_CASE
       }
-#undef FLASHMOD_DISPATCH_SM90
     } else {
-      switch (padded) {
-        FLASHMOD_DISPATCH(32)
-        FLASHMOD_DISPATCH(64)
-        FLASHMOD_DISPATCH(96)
-        FLASHMOD_DISPATCH(128)
-        FLASHMOD_DISPATCH(160)
-        FLASHMOD_DISPATCH(192)
-        FLASHMOD_DISPATCH(224)
-        FLASHMOD_DISPATCH(256)
+      switch (key) {
+#define FLASHMOD_SM80_CASE(Elem, kind, D)                             \
+  case cuda_kernels::variant_key(ScalarKind::kind, D):                \
+    err = cuda_kernels::run_attention_fwd<Elem, D>(p, flags, stream); \
+    break;
+        FLASHMOD_FWD_SM80_VARIANTS(FLASHMOD_SM80_CASE)
+#undef FLASHMOD_SM80_CASE
         default:
           TORCH_CHECK(false, flashmod::error_message("flashmod.attention: unsupported head_dim ",
                                                      p.head_dim));
       }
     }
-#undef FLASHMOD_DISPATCH
   }
   TORCH_CHECK(err != cudaErrorInvalidConfiguration,
               flashmod::error_message(

@@ -3,6 +3,7 @@
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
+#include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "entry_points.h"
 
@@ -47,16 +48,11 @@ cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdRow
                                        cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads_q * st.rows_padded;
   const int64_t blocks = (rows + kWarps - 1) / kWarps;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  if (blocks == 0) return cudaSuccess;
-  if (p.dtype == ScalarKind::kBFloat16) {
-    attention_bwd_rowstats_kernel<__nv_bfloat16>
-        <<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(p, st);
-  } else {
-    attention_bwd_rowstats_kernel<__half>
-        <<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(p, st);
-  }
-  return cudaPeekAtLastError();
+  return p.dtype == ScalarKind::kBFloat16
+             ? cuda::launch_kernel(attention_bwd_rowstats_kernel<__nv_bfloat16>, blocks,
+                                   32 * kWarps, 0, stream, p, st)
+             : cuda::launch_kernel(attention_bwd_rowstats_kernel<__half>, blocks, 32 * kWarps, 0,
+                                   stream, p, st);
 }
 
 }  // namespace flashmod::cuda_kernels

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include "../../common/cuda/kernel_launch.h"
 #include "bwd_sm80_kernel.h"
 #include "entry_points.h"
 
@@ -21,28 +22,12 @@ struct BwdConfig {
   using Q = BwdQTraits<Elem, kHeadDim, 4, kHeadDim <= 128 ? 64 : 32>;
 };
 
-// Launches kernel on a 1-D grid of `blocks` CTAs, opting in to more than 48 KB of dynamic shared
-// memory where needed (per kernel, as CUDA requires).
-template <typename Kernel, typename... Args>
-cudaError_t launch_bwd_kernel(Kernel kernel, int64_t blocks, int threads, int smem_bytes,
-                              cudaStream_t stream, Args... args) {
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  if (blocks == 0) return cudaSuccess;
-  if (smem_bytes > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (err != cudaSuccess) return err;
-  }
-  kernel<<<static_cast<unsigned>(blocks), threads, smem_bytes, stream>>>(args...);
-  return cudaPeekAtLastError();
-}
-
 template <class Tr, bool kGeneral, int kWhich>
 cudaError_t launch_bwd_dkdv(const AttentionBwdParams& p, const BwdRowStats& st,
                             cudaStream_t stream) {
   const int64_t blocks = (p.seqlen_k + Tr::Bc - 1) / Tr::Bc * p.heads_kv * p.batch;
-  return launch_bwd_kernel(attention_bwd_dkdv_kernel<Tr, kGeneral, kWhich>, blocks, Tr::kNThreads,
-                           Tr::kSmemBytes, stream, p, st);
+  return cuda::launch_kernel(attention_bwd_dkdv_kernel<Tr, kGeneral, kWhich>, blocks, Tr::kNThreads,
+                             Tr::kSmemBytes, stream, p, st);
 }
 
 template <typename Elem, int kHeadDim, bool kGeneral>
@@ -59,8 +44,8 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
   if (err != cudaSuccess) return err;
   using TrQ = typename Cfg::Q;
   const int64_t blocks = (p.seqlen_q + TrQ::Br - 1) / TrQ::Br * p.heads_q * p.batch;
-  return launch_bwd_kernel(attention_bwd_dq_kernel<TrQ, kGeneral>, blocks, TrQ::kNThreads,
-                           TrQ::kSmemBytes, stream, p, st);
+  return cuda::launch_kernel(attention_bwd_dq_kernel<TrQ, kGeneral>, blocks, TrQ::kNThreads,
+                             TrQ::kSmemBytes, stream, p, st);
 }
 
 template <typename Elem, int kHeadDim>

@@ -12,6 +12,11 @@
 
 namespace flashmod::cuda_kernels {
 
+// CTAs of that grid: one per (query block of br rows, split, head, batch). Host and device.
+__host__ __device__ inline int64_t cta_count(const AttentionParams& p, int br, int splits = 1) {
+  return (p.seqlen_q + br - 1) / br * splits * p.heads_q * p.batch;
+}
+
 struct CtaTile {
   int m_block;  // query block (already reversed for right-bounded windows, see below)
   int split;    // key range part, 0 .. splits-1

@@ -19,9 +19,11 @@
 
 #include <cstdint>
 
+#include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "cta_tile.h"
 #include "entry_points.h"
+#include "online_softmax.h"
 #include "visibility.h"
 
 namespace flashmod::cuda_kernels {
@@ -133,11 +135,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   const float log2e = 1.4426950408889634f;
 
   float o[kDTiles][4] = {};
-  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
   // l and its rescale factor in double, as in the FFMA kernel: lse = log(l) + m keeps the error
   // of an fp32 alpha, which O / l cancels.
-  double l[2] = {0.0, 0.0};
-  float cm_prev[2] = {0.f, 0.f};
+  OnlineSoftmaxRowF64 row[2];
+  row[0].init(), row[1].init();
 
   auto load_kv = [&](float* dst, const float* src, int64_t row_stride, int n) {
     const int64_t k0 = static_cast<int64_t>(n) * kBc;
@@ -219,18 +220,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     float alpha[2], cm[2];
 #pragma unroll
-    for (int ri = 0; ri < 2; ++ri) {
-      const float m_new = fmaxf(m[ri], quad_max(block_max[ri]));
-      cm[ri] = m_new == -CUDART_INF_F ? 0.f : m_new * log2e;  // no (-inf) - (-inf)
-      const double alpha_d =
-          m[ri] == -CUDART_INF_F
-              ? 0.0
-              : exp2(static_cast<double>(cm_prev[ri]) - static_cast<double>(cm[ri]));
-      cm_prev[ri] = cm[ri];
-      m[ri] = m_new;
-      alpha[ri] = static_cast<float>(alpha_d);
-      l[ri] *= alpha_d;
-    }
+    for (int ri = 0; ri < 2; ++ri)
+      alpha[ri] = row[ri].rescale(quad_max(block_max[ri]), log2e, cm[ri]);
     // P as the A operand of P V_j, relabelled (see the top) and split into tf32 halves.
     uint32_t p_hi[kKTiles][4], p_lo[kKTiles][4];
     float sum[2] = {0.f, 0.f};
@@ -247,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       split_tf32(__float_as_uint(pr[1]), p_hi[kt][2], p_lo[kt][2]);
       split_tf32(__float_as_uint(pr[3]), p_hi[kt][3], p_lo[kt][3]);
     }
-    l[0] += sum[0], l[1] += sum[1];
+    row[0].add(sum[0]), row[1].add(sum[1]);
 
     cp_async_wait<1>();  // this thread's V_j copies have landed (K_{j+1} may be in flight)
     __syncthreads();     // ... and every thread's
@@ -278,13 +269,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
-    double total = l[ri];
-    total += __shfl_xor_sync(0xffffffffu, total, 1);
-    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    float inv_l, lse;
+    row[ri].finish(log2e, inv_l, lse);  // all lanes: it shuffles within the quad
     const int r = row_in_tile[ri];
     if (r >= rows_q) continue;
-    const bool empty = m[ri] == -CUDART_INF_F || !(total > 0.0);
-    const float inv_l = empty ? 0.f : static_cast<float>(1.0 / total);
     float* o_row = gp.out + static_cast<int64_t>(r) * p.out_row_stride;
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
@@ -293,18 +281,14 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int col = dt * 8 + 2 * t + e;
         if (col < head_dim) o_row[col] = o[dt][2 * ri + e] * inv_l;
       }
-    // In double, once per row: the p's were exp2(log2e x - cm) with this same cm.
-    if (t == 0)
-      gp.lse[r] = empty ? -CUDART_INF_F
-                        : static_cast<float>(log(total) + static_cast<double>(m[ri] * log2e) *
-                                                              0.6931471805599453);
+    if (t == 0) gp.lse[r] = lse;
   }
 }
 
 template <int kHeadDim>
 cudaError_t launch_fp32_tc(const AttentionParams& p, bool vec16, cudaStream_t stream) {
-  return launch_per_query_block(attention_fwd_fp32_tc_kernel<kHeadDim>, p, kBr, kThreads,
-                                Tf32Tile<kHeadDim>::kBytes, stream, p, vec16);
+  return cuda::launch_kernel(attention_fwd_fp32_tc_kernel<kHeadDim>, cta_count(p, kBr), kThreads,
+                             Tf32Tile<kHeadDim>::kBytes, stream, p, vec16);
 }
 
 bool aligned16(const void* ptr) {

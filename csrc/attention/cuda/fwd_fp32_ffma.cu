@@ -13,9 +13,11 @@
 
 #include <cstdint>
 
+#include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "cta_tile.h"
 #include "entry_points.h"
+#include "online_softmax.h"
 #include "visibility.h"
 
 namespace flashmod::cuda_kernels {
@@ -79,12 +81,11 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
 
   load_tile<kBr, kHeadDim>(sQ, gQ, p.q_row_stride, rows_q, head_dim, tid);
   float O[kColChunks][4] = {};
-  float m = -CUDART_INF_F;
   // l and its rescale factor in double (once per row and key block, cheap here): O's error from
   // an approximate alpha cancels in O / l, but lse = log(l) + m keeps it, and fp32 alpha/l put
   // lse ~5x above a plain fp32 computation's error at ~1000 keys.
-  double l = 0.0;
-  float cm_prev = 0.f;
+  OnlineSoftmaxRowF64 row;
+  row.init();
 
   for (int n = range.lo; n < range.hi; ++n) {
     // The previous block's K_j/V_j/P are no longer read by any thread.
@@ -117,16 +118,8 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
       s[kk] = visible ? x : -CUDART_INF_F;
       block_max = fmaxf(block_max, s[kk]);
     }
-    block_max = quad_max(block_max);
-    const float m_new = fmaxf(m, block_max);
-    const float cm = m_new == -CUDART_INF_F ? 0.f : m_new * log2e;  // no (-inf) - (-inf)
-    // The earlier p's were exp2(x L - cm_prev) with the same fp32 rounding of L = log2(e), so
-    // exp2(cm_prev - cm) rescales them exactly (up to double rounding).
-    const double alpha_d =
-        m == -CUDART_INF_F ? 0.0 : exp2(static_cast<double>(cm_prev) - static_cast<double>(cm));
-    cm_prev = cm;
-    const float alpha = static_cast<float>(alpha_d);
-    m = m_new;
+    float cm;
+    const float alpha = row.rescale(quad_max(block_max), log2e, cm);
     float sum = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kKeysPerThread; ++kk) {
@@ -134,7 +127,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
       sum += pij;
       sP[r * kLdP + sub + 4 * kk] = pij;
     }
-    l = l * alpha_d + sum;
+    row.add(sum);
 #pragma unroll
     for (int c = 0; c < kColChunks; ++c)
 #pragma unroll
@@ -154,11 +147,8 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
     }
   }
 
-  double sum = l;
-  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-  const bool empty = m == -CUDART_INF_F || !(sum > 0.0);
-  const float inv_l = empty ? 0.f : static_cast<float>(1.0 / sum);
+  float inv_l, lse;
+  row.finish(log2e, inv_l, lse);  // all lanes: it shuffles within the quad
   if (r < rows_q) {
     float* o_row = gO + static_cast<int64_t>(r) * p.out_row_stride;
 #pragma unroll
@@ -168,19 +158,14 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
         const int col = 4 * (sub + 4 * c) + e;
         if (col < head_dim) o_row[col] = O[c][e] * inv_l;
       }
-    // In double, once per row: the p's were exp2(log2e x - cm) with this same cm, so
-    // lse = ln(sum) + cm ln(2) exactly; fp32 logf (approximate under fast math) costs ~1e-6.
-    const float cm = m * log2e;
-    if (sub == 0)
-      gLse[r] = empty ? -CUDART_INF_F
-                      : static_cast<float>(log(sum) + static_cast<double>(cm) * 0.6931471805599453);
+    if (sub == 0) gLse[r] = lse;
   }
 }
 
 template <int kHeadDim>
 cudaError_t launch_fp32(const AttentionParams& p, cudaStream_t stream) {
-  return launch_per_query_block(attention_fwd_fp32_kernel<kHeadDim>, p, kBr, kThreads,
-                                Fp32Smem<kHeadDim>::kBytes, stream, p);
+  return cuda::launch_kernel(attention_fwd_fp32_kernel<kHeadDim>, cta_count(p, kBr), kThreads,
+                             Fp32Smem<kHeadDim>::kBytes, stream, p);
 }
 
 }  // namespace

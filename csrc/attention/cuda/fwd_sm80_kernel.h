@@ -33,7 +33,7 @@ namespace flashmod::cuda_kernels {
 //     window rule is applied to the position, row % pos_period;
 //   * split-KV (sk.splits > 1): each CTA walks one part of its key blocks and writes its rows'
 //     normalized partial O and lse (fp32) to sk's workspace; attention_fwd_split_combine_kernel
-//     merges them.
+//     (split_combine.h) merges them.
 // Without kDecode, sk is unused and the kernel is the prefill kernel, unchanged.
 template <class Tr, bool kGeneral, bool kDecode = false>
 __global__ void __launch_bounds__(Tr::kNThreads)

@@ -1,14 +1,17 @@
 // Tile choices per head dim and the (torch-free) launch of the tensor-core kernel. Each
-// attention_fwd_<dtype>_hd<D>.cu instantiates one run_attention_fwd so ninja compiles the
-// 16 variants in parallel.
+// generated/fwd_sm80_<dtype>_hd<D>.cu (tools/gen_kernels.py) instantiates the entry points of one
+// variant, so ninja compiles them in parallel.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <atomic>
 
+#include "../../common/cuda/kernel_launch.h"
+#include "decode_heuristics.h"
 #include "entry_points.h"
 #include "fwd_sm80_kernel.h"
+#include "split_combine.h"
 
 namespace flashmod::cuda_kernels {
 
@@ -45,18 +48,9 @@ FLASHMOD_CONFIG(256, 64, 64, 4, 2, false)
 template <class Tr>
 cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cudaStream_t stream) {
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
-  const int64_t blocks = (p.seqlen_q + Tr::Br - 1) / Tr::Br * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   auto kernel = general ? attention_fwd_kernel<Tr, true> : attention_fwd_kernel<Tr, false>;
-  if (Tr::kSmemBytes > 48 * 1024) {
-    // Dynamic shared memory above 48 KB is opt-in per kernel.
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-    if (err != cudaSuccess) return err;
-  }
-  kernel<<<static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, flags,
-                                                                                   SplitKvArgs{});
-  return cudaSuccess;  // the caller checks the launch itself (cudaGetLastError)
+  return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads, Tr::kSmemBytes, stream, p,
+                             flags, SplitKvArgs{});
 }
 
 template <typename Elem, int kHeadDim>
@@ -74,58 +68,8 @@ cudaError_t run_attention_fwd(const AttentionParams& p, const FwdLaunchFlags& fl
 // two CTAs per SM on sm80 and sm90.
 template <typename Elem, int kHeadDim>
 struct DecodeConfig {
-  using Traits = FwdTraits<Elem, kHeadDim, 64, kDecodeBc, 4, 2, (kHeadDim <= 128)>;
+  using Traits = FwdTraits<Elem, kHeadDim, 64, 64, 4, 2, (kHeadDim <= 128)>;
 };
-
-// Merges the splits of each row: with M = max_s lse_s, lse = M + log(sum_s exp(lse_s - M)) and
-// out = sum_s exp(lse_s - lse) O_s (each O_s normalized by its own sum, so the weights are the
-// splits' shares of the total). Splits with lse_s = -inf saw no visible key and are skipped
-// (their O_s is not even read); a row whose splits are all empty gets out = 0, lse = -inf.
-// One warp per row, lanes over 4-column groups; the splits are summed in index order by every
-// lane, so the result is deterministic. Weights in double: a few hundred exps per row.
-constexpr int kCombineWarps = 4;
-template <typename Elem, int kHeadDim>
-__global__ void __launch_bounds__(32 * kCombineWarps)
-    attention_fwd_split_combine_kernel(const AttentionParams p, const SplitKvArgs sk) {
-  const int lane = threadIdx.x % 32;
-  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
-  if (row >= rows) return;
-  const int64_t bh = row / p.seqlen_q, r = row % p.seqlen_q;
-  const int64_t h = bh % p.heads_q, b = bh / p.heads_q;
-  Elem* out = static_cast<Elem*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride +
-              r * p.out_row_stride;
-  const int head_dim = static_cast<int>(p.head_dim);
-
-  float m = -CUDART_INF_F;
-  for (int s = 0; s < sk.splits; ++s) m = fmaxf(m, sk.lse[s * rows + row]);
-  if (m == -CUDART_INF_F) {
-    for (int col = lane; col < head_dim; col += 32) out[col] = from_float<Elem>(0.f);
-    if (lane == 0) p.lse[row] = -CUDART_INF_F;
-    return;
-  }
-  double sum = 0.0;
-  for (int s = 0; s < sk.splits; ++s) sum += exp(static_cast<double>(sk.lse[s * rows + row]) - m);
-  const double lse = static_cast<double>(m) + log(sum);  // sum >= 1: the max split adds 1
-  for (int c0 = 4 * lane; c0 < kHeadDim; c0 += 128) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < sk.splits; ++s) {
-      const float ls = sk.lse[s * rows + row];
-      if (ls == -CUDART_INF_F) continue;
-      const float w = static_cast<float>(exp(static_cast<double>(ls) - lse));
-      const float4 o = *reinterpret_cast<const float4*>(sk.o + (s * rows + row) * kHeadDim + c0);
-      acc.x = fmaf(w, o.x, acc.x);
-      acc.y = fmaf(w, o.y, acc.y);
-      acc.z = fmaf(w, o.z, acc.z);
-      acc.w = fmaf(w, o.w, acc.w);
-    }
-    if (c0 < head_dim) out[c0] = from_float<Elem>(acc.x);
-    if (c0 + 1 < head_dim) out[c0 + 1] = from_float<Elem>(acc.y);
-    if (c0 + 2 < head_dim) out[c0 + 2] = from_float<Elem>(acc.z);
-    if (c0 + 3 < head_dim) out[c0 + 3] = from_float<Elem>(acc.w);
-  }
-  if (lane == 0) p.lse[row] = static_cast<float>(lse);
-}
 
 constexpr int kMaxCachedDevices = 64;
 // Resident CTAs per SM of a decode kernel, from the occupancy calculator, cached per device.
@@ -135,7 +79,8 @@ int decode_ctas_per_sm(Kernel kernel, int threads, int smem, std::atomic<int>* c
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxCachedDevices) return 1;
   int n = cache[dev].load(std::memory_order_relaxed);
   if (n > 0) return n;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess ||
+  if (cuda::allow_dynamic_smem(kernel, smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess ||
       n < 1)
     n = 1;
   cache[dev].store(n, std::memory_order_relaxed);  // racing callers store the same value
@@ -150,12 +95,7 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
   auto kernel =
       general ? attention_fwd_kernel<Tr, true, true> : attention_fwd_kernel<Tr, false, true>;
-  if (Tr::kSmemBytes > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-    if (err != cudaSuccess) return err;
-  }
-  const int64_t ctas = (p.seqlen_q + Tr::Br - 1) / Tr::Br * p.heads_q * p.batch;
+  const int64_t ctas = cta_count(p, Tr::Br);
   int splits = opt.forced_splits;
   if (splits <= 0) {
     static std::atomic<int> per_sm_cache[2][kMaxCachedDevices];
@@ -164,7 +104,7 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
     splits = choose_splits(ctas, decode_key_blocks(p, Tr::Bc),
                            static_cast<int64_t>(opt.num_sms) * per_sm);
   }
-  if (ctas * splits > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (ctas * splits > cuda::kMaxGridBlocks) return cudaErrorInvalidConfiguration;
 
   SplitKvArgs sk;
   sk.splits = splits;
@@ -176,17 +116,10 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
     sk.o = w;
     sk.lse = w + static_cast<size_t>(splits) * rows * kHeadDim;
   }
-  kernel<<<static_cast<unsigned>(ctas * splits), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, flags,
-                                                                                          sk);
-  if (splits > 1) {
-    const cudaError_t err = cudaPeekAtLastError();
-    if (err != cudaSuccess) return err;
-    const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
-    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    attention_fwd_split_combine_kernel<Elem, kHeadDim>
-        <<<static_cast<unsigned>(blocks), 32 * kCombineWarps, 0, stream>>>(p, sk);
-  }
-  return cudaSuccess;
+  const cudaError_t err = cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads, Tr::kSmemBytes,
+                                              stream, p, flags, sk);
+  if (err != cudaSuccess || splits == 1) return err;
+  return launch_split_combine<Elem, kHeadDim>(p, sk, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

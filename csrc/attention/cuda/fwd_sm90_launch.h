@@ -1,9 +1,12 @@
 // Tile choices and the (torch-free) launch of the Hopper wgmma kernel. Each
-// attention_fwd_sm90_<dtype>_hd<D>.cu instantiates one run_attention_fwd_sm90.
+// generated/fwd_sm90_<dtype>_hd<D>.cu (tools/gen_kernels.py) instantiates one
+// run_attention_fwd_sm90.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include "../../common/cuda/kernel_launch.h"
+#include "cta_tile.h"
 #include "entry_points.h"
 #include "fwd_sm90_kernel.h"
 
@@ -47,17 +50,11 @@ cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cu
   const bool transformed = p.softcap > 0.0 || !(p.scale > 0.0);
   const bool bool_mask = p.mask_kind == MaskKind::kBool && !transformed;
   const bool general = transformed || (p.mask_kind != MaskKind::kNone && !bool_mask);
-  const int64_t blocks = (p.seqlen_q + Tr::Br - 1) / Tr::Br * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   auto kernel = general     ? attention_fwd_sm90_kernel<Tr, true, false>
                 : bool_mask ? attention_fwd_sm90_kernel<Tr, false, true>
                             : attention_fwd_sm90_kernel<Tr, false, false>;
-  // Over 48 KB of dynamic shared memory is opt-in per kernel.
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, flags);
-  return cudaSuccess;  // the caller checks the launch itself (cudaGetLastError)
+  return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads, Tr::kSmemBytes, stream, p,
+                             flags);
 }
 
 }  // namespace sm90

@@ -1,10 +1,13 @@
-// Online softmax over the mma accumulator layout (FlashAttention's m and l per row).
+// The online softmax (FlashAttention's running max m and sum l per row) of every CUDA attention
+// kernel. Scores arrive in "logit units" x with p = exp2(c * x - c * m): the plain fp16/bf16 path
+// passes raw q.k and c = scale * log2(e), so the scale costs nothing (it rides in the exp2's
+// FFMA); the other paths pass finished scores and c = log2(e).
 //
-// A thread holds, for each of its m16 tiles, two rows (lane/4 and lane/4 + 8) and in each n8
-// tile two adjacent columns of each: element e of an accumulator quad belongs to row half e/2.
-// Scores arrive in "logit units" x with p = exp2(c * x - c * m): the plain path passes raw q.k
-// and c = scale * log2(e), so the scale costs nothing (it rides in the exp2's FFMA); the general
-// path passes finished scores and c = log2(e).
+// online_softmax_rescale is the step every kernel takes per row and key block. Around it:
+// OnlineSoftmax runs it over the mma accumulator layout with fp32 sums (sm80 and sm90 kernels);
+// OnlineSoftmaxRowF64 keeps one row's sum in double for the fp32 kernels, whose lse must stay at
+// fp32 accuracy. The fp32 kernels form and consume P in their own layouts (a quad per row in
+// shared memory; tf32 halves), so only the per-row state and step are shared with them.
 #pragma once
 
 #include <math_constants.h>
@@ -13,6 +16,66 @@
 
 namespace flashmod::cuda_kernels {
 
+// A row's block max (over the whole row: quad-reduced) joins its running max m. Sets cm, the
+// exp2 offset of this block's p = exp2(c x - cm), and returns alpha = exp2(cm_old - cm), the
+// factor that rescales what was summed under the old offset cm_old = c m_old (0 on the first
+// visible block). Sum: float, or double for the fp32 kernels (lse = log(l) + m keeps alpha's
+// error; O / l cancels it).
+template <typename Sum>
+__device__ __forceinline__ Sum online_softmax_rescale(float& m, float block_max, float c,
+                                                      float cm_old, float& cm) {
+  const float m_new = fmaxf(m, block_max);
+  // A row with nothing visible yet keeps m = -inf; subtracting 0 instead of -inf keeps
+  // exp2(-inf - m) at 0 rather than NaN.
+  cm = m_new == -CUDART_INF_F ? 0.f : c * m_new;
+  Sum alpha;
+  if constexpr (sizeof(Sum) == sizeof(float)) {
+    alpha = exp2f(cm_old - cm);  // cm_old = c * (-inf) before the first visible block
+  } else {
+    alpha = m == -CUDART_INF_F ? 0.0 : exp2(static_cast<double>(cm_old) - static_cast<double>(cm));
+  }
+  m = m_new;
+  return alpha;
+}
+
+// One row of an fp32 kernel: running max, sum in double.
+struct OnlineSoftmaxRowF64 {
+  float m;   // running row max of x (-inf while no key was visible)
+  double l;  // this thread's part of the row sum; the quad's parts are added in finish
+  // The previous block's cm, kept rather than recomputed as c m: that kept the 3xTF32 kernel's
+  // registers and spills as they were (recomputing it added 8-12 bytes of spills on sm_90a).
+  float cm_prev;
+
+  __device__ __forceinline__ void init() { m = -CUDART_INF_F, l = 0.0, cm_prev = 0.f; }
+
+  // Rescales l for a new block; returns alpha (for O) and sets cm (see online_softmax_rescale).
+  // The caller adds the block's p's with add().
+  __device__ __forceinline__ float rescale(float block_max, float c, float& cm) {
+    const double alpha = online_softmax_rescale<double>(m, block_max, c, cm_prev, cm);
+    cm_prev = cm;
+    l *= alpha;
+    return static_cast<float>(alpha);
+  }
+  __device__ __forceinline__ void add(float sum) { l += sum; }
+
+  // Row normalizer 1/l (0 for a row that never saw a visible key) and the row's lse in natural-log
+  // units (-inf for such a row), from the quad's four partial sums: all four lanes must call it.
+  __device__ __forceinline__ void finish(float c, float& inv_l, float& lse) const {
+    double sum = l;
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const bool empty = m == -CUDART_INF_F || !(sum > 0.0);
+    inv_l = empty ? 0.f : static_cast<float>(1.0 / sum);
+    // In double, once per row: the p's were exp2(c x - cm) with this same cm = c m, so
+    // lse = ln(sum) + cm ln(2) exactly; fp32 logf (approximate under fast math) costs ~1e-6.
+    lse = empty ? -CUDART_INF_F
+                : static_cast<float>(log(sum) + static_cast<double>(c * m) * 0.6931471805599453);
+  }
+};
+
+// Over the mma accumulator layout: a thread holds, for each of its m16 tiles, two rows (lane/4 and
+// lane/4 + 8) and in each n8 tile two adjacent columns of each: element e of an accumulator quad
+// belongs to row half e/2.
 template <int kMTiles>
 struct OnlineSoftmax {
   float m[kMTiles][2];  // running row max of x (-inf while no key was visible)
@@ -38,13 +101,9 @@ struct OnlineSoftmax {
 #pragma unroll
         for (int ni = 0; ni < kNTiles; ++ni)
           block_max = fmaxf(block_max, fmaxf(S[mi][ni][2 * h], S[mi][ni][2 * h + 1]));
-        block_max = quad_max(block_max);
-        const float m_new = fmaxf(m[mi][h], block_max);
-        // A row with nothing visible yet keeps m = -inf; subtracting 0 instead of -inf keeps
-        // exp2(-inf - m) at 0 rather than NaN.
-        const float cm = m_new == -CUDART_INF_F ? 0.f : c * m_new;
-        const float alpha = exp2f(c * m[mi][h] - cm);  // 0 on the first visible block
-        m[mi][h] = m_new;
+        float cm;
+        const float alpha =
+            online_softmax_rescale<float>(m[mi][h], quad_max(block_max), c, c * m[mi][h], cm);
         float sum = 0.f;
 #pragma unroll
         for (int ni = 0; ni < kNTiles; ++ni) {

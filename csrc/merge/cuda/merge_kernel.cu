@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
+#include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "merge_launch.h"
 
@@ -79,11 +80,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock) merge_attention_kernel(const
 template <typename Elem, int kVec, int kLanes>
 cudaError_t launch_with(const MergeParams& p, cudaStream_t stream) {
   constexpr int kRowsPerBlock = kThreadsPerBlock / kLanes;
-  const int64_t blocks = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  merge_attention_kernel<Elem, kVec, kLanes>
-      <<<static_cast<unsigned>(blocks), kThreadsPerBlock, 0, stream>>>(p);
-  return cudaPeekAtLastError();
+  return cuda::launch_kernel(merge_attention_kernel<Elem, kVec, kLanes>,
+                             (p.rows + kRowsPerBlock - 1) / kRowsPerBlock, kThreadsPerBlock, 0,
+                             stream, p);
 }
 
 // Lanes per row: two 16-byte chunks per lane where the row has them, so each lane keeps two

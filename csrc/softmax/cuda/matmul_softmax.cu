@@ -30,6 +30,7 @@
 // in place, caching the row in registers (one read, one write) unless it is very long.
 #include <cstdlib>
 
+#include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "../../common/cuda/smem_tile.h"
 #include "softmax_common.cuh"
@@ -750,14 +751,12 @@ bool aligned16(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
 }
 
-// Shared memory a launch of `kernel` may take on the current device past the 48 KB default; false
-// when the device refuses (the caller falls back; the error is cleared).
+// A fused launch; false, launching nothing and clearing the error, where it cannot run (too many
+// blocks, or the device refuses the shared memory past 48 KB): the caller falls back.
 template <typename Kernel>
-bool allow_smem(Kernel kernel, int64_t bytes) {
-  if (bytes <= 48 * 1024) return true;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(bytes)) == cudaSuccess)
-    return true;
+bool launch_or_fall_back(Kernel kernel, int64_t blocks, int threads, int64_t smem,
+                         const MatmulSoftmaxParams& p, cudaStream_t stream) {
+  if (launch_kernel(kernel, blocks, threads, smem, stream, p) == cudaSuccess) return true;
   (void)cudaGetLastError();
   return false;
 }
@@ -765,15 +764,11 @@ bool allow_smem(Kernel kernel, int64_t bytes) {
 template <typename T, int kDepth>
 bool launch_fused(const MatmulSoftmaxParams& p, cudaStream_t stream) {
   using Shape = FusedShape<T, kDepth>;
-  const int64_t blocks = (p.rows + Shape::kBM - 1) / Shape::kBM * p.batch * p.heads_a;
-  if (blocks > 0x7fffffff) return false;
-  const auto grid = static_cast<unsigned>(blocks);
   const auto kernel = p.mask_kind == MaskKind::kNone ? matmul_softmax_fused_kernel<T, kDepth, false>
                                                      : matmul_softmax_fused_kernel<T, kDepth, true>;
   // fp32 stages (b's hi and lo tiles) pass the 48 KB of shared memory a launch gets by default.
-  if (!allow_smem(kernel, Shape::kSmemBytes)) return false;
-  kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
-  return true;
+  return launch_or_fall_back(kernel, (p.rows + Shape::kBM - 1) / Shape::kBM * p.batch * p.heads_a,
+                             Shape::kThreads, Shape::kSmemBytes, p, stream);
 }
 
 // The longest rows the single-pass kernel takes: what the device's shared memory per block allows,
@@ -793,14 +788,12 @@ int64_t single_pass_max_cols() {
 }
 
 bool launch_single_pass(const MatmulSoftmaxParams& p, cudaStream_t stream) {
-  const int64_t blocks = (p.rows + RowsShape::kRows - 1) / RowsShape::kRows * p.batch * p.heads_a;
-  if (blocks > 0x7fffffff || p.cols > single_pass_max_cols()) return false;
+  if (p.cols > single_pass_max_cols()) return false;
   const auto kernel = p.mask_kind == MaskKind::kNone ? matmul_softmax_rows_kernel<false>
                                                      : matmul_softmax_rows_kernel<true>;
-  const int64_t smem = RowsShape::smem_bytes(p.cols);
-  if (!allow_smem(kernel, smem)) return false;
-  kernel<<<static_cast<unsigned>(blocks), RowsShape::kThreads, smem, stream>>>(p);
-  return true;
+  return launch_or_fall_back(
+      kernel, (p.rows + RowsShape::kRows - 1) / RowsShape::kRows * p.batch * p.heads_a,
+      RowsShape::kThreads, RowsShape::smem_bytes(p.cols), p, stream);
 }
 
 template <typename T>
@@ -816,26 +809,22 @@ bool launch_fused_typed(const MatmulSoftmaxParams& p, cudaStream_t stream) {
   }
 }
 
+// A block per row: the row cached in registers where it fits 512 threads, else read twice.
 template <typename T, int kVec>
-bool launch_cached(const MatmulSoftmaxParams& p, int64_t rows, cudaStream_t stream) {
-  const auto grid = static_cast<unsigned>(rows);
-  if (p.cols <= 128 * kPacks * kVec) {
-    normalize_cached_kernel<T, kVec, 128><<<grid, 128, 0, stream>>>(p);
-  } else if (p.cols <= 512 * kPacks * kVec) {
-    normalize_cached_kernel<T, kVec, 512><<<grid, 512, 0, stream>>>(p);
-  } else {
-    return false;
-  }
-  return true;
+cudaError_t launch_normalize_rows(const MatmulSoftmaxParams& p, cudaStream_t stream) {
+  const int64_t rows = p.batch * p.heads_a * p.rows;
+  if (p.cols <= 128 * kPacks * kVec)
+    return launch_kernel(normalize_cached_kernel<T, kVec, 128>, rows, 128, 0, stream, p);
+  if (p.cols <= 512 * kPacks * kVec)
+    return launch_kernel(normalize_cached_kernel<T, kVec, 512>, rows, 512, 0, stream, p);
+  return launch_kernel(normalize_logits_kernel<T>, rows, 256, 0, stream, p);
 }
 
 template <typename T>
-void launch_normalize(const MatmulSoftmaxParams& p, cudaStream_t stream) {
+cudaError_t launch_normalize(const MatmulSoftmaxParams& p, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
-  const int64_t rows = p.batch * p.heads_a * p.rows;
   const bool vec = p.cols % kVec == 0 && aligned16(p.out);
-  if (vec ? launch_cached<T, kVec>(p, rows, stream) : launch_cached<T, 1>(p, rows, stream)) return;
-  normalize_logits_kernel<T><<<static_cast<unsigned>(rows), 256, 0, stream>>>(p);
+  return vec ? launch_normalize_rows<T, kVec>(p, stream) : launch_normalize_rows<T, 1>(p, stream);
 }
 
 }  // namespace
@@ -856,13 +845,14 @@ bool launch_matmul_softmax_fused(const MatmulSoftmaxParams& p, cudaStream_t stre
   return launch_fused_typed<__nv_bfloat16>(p, stream);
 }
 
-void launch_normalize_logits_in_place(const MatmulSoftmaxParams& p, cudaStream_t stream) {
+cudaError_t launch_normalize_logits_in_place(const MatmulSoftmaxParams& p, cudaStream_t stream) {
   switch (p.dtype) {
-    case ScalarKind::kFloat32: launch_normalize<float>(p, stream); break;
-    case ScalarKind::kFloat16: launch_normalize<__half>(p, stream); break;
-    case ScalarKind::kBFloat16: launch_normalize<__nv_bfloat16>(p, stream); break;
+    case ScalarKind::kFloat32: return launch_normalize<float>(p, stream);
+    case ScalarKind::kFloat16: return launch_normalize<__half>(p, stream);
+    case ScalarKind::kBFloat16: return launch_normalize<__nv_bfloat16>(p, stream);
     case ScalarKind::kFloat64: break;  // rejected by the host checks before any launch
   }
+  return cudaSuccess;
 }
 
 }  // namespace flashmod::cuda

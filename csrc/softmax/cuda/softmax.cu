@@ -37,6 +37,7 @@
 #include <type_traits>
 
 #include "../../common/cuda/cluster_launch.h"
+#include "../../common/cuda/kernel_launch.h"
 #include "softmax_common.cuh"
 #include "softmax_launch.cuh"
 #include "softmax_stream_sm90.cuh"
@@ -350,9 +351,10 @@ void trace(int64_t n, const char* path, int threads, int64_t blocks_per_row) {
 }
 
 template <typename T, int kVec, int kPacksPerThread, int kThreads, int kMinBlocks>
-void launch_block_per_row(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
-  softmax_lastdim_kernel<T, kVec, kPacksPerThread, kThreads, 1, kMinBlocks, Phase::kWhole>
-      <<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, y, rows, n, n, 1, nullptr);
+cudaError_t launch_block_per_row(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
+  return launch_kernel(
+      softmax_lastdim_kernel<T, kVec, kPacksPerThread, kThreads, 1, kMinBlocks, Phase::kWhole>,
+      rows, kThreads, 0, stream, x, y, rows, n, n, 1, static_cast<float*>(nullptr));
 }
 
 // How many clusters of config's shape fit on the device at once; 0 where none does or the
@@ -430,21 +432,24 @@ bool launch_stream(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t strea
   }
 }
 
+// Launch errors are returned, except on the cluster and two-kernel paths: those launch with 2-D
+// grids (clusters loop over rows past 65535) and a failed cluster launch falls back to the others.
 template <typename T, int kVec>
-void launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
-                    cudaStream_t stream) {
+cudaError_t launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
+                           cudaStream_t stream) {
   constexpr int64_t kPerThread = int64_t(kPacks) * kVec;
   constexpr int kLongPacks = kLongElems / kVec;
   if (n <= 32 * kPerThread) {
-    softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 0, Phase::kWhole>
-        <<<static_cast<unsigned>(ceil_div(rows, kWarpRowsPerBlock)), 32 * kWarpRowsPerBlock, 0,
-           stream>>>(x, y, rows, n, n, 1, nullptr);
+    return launch_kernel(
+        softmax_lastdim_kernel<T, kVec, kPacks, 32, kWarpRowsPerBlock, 0, Phase::kWhole>,
+        ceil_div(rows, kWarpRowsPerBlock), 32 * kWarpRowsPerBlock, 0, stream, x, y, rows, n, n, 1,
+        static_cast<float*>(nullptr));
   } else if (n <= 128 * kPerThread) {
-    launch_block_per_row<T, kVec, kPacks, 128, 0>(x, y, rows, n, stream);
+    return launch_block_per_row<T, kVec, kPacks, 128, 0>(x, y, rows, n, stream);
   } else if (n <= 256 * kPerThread) {
-    launch_block_per_row<T, kVec, kPacks, 256, 0>(x, y, rows, n, stream);
+    return launch_block_per_row<T, kVec, kPacks, 256, 0>(x, y, rows, n, stream);
   } else if (n <= 512 * kPerThread && n <= kShortRow) {
-    launch_block_per_row<T, kVec, kPacks, 512, 0>(x, y, rows, n, stream);
+    return launch_block_per_row<T, kVec, kPacks, 512, 0>(x, y, rows, n, stream);
   } else if (launch_stream<T, kVec>(x, y, rows, n, stream) ||
              launch_cluster<T, kVec, kSmallClusterThreads>(x, y, rows, n, stream) ||
              // 256-thread blocks first: a 64k 16-bit row takes 4 x 256 rather than 2 x 512. Same
@@ -452,10 +457,10 @@ void launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
              // 8-warp block barrier; the 4-block cluster barrier costs little (fp32 at 8 x 256
              // measured 0.90 of copy bandwidth).
              launch_cluster<T, kVec, kLargeClusterThreads>(x, y, rows, n, stream)) {
-    return;
+    return cudaSuccess;
   } else if (n <= int64_t(kNoClusterThreads) * kLongElems) {
-    launch_block_per_row<T, kVec, kLongPacks, kNoClusterThreads, 1>(x, y, rows, n, stream);
     trace(n, "block", kNoClusterThreads, 1);
+    return launch_block_per_row<T, kVec, kLongPacks, kNoClusterThreads, 1>(x, y, rows, n, stream);
   } else {
     const int segments = static_cast<int>(segments_for(n));
     const int64_t segment = ceil_div(ceil_div(n, segments), kVec) * kVec;  // packs never straddle
@@ -466,28 +471,25 @@ void launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
     softmax_lastdim_kernel<T, kVec, kLongPacks, kSegmentThreads, 1, kMin, Phase::kFinish>
         <<<grid, kSegmentThreads, 0, stream>>>(x, y, rows, n, segment, segments, workspace);
     trace(n, "two-kernel", kSegmentThreads, segments);
+    return cudaSuccess;
   }
 }
 
 template <typename T>
-void launch_typed(const SoftmaxParams& p, float* workspace, cudaStream_t stream) {
+cudaError_t launch_typed(const SoftmaxParams& p, float* workspace, cudaStream_t stream) {
   const auto* x = static_cast<const T*>(p.x);
   auto* y = static_cast<T*>(p.y);
   if (p.inner != 1) {
     constexpr int kThreads = 256;
     const int64_t blocks = std::min<int64_t>(ceil_div(p.outer * p.inner, kThreads), 65535);
-    softmax_strided_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        x, y, p.outer, p.dim_size, p.inner);
-    return;
+    return launch_kernel(softmax_strided_kernel<T>, blocks, kThreads, 0, stream, x, y, p.outer,
+                         p.dim_size, p.inner);
   }
   constexpr int kVec = 16 / sizeof(T);
   const bool aligned = p.dim_size % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(y) % 16 == 0;
-  if (aligned) {
-    launch_lastdim<T, kVec>(x, y, p.outer, p.dim_size, workspace, stream);
-  } else {
-    launch_lastdim<T, 1>(x, y, p.outer, p.dim_size, workspace, stream);
-  }
+  return aligned ? launch_lastdim<T, kVec>(x, y, p.outer, p.dim_size, workspace, stream)
+                 : launch_lastdim<T, 1>(x, y, p.outer, p.dim_size, workspace, stream);
 }
 
 }  // namespace
@@ -498,13 +500,14 @@ int64_t softmax_workspace_floats(const SoftmaxParams& p) {
   return p.outer * segments_for(p.dim_size) * 2;
 }
 
-void launch_softmax(const SoftmaxParams& p, float* workspace, cudaStream_t stream) {
+cudaError_t launch_softmax(const SoftmaxParams& p, float* workspace, cudaStream_t stream) {
   switch (p.dtype) {
-    case ScalarKind::kFloat32: launch_typed<float>(p, workspace, stream); break;
-    case ScalarKind::kFloat16: launch_typed<__half>(p, workspace, stream); break;
-    case ScalarKind::kBFloat16: launch_typed<__nv_bfloat16>(p, workspace, stream); break;
+    case ScalarKind::kFloat32: return launch_typed<float>(p, workspace, stream);
+    case ScalarKind::kFloat16: return launch_typed<__half>(p, workspace, stream);
+    case ScalarKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, workspace, stream);
     case ScalarKind::kFloat64: break;  // rejected by the host checks before any launch
   }
+  return cudaSuccess;
 }
 
 }  // namespace flashmod::cuda

@@ -20,8 +20,9 @@ at::Tensor softmax_cuda(const at::Tensor& x, int64_t dim) {
   at::Tensor workspace;
   if (workspace_floats > 0)
     workspace = at::empty({workspace_floats}, x.options().dtype(at::kFloat));
-  launch_softmax(prepared.params, workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr,
-                 at::cuda::getCurrentCUDAStream());
+  C10_CUDA_CHECK(launch_softmax(prepared.params,
+                                workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr,
+                                at::cuda::getCurrentCUDAStream()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return prepared.y;
 }
@@ -35,7 +36,7 @@ at::Tensor matmul_softmax_cuda(const at::Tensor& a, const at::Tensor& b,
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (!launch_matmul_softmax_fused(prepared.params, stream)) {
     logits_into_output(prepared);  // cuBLAS on the same current stream
-    launch_normalize_logits_in_place(prepared.params, stream);
+    C10_CUDA_CHECK(launch_normalize_logits_in_place(prepared.params, stream));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return prepared.out;

@@ -24,6 +24,7 @@
 
 #include "../../common/cuda/bulk_copy_ops.h"
 #include "../../common/cuda/cluster_launch.h"
+#include "../../common/cuda/kernel_launch.h"
 #include "softmax_common.cuh"
 
 namespace flashmod::cuda {
@@ -297,8 +298,7 @@ int usable_sms(int device) {
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
         cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess &&
         attributes.binaryVersion >= 90 &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             sizeof(SharedStorage)) == cudaSuccess &&
+        allow_dynamic_smem(kernel, sizeof(SharedStorage)) == cudaSuccess &&
         cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
             cudaSuccess;
     if (!ok) {

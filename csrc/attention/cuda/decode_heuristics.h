@@ -1,0 +1,74 @@
+// How the decode path shapes its work, from the params alone (host code, no CUDA calls): GQA row
+// packing, the key blocks a call can see, and the split-KV count. attention_cuda.cpp packs;
+// fwd_sm80_launch.h picks the splits.
+#pragma once
+
+#include <cstdint>
+
+#include "../attention_params.h"
+#include "entry_points.h"
+
+namespace flashmod::cuda_kernels {
+
+// GQA packing: folds the g = heads_q / heads_kv query heads of each kv head into one head of
+// g * seqlen_q rows (head-major: row r is q head hk * g + r / seqlen_q at position r % seqlen_q),
+// so each kv head's K/V is streamed once per tile instead of once per q head. Only through
+// strides (no copy): needs one row stride that steps through the packed rows of q and of out,
+// i.e. seqlen_q == 1 or head stride == seqlen_q * row stride, and no mask tensor (its rows are
+// per q head). lse is contiguous (B, Hq, Nq), which is already the packed layout. Returns false
+// and leaves p alone when it does not apply.
+inline bool pack_gqa_rows(AttentionParams& p) {
+  const int64_t g = p.heads_q / p.heads_kv, nq = p.seqlen_q;
+  if (g <= 1 || p.mask_kind != MaskKind::kNone || nq > kDecodeMaxNq) return false;
+  auto packed_row_stride = [nq](int64_t head_stride, int64_t row_stride) -> int64_t {
+    if (nq == 1) return head_stride;
+    return head_stride == nq * row_stride ? row_stride : -1;
+  };
+  const int64_t q_rs = packed_row_stride(p.q_head_stride, p.q_row_stride);
+  const int64_t o_rs = packed_row_stride(p.out_head_stride, p.out_row_stride);
+  if (q_rs < 0 || o_rs < 0) return false;
+  p.q_row_stride = q_rs, p.q_head_stride *= g;
+  p.out_row_stride = o_rs, p.out_head_stride *= g;
+  p.pos_period = nq;
+  p.seqlen_q = g * nq;
+  p.heads_q = p.heads_kv;
+  return true;
+}
+
+// Key blocks the query positions can see at all (an estimate for the split heuristic: the union
+// over positions of the window rule).
+inline int64_t decode_key_blocks(const AttentionParams& p, int bc) {
+  const int64_t positions = p.pos_period > 0 ? p.pos_period : p.seqlen_q;
+  int64_t lo = 0, hi = p.seqlen_k;
+  if (p.window_left >= 0 && p.diag_offset - p.window_left > lo) lo = p.diag_offset - p.window_left;
+  if (p.window_right >= 0 && p.diag_offset + positions + p.window_right < hi)
+    hi = p.diag_offset + positions + p.window_right;
+  return hi > lo ? (hi - lo + bc - 1) / bc : 1;
+}
+
+// Split-KV heuristic. A decode grid has one CTA per (query block, head): often far fewer than
+// the SMs can hold, so most of HBM's bandwidth idles while each CTA walks all of Nk. Splitting
+// every CTA's key blocks into `splits` runs multiplies the grid; aim for one full wave of
+// resident CTAs (slots = SMs x CTAs per SM): every SM streams, and each split stays as long as
+// possible. Measured on an H100 (tools/decode_splits.py, bf16, B 8, Hq 32 / Hkv 8, D 128,
+// Nq 1; 64 packed CTAs, 264 slots): one wave (4 splits) 8.05 / 10.92 / 12.15 TFLOP/s at Nk 4k /
+// 16k / 64k, two waves (8 splits) 7.43 / 10.69 / 11.99, FLASH 8.05 / 10.93 / 12.09. floor()
+// keeps the grid at or just under a full wave. Each split keeps >= kMinBlocksPerSplit key blocks
+// (256 keys) so its fixed costs (Q load, pipeline fill, partial write, its share of the combine)
+// stay small next to its K/V stream, and splits <= kMaxSplits bounds the workspace and the
+// combine's loop. A grid that already fills a wave is not split. Last, the count is evened out:
+// with per = ceil(blocks / splits) blocks each, ceil(blocks / per) splits cover them with no empty
+// split.
+constexpr int64_t kMinBlocksPerSplit = 4;
+constexpr int64_t kMaxSplits = 128;
+inline int choose_splits(int64_t ctas, int64_t key_blocks, int64_t slots) {
+  if (ctas <= 0 || ctas >= slots) return 1;
+  int64_t s = slots / ctas;
+  if (s > key_blocks / kMinBlocksPerSplit) s = key_blocks / kMinBlocksPerSplit;
+  if (s > kMaxSplits) s = kMaxSplits;
+  if (s <= 1) return 1;
+  const int64_t per = (key_blocks + s - 1) / s;
+  return static_cast<int>((key_blocks + per - 1) / per);
+}
+
+}  // namespace flashmod::cuda_kernels

@@ -1,0 +1,42 @@
+// The one way the library launches a kernel: the grid-size check, the opt-in to more than 48 KB
+// of dynamic shared memory, the launch, and its error as the return value. Host code, no torch;
+// cudaLaunchKernelEx rather than <<<>>> because the host compiler reads this header too.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace flashmod::cuda {
+
+// gridDim.x's limit. Callers that can exceed it turn cudaErrorInvalidConfiguration into an error
+// message that names their shapes.
+constexpr int64_t kMaxGridBlocks = 0x7fffffff;
+
+// Dynamic shared memory above 48 KB is opt-in, per kernel (and needed before an occupancy query
+// of a kernel that uses that much).
+template <typename Kernel>
+cudaError_t allow_dynamic_smem(Kernel kernel, int64_t smem_bytes) {
+  if (smem_bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem_bytes));
+}
+
+// kernel(args...) on `blocks` CTAs (a 1-D grid) of `threads` threads with smem_bytes of dynamic
+// shared memory, on stream. Returns cudaErrorInvalidConfiguration, launching nothing, when blocks
+// is past kMaxGridBlocks; else the opt-in's error or the launch's.
+template <typename Kernel, typename... Args>
+cudaError_t launch_kernel(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes,
+                          cudaStream_t stream, Args... args) {
+  if (blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
+  const cudaError_t err = allow_dynamic_smem(kernel, smem_bytes);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+  config.stream = stream;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+}  // namespace flashmod::cuda
