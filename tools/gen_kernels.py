@@ -50,7 +50,7 @@ FAMILIES = (
         "run_attention_fwd_sm90(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
     )),
     Family("bwd_sm80", "bwd_sm80_launch.h", HEAD_DIMS, (
-        "run_attention_bwd(const AttentionBwdParams&, const BwdWorkspace&, cudaStream_t)",
+        "run_attention_bwd(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
     )),
 )  # fmt: skip
 

@@ -14,7 +14,6 @@
 #include <cstdint>
 
 #include "../../common/error_message.h"
-#include "../../common/knobs.h"
 #include "../attention_host.h"
 #include "entry_points.h"
 #include "generated/kernel_variants.h"
@@ -77,26 +76,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   fix(r.grad_out, p.grad_out, p.grad_out_batch_stride, p.grad_out_head_stride,
       p.grad_out_row_stride);
 
-  cuda_kernels::BwdWorkspace st;
+  cuda_kernels::BwdRowStats st;
   st.rows_padded = (p.seqlen_q + cuda_kernels::kBwdRowPad - 1) / cuda_kernels::kBwdRowPad *
                    cuda_kernels::kBwdRowPad;
   at::Tensor stats =
       at::empty({2, p.batch * p.heads_q * st.rows_padded}, q.options().dtype(at::kFloat));
   st.lse2 = stats[0].data_ptr<float>();
   st.delta = stats[1].data_ptr<float>();
-  // FLASHMOD_BWD_DQ (experiment): 0 a dQ pass of its own, 1 dQ added by the dK/dV kernel in
-  // key-block order, 2 in any order (not deterministic).
-  st.dq_mode = static_cast<int>(env_int("FLASHMOD_BWD_DQ", 0));
-  TORCH_CHECK(st.dq_mode >= 0 && st.dq_mode <= 2, "FLASHMOD_BWD_DQ must be 0, 1 or 2");
-  at::Tensor dq_accum, dq_turns;
-  if (st.dq_mode != cuda_kernels::kDQPass) {
-    const int64_t rows = p.batch * p.heads_q * st.rows_padded;
-    dq_accum = at::zeros({rows, padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim)},
-                         q.options().dtype(at::kFloat));
-    dq_turns = at::zeros({rows / cuda_kernels::kBwdMinBr}, q.options().dtype(at::kInt));
-    st.dq_accum = dq_accum.data_ptr<float>();
-    st.dq_turns = dq_turns.data_ptr<int>();
-  }
   st.vec_store = rows_aligned4(r.grad_q) && rows_aligned4(r.grad_k) && rows_aligned4(r.grad_v);
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

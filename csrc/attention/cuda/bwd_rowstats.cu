@@ -1,4 +1,4 @@
-// The backward's row statistics (entry_points.h: BwdWorkspace): one warp per query row.
+// The backward's row statistics (entry_points.h: BwdRowStats): one warp per query row.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math_constants.h>
@@ -14,7 +14,7 @@ constexpr int kWarps = 4;
 
 template <typename Elem>
 __global__ void __launch_bounds__(32 * kWarps)
-    attention_bwd_rowstats_kernel(const AttentionBwdParams p, const BwdWorkspace st) {
+    attention_bwd_rowstats_kernel(const AttentionBwdParams p, const BwdRowStats st) {
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t bh = row / st.rows_padded, i = row % st.rows_padded;
@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(32 * kWarps)
 
 }  // namespace
 
-cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdWorkspace& st,
+cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdRowStats& st,
                                        cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads_q * st.rows_padded;
   const int64_t blocks = (rows + kWarps - 1) / kWarps;

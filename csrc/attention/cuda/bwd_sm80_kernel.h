@@ -163,102 +163,9 @@ __device__ __forceinline__ QueryRange visible_queries(const AttentionParams& p, 
   return {lo, hi};
 }
 
-// The key blocks (of width Bc) whose dK/dV CTAs visit query block m (of Br rows) are consecutive
-// (visible_queries only grows with the key index); the last of them is the first to reach m (a
-// CTA's query blocks start at its diagonal), so the ordered dQ accumulation goes from the last
-// visitor down. Checked by brute force over random shapes and windows (design log).
-__device__ __forceinline__ int last_visitor(const AttentionParams& p, int m, int Br, int Bc) {
-  const int last_block = static_cast<int>((p.seqlen_k + Bc - 1) / Bc) - 1;
-  if (p.window_right < 0) return last_block;
-  const int64_t row_last = min(static_cast<int64_t>(m) * Br + Br - 1, p.seqlen_q - 1);
-  const int64_t j = floor_div(row_last + p.diag_offset + p.window_right, Bc);
-  return j < last_block ? static_cast<int>(j) : last_block;
-}
-
-__device__ __forceinline__ int load_acquire(const int* ptr) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
-  return v;
-}
-
-// Publishes this CTA's earlier writes (ordered before it by a CTA barrier) at GPU scope, then
-// passes the turn on.
-__device__ __forceinline__ void release_add(int* ptr, int v) {
-  asm volatile("fence.acq_rel.gpu;\nred.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v)
-               : "memory");
-}
-
-// dQ_i += dS_ij K_j for one step of the dK/dV kernel, added to st.dq_accum. Warp w computes rows
-// 16 (w % kMTilesDQ) .. +16 and its column group's 32-column chunks of the (Br x D) partial; the
-// first chunk is computed before waiting for this CTA's turn (kDQOrdered).
-template <class Tr>
-__device__ __forceinline__ void add_dq_partial(const AttentionBwdParams& p, const BwdWorkspace& st,
-                                               uint32_t sdS_addr, uint32_t sK_addr, int64_t b,
-                                               int64_t h, int64_t r0, int m, int n_block, int tid) {
-  using Elem = typename Tr::Elem;
-  constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc;
-  const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
-  const int lm_mat = lane >> 3, lm_row = lane & 7;
-  const bool active = warp < Tr::kMTilesDQ * Tr::kColGroupsDQ;
-  const int mt = warp % Tr::kMTilesDQ, col_group = warp / Tr::kMTilesDQ;
-  float acc[4][4];
-  auto compute_chunk = [&](int chunk) {
-    const int col0 = (col_group * Tr::kChunksPerWarpDQ + chunk) * 32;
-    zero(acc);
-#pragma unroll
-    for (int kk = 0; kk < Bc / 16; ++kk) {
-      uint32_t a[4];
-      // A = dS (queries x keys) from dS^T stored (keys x queries): ldmatrix's transpose.
-      ldmatrix_x4_trans(a, sdS_addr + 2 * tile_offset<Br>(kk * 16 + lm_row + (lm_mat >> 1) * 8,
-                                                          2 * mt + (lm_mat & 1)));
-#pragma unroll
-      for (int dp = 0; dp < 2; ++dp) {
-        uint32_t bk[4];
-        ldmatrix_x4_trans(bk, sK_addr + 2 * tile_offset<D>(kk * 16 + lm_row + (lm_mat & 1) * 8,
-                                                           col0 / 8 + 2 * dp + (lm_mat >> 1)));
-        Mma16816<Elem>::run(acc[2 * dp], a, bk[0], bk[1]);
-        Mma16816<Elem>::run(acc[2 * dp + 1], a, bk[2], bk[3]);
-      }
-    }
-  };
-  float* accum = st.dq_accum + ((b * p.heads_q + h) * st.rows_padded + r0 + mt * 16) * D;
-  auto add_chunk = [&](int chunk) {
-    const int col0 = (col_group * Tr::kChunksPerWarpDQ + chunk) * 32;
-#pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        atomicAdd(accum + (g + 8 * (e >> 1)) * D + col0 + 8 * ni + 2 * t + (e & 1), acc[ni][e]);
-  };
-  const bool ordered = st.dq_mode == kDQOrdered;
-  int* turn = st.dq_turns + (b * p.heads_q + h) * (st.rows_padded / kBwdMinBr) + m;
-  if (active) compute_chunk(0);
-  if (ordered) {
-    if (tid == 0) {
-      const int mine = last_visitor(p, m, Br, Bc) - n_block;
-      while (load_acquire(turn) != mine) {
-      }
-    }
-    // The earlier visitors' additions to Q_i's rows are visible (thread 0 acquired them).
-    __syncthreads();
-  }
-  if (active) {
-    add_chunk(0);
-    for (int chunk = 1; chunk < Tr::kChunksPerWarpDQ; ++chunk) {
-      compute_chunk(chunk);
-      add_chunk(chunk);
-    }
-  }
-  if (ordered) {
-    // Every thread's additions precede thread 0's release.
-    __syncthreads();
-    if (tid == 0) release_add(turn, 1);
-  }
-}
-
 template <class Tr, bool kGeneral, int kWhich>
 __global__ void __launch_bounds__(Tr::kNThreads)
-    attention_bwd_dkdv_kernel(const AttentionBwdParams p, const BwdWorkspace st) {
+    attention_bwd_dkdv_kernel(const AttentionBwdParams p, const BwdRowStats st) {
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
@@ -271,7 +178,6 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   Elem* sdO = sQ + 2 * Tr::kSmemQ;                             // 2 stages
   float* sL = reinterpret_cast<float*>(sdO + 2 * Tr::kSmemQ);  // 2 stages of Br lse2
   float* sDelta = sL + 2 * Br;                                 // 2 stages of Br delta
-  Elem* sdS = reinterpret_cast<Elem*>(sDelta + 2 * Br);        // dS^T (Bc x Br)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
@@ -297,7 +203,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const TileCopyPlan<Bc, D, kThreads> kv_copy(tid, head_dim);
   const TileCopyPlan<Br, D, kThreads> q_copy(tid, head_dim);
   const uint32_t sK_addr = smem_addr(sK), sV_addr = smem_addr(sV);
-  const uint32_t sQ_addr0 = smem_addr(sQ), sdO_addr0 = smem_addr(sdO), sdS_addr = smem_addr(sdS);
+  const uint32_t sQ_addr0 = smem_addr(sQ), sdO_addr0 = smem_addr(sdO);
   constexpr uint32_t kQStageBytes = 2 * Tr::kSmemQ;
 
   // Step s = (head of the group, query block): head-major, so each head's rows stream in order.
@@ -404,25 +310,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
         }
       }
 
-    const bool fused_dq = kDK && st.dq_mode != kDQPass;
-    if (fused_dq) {
-      // dS^T to shared memory: the dQ phase reads it transposed, split over warps by query rows.
-#pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          *reinterpret_cast<uint32_t*>(sdS + tile_offset<Br>(warp_row0 + g + 8 * hh, ni) + 2 * t) =
-              Mma16816<Elem>::pack(dPt[ni][2 * hh], dPt[ni][2 * hh + 1]);
-    }
     if constexpr (kDV) mma_ab<Elem, D, NT>(dV, St, sdO_addr, bt_off);
-    if constexpr (kDK) {
-      mma_ab<Elem, D, NT>(dK, dPt, sQ_addr, bt_off);
-      if (fused_dq) {
-        // Every warp's dS^T rows are in shared memory.
-        __syncthreads();
-        add_dq_partial<Tr>(p, st, sdS_addr, sK_addr, b, h, r0, m_lo + s % m_count, n_block, tid);
-      }
-    }
+    if constexpr (kDK) mma_ab<Elem, D, NT>(dK, dPt, sQ_addr, bt_off);
   }
   cp_async_wait<0>();
 
@@ -442,7 +331,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
 template <class Tr, bool kGeneral>
 __global__ void __launch_bounds__(Tr::kNThreads)
-    attention_bwd_dq_kernel(const AttentionBwdParams p, const BwdWorkspace st) {
+    attention_bwd_dq_kernel(const AttentionBwdParams p, const BwdRowStats st) {
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
@@ -564,22 +453,6 @@ __global__ void __launch_bounds__(Tr::kNThreads)
               static_cast<int64_t>(r0) * p.grad_q_row_stride;
   store_rows<Elem, DT>(gdQ, p.grad_q_row_stride, dQ, tf.scale, warp_row0, rows_q, head_dim, lane,
                        st.vec_store != 0);
-}
-
-// dQ = scale * dq_accum in q's dtype and layout (the fused dQ modes): one warp per query row.
-template <typename Elem, int kHeadDim>
-__global__ void __launch_bounds__(128)
-    attention_bwd_dq_convert_kernel(const AttentionBwdParams p, const BwdWorkspace st) {
-  const int lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
-  if (row >= p.batch * p.heads_q * p.seqlen_q) return;
-  const int64_t bh = row / p.seqlen_q, i = row % p.seqlen_q;
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const float* src = st.dq_accum + (bh * st.rows_padded + i) * kHeadDim;
-  Elem* dst = static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride + h * p.grad_q_head_stride +
-              i * p.grad_q_row_stride;
-  const float scale = static_cast<float>(p.scale);
-  for (int d = lane; d < p.head_dim; d += 32) dst[d] = from_float<Elem>(src[d] * scale);
 }
 
 }  // namespace flashmod::cuda_kernels

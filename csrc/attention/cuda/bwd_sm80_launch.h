@@ -19,12 +19,11 @@ template <typename Elem, int kHeadDim>
 struct BwdConfig {
   static constexpr bool kSplit = kHeadDim > 128;
   using KV = BwdKVTraits<Elem, kHeadDim, kSplit ? 4 : 8, kHeadDim <= 64 ? 64 : 32>;
-  static_assert(KV::Br >= kBwdMinBr && kBwdRowPad % KV::Br == 0, "dq_turns and the row padding");
   using Q = BwdQTraits<Elem, kHeadDim, 4, kHeadDim <= 128 ? 64 : 32>;
 };
 
 template <class Tr, bool kGeneral, int kWhich>
-cudaError_t launch_bwd_dkdv(const AttentionBwdParams& p, const BwdWorkspace& st,
+cudaError_t launch_bwd_dkdv(const AttentionBwdParams& p, const BwdRowStats& st,
                             cudaStream_t stream) {
   const int64_t blocks = (p.seqlen_k + Tr::Bc - 1) / Tr::Bc * p.heads_kv * p.batch;
   return cuda::launch_kernel(attention_bwd_dkdv_kernel<Tr, kGeneral, kWhich>, blocks, Tr::kNThreads,
@@ -32,7 +31,7 @@ cudaError_t launch_bwd_dkdv(const AttentionBwdParams& p, const BwdWorkspace& st,
 }
 
 template <typename Elem, int kHeadDim, bool kGeneral>
-cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdWorkspace& st, cudaStream_t stream) {
+cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   using Cfg = BwdConfig<Elem, kHeadDim>;
   cudaError_t err;
   if constexpr (Cfg::kSplit) {
@@ -43,11 +42,6 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdWorkspace& st, cuda
     err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdBoth>(p, st, stream);
   }
   if (err != cudaSuccess) return err;
-  if (st.dq_mode != kDQPass) {
-    const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
-    return cuda::launch_kernel(attention_bwd_dq_convert_kernel<Elem, kHeadDim>, (rows + 3) / 4, 128,
-                               0, stream, p, st);
-  }
   using TrQ = typename Cfg::Q;
   const int64_t blocks = (p.seqlen_q + TrQ::Br - 1) / TrQ::Br * p.heads_q * p.batch;
   return cuda::launch_kernel(attention_bwd_dq_kernel<TrQ, kGeneral>, blocks, TrQ::kNThreads,
@@ -55,7 +49,7 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdWorkspace& st, cuda
 }
 
 template <typename Elem, int kHeadDim>
-cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdWorkspace& st,
+cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st,
                               cudaStream_t stream) {
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
   return general ? launch_bwd<Elem, kHeadDim, true>(p, st, stream)

@@ -71,33 +71,26 @@ cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t str
 // ---------------------------------------------------------------------------------------------
 // The backward (bwd_sm80_kernel.h).
 
-// The backward's workspace. Row statistics, (B, Hq, rows_padded) fp32 each: rows_padded rounds
-// seqlen_q up to kBwdRowPad so the kernels read whole blocks of them; the pad rows hold
-// lse2 = +inf and delta = 0 (P = 0: they contribute nothing).
+// Row statistics of the backward, (B, Hq, rows_padded) fp32 each: rows_padded rounds seqlen_q up
+// to kBwdRowPad so the kernels read whole blocks of them; the pad rows hold lse2 = +inf and
+// delta = 0 (P = 0: they contribute nothing).
 constexpr int kBwdRowPad = 128;
-constexpr int kBwdMinBr = 16;  // dq_turns holds rows_padded / kBwdMinBr counters per head
-// How dQ is computed: a pass of its own that recomputes S and dP (no atomics), or by the dK/dV
-// kernel, added to dq_accum in key-block order (dq_turns says whose turn it is) or in any order.
-enum BwdDQMode : int { kDQPass = 0, kDQOrdered = 1, kDQAtomic = 2 };
-struct BwdWorkspace {
-  float* lse2 = nullptr;      // lse * log2(e); +inf where lse = -inf
-  float* delta = nullptr;     // rowsum(dO * O) - grad_lse
-  float* dq_accum = nullptr;  // (B, Hq, rows_padded, padded head dim) fp32, zero-filled
-  int* dq_turns = nullptr;    // (B, Hq, rows_padded / kBwdMinBr) int32, zero-filled
+struct BwdRowStats {
+  float* lse2 = nullptr;   // lse * log2(e); +inf where lse = -inf
+  float* delta = nullptr;  // rowsum(dO * O) - grad_lse
   int64_t rows_padded = 0;
-  int dq_mode = kDQPass;
   int vec_store = 0;  // grad_q/k/v rows are 4-byte aligned: store element pairs as one word
 };
 
 // Fills st.lse2 and st.delta from p's lse, out, grad_out and grad_lse (bwd_rowstats.cu).
-cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdWorkspace& st,
+cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdRowStats& st,
                                        cudaStream_t stream);
 
 // dK/dV and dQ of fp16/bf16 attention on tensor cores for head_dim <= kHeadDim, after
 // run_attention_bwd_rowstats filled st. Same alignment rules as run_attention_fwd (q, k, v,
 // grad_out rows 16-byte aligned). p.grad_mask, when set, must be zero-filled by the caller.
 template <typename Elem, int kHeadDim>
-cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdWorkspace& st,
+cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st,
                               cudaStream_t stream);
 
 }  // namespace flashmod::cuda_kernels

@@ -68,28 +68,13 @@ struct BwdKVTraits {
   static constexpr int kKSteps = kHeadDim / 16;  // k16 steps of K Q^T
   static constexpr int kSmemKV = Bc * kHeadDim;
   static constexpr int kSmemQ = Br * kHeadDim;  // one stage of Q_i or dO_i
-  static constexpr int kSmemDS = Bc * Br;       // dS_ij^T, the A operand of dQ_i += dS_ij K_j
-  // K_j, V_j once; Q_i, dO_i and the rows' lse/delta (fp32) in two stages; dS^T once.
+  // K_j, V_j once; Q_i, dO_i and the rows' lse/delta (fp32) in two stages.
   static constexpr int kSmemBytes =
-      static_cast<int>(sizeof(Elem)) * (2 * kSmemKV + 2 * 2 * kSmemQ + kSmemDS) + 2 * 2 * Br * 4;
-  // dQ_i's partial (Br x kHeadDim) is split over warps: kMTilesDQ row tiles times kColGroupsDQ
-  // column groups of whole 32-column chunks (the largest divisor of the chunk count that the
-  // warps cover); warps past kMTilesDQ * kColGroupsDQ idle in that phase.
-  static constexpr int kMTilesDQ = Br / 16;
-  static constexpr int kChunksDQ = kHeadDim / 32;
-  static constexpr int kColGroupsDQ = [] {
-    int best = 1;
-    for (int g = 1; g <= kChunksDQ && g * kMTilesDQ <= kWarps; ++g)
-      if (kChunksDQ % g == 0) best = g;
-    return best;
-  }();
-  static constexpr int kChunksPerWarpDQ = kChunksDQ / kColGroupsDQ;
+      static_cast<int>(sizeof(Elem)) * (2 * kSmemKV + 2 * 2 * kSmemQ) + 2 * 2 * Br * 4;
   static_assert(sizeof(Elem) == 2, "tensor-core path is for fp16/bf16");
   static_assert(Br % 16 == 0, "P^T and dS^T feed the next mma in k16 slices");
   static_assert(kHeadDim % 32 == 0, "head dims are padded to multiples of 32");
   static_assert(Br % 8 == 0 && Br / 4 <= kNThreads, "one 16-byte chunk of lse/delta per thread");
-  static_assert(Br % 32 == 0, "dS^T rows are swizzled in groups of 4 or 8 chunks");
-  static_assert(kMTilesDQ <= kWarps, "every dQ row tile needs a warp");
   static_assert(kSmemBytes <= 163 * 1024, "must also fit an A100");
 };
 

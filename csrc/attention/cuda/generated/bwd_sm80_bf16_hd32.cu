@@ -3,6 +3,6 @@
 
 // clang-format off
 namespace flashmod::cuda_kernels {
-template cudaError_t run_attention_bwd<__nv_bfloat16, 32>(const AttentionBwdParams&, const BwdWorkspace&, cudaStream_t);
+template cudaError_t run_attention_bwd<__nv_bfloat16, 32>(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t);
 }  // namespace flashmod::cuda_kernels
 // clang-format on
