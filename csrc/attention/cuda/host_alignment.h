@@ -6,11 +6,9 @@
 
 #include <cstdint>
 
-namespace flashmod {
+#include "../../common/alignment.h"
 
-inline bool aligned16(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-}
+namespace flashmod {
 
 // cp.async copies 16-byte chunks from 16-byte aligned addresses, so every row start of q/k/v must
 // be 16-byte aligned: base pointer aligned and batch/head/row strides multiples of 8 elements.

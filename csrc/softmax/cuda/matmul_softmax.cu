@@ -28,6 +28,7 @@
 // Fallback (other depths or layouts): cuBLAS writes the raw logits into `out`
 // (logits_into_output on the host), then a normalize kernel scales, masks and normalizes each row
 // in place, caching the row in registers (one read, one write) unless it is very long.
+#include "../../common/alignment.h"
 #include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "../../common/cuda/smem_tile.h"
@@ -743,10 +744,6 @@ __global__ void __launch_bounds__(256) normalize_logits_kernel(const MatmulSoftm
   for (int64_t j = threadIdx.x; j < N; j += blockDim.x)
     o[j] = from_float<T>(
         j < limit ? exp_from(masked_logit<T>(to_float(o[j]), p, b, h, i, j), m) * inv : 0.0f);
-}
-
-bool aligned16(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
 }
 
 // A fused launch; false, launching nothing and clearing the error, where it cannot run (too many

@@ -34,6 +34,7 @@
 #include <cstdio>
 #include <type_traits>
 
+#include "../../common/alignment.h"
 #include "../../common/cuda/cluster_launch.h"
 #include "../../common/cuda/kernel_launch.h"
 #include "softmax_common.cuh"
@@ -486,8 +487,7 @@ cudaError_t launch_typed(const SoftmaxParams& p, float* workspace, cudaStream_t 
                          p.dim_size, p.inner);
   }
   constexpr int kVec = 16 / sizeof(T);
-  const bool aligned = p.dim_size % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(y) % 16 == 0;
+  const bool aligned = p.dim_size % kVec == 0 && aligned16(x) && aligned16(y);
   return aligned ? launch_lastdim<T, kVec>(x, y, p.outer, p.dim_size, workspace, p.knobs, stream)
                  : launch_lastdim<T, 1>(x, y, p.outer, p.dim_size, workspace, p.knobs, stream);
 }
