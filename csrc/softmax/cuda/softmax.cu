@@ -433,8 +433,7 @@ bool launch_stream(const T* x, T* y, int64_t rows, int64_t n, const SoftmaxCudaK
   }
 }
 
-// Launch errors are returned, except on the cluster and two-kernel paths: those launch with 2-D
-// grids (clusters loop over rows past 65535) and a failed cluster launch falls back to the others.
+// Launch errors are returned, except a cluster launch's: a failed one falls back to the next path.
 template <typename T, int kVec>
 cudaError_t launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
                            const SoftmaxCudaKnobs& knobs, cudaStream_t stream) {
@@ -467,12 +466,14 @@ cudaError_t launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* wor
     const int64_t segment = ceil_div(ceil_div(n, segments), kVec) * kVec;  // packs never straddle
     const dim3 grid(segments, static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
     constexpr int kMin = long_min_blocks(kSegmentThreads);
-    softmax_lastdim_kernel<T, kVec, kLongPacks, kSegmentThreads, 1, kMin, Phase::kPartialStats>
-        <<<grid, kSegmentThreads, 0, stream>>>(x, y, rows, n, segment, segments, workspace);
-    softmax_lastdim_kernel<T, kVec, kLongPacks, kSegmentThreads, 1, kMin, Phase::kFinish>
-        <<<grid, kSegmentThreads, 0, stream>>>(x, y, rows, n, segment, segments, workspace);
     trace(knobs, n, "two-kernel", kSegmentThreads, segments);
-    return cudaSuccess;
+    const cudaError_t err = launch_kernel(
+        softmax_lastdim_kernel<T, kVec, kLongPacks, kSegmentThreads, 1, kMin, Phase::kPartialStats>,
+        grid, kSegmentThreads, 0, stream, x, y, rows, n, segment, segments, workspace);
+    if (err != cudaSuccess) return err;
+    return launch_kernel(
+        softmax_lastdim_kernel<T, kVec, kLongPacks, kSegmentThreads, 1, kMin, Phase::kFinish>, grid,
+        kSegmentThreads, 0, stream, x, y, rows, n, segment, segments, workspace);
   }
 }
 
