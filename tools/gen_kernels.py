@@ -40,6 +40,9 @@ class Family:
     entry_points: tuple[str, ...]
 
 
+# A family is one line, e.g. a backward whose launch header defines run_attention_bwd<Elem, D>:
+#   Family("bwd_sm80", "bwd_sm80_launch.h", HEAD_DIMS, ("run_attention_bwd(const AttentionBwdParams&, cudaStream_t)",)),
+# which adds generated/bwd_sm80_<dtype>_hd<D>.cu and FLASHMOD_BWD_SM80_VARIANTS / kBwdSm80HeadDims.
 FAMILIES = (
     Family("fwd_sm80", "fwd_sm80_launch.h", HEAD_DIMS, (
         "run_attention_fwd(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",

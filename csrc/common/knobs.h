@@ -1,6 +1,6 @@
 // Environment knobs: kernel-choice switches for tests and benchmarks, read per call by the host
-// glue only (attention_cpu.cpp, attention_cuda.cpp, softmax_cuda.cpp, ...) and handed to kernels
-// in their options structs. One polarity: FLASHMOD_X=1 turns the named thing on (or forces it),
+// glue only (attention_cpu.cpp, attention_cuda.cpp, softmax_cuda.cpp) and handed to kernels in
+// their params or options structs. One polarity: FLASHMOD_X=1 turns the named thing on (or forces it),
 // FLASHMOD_X=0 turns it off; unset keeps the default. Any other value is an error naming the knob.
 //
 // Every knob (all for tests and benchmarks, comparing kernels on one machine; TRACE for debugging):
@@ -16,8 +16,6 @@
 //   FLASHMOD_SOFTMAX_STREAM=0         the sm_90 softmax stream path off
 //   FLASHMOD_SOFTMAX_STREAM_CLUSTER=c forces the stream path's cluster size
 //   FLASHMOD_MMSM_SINGLE_PASS_MAX_N=n caps fp32 matmul_softmax's single-pass rows (0: two-pass)
-// Not yet moved onto these helpers (still getenv in their kernel files): the three SOFTMAX knobs
-// and MMSM_SINGLE_PASS_MAX_N.
 #pragma once
 
 #include <cstdint>

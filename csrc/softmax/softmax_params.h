@@ -11,6 +11,14 @@
 
 namespace flashmod {
 
+// Test and benchmark switches of the CUDA softmax (README's knob table), read through
+// csrc/common/knobs.h by the host glue (softmax_cuda.cpp); the defaults are what users get.
+struct SoftmaxCudaKnobs {
+  bool trace = false;      // FLASHMOD_SOFTMAX_TRACE=1: print each long row's launch path to stderr
+  bool stream = true;      // FLASHMOD_SOFTMAX_STREAM=0: no sm_90 stream path
+  int stream_cluster = 0;  // FLASHMOD_SOFTMAX_STREAM_CLUSTER=c: that stream-path cluster size
+};
+
 // softmax over one dimension of a contiguous tensor viewed as (outer, dim_size, inner): element
 // (o, d, i) lives at (o * dim_size + d) * inner + i, and each (o, i) pair is one independent row of
 // dim_size elements with stride `inner`. inner == 1 is the common last-dimension case.
@@ -21,6 +29,7 @@ struct SoftmaxParams {
   int64_t dim_size = 0;
   int64_t inner = 1;
   ScalarKind dtype = ScalarKind::kFloat32;
+  SoftmaxCudaKnobs knobs;
 };
 
 // out = softmax(scale * a @ b^T + mask, -1) for a (B, Ha, M, K), b (B, Hb, N, K), out (B, Ha, M,
@@ -50,6 +59,9 @@ struct MatmulSoftmaxParams {
   bool causal = false;
   ScalarKind dtype = ScalarKind::kFloat32;
   MaskKind mask_kind = MaskKind::kNone;
+  // FLASHMOD_MMSM_SINGLE_PASS_MAX_N=n (CUDA host glue): the longest rows (N) of fp32's single-pass
+  // kernel, 0 for always two passes; -1 (unset): what the device's shared memory allows.
+  int64_t single_pass_max_cols = -1;
 };
 
 }  // namespace flashmod

@@ -527,3 +527,35 @@ def test_matmul_softmax_bad_inputs(device):
             flashmod.matmul_softmax(*args, **kw)
     with pytest.raises(NotImplementedError, match="gradients with respect to attn_mask are not supported"):
         flashmod.matmul_softmax(a, b, attn_mask=torch.randn(6, 7, device=device, requires_grad=True))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("knob", "value", "message"),
+    [
+        ("FLASHMOD_SOFTMAX_TRACE", "yes", "FLASHMOD_SOFTMAX_TRACE must be 0 or 1, got 'yes'"),
+        ("FLASHMOD_SOFTMAX_STREAM", "off", "FLASHMOD_SOFTMAX_STREAM must be 0 or 1, got 'off'"),
+        ("FLASHMOD_SOFTMAX_STREAM_CLUSTER", "4x", "FLASHMOD_SOFTMAX_STREAM_CLUSTER must be a whole number, got '4x'"),
+        ("FLASHMOD_MMSM_SINGLE_PASS_MAX_N", "1e3", "FLASHMOD_MMSM_SINGLE_PASS_MAX_N must be a whole number, got '1e3'"),
+    ],
+)
+def test_softmax_knobs_reject_malformed_values(knob, value, message, monkeypatch):
+    """The softmax knobs go through csrc/common/knobs.h like the others: a malformed value raises an
+    error naming the knob (it used to be read as presence, or as atoi's prefix), and 0 turns TRACE off."""
+    monkeypatch.setenv(knob, value)
+    x = torch.randn(4, 100, device="cuda")
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        if knob.startswith("FLASHMOD_MMSM"):
+            flashmod.matmul_softmax(x[None, None], x[None, None])
+        else:
+            flashmod.softmax(x, -1)
+
+
+@pytest.mark.cuda
+def test_softmax_trace_zero_is_off(monkeypatch, capfd):
+    monkeypatch.setenv("FLASHMOD_SOFTMAX_TRACE", "0")
+    capfd.readouterr()
+    x = torch.randn(2, 600000, device="cuda")
+    y = flashmod.softmax(x, -1)
+    torch.testing.assert_close(y, torch.softmax(x, -1))
+    assert "flashmod softmax:" not in capfd.readouterr().err

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "../../common/alignment.h"
 #include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "cta_tile.h"
@@ -289,10 +290,6 @@ template <int kHeadDim>
 cudaError_t launch_fp32_tc(const AttentionParams& p, bool vec16, cudaStream_t stream) {
   return cuda::launch_kernel(attention_fwd_fp32_tc_kernel<kHeadDim>, cta_count(p, kBr), kThreads,
                              Tf32Tile<kHeadDim>::kBytes, stream, p, vec16);
-}
-
-bool aligned16(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "../attention_params.h"
 #include "cta_tile.h"
 #include "entry_points.h"
+#include "fwd_epilogue.h"
 #include "kernel_traits.h"
 #include "online_softmax.h"
 #include "score_mask.h"
@@ -94,11 +95,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
         return;
       }
     }
-    // No key is visible to any row of Q_i: out = 0, lse = -inf.
-    for (int idx = tid; idx < rows_q * head_dim; idx += kThreads)
-      gO[static_cast<int64_t>(idx / head_dim) * p.out_row_stride + idx % head_dim] =
-          from_float<Elem>(0.f);
-    for (int r = tid; r < rows_q; r += kThreads) gLse[r] = -CUDART_INF_F;
+    write_rows_without_keys<kThreads>(p, gO, gLse, rows_q, tid);
     return;
   }
 
@@ -273,39 +270,11 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     }
   }
 
-  // Epilogue: normalize, stage this warp's rows of O in its own rows of sQ (no other warp reads
-  // them), then write 16-byte chunks so global stores are full sectors.
-  // Every lane of this warp must be done reading its Q rows via ldmatrix before they are
-  // overwritten.
+  // Epilogue: O staged in this warp's own rows of sQ, then written out. Every lane of this warp
+  // must be done reading its Q rows via ldmatrix before they are overwritten.
   __syncwarp();
-#pragma unroll
-  for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float inv_l, lse;
-      softmax.finish(mi, hh, c, inv_l, lse);
-      const int row = warp_row0 + mi * 16 + g + 8 * hh;
-#pragma unroll
-      for (int di = 0; di < DT; ++di) {
-        const uint32_t v = Mma::pack(O[mi][di][2 * hh] * inv_l, O[mi][di][2 * hh + 1] * inv_l);
-        *reinterpret_cast<uint32_t*>(sQ + tile_offset<D>(row, di) + 2 * t) = v;
-      }
-      if (t == 0 && row < rows_q) gLse[row] = lse;
-    }
-  // The copy-out below reads chunks other lanes of this warp wrote.
-  __syncwarp();
-  constexpr int kChunks = D / 8;
-  for (int id = lane; id < Tr::kRowsPerWarp * kChunks; id += 32) {
-    const int row = warp_row0 + id / kChunks, chunk = id % kChunks;
-    if (row >= rows_q || chunk * 8 >= head_dim) continue;
-    const Elem* src = sQ + tile_offset<D>(row, chunk);
-    Elem* dst = gO + static_cast<int64_t>(row) * p.out_row_stride + chunk * 8;
-    if (flags.out_vec16) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-    } else {
-      for (int e = 0; e < 8 && chunk * 8 + e < head_dim; ++e) dst[e] = src[e];
-    }
-  }
+  store_out_rows<D, Tr::kRowsPerWarp>(softmax, O, c, sQ, p, flags, gO, gLse, warp_row0, rows_q,
+                                      lane);
 }
 
 }  // namespace flashmod::cuda_kernels

@@ -21,6 +21,7 @@
 #include "../attention_params.h"
 #include "cta_tile.h"
 #include "entry_points.h"
+#include "fwd_epilogue.h"
 #include "online_softmax.h"
 #include "score_mask.h"
 #include "visibility.h"
@@ -134,11 +135,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
   const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
   if (range.lo >= range.hi) {
-    // No key is visible to any row of Q_i: out = 0, lse = -inf.
-    for (int idx = tid; idx < rows_q * head_dim; idx += kThreads)
-      gO[static_cast<int64_t>(idx / head_dim) * p.out_row_stride + idx % head_dim] =
-          from_float<Elem>(0.f);
-    for (int r = tid; r < rows_q; r += kThreads) gLse[r] = -CUDART_INF_F;
+    write_rows_without_keys<kThreads>(p, gO, gLse, rows_q, tid);
     return;
   }
 
@@ -259,37 +256,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   }
   cp_async_wait<0>();  // only empty groups can be pending; retire them before exit
 
-  // Epilogue: normalize, stage this warp's 16 rows in shared memory (plain row-major with the
-  // portable kernel's swizzle), then write 16-byte chunks so global stores are full sectors.
-  // Another warpgroup may still be reading Q rows that this warp's staging area overlaps.
+  // Epilogue: this warp's 16 rows of O staged in shared memory (plain row-major with the
+  // portable kernel's swizzle) over Q's, then written out. Another warpgroup may still be reading
+  // Q rows that this warp's staging area overlaps.
   __syncthreads();
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float inv_l, lse;
-    softmax.finish(0, hh, c, inv_l, lse);
-    const int row = warp_row0 + g + 8 * hh;
-#pragma unroll
-    for (int di = 0; di < DT; ++di) {
-      const uint32_t v = Mma::pack(O[0][di][2 * hh] * inv_l, O[0][di][2 * hh + 1] * inv_l);
-      *reinterpret_cast<uint32_t*>(sQ + tile_offset<D>(row, di) + 2 * t) = v;
-    }
-    if (t == 0 && row < rows_q) gLse[row] = lse;
-  }
-  // The copy-out below reads chunks other lanes of this warp wrote.
-  __syncwarp();
-  constexpr int kChunks = D / 8;
-  for (int id = lane; id < 16 * kChunks; id += 32) {
-    const int row = warp_row0 + id / kChunks, chunk = id % kChunks;
-    if (row >= rows_q || chunk * 8 >= head_dim) continue;
-    const Elem* src = sQ + tile_offset<D>(row, chunk);
-    Elem* dst = gO + static_cast<int64_t>(row) * p.out_row_stride + chunk * 8;
-    if (flags.out_vec16) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-    } else {
-      for (int e = 0; e < 8 && chunk * 8 + e < head_dim; ++e) dst[e] = src[e];
-    }
-  }
+  store_out_rows<D, 16>(softmax, O, c, sQ, p, flags, gO, gLse, warp_row0, rows_q, lane);
 #else
   __trap();  // launched only where the sm_90a binary runs (see run_attention_fwd_sm90)
 #endif

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "../../common/alignment.h"
 #include "../../common/error_message.h"
 
 namespace flashmod {
@@ -21,10 +22,6 @@ inline void check_cuda_attention_inputs(const char* op, const at::Tensor& q) {
   TORCH_CHECK(q.size(3) <= kCudaMaxHeadDim,
               flashmod::error_message(op, ": q's head_dim must be <= ", kCudaMaxHeadDim,
                                       " on CUDA, got ", q.size(3)));
-}
-
-inline bool aligned16(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
 }
 
 // The padded head dim whose kernels serve head_dim d: the smallest built one >= d, or -1.

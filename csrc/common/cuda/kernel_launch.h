@@ -22,21 +22,28 @@ cudaError_t allow_dynamic_smem(Kernel kernel, int64_t smem_bytes) {
                               static_cast<int>(smem_bytes));
 }
 
-// kernel(args...) on `blocks` CTAs (a 1-D grid) of `threads` threads with smem_bytes of dynamic
-// shared memory, on stream. Returns cudaErrorInvalidConfiguration, launching nothing, when blocks
-// is past kMaxGridBlocks; else the opt-in's error or the launch's.
+// kernel(args...) on `grid` of `threads`-thread CTAs with smem_bytes of dynamic shared memory, on
+// stream. Returns the opt-in's error or the launch's. (Cluster-shaped launches: cluster_launch.h.)
 template <typename Kernel, typename... Args>
-cudaError_t launch_kernel(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes,
+cudaError_t launch_kernel(Kernel kernel, dim3 grid, int threads, int64_t smem_bytes,
                           cudaStream_t stream, Args... args) {
-  if (blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
   const cudaError_t err = allow_dynamic_smem(kernel, smem_bytes);
   if (err != cudaSuccess) return err;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.gridDim = grid;
   config.blockDim = dim3(static_cast<unsigned>(threads));
   config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
   config.stream = stream;
   return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// The usual case: a 1-D grid of `blocks` CTAs, checked against gridDim.x's limit.
+template <typename Kernel, typename... Args>
+cudaError_t launch_kernel(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes,
+                          cudaStream_t stream, Args... args) {
+  if (blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), threads, smem_bytes, stream,
+                       args...);
 }
 
 }  // namespace flashmod::cuda

@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
+#include "../../common/alignment.h"
 #include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "merge_launch.h"
@@ -100,8 +101,8 @@ cudaError_t launch_for_width(const MergeParams& p, cudaStream_t stream) {
 template <typename Elem>
 cudaError_t launch_for(const MergeParams& p, cudaStream_t stream) {
   constexpr int kVec16 = 16 / sizeof(Elem);
-  bool vec16 = p.head_dim % kVec16 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
-  for (int i = 0; i < p.parts; ++i) vec16 &= reinterpret_cast<uintptr_t>(p.outs[i]) % 16 == 0;
+  bool vec16 = p.head_dim % kVec16 == 0 && aligned16(p.out);
+  for (int i = 0; i < p.parts; ++i) vec16 &= aligned16(p.outs[i]);
   return vec16 ? launch_for_width<Elem, kVec16>(p, stream) : launch_for_width<Elem, 1>(p, stream);
 }
 

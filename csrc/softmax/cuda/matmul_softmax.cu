@@ -28,8 +28,7 @@
 // Fallback (other depths or layouts): cuBLAS writes the raw logits into `out`
 // (logits_into_output on the host), then a normalize kernel scales, masks and normalizes each row
 // in place, caching the row in registers (one read, one write) unless it is very long.
-#include <cstdlib>
-
+#include "../../common/alignment.h"
 #include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "../../common/cuda/smem_tile.h"
@@ -747,10 +746,6 @@ __global__ void __launch_bounds__(256) normalize_logits_kernel(const MatmulSoftm
         j < limit ? exp_from(masked_logit<T>(to_float(o[j]), p, b, h, i, j), m) * inv : 0.0f);
 }
 
-bool aligned16(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-}
-
 // A fused launch; false, launching nothing and clearing the error, where it cannot run (too many
 // blocks, or the device refuses the shared memory past 48 KB): the caller falls back.
 template <typename Kernel>
@@ -772,9 +767,10 @@ bool launch_fused(const MatmulSoftmaxParams& p, cudaStream_t stream) {
 }
 
 // The longest rows the single-pass kernel takes: what the device's shared memory per block allows,
-// or FLASHMOD_MMSM_SINGLE_PASS_MAX_N when set (tests force either path; 0 disables it).
-int64_t single_pass_max_cols() {
-  if (const char* env = std::getenv("FLASHMOD_MMSM_SINGLE_PASS_MAX_N")) return std::atoll(env);
+// or p.single_pass_max_cols when set (FLASHMOD_MMSM_SINGLE_PASS_MAX_N: tests force either path; 0
+// disables it).
+int64_t single_pass_max_cols(const MatmulSoftmaxParams& p) {
+  if (p.single_pass_max_cols >= 0) return p.single_pass_max_cols;
   int device = 0, optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
@@ -788,7 +784,7 @@ int64_t single_pass_max_cols() {
 }
 
 bool launch_single_pass(const MatmulSoftmaxParams& p, cudaStream_t stream) {
-  if (p.cols > single_pass_max_cols()) return false;
+  if (p.cols > single_pass_max_cols(p)) return false;
   const auto kernel = p.mask_kind == MaskKind::kNone ? matmul_softmax_rows_kernel<false>
                                                      : matmul_softmax_rows_kernel<true>;
   return launch_or_fall_back(

@@ -32,10 +32,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
+#include "../../common/alignment.h"
 #include "../../common/cuda/cluster_launch.h"
 #include "../../common/cuda/kernel_launch.h"
 #include "softmax_common.cuh"
@@ -341,11 +340,11 @@ int64_t segments_for(int64_t n) {
   return ceil_div(n, int64_t(kSegmentThreads) * kLongElems);
 }
 
-// FLASHMOD_SOFTMAX_TRACE (any value): print which long-row path each call takes, to stderr.
-// tests/softmax/test_softmax.py uses it to check that each path is taken where expected. Read per
-// call, and only on the long-row paths, whose kernels take far longer than a getenv.
-void trace(int64_t n, const char* path, int threads, int64_t blocks_per_row) {
-  if (std::getenv("FLASHMOD_SOFTMAX_TRACE") == nullptr) return;
+// knobs.trace (FLASHMOD_SOFTMAX_TRACE=1): print which long-row path each call takes, to stderr.
+// tests/softmax/test_softmax.py uses it to check that each path is taken where expected.
+void trace(const SoftmaxCudaKnobs& knobs, int64_t n, const char* path, int threads,
+           int64_t blocks_per_row) {
+  if (!knobs.trace) return;
   std::fprintf(stderr, "flashmod softmax: n=%lld path=%s threads=%d blocks_per_row=%lld\n",
                static_cast<long long>(n), path, threads, static_cast<long long>(blocks_per_row));
 }
@@ -381,7 +380,8 @@ int max_active_clusters(Kernel kernel, const cudaLaunchConfig_t& config, int clu
 // nothing, where the row needs more blocks, or no cluster of that size can run (device, kernel
 // binary or occupancy).
 template <typename T, int kVec, int kThreads>
-bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
+bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, const SoftmaxCudaKnobs& knobs,
+                    cudaStream_t stream) {
   constexpr int kLimit = kThreads == kLargeClusterThreads ? kMaxCluster : kPortableCluster;
   constexpr int kElems = cluster_elems(kVec);
   const int64_t cluster = ceil_div(n, int64_t(kThreads) * kElems);
@@ -410,7 +410,7 @@ bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stre
     (void)cudaGetLastError();
     return false;
   }
-  trace(n, "cluster", kThreads, cluster);
+  trace(knobs, n, "cluster", kThreads, cluster);
   return true;
 }
 
@@ -418,25 +418,25 @@ bool launch_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stre
 // measured 0.86-0.92 of copy bandwidth against the cluster path's 0.81-0.88
 // (benchmarks/results/design/softmax.md, v5). Shorter rows stay on the warp and block kernels,
 // which measured faster there.
-// FLASHMOD_SOFTMAX_STREAM=0 skips it, for side-by-side timing against the cluster path.
+// knobs.stream = false (FLASHMOD_SOFTMAX_STREAM=0) skips it, for side-by-side timing against the
+// cluster path.
 template <typename T, int kVec>
-bool launch_stream(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
+bool launch_stream(const T* x, T* y, int64_t rows, int64_t n, const SoftmaxCudaKnobs& knobs,
+                   cudaStream_t stream) {
   if constexpr (kVec == 1) {
     return false;
   } else {
-    const char* knob = std::getenv("FLASHMOD_SOFTMAX_STREAM");
-    if (knob != nullptr && std::strcmp(knob, "0") == 0) return false;
-    const int cluster = softmax_stream::launch<T>(x, y, rows, n, stream);
-    if (cluster > 0) trace(n, "stream", softmax_stream::kThreads, cluster);
+    if (!knobs.stream) return false;
+    const int cluster = softmax_stream::launch<T>(x, y, rows, n, knobs.stream_cluster, stream);
+    if (cluster > 0) trace(knobs, n, "stream", softmax_stream::kThreads, cluster);
     return cluster > 0;
   }
 }
 
-// Launch errors are returned, except on the cluster and two-kernel paths: those launch with 2-D
-// grids (clusters loop over rows past 65535) and a failed cluster launch falls back to the others.
+// Launch errors are returned, except a cluster launch's: a failed one falls back to the next path.
 template <typename T, int kVec>
 cudaError_t launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* workspace,
-                           cudaStream_t stream) {
+                           const SoftmaxCudaKnobs& knobs, cudaStream_t stream) {
   constexpr int64_t kPerThread = int64_t(kPacks) * kVec;
   constexpr int kLongPacks = kLongElems / kVec;
   if (n <= 32 * kPerThread) {
@@ -450,28 +450,30 @@ cudaError_t launch_lastdim(const T* x, T* y, int64_t rows, int64_t n, float* wor
     return launch_block_per_row<T, kVec, kPacks, 256, 0>(x, y, rows, n, stream);
   } else if (n <= 512 * kPerThread && n <= kShortRow) {
     return launch_block_per_row<T, kVec, kPacks, 512, 0>(x, y, rows, n, stream);
-  } else if (launch_stream<T, kVec>(x, y, rows, n, stream) ||
-             launch_cluster<T, kVec, kSmallClusterThreads>(x, y, rows, n, stream) ||
+  } else if (launch_stream<T, kVec>(x, y, rows, n, knobs, stream) ||
+             launch_cluster<T, kVec, kSmallClusterThreads>(x, y, rows, n, knobs, stream) ||
              // 256-thread blocks first: a 64k 16-bit row takes 4 x 256 rather than 2 x 512. Same
              // bytes in flight per SM, but 4 blocks at independent phases instead of 2, and an
              // 8-warp block barrier; the 4-block cluster barrier costs little (fp32 at 8 x 256
              // measured 0.90 of copy bandwidth).
-             launch_cluster<T, kVec, kLargeClusterThreads>(x, y, rows, n, stream)) {
+             launch_cluster<T, kVec, kLargeClusterThreads>(x, y, rows, n, knobs, stream)) {
     return cudaSuccess;
   } else if (n <= int64_t(kNoClusterThreads) * kLongElems) {
-    trace(n, "block", kNoClusterThreads, 1);
+    trace(knobs, n, "block", kNoClusterThreads, 1);
     return launch_block_per_row<T, kVec, kLongPacks, kNoClusterThreads, 1>(x, y, rows, n, stream);
   } else {
     const int segments = static_cast<int>(segments_for(n));
     const int64_t segment = ceil_div(ceil_div(n, segments), kVec) * kVec;  // packs never straddle
     const dim3 grid(segments, static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
     constexpr int kMin = long_min_blocks(kSegmentThreads);
-    softmax_lastdim_kernel<T, kVec, kLongPacks, kSegmentThreads, 1, kMin, Phase::kPartialStats>
-        <<<grid, kSegmentThreads, 0, stream>>>(x, y, rows, n, segment, segments, workspace);
-    softmax_lastdim_kernel<T, kVec, kLongPacks, kSegmentThreads, 1, kMin, Phase::kFinish>
-        <<<grid, kSegmentThreads, 0, stream>>>(x, y, rows, n, segment, segments, workspace);
-    trace(n, "two-kernel", kSegmentThreads, segments);
-    return cudaSuccess;
+    trace(knobs, n, "two-kernel", kSegmentThreads, segments);
+    const cudaError_t err = launch_kernel(
+        softmax_lastdim_kernel<T, kVec, kLongPacks, kSegmentThreads, 1, kMin, Phase::kPartialStats>,
+        grid, kSegmentThreads, 0, stream, x, y, rows, n, segment, segments, workspace);
+    if (err != cudaSuccess) return err;
+    return launch_kernel(
+        softmax_lastdim_kernel<T, kVec, kLongPacks, kSegmentThreads, 1, kMin, Phase::kFinish>, grid,
+        kSegmentThreads, 0, stream, x, y, rows, n, segment, segments, workspace);
   }
 }
 
@@ -486,10 +488,9 @@ cudaError_t launch_typed(const SoftmaxParams& p, float* workspace, cudaStream_t 
                          p.dim_size, p.inner);
   }
   constexpr int kVec = 16 / sizeof(T);
-  const bool aligned = p.dim_size % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(y) % 16 == 0;
-  return aligned ? launch_lastdim<T, kVec>(x, y, p.outer, p.dim_size, workspace, stream)
-                 : launch_lastdim<T, 1>(x, y, p.outer, p.dim_size, workspace, stream);
+  const bool aligned = p.dim_size % kVec == 0 && aligned16(x) && aligned16(y);
+  return aligned ? launch_lastdim<T, kVec>(x, y, p.outer, p.dim_size, workspace, p.knobs, stream)
+                 : launch_lastdim<T, 1>(x, y, p.outer, p.dim_size, workspace, p.knobs, stream);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../../common/knobs.h"
 #include "../softmax_host.h"
 #include "softmax_launch.cuh"
 
@@ -16,6 +17,10 @@ at::Tensor softmax_cuda(const at::Tensor& x, int64_t dim) {
   const c10::cuda::CUDAGuard guard(x.device());
   PreparedSoftmax prepared = prepare_softmax(x, dim);
   if (prepared.y.numel() == 0) return prepared.y;
+  SoftmaxCudaKnobs& knobs = prepared.params.knobs;
+  knobs.trace = env_flag("FLASHMOD_SOFTMAX_TRACE", false);
+  knobs.stream = env_flag("FLASHMOD_SOFTMAX_STREAM", true);
+  knobs.stream_cluster = static_cast<int>(env_int("FLASHMOD_SOFTMAX_STREAM_CLUSTER", 0));
   const int64_t workspace_floats = softmax_workspace_floats(prepared.params);
   at::Tensor workspace;
   if (workspace_floats > 0)
@@ -33,6 +38,7 @@ at::Tensor matmul_softmax_cuda(const at::Tensor& a, const at::Tensor& b,
   const c10::cuda::CUDAGuard guard(a.device());
   PreparedMatmulSoftmax prepared = prepare_matmul_softmax(a, b, scale, is_causal, attn_mask);
   if (prepared.out.numel() == 0) return prepared.out;
+  prepared.params.single_pass_max_cols = env_int("FLASHMOD_MMSM_SINGLE_PASS_MAX_N", -1);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (!launch_matmul_softmax_fused(prepared.params, stream)) {
     logits_into_output(prepared);  // cuBLAS on the same current stream

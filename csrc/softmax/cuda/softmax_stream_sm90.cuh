@@ -20,7 +20,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 
 #include "../../common/cuda/bulk_copy_ops.h"
 #include "../../common/cuda/cluster_launch.h"
@@ -326,9 +325,10 @@ struct Shape {
 
 // The launch shape for `rows` rows of row_bytes. Picks the cluster size that keeps the
 // most SMs busy over the call: the fraction of SMs in resident clusters times how evenly the rows
-// divide into rounds of those clusters. FLASHMOD_SOFTMAX_STREAM_CLUSTER=c forces c (tests, tuning).
+// divide into rounds of those clusters. forced_cluster != 0 (FLASHMOD_SOFTMAX_STREAM_CLUSTER=c)
+// takes c or nothing (tests, tuning).
 template <typename T>
-Shape choose_shape(int64_t rows, int64_t row_bytes, cudaStream_t stream) {
+Shape choose_shape(int64_t rows, int64_t row_bytes, int forced_cluster, cudaStream_t stream) {
   constexpr int64_t kMaxSegmentBytes = int64_t(kMaxSegmentChunks) * kChunkBytes;
   const int64_t min_cluster = (row_bytes + kMaxSegmentBytes - 1) / kMaxSegmentBytes;
   const int device = current_device();
@@ -352,8 +352,8 @@ Shape choose_shape(int64_t rows, int64_t row_bytes, cudaStream_t stream) {
     }
     return cached - 1;
   };
-  if (const char* forced = std::getenv("FLASHMOD_SOFTMAX_STREAM_CLUSTER")) {
-    const int cluster = std::atoi(forced);
+  if (forced_cluster != 0) {
+    const int cluster = forced_cluster;
     if (cluster < min_cluster || cluster > kMaxCluster || fit(cluster) == 0) return {};
     return {cluster, std::min(rows, fit(cluster))};
   }
@@ -374,8 +374,8 @@ Shape choose_shape(int64_t rows, int64_t row_bytes, cudaStream_t stream) {
 // kMaxCluster segments of kMaxSegmentChunks chunks; x and y 16-byte aligned). Returns the blocks
 // per row, or 0, launching nothing, where the kernel cannot run.
 template <typename T>
-int launch(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
-  const Shape shape = choose_shape<T>(rows, n * int64_t(sizeof(T)), stream);
+int launch(const T* x, T* y, int64_t rows, int64_t n, int forced_cluster, cudaStream_t stream) {
+  const Shape shape = choose_shape<T>(rows, n * int64_t(sizeof(T)), forced_cluster, stream);
   if (shape.cluster == 0) return 0;
   // One segment per block, in whole packs; the last block may get fewer elements (or none).
   constexpr int64_t kElems = kPackElems<T>;
