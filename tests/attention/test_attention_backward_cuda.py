@@ -148,3 +148,26 @@ def test_training_step_matches_reference():
     )
     for leaf, e in zip((q, k, v), expected):
         assert torch.equal(leaf.grad, e)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"is_causal": True},
+        {"is_causal": True, "bottom_right": False},
+        {"softcap": 5.0},
+        {"window_left": 30, "window_right": 5},
+    ],
+    ids=["dense", "causal", "causal_top_left", "softcap", "window"],
+)
+def test_portable_kernel_where_the_hopper_one_runs(monkeypatch, d, options):
+    """On an H100 the wgmma backward serves D = 64/128 by default; FLASHMOD_DISABLE_SM90=1 runs the
+    portable mma.sync kernels on the same inputs, and both must hold the accuracy rule."""
+    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 317, d)
+    check_grads(q, k, v, **options)
+    monkeypatch.setenv("FLASHMOD_DISABLE_SM90", "1")
+    check_grads(q, k, v, **options)
+    mask = torch.randn(203, 317, device=DEV)
+    check_grads(q, k, v, attn_mask=mask)

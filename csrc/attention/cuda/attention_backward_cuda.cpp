@@ -87,9 +87,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaError_t err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream);
-  if (err == cudaSuccess) {
-    const int padded = padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim);
-    switch (cuda_kernels::variant_key(p.dtype, padded)) {
+  const int padded = padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim);
+  const int key = cuda_kernels::variant_key(p.dtype, padded);
+  if (err != cudaSuccess) {
+    // the row statistics failed to launch; reported below
+  } else if (sm90_kernels_usable() &&
+             cuda_kernels::has_head_dim(cuda_kernels::kBwdSm90HeadDims, padded)) {
+    switch (key) {
+#define FLASHMOD_BWD_SM90_CASE(Elem, kind, D)                           \
+  case cuda_kernels::variant_key(ScalarKind::kind, D):                  \
+    err = cuda_kernels::run_attention_bwd_sm90<Elem, D>(p, st, stream); \
+    break;
+      FLASHMOD_BWD_SM90_VARIANTS(FLASHMOD_BWD_SM90_CASE)
+#undef FLASHMOD_BWD_SM90_CASE
+    }
+  } else {
+    switch (key) {
 #define FLASHMOD_BWD_CASE(Elem, kind, D)                           \
   case cuda_kernels::variant_key(ScalarKind::kind, D):             \
     err = cuda_kernels::run_attention_bwd<Elem, D>(p, st, stream); \

@@ -21,19 +21,11 @@
 namespace flashmod {
 namespace {
 
-// The wgmma kernels run on sm_90 (H100/H200) when the build carries their sm_90a machine code.
-// FLASHMOD_DISABLE_SM90=1 forces the portable mma.sync kernel (tests compare the two; benchmarks
-// time both).
+// The wgmma kernels run on sm_90 when the build carries them (host_alignment.h) and have this
+// head dim.
 bool use_sm90_kernel(int padded_head_dim) {
-#ifdef FLASHMOD_BUILT_SM90A
-  if (!cuda_kernels::has_head_dim(cuda_kernels::kFwdSm90HeadDims, padded_head_dim)) return false;
-  if (env_flag("FLASHMOD_DISABLE_SM90", false)) return false;
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  return prop->major == 9 && prop->minor == 0;
-#else
-  (void)padded_head_dim;
-  return false;
-#endif
+  return sm90_kernels_usable() &&
+         cuda_kernels::has_head_dim(cuda_kernels::kFwdSm90HeadDims, padded_head_dim);
 }
 
 // Decode-shaped calls (seqlen_q <= kDecodeMaxNq): the decode kernel, with GQA packing and

@@ -93,4 +93,9 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st,
                               cudaStream_t stream);
 
+// The Hopper variant (wgmma, sm_90a machine code only) for kHeadDim = 64 and 128; same contract.
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStats& st,
+                                   cudaStream_t stream);
+
 }  // namespace flashmod::cuda_kernels

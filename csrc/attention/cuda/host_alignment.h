@@ -1,14 +1,16 @@
-// Torch-side helpers of the CUDA host code (forward and backward): the CUDA-only input checks, the
-// 16-byte row alignment the cp.async tile loads need, and the padded copy taken when an input
-// lacks it.
+// Torch-side helpers of the CUDA host code (forward and backward): the CUDA-only input checks,
+// which kernel family runs, the 16-byte row alignment the cp.async tile loads need, and the padded
+// copy taken when an input lacks it.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 
 #include <cstdint>
 
 #include "../../common/alignment.h"
 #include "../../common/error_message.h"
+#include "../../common/knobs.h"
 
 namespace flashmod {
 
@@ -22,6 +24,19 @@ inline void check_cuda_attention_inputs(const char* op, const at::Tensor& q) {
   TORCH_CHECK(q.size(3) <= kCudaMaxHeadDim,
               flashmod::error_message(op, ": q's head_dim must be <= ", kCudaMaxHeadDim,
                                       " on CUDA, got ", q.size(3)));
+}
+
+// The wgmma (Hopper) kernels run on sm_90 (H100/H200) when the build carries their sm_90a machine
+// code. FLASHMOD_DISABLE_SM90=1 forces the portable mma.sync kernels (tests compare the two;
+// benchmarks time both).
+inline bool sm90_kernels_usable() {
+#ifdef FLASHMOD_BUILT_SM90A
+  if (env_flag("FLASHMOD_DISABLE_SM90", false)) return false;
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  return prop->major == 9 && prop->minor == 0;
+#else
+  return false;
+#endif
 }
 
 // The padded head dim whose kernels serve head_dim d: the smallest built one >= d, or -1.

@@ -1,0 +1,204 @@
+// What the backward kernels of both architectures share (bwd_sm80_kernel.h, bwd_sm90_kernel.h):
+// the score transform and its gradient per element, over the mma accumulator layout that both
+// mma.sync and wgmma produce (a warp's m16 tiles; lane rows g and g + 8, columns 2t and 2t + 1 of
+// every n8 tile), and the store of a warp's gradient rows.
+#pragma once
+
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "../../common/cuda/ptx_ops.h"
+#include "../attention_params.h"
+#include "entry_points.h"
+#include "score_mask.h"
+#include "visibility.h"
+
+namespace flashmod::cuda_kernels {
+
+// The score transform of one (query i, key j) pair of the general path (a mask tensor, a soft cap
+// or a non-positive scale): returns P = exp(s - lse) (0 where hidden) and leaves in dcap the
+// derivative of the soft cap (1 without one).
+template <typename Elem>
+__device__ __forceinline__ float general_prob(const AttentionBwdParams& p, const ScoreTransform& tf,
+                                              float qk, int64_t mask_row, int j,
+                                              const RowWindow& win, float lse2, float& dcap) {
+  float x = qk * tf.scale;
+  dcap = 1.f;
+  if (tf.softcap > 0.f) {
+    x = soft_cap(x, tf.softcap, tf.inv_softcap);
+    const float t = x * tf.inv_softcap;
+    dcap = 1.f - t * t;
+  }
+  bool visible = win.contains(j);
+  if (visible && p.mask_kind != MaskKind::kNone)
+    visible = apply_mask<Elem>(p, mask_row + j * p.mask_col_stride, x);
+  return visible ? exp2f(fmaf(x, 1.4426950408889634f, -lse2)) : 0.f;
+}
+
+// dS from P and dP: 0 where P is 0 (hidden keys, underflow), so an inf or NaN in dP of a hidden
+// key cannot leak in; a NaN P (a NaN score) stays NaN.
+__device__ __forceinline__ float grad_score(float prob, float dp, float delta) {
+  return prob == 0.f ? 0.f : prob * (dp - delta);
+}
+
+// Stores a warp's m16 x kHeadDim accumulator rows (scaled by `mul`) to global memory: lane rows
+// g and g + 8 of the tile, element pairs of each n8 tile; rows >= valid_rows and columns >=
+// head_dim are not written.
+template <typename Elem, int kDTiles>
+__device__ __forceinline__ void store_rows(Elem* dst, int64_t row_stride,
+                                           const float (&acc)[kDTiles][4], float mul, int row0,
+                                           int valid_rows, int head_dim, int lane, bool vec) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = row0 + g + 8 * hh;
+    if (row >= valid_rows) continue;
+    Elem* out = dst + static_cast<int64_t>(row) * row_stride;
+#pragma unroll
+    for (int di = 0; di < kDTiles; ++di) {
+      const int col = 8 * di + 2 * t;
+      if (col >= head_dim) continue;
+      const float lo = acc[di][2 * hh] * mul, hi = acc[di][2 * hh + 1] * mul;
+      if (vec && col + 1 < head_dim) {
+        *reinterpret_cast<uint32_t*>(out + col) = Mma16816<Elem>::pack(lo, hi);
+      } else {
+        out[col] = from_float<Elem>(lo);
+        if (col + 1 < head_dim) out[col + 1] = from_float<Elem>(hi);
+      }
+    }
+  }
+}
+
+// Packs an m16 x 16 slice (n8 tiles 2kk and 2kk + 1) of an fp32 accumulator into the A fragment
+// of the next m16n8k16: the accumulator layout of two adjacent n8 tiles is the A layout.
+template <typename Elem, int kNTiles>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&acc)[kNTiles][4], int kk) {
+  a[0] = Mma16816<Elem>::pack(acc[2 * kk][0], acc[2 * kk][1]);
+  a[1] = Mma16816<Elem>::pack(acc[2 * kk][2], acc[2 * kk][3]);
+  a[2] = Mma16816<Elem>::pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+  a[3] = Mma16816<Elem>::pack(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+
+template <int kNTiles>
+__device__ __forceinline__ void zero(float (&c)[kNTiles][4]) {
+#pragma unroll
+  for (int i = 0; i < kNTiles; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[i][e] = 0.f;
+}
+
+// Query rows [lo, hi] that can see a key in [k_first, k_last] (the window rule inverted).
+struct QueryRange {
+  int64_t lo, hi;
+};
+__device__ __forceinline__ QueryRange visible_queries(const AttentionParams& p, int64_t k_first,
+                                                      int64_t k_last) {
+  int64_t lo = 0, hi = p.seqlen_q - 1;
+  if (p.window_right >= 0) {
+    const int64_t w = k_first - p.diag_offset - p.window_right;
+    lo = w > lo ? w : lo;
+  }
+  if (p.window_left >= 0) {
+    const int64_t w = k_last - p.diag_offset + p.window_left;
+    hi = w < hi ? w : hi;
+  }
+  return {lo, hi};
+}
+
+// The dK/dV kernels' step: S^T (keys x queries) becomes P^T in place and, with kDK, dP^T becomes
+// dS^T times the soft cap's derivative (dS itself goes to p.grad_mask when it is wanted). Element
+// (ni, e): key key_row[e / 2], query r0 + 8 ni + 2 t + e % 2; lse2/delta are the step's Br rows.
+template <typename Elem, bool kGeneral, bool kDK, int NT, int NTD>
+__device__ __forceinline__ void transposed_probs_and_grads(
+    float (&St)[NT][4], float (&dPt)[NTD][4], const AttentionBwdParams& p, const ScoreTransform& tf,
+    float scale_log2, int64_t b, int64_t h, int64_t r0, int Br, int n_block, int Bc,
+    const int (&key_row)[2], const float* lse2, const float* delta, int t) {
+  const int Nk = static_cast<int>(p.seqlen_k);
+  const int k0 = n_block * Bc;
+  const bool all_visible =
+      !kGeneral && key_block_unmasked(p, r0, r0 + Br - 1, n_block, Bc) && k0 + Bc <= Nk;
+  const int64_t mask_head = b * p.mask_batch_stride + h * p.mask_head_stride;
+  float* gmask =
+      p.grad_mask ? p.grad_mask + ((b * p.heads_q + h) * p.seqlen_q) * p.seqlen_k : nullptr;
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int qc = 8 * ni + 2 * t + c;  // query column within the step
+      const int64_t i = r0 + qc;
+      const float l2 = lse2[qc], dl = kDK ? delta[qc] : 0.f;
+      RowWindow win{0, Nk - 1};
+      if (!all_visible) win = row_window(p, i < p.seqlen_q ? i : p.seqlen_q - 1);
+      const int64_t mask_row =
+          mask_head + (i < p.seqlen_q ? i : p.seqlen_q - 1) * p.mask_row_stride;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int e = 2 * hh + c;
+        const int j = key_row[hh];
+        float prob, dcap = 1.f;
+        if constexpr (kGeneral) {
+          prob = general_prob<Elem>(p, tf, St[ni][e], mask_row, j, win, l2, dcap);
+        } else {
+          prob = win.contains(j) ? exp2f(fmaf(St[ni][e], scale_log2, -l2)) : 0.f;
+        }
+        St[ni][e] = prob;
+        if constexpr (kDK) {
+          const float ds = grad_score(prob, dPt[ni][e], dl);
+          if (gmask != nullptr && i < p.seqlen_q && j < Nk) gmask[i * p.seqlen_k + j] = ds;
+          dPt[ni][e] = ds * dcap;
+        }
+      }
+    }
+}
+
+// This lane's two query rows of the dQ kernels and their statistics.
+struct LaneRows {
+  int64_t row[2];
+  float lse2[2], delta[2];
+  RowWindow win[2];
+  int64_t mask_row[2];
+};
+__device__ __forceinline__ LaneRows lane_rows(const AttentionBwdParams& p, const BwdRowStats& st,
+                                              int64_t b, int64_t h, int64_t first_row) {
+  LaneRows r;
+  const int64_t stat = (b * p.heads_q + h) * st.rows_padded;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    r.row[hh] = first_row + 8 * hh;
+    r.lse2[hh] = st.lse2[stat + r.row[hh]];  // padded: rows past Nq read lse2 = +inf
+    r.delta[hh] = st.delta[stat + r.row[hh]];
+    const int64_t ic = r.row[hh] < p.seqlen_q ? r.row[hh] : p.seqlen_q - 1;
+    r.win[hh] = row_window(p, ic);
+    r.mask_row[hh] = b * p.mask_batch_stride + h * p.mask_head_stride + ic * p.mask_row_stride;
+  }
+  return r;
+}
+
+// The dQ kernels' step: S (queries x keys of block n) becomes dS times the soft cap's derivative.
+template <typename Elem, bool kGeneral, int NT>
+__device__ __forceinline__ void probs_and_grads(float (&S)[NT][4], const float (&dP)[NT][4],
+                                                const AttentionBwdParams& p,
+                                                const ScoreTransform& tf, float scale_log2,
+                                                const LaneRows& rows, int64_t r0, int Br, int n,
+                                                int Bc, int t) {
+  const bool all_visible = !kGeneral && key_block_unmasked(p, r0, r0 + Br - 1, n, Bc);
+  const int key0 = n * Bc + 2 * t;
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int hh = e >> 1, j = key0 + 8 * ni + (e & 1);
+      float prob, dcap = 1.f;
+      if constexpr (kGeneral) {
+        prob = general_prob<Elem>(p, tf, S[ni][e], rows.mask_row[hh], j, rows.win[hh],
+                                  rows.lse2[hh], dcap);
+      } else {
+        const bool visible = all_visible || rows.win[hh].contains(j);
+        prob = visible ? exp2f(fmaf(S[ni][e], scale_log2, -rows.lse2[hh])) : 0.f;
+      }
+      S[ni][e] = grad_score(prob, dP[ni][e], rows.delta[hh]) * dcap;
+    }
+}
+
+}  // namespace flashmod::cuda_kernels

@@ -1,0 +1,363 @@
+// The Hopper (sm_90a) backward: the portable kernels' algorithm (bwd_sm80_kernel.h: row
+// statistics, a dK/dV kernel per key block, a dQ kernel per query block, no atomics) with every
+// matmul on wgmma. A warpgroup owns 64 rows (keys in the dK/dV kernel, queries in the dQ kernel);
+// the score products read both operands from 128-byte-swizzled shared memory (K-major), and the
+// products that accumulate gradients take P^T / dS^T / dS from registers, packed straight from
+// the score accumulators, with the other operand read transposed (MN-major) from the same tiles.
+// The accumulator layout is the mma.sync one, so the per-element score transform and gradient
+// (bwd_common.h) are shared with the portable kernels.
+#pragma once
+
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "../../common/cuda/ptx_ops.h"
+#include "../../common/cuda/sw128_tile_copy.h"
+#include "../../common/cuda/wgmma_ops.h"
+#include "../attention_params.h"
+#include "bwd_common.h"
+#include "entry_points.h"
+#include "visibility.h"
+
+namespace flashmod::cuda_kernels::sm90 {
+
+// dK/dV: Bc = 64 key rows per warpgroup; each step takes Br query rows (wgmma's N of S^T).
+template <typename Elem_, int kHeadDim_, int kWarpgroups, int kBr>
+struct BwdKVTraitsSm90 {
+  using Elem = Elem_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int Bc = 64 * kWarpgroups;
+  static constexpr int Br = kBr;
+  static constexpr int kNThreads = 128 * kWarpgroups;
+  static constexpr int kNTiles = Br / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kKSteps = kHeadDim / 16;
+  static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;  // wgmma N of dK, dV chunks
+  static constexpr int kSmemKV = Bc * kHeadDim * 2;                // bytes of K_j or V_j
+  static constexpr int kSmemQ = Br * kHeadDim * 2;                 // bytes of one Q_i or dO_i
+  // K_j, V_j; two stages of Q_i, dO_i and their rows' lse2/delta; +1024 to align the base to the
+  // swizzle atom.
+  static constexpr int kSmemBytes = 2 * kSmemKV + 2 * 2 * kSmemQ + 2 * 2 * Br * 4 + 1024;
+  static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "dK and dV accumulators of one warpgroup");
+  static_assert(Br == 64 || Br == 128, "wgmma N of S^T");
+  static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
+};
+
+// dQ: Br = 64 query rows per warpgroup, key blocks of Bc (wgmma's N of S).
+template <typename Elem_, int kHeadDim_, int kWarpgroups, int kBc>
+struct BwdQTraitsSm90 {
+  using Elem = Elem_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int Br = 64 * kWarpgroups;
+  static constexpr int Bc = kBc;
+  static constexpr int kNThreads = 128 * kWarpgroups;
+  static constexpr int kNTiles = Bc / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kKSteps = kHeadDim / 16;
+  static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;
+  static constexpr int kSmemQ = Br * kHeadDim * 2;
+  static constexpr int kSmemKV = Bc * kHeadDim * 2;
+  // Q_i, dO_i; two stages of K_j, V_j.
+  static constexpr int kSmemBytes = 2 * kSmemQ + 2 * 2 * kSmemKV + 1024;
+  static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "one warpgroup's dQ accumulators");
+  static_assert(Bc == 64 || Bc == 128, "wgmma N of S");
+  static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
+};
+
+// Byte offset of k16 step ks in a K-major swizzled tile of `rows` rows: 64-column blocks are
+// rows * 128 bytes apart, and a k16 step is 32 bytes into its block.
+__device__ __forceinline__ uint32_t k_step(int ks, int rows) {
+  return static_cast<uint32_t>((ks / 4) * rows * 128 + (ks % 4) * 32);
+}
+
+// acc (64 rows x D per warpgroup) += A B with A from registers (a[k16 slice]) and B the
+// MN-major (k rows x D) tile at desc: k16 slice kk is 16 rows (2048 bytes) down, column chunk oc
+// of kOChunk columns starts kOChunk / 64 column blocks of tile_rows * 128 bytes to the right.
+template <typename Elem, int kHeadDim, int kOChunk, int kKSlices>
+__device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
+                                              const uint32_t (&a)[kKSlices][4], uint64_t desc,
+                                              int tile_rows) {
+#ifdef FLASHMOD_SM90A
+#pragma unroll
+  for (int kk = 0; kk < kKSlices; ++kk)
+#pragma unroll
+    for (int oc = 0; oc < kHeadDim / kOChunk; ++oc) {
+      auto& chunk = *reinterpret_cast<float (*)[kOChunk / 8][4]>(&acc[oc * kOChunk / 8]);
+      Wgmma<Elem, kOChunk>::rs_accumulate(
+          chunk, a[kk], desc_advance(desc, kk * 2048 + (oc * kOChunk / 64) * tile_rows * 128));
+    }
+#endif
+}
+
+template <class Tr, bool kGeneral>
+__global__ void __launch_bounds__(Tr::kNThreads, 1)
+    attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams p, const BwdRowStats st) {
+#ifdef FLASHMOD_SM90A
+  using Elem = typename Tr::Elem;
+  constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
+  constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
+
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_addr = smem_addr(smem_raw);
+  const uint32_t sK_addr = (raw_addr + 1023) & ~1023u;
+  const uint32_t sV_addr = sK_addr + Tr::kSmemKV;
+  const uint32_t sQ_addr0 = sV_addr + Tr::kSmemKV;       // 2 stages
+  const uint32_t sdO_addr0 = sQ_addr0 + 2 * Tr::kSmemQ;  // 2 stages
+  float* sL = reinterpret_cast<float*>(smem_raw + (sdO_addr0 + 2 * Tr::kSmemQ - raw_addr));
+  float* sDelta = sL + 2 * Br;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
+  const int g = lane >> 2, t = lane & 3;
+  const int Nk = static_cast<int>(p.seqlen_k), head_dim = static_cast<int>(p.head_dim);
+  const int num_n_blocks = (Nk + Bc - 1) / Bc;
+  int64_t bid = blockIdx.x;
+  const int n_block = static_cast<int>(bid % num_n_blocks);
+  bid /= num_n_blocks;
+  const int64_t hk = bid % p.heads_kv, b = bid / p.heads_kv;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int k0 = n_block * Bc, rows_k = min(Bc, Nk - k0);
+
+  const QueryRange qr = visible_queries(p, k0, k0 + rows_k - 1);
+  const int m_lo = qr.lo <= qr.hi ? static_cast<int>(qr.lo / Br) : 0;
+  const int m_count = qr.lo <= qr.hi ? static_cast<int>(qr.hi / Br) + 1 - m_lo : 0;
+  const int steps = static_cast<int>(group) * m_count;
+
+  const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
+                   static_cast<int64_t>(k0) * p.k_row_stride;
+  const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride +
+                   static_cast<int64_t>(k0) * p.v_row_stride;
+  const Sw128TileCopy<Bc, D, kThreads> kv_copy(tid, head_dim);
+  const Sw128TileCopy<Br, D, kThreads> q_copy(tid, head_dim);
+
+  // Step s = (head of the group, query block), head-major as in the portable kernel.
+  auto load_step = [&](int s, int stage) {
+    const int64_t h = hk * group + s / m_count;
+    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+    const int valid = p.seqlen_q - r0 < Br ? static_cast<int>(p.seqlen_q - r0) : Br;
+    const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                    r0 * p.q_row_stride;
+    const Elem* dout = static_cast<const Elem*>(p.grad_out) + b * p.grad_out_batch_stride +
+                       h * p.grad_out_head_stride + r0 * p.grad_out_row_stride;
+    q_copy.load(sQ_addr0 + stage * Tr::kSmemQ, q, p.q_row_stride, valid);
+    q_copy.load(sdO_addr0 + stage * Tr::kSmemQ, dout, p.grad_out_row_stride, valid);
+    const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;  // padded: no bounds
+    if (tid < Br / 4) {
+      cp_async_16(smem_addr(sL + stage * Br + 4 * tid), st.lse2 + stat + 4 * tid, 16);
+    } else if (tid < Br / 2) {
+      const int c = tid - Br / 4;
+      cp_async_16(smem_addr(sDelta + stage * Br + 4 * c), st.delta + stat + 4 * c, 16);
+    }
+  };
+
+  kv_copy.load(sK_addr, gK, p.k_row_stride, rows_k);
+  kv_copy.load(sV_addr, gV, p.v_row_stride, rows_k);
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  // A: this warpgroup's 64 rows of K_j / V_j (K-major). B of the score products: Q_i / dO_i
+  // (K-major). B of the gradient products: the same Q_i / dO_i tiles read MN-major.
+  const uint64_t k_desc = sw128_desc(sK_addr + warpgroup * 64 * 128, 16, 1024);
+  const uint64_t v_desc = sw128_desc(sV_addr + warpgroup * 64 * 128, 16, 1024);
+  const uint64_t q_desc0 = sw128_desc(sQ_addr0, 16, 1024);
+  const uint64_t do_desc0 = sw128_desc(sdO_addr0, 16, 1024);
+  const uint64_t q_mn_desc0 = sw128_desc(sQ_addr0, Br * 128, 1024);
+  const uint64_t do_mn_desc0 = sw128_desc(sdO_addr0, Br * 128, 1024);
+
+  const ScoreTransform tf(p);
+  const float scale_log2 = tf.scale * 1.4426950408889634f;
+  const int warp_row0 = warp * 16;  // warp w of warpgroup wg owns key rows 64 wg + 16 (w % 4)
+  const int key_row[2] = {k0 + warp_row0 + g, k0 + warp_row0 + g + 8};
+
+  float dV[DT][4], dK[DT][4];
+  zero(dV);
+  zero(dK);
+
+  for (int s = 0; s < steps; ++s) {
+    const int stage = s & 1;
+    cp_async_wait<0>();
+    fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
+    // Publishes step s's tiles copied by every thread, and every warpgroup is done with step
+    // s - 1, whose buffers the prefetch below overwrites.
+    __syncthreads();
+    if (s + 1 < steps) load_step(s + 1, stage ^ 1);
+    cp_async_commit();
+
+    const int64_t h = hk * group + s / m_count;
+    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+    const uint32_t stage_bytes = stage * Tr::kSmemQ;
+
+    float St[NT][4], dPt[NT][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks)
+      Wgmma<Elem, Br>::ss(St, desc_advance(k_desc, k_step(ks, Bc)),
+                          desc_advance(q_desc0, stage_bytes + k_step(ks, Br)), ks > 0);
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks)
+      Wgmma<Elem, Br>::ss(dPt, desc_advance(v_desc, k_step(ks, Bc)),
+                          desc_advance(do_desc0, stage_bytes + k_step(ks, Br)), ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(St);
+    pin_registers(dPt);
+
+    transposed_probs_and_grads<Elem, kGeneral, true>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
+                                                     n_block, Bc, key_row, sL + stage * Br,
+                                                     sDelta + stage * Br, t);
+    uint32_t pa[Br / 16][4], da[Br / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < Br / 16; ++kk) {
+      pack_a<Elem>(pa[kk], St, kk);
+      pack_a<Elem>(da[kk], dPt, kk);
+    }
+    // dV, dK and the packed operands were written by ordinary instructions: pinned ahead of the
+    // fence that orders them before the wgmma reads.
+    pin_registers(dV);
+    pin_registers(dK);
+    pin_registers(pa);
+    pin_registers(da);
+    wgmma_fence();
+    wgmma_rs_tile<Elem, D, Tr::kOChunk>(dV, pa, desc_advance(do_mn_desc0, stage_bytes), Br);
+    wgmma_rs_tile<Elem, D, Tr::kOChunk>(dK, da, desc_advance(q_mn_desc0, stage_bytes), Br);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(dV);
+    pin_registers(dK);
+    pin_registers(pa);
+    pin_registers(da);
+  }
+  cp_async_wait<0>();
+
+  const bool vec = st.vec_store != 0;
+  Elem* gdV = static_cast<Elem*>(p.grad_v) + b * p.grad_v_batch_stride + hk * p.grad_v_head_stride +
+              static_cast<int64_t>(k0) * p.grad_v_row_stride;
+  store_rows<Elem, DT>(gdV, p.grad_v_row_stride, dV, 1.f, warp_row0, rows_k, head_dim, lane, vec);
+  Elem* gdK = static_cast<Elem*>(p.grad_k) + b * p.grad_k_batch_stride + hk * p.grad_k_head_stride +
+              static_cast<int64_t>(k0) * p.grad_k_row_stride;
+  store_rows<Elem, DT>(gdK, p.grad_k_row_stride, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
+                       vec);
+#else
+  __trap();  // launched only where the sm_90a binary runs (see attention_backward_cuda.cpp)
+#endif
+}
+
+template <class Tr, bool kGeneral>
+__global__ void __launch_bounds__(Tr::kNThreads, 1)
+    attention_bwd_dq_sm90_kernel(const AttentionBwdParams p, const BwdRowStats st) {
+#ifdef FLASHMOD_SM90A
+  using Elem = typename Tr::Elem;
+  constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
+  constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
+
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_addr = smem_addr(smem_raw);
+  const uint32_t sQ_addr = (raw_addr + 1023) & ~1023u;
+  const uint32_t sdO_addr = sQ_addr + Tr::kSmemQ;
+  const uint32_t sK_addr0 = sdO_addr + Tr::kSmemQ;       // 2 stages
+  const uint32_t sV_addr0 = sK_addr0 + 2 * Tr::kSmemKV;  // 2 stages
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
+  const int g = lane >> 2, t = lane & 3;
+  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int num_m_blocks = (Nq + Br - 1) / Br;
+  int64_t bid = blockIdx.x;
+  int m_block = static_cast<int>(bid % num_m_blocks);
+  bid /= num_m_blocks;
+  const int64_t h = bid % p.heads_q, b = bid / p.heads_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  // With a right window bound (causal) the last query blocks see the most keys: start them first.
+  if (p.window_right >= 0) m_block = num_m_blocks - 1 - m_block;
+  const int r0 = m_block * Br, rows_q = min(Br, Nq - r0);
+  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+
+  const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                   static_cast<int64_t>(r0) * p.q_row_stride;
+  const Elem* gdO = static_cast<const Elem*>(p.grad_out) + b * p.grad_out_batch_stride +
+                    h * p.grad_out_head_stride + static_cast<int64_t>(r0) * p.grad_out_row_stride;
+  const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const Sw128TileCopy<Br, D, kThreads> q_copy(tid, head_dim);
+  const Sw128TileCopy<Bc, D, kThreads> kv_copy(tid, head_dim);
+  auto load_kv = [&](int n, int stage) {
+    const int valid = min(Bc, Nk - n * Bc);
+    const int64_t row0 = static_cast<int64_t>(n) * Bc;
+    kv_copy.load(sK_addr0 + stage * Tr::kSmemKV, gK + row0 * p.k_row_stride, p.k_row_stride, valid);
+    kv_copy.load(sV_addr0 + stage * Tr::kSmemKV, gV + row0 * p.v_row_stride, p.v_row_stride, valid);
+  };
+
+  q_copy.load(sQ_addr, gQ, p.q_row_stride, rows_q);
+  q_copy.load(sdO_addr, gdO, p.grad_out_row_stride, rows_q);
+  if (range.lo < range.hi) load_kv(range.lo, 0);
+  cp_async_commit();
+
+  // A: this warpgroup's 64 rows of Q_i / dO_i (K-major). B of the score products: K_j / V_j
+  // (K-major); B of dQ += dS K_j: K_j read MN-major.
+  const uint64_t q_desc = sw128_desc(sQ_addr + warpgroup * 64 * 128, 16, 1024);
+  const uint64_t do_desc = sw128_desc(sdO_addr + warpgroup * 64 * 128, 16, 1024);
+  const uint64_t k_desc0 = sw128_desc(sK_addr0, 16, 1024);
+  const uint64_t v_desc0 = sw128_desc(sV_addr0, 16, 1024);
+  const uint64_t k_mn_desc0 = sw128_desc(sK_addr0, Bc * 128, 1024);
+
+  const ScoreTransform tf(p);
+  const float scale_log2 = tf.scale * 1.4426950408889634f;
+  const int warp_row0 = warp * 16;
+  const LaneRows rows = lane_rows(p, st, b, h, r0 + warp_row0 + g);
+
+  float dQ[DT][4];
+  zero(dQ);
+
+  for (int n = range.lo; n < range.hi; ++n) {
+    const int stage = (n - range.lo) & 1;
+    cp_async_wait<0>();
+    fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
+    // Publishes K_j/V_j (and Q_i, dO_i at the first block) copied by every thread, and every
+    // warpgroup is done with block n - 1, whose buffers the prefetch below overwrites.
+    __syncthreads();
+    if (n + 1 < range.hi) load_kv(n + 1, stage ^ 1);
+    cp_async_commit();
+
+    const uint32_t stage_bytes = stage * Tr::kSmemKV;
+    float S[NT][4], dP[NT][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks)
+      Wgmma<Elem, Bc>::ss(S, desc_advance(q_desc, k_step(ks, Br)),
+                          desc_advance(k_desc0, stage_bytes + k_step(ks, Bc)), ks > 0);
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks)
+      Wgmma<Elem, Bc>::ss(dP, desc_advance(do_desc, k_step(ks, Br)),
+                          desc_advance(v_desc0, stage_bytes + k_step(ks, Bc)), ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(S);
+    pin_registers(dP);
+
+    probs_and_grads<Elem, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t);
+    uint32_t da[Bc / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < Bc / 16; ++kk) pack_a<Elem>(da[kk], S, kk);
+    pin_registers(dQ);
+    pin_registers(da);
+    wgmma_fence();
+    wgmma_rs_tile<Elem, D, Tr::kOChunk>(dQ, da, desc_advance(k_mn_desc0, stage_bytes), Bc);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(dQ);
+    pin_registers(da);
+  }
+  cp_async_wait<0>();
+
+  Elem* gdQ = static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride + h * p.grad_q_head_stride +
+              static_cast<int64_t>(r0) * p.grad_q_row_stride;
+  store_rows<Elem, DT>(gdQ, p.grad_q_row_stride, dQ, tf.scale, warp_row0, rows_q, head_dim, lane,
+                       st.vec_store != 0);
+#else
+  __trap();  // launched only where the sm_90a binary runs (see attention_backward_cuda.cpp)
+#endif
+}
+
+}  // namespace flashmod::cuda_kernels::sm90

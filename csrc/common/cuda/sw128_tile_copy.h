@@ -1,0 +1,50 @@
+// The global -> shared copy of a (rows x head dim) tile into the 128-byte-swizzled layout that
+// wgmma reads (wgmma_ops.h), with cp.async. Shared by the Hopper forward and backward kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "ptx_ops.h"
+#include "wgmma_ops.h"
+
+namespace flashmod::cuda_kernels::sm90 {
+
+// How one thread copies its share of a (kRows x kHeadDim) tile into the 128-byte-swizzled
+// layout: a fixed 16-byte chunk column and a row step that is a multiple of 8, so the swizzled
+// shared offset is one base plus a constant per row step.
+template <int kRows, int kHeadDim, int kThreads>
+struct Sw128TileCopy {
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kIters = kRows / kRowStep;
+  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0,
+                "even split");
+
+  int row0, col, src_bytes;
+  uint32_t soff;
+
+  __device__ __forceinline__ Sw128TileCopy(int tid, int head_dim) {
+    const int chunk = tid % kChunks;
+    row0 = tid / kChunks;
+    col = chunk * 8;
+    src_bytes = 2 * max(0, min(8, head_dim - col));
+    soff = sw128_offset<kRows>(row0, chunk);
+  }
+
+  // Rows [0, valid_rows) x columns [0, head_dim) from gmem; the rest of the tile is zero-filled
+  // (zero keys/values past seqlen_k keep NaN-free products; their scores are masked anyway).
+  template <typename Elem>
+  __device__ __forceinline__ void load(uint32_t smem_base, const Elem* gmem, int64_t row_stride,
+                                       int valid_rows) const {
+    const Elem* src = gmem + row0 * row_stride + col;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const bool valid = row0 + it * kRowStep < valid_rows && src_bytes > 0;
+      cp_async_16(smem_base + soff + it * kRowStep * 128, valid ? src : gmem,
+                  valid ? src_bytes : 0);
+      src += kRowStep * row_stride;
+    }
+  }
+};
+
+}  // namespace flashmod::cuda_kernels::sm90
