@@ -153,9 +153,11 @@ def run(
     reps: int,
     skip: Callable[[str, dict], str | None] = lambda name, s: None,
     progress: bool = True,
+    env: dict[str, str] | None = None,
 ) -> list[dict]:
     """Checks, times and measures every contender on every shape; rows for :func:`harness.print_table`.
-    ``skip(name, shape)`` gives a reason to leave a contender out of a shape, or None."""
+    ``skip(name, shape)`` gives a reason to leave a contender out of a shape, or None; ``env[name]``
+    holds knob settings ("NAME=value,...") a contender's whole step runs under (forward and backward)."""
     rows = []
     for i, s in enumerate(shapes):
         if progress:
@@ -166,6 +168,7 @@ def run(
         flops = forward_flops(s) * (BACKWARD_FLOPS_FACTOR if mode == "fwdbwd" else 1.0)
         row = dict(shape=s, label=label(s), mode=mode, flops=flops, results={})
         fns = {name: step(attend, mode, q, k, v, mask, s, grad_out) for name, attend in contenders.items()}
+        fns = {name: with_env(env[name], fn) if env and name in env else fn for name, fn in fns.items()}
         reference = fns["flashmod"]()
         runnable = {}
         for name, fn in fns.items():
@@ -225,7 +228,7 @@ def main() -> None:
     ap.add_argument(
         "--portable",
         action="store_true",
-        help="also time flashmod's portable mma.sync kernel (FLASHMOD_DISABLE_SM90=1) where the wgmma one runs",
+        help="also time flashmod's portable mma.sync kernels (FLASHMOD_DISABLE_SM90=1, forward and backward)",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -242,7 +245,7 @@ def main() -> None:
     ]
     contenders: dict[str, Attend] = {"flashmod": flashmod_attend}
     if args.portable:
-        contenders["flashmod-mma"] = lambda *a: with_env("FLASHMOD_DISABLE_SM90=1", lambda: flashmod_attend(*a))()
+        contenders["flashmod-mma"] = flashmod_attend
     for name in filter(None, args.backends.split(",")):
         contenders[name] = sdpa_attend(SDPA_BACKENDS[name])
 
@@ -256,7 +259,8 @@ def main() -> None:
         f"device: {name}; torch {torch.__version__}; mode {args.mode}; {len(shapes)} shapes; "
         f"contenders: {', '.join(contenders)}"
     )
-    rows = run(shapes, contenders, "cuda", args.mode, args.warmup, args.reps, skip)
+    env = {"flashmod-mma": "FLASHMOD_DISABLE_SM90=1"}
+    rows = run(shapes, contenders, "cuda", args.mode, args.warmup, args.reps, skip, env=env)
     tag = args.tag or f"{datetime.date.today().isoformat()}-cuda-{args.mode}"
     report(rows, list(contenders), "cuda", args.mode, args.out_dir, tag, dict(device=name, torch=torch.__version__))
 
