@@ -1,0 +1,66 @@
+"""Where the CUDA backward's time goes: device time per kernel (torch.profiler) of one training
+step through flashmod.attention, for a few paper shapes. Prints a table per shape; the kernel names
+say which family ran (sm80 / sm90) and which kernel (row statistics, dK/dV, dQ, forward).
+
+    python tools/bwd_kernel_times.py [--dims 64,128] [--n 1024,4096] [--portable]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flashmod
+
+
+def short(name: str) -> str:
+    m = re.search(r"(attention_\w+?kernel)", name)
+    return m.group(1) if m else name[:60]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dims", default="64,128", help="head dims, comma-separated")
+    ap.add_argument("--n", default="1024,4096", help="sequence lengths (B * N = 16k, H * D = 2048)")
+    ap.add_argument("--portable", action="store_true", help="FLASHMOD_DISABLE_SM90=1 (mma.sync kernels)")
+    args = ap.parse_args()
+    if args.portable:
+        os.environ["FLASHMOD_DISABLE_SM90"] = "1"
+    print(torch.cuda.get_device_name(), "portable" if args.portable else "default kernels")
+    for d in map(int, args.dims.split(",")):
+        for n in map(int, args.n.split(",")):
+            for causal in (False, True):
+                b, h = 16384 // n, 2048 // d
+                q, k, v = (
+                    torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+                )
+                grad = torch.randn_like(q)
+
+                def train_step():
+                    out = flashmod.attention(q, k, v, is_causal=causal)
+                    torch.autograd.grad(out, (q, k, v), grad)
+
+                for _ in range(3):
+                    train_step()
+                torch.cuda.synchronize()
+                reps = 10
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(reps):
+                        train_step()
+                    torch.cuda.synchronize()
+                totals: dict[str, float] = {}
+                for e in prof.events():
+                    if e.device_type == torch.autograd.DeviceType.CUDA:
+                        totals[short(e.name)] = totals.get(short(e.name), 0.0) + e.device_time / reps
+                total = sum(totals.values())
+                print(f"b{b} h{h} n{n} d{d}{' causal' if causal else ''}: {total / 1e3:.3f} ms per step")
+                for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:6]:
+                    print(f"    {us / 1e3:8.3f} ms  {100 * us / total:5.1f}%  {name}")
+
+
+if __name__ == "__main__":
+    main()
