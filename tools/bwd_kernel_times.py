@@ -40,7 +40,7 @@ def main() -> None:
                 )
                 grad = torch.randn_like(q)
 
-                def train_step():
+                def train_step(q=q, k=k, v=v, grad=grad, causal=causal):
                     out = flashmod.attention(q, k, v, is_causal=causal)
                     torch.autograd.grad(out, (q, k, v), grad)
 
