@@ -23,9 +23,10 @@
 namespace flashmod::cuda_kernels::sm90 {
 
 // dK/dV: Bc = 64 key rows per warpgroup; each step takes Br query rows (wgmma's N of S^T).
-template <typename Elem_, int kHeadDim_, int kWarpgroups, int kBr>
+template <typename Elem_, int kHeadDim_, int kWarpgroups, int kBr, int kMinBlocks_ = 1>
 struct BwdKVTraitsSm90 {
   using Elem = Elem_;
+  static constexpr int kMinBlocks = kMinBlocks_;  // CTAs per SM the registers must allow
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int Bc = 64 * kWarpgroups;
   static constexpr int Br = kBr;
@@ -46,9 +47,10 @@ struct BwdKVTraitsSm90 {
 };
 
 // dQ: Br = 64 query rows per warpgroup, key blocks of Bc (wgmma's N of S).
-template <typename Elem_, int kHeadDim_, int kWarpgroups, int kBc>
+template <typename Elem_, int kHeadDim_, int kWarpgroups, int kBc, int kMinBlocks_ = 1>
 struct BwdQTraitsSm90 {
   using Elem = Elem_;
+  static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int Br = 64 * kWarpgroups;
   static constexpr int Bc = kBc;
@@ -93,7 +95,7 @@ __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
 }
 
 template <class Tr, bool kGeneral>
-__global__ void __launch_bounds__(Tr::kNThreads, 1)
+__global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams p, const BwdRowStats st) {
 #ifdef FLASHMOD_SM90A
   using Elem = typename Tr::Elem;
@@ -245,7 +247,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 }
 
 template <class Tr, bool kGeneral>
-__global__ void __launch_bounds__(Tr::kNThreads, 1)
+__global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dq_sm90_kernel(const AttentionBwdParams p, const BwdRowStats st) {
 #ifdef FLASHMOD_SM90A
   using Elem = typename Tr::Elem;
