@@ -14,7 +14,6 @@
 #include <cstdint>
 
 #include "../../common/error_message.h"
-#include "../../common/knobs.h"
 #include "../attention_host.h"
 #include "entry_points.h"
 #include "generated/kernel_variants.h"
@@ -86,7 +85,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   st.delta = stats[1].data_ptr<float>();
   st.vec_store = rows_aligned4(r.grad_q) && rows_aligned4(r.grad_k) && rows_aligned4(r.grad_v);
   st.vec_rows = rows_aligned16(r.out) && rows_aligned16(r.grad_out) && p.head_dim % 8 == 0;
-  st.tile_variant = static_cast<int>(env_int("FLASHMOD_BWD_SM90_TILES", 0));
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaError_t err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream);

@@ -12,25 +12,23 @@
 namespace flashmod::cuda_kernels {
 namespace sm90 {
 
-// dK/dV: 2 warpgroups (128 key rows) x 64-query steps; dQ: 2 warpgroups (128 query rows) x
-// 64-key blocks. Per thread: dK + dV take D floats, S^T and dP^T 32 each (dQ: D / 2 + 64).
-template <typename Elem, int kHeadDim, int kVariant>
-struct BwdConfigSm90 {
-  using KV = BwdKVTraitsSm90<Elem, kHeadDim, 2, 64>;
-  using Q = BwdQTraitsSm90<Elem, kHeadDim, 2, 64>;
-};
-// Experiment: one warpgroup per CTA, two CTAs per SM (independent CTAs overlap one's elementwise
-// work with the other's wgmma).
+// One warpgroup per CTA and two CTAs per SM for both kernels: dK/dV 64 keys x 64-query steps, dQ
+// 64 queries x 64-key blocks. Independent CTAs overlap one's elementwise work with the other's
+// wgmma. Measured on an H100 against two warpgroups per CTA (128 rows) and one CTA per SM, which
+// run in lockstep through the per-block barrier (tools/bwd_kernel_times.py, bf16, B * N = 16k,
+// H * D = 2048; benchmarks/results/design/cuda-backward.md): D = 64 step 8.92 -> 7.79 ms at
+// N = 4k (dQ 3.10 -> 2.30 ms, dK/dV 4.37 -> 4.05), D = 128 6.30 -> 6.19 ms. Registers: dK/dV
+// 216-255 (D = 128 general path spills 40 bytes), dQ 146-194.
 template <typename Elem, int kHeadDim>
-struct BwdConfigSm90<Elem, kHeadDim, 1> {
+struct BwdConfigSm90 {
   using KV = BwdKVTraitsSm90<Elem, kHeadDim, 1, 64, 2>;
   using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, 64, 2>;
 };
 
-template <typename Elem, int kHeadDim, bool kGeneral, int kVariant>
+template <typename Elem, int kHeadDim, bool kGeneral>
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
-  using KV = typename BwdConfigSm90<Elem, kHeadDim, kVariant>::KV;
-  using Q = typename BwdConfigSm90<Elem, kHeadDim, kVariant>::Q;
+  using KV = typename BwdConfigSm90<Elem, kHeadDim>::KV;
+  using Q = typename BwdConfigSm90<Elem, kHeadDim>::Q;
   const int64_t kv_blocks = (p.seqlen_k + KV::Bc - 1) / KV::Bc * p.heads_kv * p.batch;
   cudaError_t err = cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, kGeneral>, kv_blocks,
                                         KV::kNThreads, KV::kSmemBytes, stream, p, st);
@@ -46,11 +44,8 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStats& st,
                                    cudaStream_t stream) {
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
-  if (st.tile_variant == 1)
-    return general ? sm90::launch_bwd<Elem, kHeadDim, true, 1>(p, st, stream)
-                   : sm90::launch_bwd<Elem, kHeadDim, false, 1>(p, st, stream);
-  return general ? sm90::launch_bwd<Elem, kHeadDim, true, 0>(p, st, stream)
-                 : sm90::launch_bwd<Elem, kHeadDim, false, 0>(p, st, stream);
+  return general ? sm90::launch_bwd<Elem, kHeadDim, true>(p, st, stream)
+                 : sm90::launch_bwd<Elem, kHeadDim, false>(p, st, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

@@ -79,9 +79,8 @@ struct BwdRowStats {
   float* lse2 = nullptr;   // lse * log2(e); +inf where lse = -inf
   float* delta = nullptr;  // rowsum(dO * O) - grad_lse
   int64_t rows_padded = 0;
-  int vec_store = 0;     // grad_q/k/v rows are 4-byte aligned: store element pairs as one word
-  int vec_rows = 0;      // out and grad_out rows are 16-byte aligned and head_dim % 8 == 0
-  int tile_variant = 0;  // experiment: FLASHMOD_BWD_SM90_TILES
+  int vec_store = 0;  // grad_q/k/v rows are 4-byte aligned: store element pairs as one word
+  int vec_rows = 0;   // out and grad_out rows are 16-byte aligned and head_dim % 8 == 0
 };
 
 // Fills st.lse2 and st.delta from p's lse, out, grad_out and grad_lse (bwd_rowstats.cu).
