@@ -190,7 +190,7 @@ def test_no_grad_fast_path_matches_autograd_path(device):
 
 @pytest.mark.parametrize("opts", [(False, 0.0), (True, 3.0)], ids=["plain", "causal_softcap"])
 def test_eager_autograd_matches_registered_autograd(device, opts):
-    """attention_op's eager autograd.Function (ops.eager_autograd) and the op's register_autograd path
+    """attention_op's direct AttentionFunction.apply and the op's own Autograd kernel
     (a direct torch.ops call) give the same outputs and gradients, through out and lse both."""
     is_causal, softcap = opts
     q, k, v = qkv(device, requires_grad=True)
