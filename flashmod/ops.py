@@ -146,7 +146,8 @@ def _attention_backward_fake(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor]:
+    compute_grad_mask: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Mirror of csrc/attention/attention_host.cpp's prepare_attention_backward: the forward's
     checks, then out, lse, grad_out and grad_lse; gradients in the fixed-up inputs' layouts."""
     op = "flashmod.attention_backward"
@@ -157,7 +158,17 @@ def _attention_backward_fake(
     _check_like(p, "grad_out", grad_out, "out", out)
     if grad_lse is not None:
         _check_row_stat(p, "grad_lse", grad_lse, q, fp32_only=False)
-    return tuple(torch.empty_like(t if t.stride(-1) == 1 else t.contiguous()) for t in (q, k, v))
+    if compute_grad_mask:
+        torch._check(
+            attn_mask is not None and attn_mask.dtype != torch.bool,
+            lambda: (
+                f"{p}compute_grad_mask needs an additive float attn_mask, got "
+                f"{'no attn_mask' if attn_mask is None else 'a bool attn_mask'}"
+            ),
+        )
+    grads = tuple(torch.empty_like(t if t.stride(-1) == 1 else t.contiguous()) for t in (q, k, v))
+    mask_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if compute_grad_mask else (0,)
+    return (*grads, q.new_empty(mask_shape, dtype=torch.float32))
 
 
 def _attention_backward_reference(
@@ -175,22 +186,23 @@ def _attention_backward_reference(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor]:
+    compute_grad_mask: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The chunked reference math as flashmod::attention_backward's CUDA kernel, for builds whose
     C++ library has no fused CUDA backward. Warns once: it is several times slower and holds
     (chunk_rows x Nk) score tensors."""
     _warn_reference_backward_once()
     _attention_backward_fake(
         grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale,
-        is_causal, bottom_right, window_left, window_right, softcap,
+        is_causal, bottom_right, window_left, window_right, softcap, compute_grad_mask,
     )  # fmt: skip
-    grads = attention_backward_chunked(
+    *grads, grad_mask = attention_backward_chunked(
         grad_out, grad_lse, q, k, v, lse, attn_mask, scale,
-        is_causal, bottom_right, window_left, window_right, softcap,
+        is_causal, bottom_right, window_left, window_right, softcap, compute_grad_mask,
     )  # fmt: skip
     # Each gradient in its input's memory layout, as the fake implementation promises.
     layouts = (torch.empty_like(t if t.stride(-1) == 1 else t.contiguous()) for t in (q, k, v))
-    return tuple(out.copy_(g) for out, g in zip(layouts, grads))
+    return (*(out.copy_(g) for out, g in zip(layouts, grads)), grad_mask)
 
 
 @functools.cache
@@ -210,7 +222,8 @@ if not torch._C._dispatch_has_kernel_for_dispatch_key("flashmod::attention_backw
 ATTENTION_DEFAULTS = (None, None, False, True, -1, -1, 0.0)
 """The defaults of attention's arguments after q, k, v (attn_mask .. softcap), in schema order."""
 
-ATTENTION_BACKWARD_DEFAULTS = ATTENTION_DEFAULTS
+ATTENTION_BACKWARD_DEFAULTS = (*ATTENTION_DEFAULTS, False)
+"""attention_backward's defaults after grad_out .. lse: attention's, then compute_grad_mask."""
 
 
 def with_defaults(args: tuple, required: int, defaults: tuple) -> tuple:
@@ -252,11 +265,6 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         q, k, v, attn_mask, *options = inputs
-        if attn_mask is not None and attn_mask.requires_grad:
-            raise NotImplementedError(
-                "flashmod.attention: gradients with respect to attn_mask are not supported; "
-                "pass attn_mask.detach() (got a mask with requires_grad=True)"
-            )
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, attn_mask)
         ctx.save_for_forward(q, k, v, out, lse, attn_mask)
@@ -268,10 +276,12 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, attn_mask = ctx.saved_tensors
         if grad_out is None:  # only lse was used
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = torch.ops.flashmod.attention_backward(
-            grad_out, grad_lse, q, k, v, out, lse, attn_mask, *ctx.options
+        want_mask = ctx.needs_input_grad[3]  # an additive mask that requires grad (a learned bias)
+        dq, dk, dv, d_mask = torch.ops.flashmod.attention_backward(
+            grad_out, grad_lse, q, k, v, out, lse, attn_mask, *ctx.options, want_mask
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        d_mask = d_mask.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if want_mask else None
+        return dq, dk, dv, d_mask, None, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, q_t, k_t, v_t, mask_t, *_):
@@ -319,8 +329,8 @@ class AttentionBackwardFunction(torch.autograd.Function):
     def backward(ctx, *cotangents):
         grad_out, grad_lse, _, _, _, _, attn_mask = ctx.saved_tensors
         primals, gradients = AttentionBackwardFunction._primals(ctx)
-        _, vjp_fn = torch.func.vjp(gradients, *primals)
-        cotangents = tuple(c if c is not None else torch.zeros_like(p) for c, p in zip(cotangents, primals[1:4]))
+        outputs, vjp_fn = torch.func.vjp(gradients, *primals)
+        cotangents = tuple(c if c is not None else torch.zeros_like(o) for c, o in zip(cotangents, outputs))
         grads = vjp_fn(cotangents)
         g_grad_out, g_q, g_k, g_v = grads[:4]
         g_grad_lse = grads[4] if grad_lse is not None else None
@@ -403,8 +413,10 @@ def _attention_backward_vmap(info, in_dims, grad_out, grad_lse, q, k, v, out, ls
     tensors = (grad_out, grad_lse, q, k, v, out, lse)
     folded = [vmap_into_batch(t, d, size) for t, d in zip(tensors, in_dims)]
     attn_mask = vmap_mask_into_batch(attn_mask, in_dims[7] if len(in_dims) > 7 else None, size, batch)
-    grads = torch.ops.flashmod.attention_backward(*folded, attn_mask, *options)
-    return tuple(vmap_out_of_batch(g, size) for g in grads), (0,) * len(grads)
+    *grads, grad_mask = torch.ops.flashmod.attention_backward(*folded, attn_mask, *options)
+    if grad_mask.dim() == 1:  # not computed: the empty (0,) tensor, not batched
+        return (*(vmap_out_of_batch(g, size) for g in grads), grad_mask), (0, 0, 0, None)
+    return tuple(vmap_out_of_batch(g, size) for g in (*grads, grad_mask)), (0, 0, 0, 0)
 
 
 def _batch_of(t: Tensor, dim: int | None) -> int:

@@ -164,12 +164,17 @@ def attention_backward_chunked(
     window_left: int,
     window_right: int,
     softcap: float,
+    compute_grad_mask: bool = False,
     chunk_rows: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of (out, lse) w.r.t. q, k, v, recomputing P from exp(S - lse) chunk by chunk.
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of (out, lse) w.r.t. q, k, v, recomputing P from exp(S - lse) chunk by chunk,
+    and, if ``compute_grad_mask``, the fp32 ``(B, Hq, Nq, Nk)`` gradient of the scores after the
+    mask (what an additive mask receives before its broadcast dimensions are summed), else an
+    empty fp32 ``(0,)`` tensor: attention_backward's outputs.
 
     Extra memory is O(chunk_rows x Nk) per head: nothing of size Nq x Nk is allocated unless a
-    single chunk covers every query. GQA gradients are summed over each kv-head's query group.
+    single chunk covers every query or the mask's gradient is asked for. GQA gradients are summed
+    over each kv-head's query group.
     """
     dtype = compute_dtype_for(q.dtype)
     batch, heads_q, seqlen_q, head_dim = q.shape
@@ -180,7 +185,7 @@ def attention_backward_chunked(
 
     kc, vc = k.to(dtype), v.to(dtype)
     # Out of place throughout, so torch.func (vmap, jvp) and autograd (double backward) go through.
-    dq_parts = []
+    dq_parts, mask_parts = [], []
     dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
     for r0 in range(0, seqlen_q, chunk_rows):
@@ -205,6 +210,8 @@ def attention_backward_chunked(
             delta = delta - _grouped(grad_lse[:, :, r0:r1].to(dtype), heads_kv)[..., None]
         ds = p * (dp - delta)
         del dp
+        if compute_grad_mask:
+            mask_parts.append(ds.flatten(1, 2).float())
         if tanh_s is not None:  # d/ds [c tanh(s / c)] = 1 - tanh^2
             ds = ds * (1 - tanh_s * tanh_s)
             del tanh_s
@@ -212,7 +219,13 @@ def attention_backward_chunked(
         dk = dk + torch.einsum("bhgrn,bhgrd->bhnd", ds, q_i) * scale
         dv = dv + torch.einsum("bhgrn,bhgrd->bhnd", p, do_i)
     dq = torch.cat(dq_parts, 2) if dq_parts else torch.zeros(q.shape, dtype=dtype, device=q.device)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if not compute_grad_mask:
+        grad_mask = torch.zeros(0, dtype=torch.float32, device=q.device)
+    elif mask_parts:
+        grad_mask = torch.cat(mask_parts, 2)
+    else:
+        grad_mask = torch.zeros(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.float32, device=q.device)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_mask
 
 
 def attention_jvp_chunked(

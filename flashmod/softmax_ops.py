@@ -133,11 +133,7 @@ class MatmulSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         a, b, scale, _, attn_mask = inputs
-        if attn_mask is not None and attn_mask.requires_grad:
-            raise NotImplementedError(
-                "flashmod.matmul_softmax: gradients with respect to attn_mask are not supported; "
-                "pass attn_mask.detach() (got a mask with requires_grad=True)"
-            )
+        ctx.mask_shape = None if attn_mask is None else (attn_mask.shape, attn_mask.dtype)
         ctx.save_for_backward(a, b, output)
         ctx.save_for_forward(a, b, output)
         ctx.scale = 1.0 / math.sqrt(a.shape[-1]) if scale is None else scale
@@ -149,13 +145,17 @@ class MatmulSoftmaxFunction(torch.autograd.Function):
         heads_b, cols = b.shape[1], b.shape[2]
         group = heads_a // heads_b
         ds = _softmax_grad(grad, p, -1)  # masked entries have P = 0 and so dS = 0 there
+        grad_mask = None
+        if ctx.needs_input_grad[4]:  # an additive mask that requires grad: dS summed to its shape
+            shape, dtype = ctx.mask_shape
+            grad_mask = ds.sum_to_size(shape).to(dtype)
         ds = ds.reshape(batch, heads_b, group * rows, cols)  # GQA: a's head groups share b's head
         a_g = a.reshape(batch, heads_b, group * rows, depth)
         grad_a = (ctx.scale * ds) @ b if ctx.needs_input_grad[0] else None
         grad_b = (ctx.scale * ds).transpose(-1, -2) @ a_g if ctx.needs_input_grad[1] else None
         if grad_a is not None:
             grad_a = grad_a.reshape(a.shape)
-        return grad_a, grad_b, None, None, None
+        return grad_a, grad_b, None, None, grad_mask
 
     @staticmethod
     def jvp(ctx, a_t, b_t, _scale, _causal, mask_t):
@@ -242,7 +242,8 @@ def matmul_softmax(
 
     Returns:
         ``(B, Ha, M, N)`` contiguous probabilities; rows with no visible column are all zeros.
-        The output is the only ``(B, Ha, M, N)`` buffer allocated. Differentiable in ``a`` and ``b``.
+        The output is the only ``(B, Ha, M, N)`` buffer allocated. Differentiable in ``a``, ``b`` and an
+        additive ``attn_mask`` (its gradient summed over its broadcast dimensions).
     """
     args = (a, b, scale, is_causal, attn_mask)
     if no_grad_needed(a, b, attn_mask):
