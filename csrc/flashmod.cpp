@@ -22,18 +22,23 @@ TORCH_LIBRARY(flashmod, m) {
   // lse (nothing Nq x Nk is stored). grad_lse is the gradient flowing into lse (None: zero).
   // grad_q/grad_k/grad_v take the layouts of q/k/v; for GQA, grad_k/grad_v sum over each kv
   // head's query group. Deterministic: the same inputs give bitwise the same gradients.
+  // compute_grad_mask (an additive float attn_mask only): grad_mask is fp32 contiguous
+  // (B, Hq, Nq, Nk), dL/d(score after the mask) at every visible pair and 0 elsewhere (the caller
+  // sums it over the mask's broadcast dimensions); otherwise an empty fp32 tensor of shape (0,).
   m.def(
       "attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor lse, Tensor? attn_mask=None, float? scale=None, bool is_causal=False, "
-      "bool bottom_right=True, int window_left=-1, int window_right=-1, float softcap=0.0) -> "
-      "(Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "bool bottom_right=True, int window_left=-1, int window_right=-1, float softcap=0.0, "
+      "bool compute_grad_mask=False) -> "
+      "(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_mask)");
   // attention_backward computed by the chunked reference math (flashmod/reference.py, in Python):
   // the fused kernels' oracle, and what CUDA runs for float32 until it has a fused kernel.
   m.def(
       "attention_backward_reference(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, "
       "Tensor v, Tensor out, Tensor lse, Tensor? attn_mask=None, float? scale=None, "
       "bool is_causal=False, bool bottom_right=True, int window_left=-1, int window_right=-1, "
-      "float softcap=0.0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "float softcap=0.0, bool compute_grad_mask=False) -> "
+      "(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_mask)");
   // Exact merge of partial attention results over disjoint key sets: outs[i] (..., D) with lses[i]
   // (...) fp32 -> out = sum_i exp(lse_i - lse) outs[i], lse = log(sum_i exp(lse_i)); partials with
   // lse -inf (no visible key) contribute nothing, a row with none visible gives (0, -inf).

@@ -205,7 +205,7 @@ class _RingAttention(torch.autograd.Function):
         dv_cur = torch.zeros_like(v, dtype=torch.float32)
         for step in range(ring.world_size):
             for rows, keys, step_causal, wl, wr in ring.step_calls(step):
-                dq_part, dk_part, dv_part = torch.ops.flashmod.attention_backward(
+                dq_part, dk_part, dv_part, _ = torch.ops.flashmod.attention_backward(
                     _rows(grad_out, rows), None, _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys),
                     _rows(out, rows), lse[:, :, rows], None, ctx.scale, step_causal, False, wl, wr, ctx.softcap,
                 )  # fmt: skip

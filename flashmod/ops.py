@@ -6,7 +6,8 @@
   (``csrc/attention/attention_host.cpp``) written as ``torch._check`` so they fire while tracing too;
 * ``flashmod::attention_backward`` (fused kernels in C++): its fake implementation, and the
   reference math as its CUDA kernel in builds without the fused CUDA backward;
-* ``register_autograd``: makes the forward op itself differentiable.
+* Autograd kernels (:class:`AttentionFunction`; the reference math for attention_backward's own
+  derivative) and batching rules, so the op works under autograd, ``torch.func`` and vmap.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._functorch.utils import enable_single_level_autograd_function
+from torch.autograd import forward_ad
 
 from . import _C  # noqa: F401  (loading the library registers the operators)
 from .checks import (
@@ -30,7 +33,7 @@ from .checks import (
     check_same_dtype,
     check_scale,
 )
-from .reference import attention_backward_chunked
+from .reference import attention_backward_chunked, attention_jvp_chunked
 
 CUDA_MAX_HEAD_DIM = 256
 
@@ -143,7 +146,8 @@ def _attention_backward_fake(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor]:
+    compute_grad_mask: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Mirror of csrc/attention/attention_host.cpp's prepare_attention_backward: the forward's
     checks, then out, lse, grad_out and grad_lse; gradients in the fixed-up inputs' layouts."""
     op = "flashmod.attention_backward"
@@ -154,7 +158,17 @@ def _attention_backward_fake(
     _check_like(p, "grad_out", grad_out, "out", out)
     if grad_lse is not None:
         _check_row_stat(p, "grad_lse", grad_lse, q, fp32_only=False)
-    return tuple(torch.empty_like(t if t.stride(-1) == 1 else t.contiguous()) for t in (q, k, v))
+    if compute_grad_mask:
+        torch._check(
+            attn_mask is not None and attn_mask.dtype != torch.bool,
+            lambda: (
+                f"{p}compute_grad_mask needs an additive float attn_mask, got "
+                f"{'no attn_mask' if attn_mask is None else 'a bool attn_mask'}"
+            ),
+        )
+    grads = tuple(torch.empty_like(t if t.stride(-1) == 1 else t.contiguous()) for t in (q, k, v))
+    mask_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if compute_grad_mask else (0,)
+    return (*grads, q.new_empty(mask_shape, dtype=torch.float32))
 
 
 @torch.library.impl("flashmod::attention_backward_reference", "CompositeExplicitAutograd")
@@ -173,18 +187,22 @@ def _attention_backward_reference(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor]:
+    compute_grad_mask: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``flashmod::attention_backward_reference``: the chunked reference math with
     attention_backward's checks. CUDA's attention_backward runs it for float32 (no fused kernel
     yet, with a warning); tests use it as the oracle."""
     _attention_backward_fake(
         grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale,
-        is_causal, bottom_right, window_left, window_right, softcap,
+        is_causal, bottom_right, window_left, window_right, softcap, compute_grad_mask,
     )  # fmt: skip
-    return attention_backward_chunked(
+    *grads, grad_mask = attention_backward_chunked(
         grad_out, grad_lse, q, k, v, lse, attn_mask, scale,
-        is_causal, bottom_right, window_left, window_right, softcap,
+        is_causal, bottom_right, window_left, window_right, softcap, compute_grad_mask,
     )  # fmt: skip
+    # Each gradient in its input's memory layout, as the fake implementation promises.
+    layouts = (torch.empty_like(t if t.stride(-1) == 1 else t.contiguous()) for t in (q, k, v))
+    return (*(out.copy_(g) for out, g in zip(layouts, grads)), grad_mask)
 
 
 torch.library.register_fake("flashmod::attention_backward_reference")(_attention_backward_fake)
@@ -211,26 +229,209 @@ if not torch._C._dispatch_has_kernel_for_dispatch_key("flashmod::attention_backw
     torch.library.impl("flashmod::attention_backward", "CUDA")(_attention_backward_without_cuda_kernel)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap = inputs
-    if attn_mask is not None and attn_mask.requires_grad:
-        raise NotImplementedError(
-            "flashmod.attention: gradients with respect to attn_mask are not supported; "
-            "pass attn_mask.detach() (got a mask with requires_grad=True)"
+ATTENTION_DEFAULTS = (None, None, False, True, -1, -1, 0.0)
+"""The defaults of attention's arguments after q, k, v (attn_mask .. softcap), in schema order."""
+
+ATTENTION_BACKWARD_DEFAULTS = (*ATTENTION_DEFAULTS, False)
+"""attention_backward's defaults after grad_out .. lse: attention's, then compute_grad_mask."""
+
+
+def with_defaults(args: tuple, required: int, defaults: tuple) -> tuple:
+    """``args`` completed with the schema's trailing defaults: the dispatcher drops trailing
+    arguments equal to their default before it calls a Python kernel."""
+    missing = required + len(defaults) - len(args)
+    return args if missing <= 0 else (*args, *defaults[len(defaults) - missing :])
+
+
+def has_tangent(*tensors: Tensor | None) -> bool:
+    """True when forward-mode AD (``torch.autograd.forward_ad`` or ``torch.func.jvp``) carries a
+    tangent on one of ``tensors``."""
+    if forward_ad._current_level < 0:
+        return False
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def differentiating(*tensors: Tensor | None) -> bool:
+    """True when reverse-mode (a tensor requires grad, grad mode on) or forward-mode AD needs the
+    derivative of a call on ``tensors``; inside ``torch.func.grad`` the inputs require grad."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return True
+    return has_tangent(*tensors)
+
+
+class AttentionFunction(torch.autograd.Function):
+    """``flashmod::attention`` with its derivatives: reverse mode through the fused backward op
+    (whose own derivative, for double backward, is the reference math), forward mode through
+    :func:`flashmod.reference.attention_jvp_chunked`, vmap through the ops' batching rules. It is
+    the op's Autograd kernel and what the eager wrappers call (it composes with ``torch.func``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap):
+        args = (q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap)
+        return forward_below_autograd(torch.ops.flashmod.attention, *args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        q, k, v, attn_mask, *options = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+        ctx.save_for_forward(q, k, v, out, lse, attn_mask)
+        ctx.options = tuple(options)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+        q, k, v, out, lse, attn_mask = ctx.saved_tensors
+        if grad_out is None:  # only lse was used
+            grad_out = torch.zeros_like(out)
+        want_mask = ctx.needs_input_grad[3]  # an additive mask that requires grad (a learned bias)
+        dq, dk, dv, d_mask = torch.ops.flashmod.attention_backward(
+            grad_out, grad_lse, q, k, v, out, lse, attn_mask, *ctx.options, want_mask
         )
-    ctx.save_for_backward(q, k, v, output[0], output[1], attn_mask)
-    ctx.options = (scale, is_causal, bottom_right, window_left, window_right, softcap)
+        d_mask = d_mask.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if want_mask else None
+        return dq, dk, dv, d_mask, None, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, q_t, k_t, v_t, mask_t, *_):
+        q, k, v, out, lse, attn_mask = ctx.saved_tensors
+        return attention_jvp_chunked(q, k, v, lse, attn_mask, q_t, k_t, v_t, mask_t, *ctx.options)
 
 
-def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    if grad_out is None:  # only lse was used
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.flashmod.attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None
+class AttentionBackwardFunction(torch.autograd.Function):
+    """``flashmod::attention_backward`` made differentiable in reverse mode (double backward): the
+    fused op computes the gradients; their own derivatives come from the chunked reference math
+    (:func:`flashmod.reference.attention_backward_chunked`, plain torch), only when asked for.
+    Forward mode (forward-over-reverse) runs that math itself (``_attention_backward_autograd``).
+    The result does not depend on ``out`` and ``lse`` beyond the probabilities they encode, so those
+    get no gradient."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, *options):
+        args = (grad_out, grad_lse, q, k, v, out, lse, attn_mask, *options)
+        return forward_below_autograd(torch.ops.flashmod.attention_backward, *args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        grad_out, grad_lse, q, k, v, out, lse, attn_mask, *options = inputs
+        ctx.save_for_backward(grad_out, grad_lse, q, k, v, lse, attn_mask)
+        ctx.save_for_forward(grad_out, grad_lse, q, k, v, lse, attn_mask)
+        ctx.options = tuple(options)
+
+    @staticmethod
+    def _primals(ctx) -> tuple[tuple[Tensor, ...], Callable]:
+        grad_out, grad_lse, q, k, v, lse, attn_mask = ctx.saved_tensors
+        float_mask = attn_mask is not None and attn_mask.dtype != torch.bool
+        primals = (grad_out, q, k, v) + ((grad_lse,) if grad_lse is not None else ())
+        primals += (attn_mask,) if float_mask else ()
+
+        def gradients(grad_out, q, k, v, *rest):
+            g_lse = rest[0] if grad_lse is not None else None
+            mask = rest[-1] if float_mask else attn_mask
+            return attention_backward_chunked(grad_out, g_lse, q, k, v, lse, mask, *ctx.options)
+
+        return primals, gradients
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        grad_out, grad_lse, _, _, _, _, attn_mask = ctx.saved_tensors
+        primals, gradients = AttentionBackwardFunction._primals(ctx)
+        outputs, vjp_fn = torch.func.vjp(gradients, *primals)
+        cotangents = tuple(c if c is not None else torch.zeros_like(o) for c, o in zip(cotangents, outputs))
+        grads = vjp_fn(cotangents)
+        g_grad_out, g_q, g_k, g_v = grads[:4]
+        g_grad_lse = grads[4] if grad_lse is not None else None
+        g_mask = grads[-1] if len(grads) > 4 + (grad_lse is not None) else None
+        return g_grad_out, g_grad_lse, g_q, g_k, g_v, None, None, g_mask, *([None] * len(ctx.options))
 
 
-torch.library.register_autograd("flashmod::attention", _backward, setup_context=_setup_context)
+def apply_here(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """``function.apply`` at the current autograd level. In an Autograd kernel the dispatcher has
+    already unwrapped torch.func's tensors to this level; ``Function.apply`` would hand the call
+    to torch.func again, which has no kernel left at this dispatch key. (torch.func's own grad rule
+    for autograd.Function applies its per-level function the same way.)"""
+    if not torch._C._are_functorch_transforms_active():
+        return super(torch.autograd.Function, function).apply(*args)
+    with enable_single_level_autograd_function():
+        return super(torch.autograd.Function, function).apply(*args)
+
+
+def _attention_autograd(*args: Any) -> tuple[Tensor, Tensor]:
+    args = with_defaults(args, 3, ATTENTION_DEFAULTS)
+    if differentiating(*args[:4]):
+        return apply_here(AttentionFunction, *args)
+    return below_autograd(torch.ops.flashmod.attention, *args)
+
+
+def _attention_backward_autograd(*args: Any) -> tuple[Tensor, ...]:
+    args = with_defaults(args, 7, ATTENTION_BACKWARD_DEFAULTS)
+    grad_out, grad_lse, q, k, v, _, lse, attn_mask, *options = args
+    if has_tangent(grad_out, grad_lse, q, k, v, attn_mask):  # forward mode: plain torch carries it
+        return attention_backward_chunked(grad_out, grad_lse, q, k, v, lse, attn_mask, *options)
+    if differentiating(grad_out, grad_lse, q, k, v, attn_mask):
+        return apply_here(AttentionBackwardFunction, *args)
+    return below_autograd(torch.ops.flashmod.attention_backward, *args)
+
+
+torch.library.impl("flashmod::attention", "Autograd")(_attention_autograd)
+torch.library.impl("flashmod::attention_backward", "Autograd")(_attention_backward_autograd)
+
+
+def _vmap_front(t: Tensor | None, dim: int | None, size: int) -> Tensor | None:
+    """``t`` with its vmapped dimension first (expanded there when ``t`` is not batched)."""
+    if t is None:
+        return None
+    return t.movedim(dim, 0) if dim is not None else t.expand(size, *t.shape)
+
+
+def vmap_into_batch(t: Tensor | None, dim: int | None, size: int) -> Tensor | None:
+    """A (B, ...) argument under vmap as (V * B, ...): the vmapped dimension folded into the batch."""
+    t = _vmap_front(t, dim, size)
+    return None if t is None else t.flatten(0, 1)
+
+
+def vmap_mask_into_batch(mask: Tensor | None, dim: int | None, size: int, batch: int) -> Tensor | None:
+    """A mask broadcastable to (B, H, Nq, Nk) under vmap, made broadcastable to (V * B, H, Nq, Nk)."""
+    if mask is None or (dim is None and (mask.dim() < 4 or mask.shape[0] == 1)):
+        return mask  # broadcasts over the folded batch as it is
+    m = _vmap_front(mask, dim, size)
+    m = m.reshape(size, *([1] * (5 - m.dim())), *m.shape[1:])
+    return m.expand(size, batch, *m.shape[2:]).flatten(0, 1)
+
+
+def vmap_out_of_batch(t: Tensor, size: int) -> Tensor:
+    return t.unflatten(0, (size, t.shape[0] // size if size else 0))
+
+
+@torch.library.register_vmap("flashmod::attention")
+def _attention_vmap(info, in_dims, q, k, v, attn_mask=None, *options):
+    """Batching rule: vmapped dimensions fold into the batch dimension, so one kernel call serves
+    every vmapped problem."""
+    size, batch = info.batch_size, _batch_of(q, in_dims[0])
+    q, k, v = (vmap_into_batch(t, d, size) for t, d in zip((q, k, v), in_dims))
+    attn_mask = vmap_mask_into_batch(attn_mask, in_dims[3] if len(in_dims) > 3 else None, size, batch)
+    out, lse = torch.ops.flashmod.attention(q, k, v, attn_mask, *options)
+    return (vmap_out_of_batch(out, size), vmap_out_of_batch(lse, size)), (0, 0)
+
+
+@torch.library.register_vmap("flashmod::attention_backward")
+def _attention_backward_vmap(info, in_dims, grad_out, grad_lse, q, k, v, out, lse, attn_mask=None, *options):
+    size, batch = info.batch_size, _batch_of(q, in_dims[2])
+    tensors = (grad_out, grad_lse, q, k, v, out, lse)
+    folded = [vmap_into_batch(t, d, size) for t, d in zip(tensors, in_dims)]
+    attn_mask = vmap_mask_into_batch(attn_mask, in_dims[7] if len(in_dims) > 7 else None, size, batch)
+    *grads, grad_mask = torch.ops.flashmod.attention_backward(*folded, attn_mask, *options)
+    if grad_mask.dim() == 1:  # not computed: the empty (0,) tensor, not batched
+        return (*(vmap_out_of_batch(g, size) for g in grads), grad_mask), (0, 0, 0, None)
+    return tuple(vmap_out_of_batch(g, size) for g in (*grads, grad_mask)), (0, 0, 0, 0)
+
+
+def _batch_of(t: Tensor, dim: int | None) -> int:
+    """The per-sample batch size of a vmapped argument (its dimension 0 inside the vmapped function)."""
+    return _vmap_front(t, dim, 1).shape[1]
 
 
 def attention_op(
@@ -249,33 +450,28 @@ def attention_op(
     args = (q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap)
     if no_grad_needed(q, k, v, attn_mask):
         return below_autograd(torch.ops.flashmod.attention, *args)
-    if eager_autograd():
-        return _EagerAttention.apply(*args)
+    if not torch.compiler.is_compiling():
+        return apply_function(AttentionFunction, *args)
     return torch.ops.flashmod.attention(*args)
 
 
-def eager_autograd() -> bool:
-    """True outside ``torch.compile`` and functorch transforms: there the wrappers may run the
-    backward through a plain ``autograd.Function`` with the op's own ``_setup_context`` and
-    ``_backward``. torch's ``register_autograd`` path spends ~100 us of host time per call in
-    ``torch._library.utils.fill_defaults`` (it rebuilds ``schema.arguments`` on each access), which a
-    training step pays once per layer; compiled code and direct ``torch.ops`` calls keep that path."""
-    return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """``function.apply(*args)`` for the eager wrappers, with every argument given. Outside
+    torch.func it skips ``Function.apply``'s signature binding (``inspect.signature`` on each call,
+    tens of microseconds of host time that a training step pays once per layer)."""
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return super(torch.autograd.Function, function).apply(*args)
 
 
-class _EagerAttention(torch.autograd.Function):
-    """``flashmod::attention`` with the gradients ``register_autograd`` gives it (same
-    ``_setup_context`` and ``_backward``), for eager calls through :func:`attention_op`."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = below_autograd(torch.ops.flashmod.attention, *inputs)
-        _setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-        return _backward(ctx, grad_out, grad_lse)
+def forward_below_autograd(op: Callable, *args: Any) -> Any:
+    """``below_autograd`` for an autograd.Function's forward. Under torch.func the call continues
+    to the next lower transform level, whose own autograd must see grad mode on again (the Function
+    turned it off for this level), as torch.func's generated per-level functions do."""
+    if not torch._C._are_functorch_transforms_active():
+        return below_autograd(op, *args)
+    with torch.enable_grad(), torch.autograd.forward_ad._set_fwd_grad_enabled(True):
+        return below_autograd(op, *args)
 
 
 def below_autograd(op: Callable, *args: Any) -> Any:
@@ -287,9 +483,9 @@ def below_autograd(op: Callable, *args: Any) -> Any:
 
 def no_grad_needed(*inputs: Tensor | None) -> bool:
     """True in eager mode when no input needs a gradient: the caller then skips the autograd layer,
-    whose Python kernel (``register_autograd``) would only redispatch below itself. That saves ~6 us
+    whose Python kernel would only redispatch below itself. That saves ~6 us
     of host time per call (CPU machine, tiny tensors: attention 29.7 -> 23.2 us, SDPA 22.3 us),
     which a decoding step pays once per layer. Under ``torch.compile`` the ordinary path is traced."""
     if torch.compiler.is_compiling():
         return False
-    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs)
+    return not differentiating(*inputs)

@@ -164,12 +164,17 @@ def attention_backward_chunked(
     window_left: int,
     window_right: int,
     softcap: float,
+    compute_grad_mask: bool = False,
     chunk_rows: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of (out, lse) w.r.t. q, k, v, recomputing P from exp(S - lse) chunk by chunk.
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of (out, lse) w.r.t. q, k, v, recomputing P from exp(S - lse) chunk by chunk,
+    and, if ``compute_grad_mask``, the fp32 ``(B, Hq, Nq, Nk)`` gradient of the scores after the
+    mask (what an additive mask receives before its broadcast dimensions are summed), else an
+    empty fp32 ``(0,)`` tensor: attention_backward's outputs.
 
     Extra memory is O(chunk_rows x Nk) per head: nothing of size Nq x Nk is allocated unless a
-    single chunk covers every query. GQA gradients are summed over each kv-head's query group.
+    single chunk covers every query or the mask's gradient is asked for. GQA gradients are summed
+    over each kv-head's query group.
     """
     dtype = compute_dtype_for(q.dtype)
     batch, heads_q, seqlen_q, head_dim = q.shape
@@ -179,10 +184,10 @@ def attention_backward_chunked(
     chunk_rows = chunk_rows or backward_chunk_rows(batch, heads_q, seqlen_q, seqlen_k)
 
     kc, vc = k.to(dtype), v.to(dtype)
-    # Gradients take their input's memory layout (what the op's fake implementation promises).
-    dq = torch.empty_like(q, dtype=dtype)
-    dk = torch.zeros_like(k, dtype=dtype)
-    dv = torch.zeros_like(v, dtype=dtype)
+    # Out of place throughout, so torch.func (vmap, jvp) and autograd (double backward) go through.
+    dq_parts, mask_parts = [], []
+    dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
     for r0 in range(0, seqlen_q, chunk_rows):
         r1 = min(seqlen_q, r0 + chunk_rows)
         rows = torch.arange(r0, r1, device=q.device)
@@ -205,10 +210,86 @@ def attention_backward_chunked(
             delta = delta - _grouped(grad_lse[:, :, r0:r1].to(dtype), heads_kv)[..., None]
         ds = p * (dp - delta)
         del dp
+        if compute_grad_mask:
+            mask_parts.append(ds.flatten(1, 2).float())
         if tanh_s is not None:  # d/ds [c tanh(s / c)] = 1 - tanh^2
             ds = ds * (1 - tanh_s * tanh_s)
             del tanh_s
-        dq[:, :, r0:r1] = (torch.matmul(ds, kc.unsqueeze(2)) * scale).flatten(1, 2)
-        dk += torch.einsum("bhgrn,bhgrd->bhnd", ds, q_i) * scale
-        dv += torch.einsum("bhgrn,bhgrd->bhnd", p, do_i)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dq_parts.append((torch.matmul(ds, kc.unsqueeze(2)) * scale).flatten(1, 2))
+        dk = dk + torch.einsum("bhgrn,bhgrd->bhnd", ds, q_i) * scale
+        dv = dv + torch.einsum("bhgrn,bhgrd->bhnd", p, do_i)
+    dq = torch.cat(dq_parts, 2) if dq_parts else torch.zeros(q.shape, dtype=dtype, device=q.device)
+    if not compute_grad_mask:
+        grad_mask = torch.zeros(0, dtype=torch.float32, device=q.device)
+    elif mask_parts:
+        grad_mask = torch.cat(mask_parts, 2)
+    else:
+        grad_mask = torch.zeros(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.float32, device=q.device)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_mask
+
+
+def attention_jvp_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor | None,
+    q_t: Tensor | None,
+    k_t: Tensor | None,
+    v_t: Tensor | None,
+    mask_t: Tensor | None,
+    scale: float | None,
+    is_causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    chunk_rows: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Forward-mode derivative of attention's (out, lse) along the tangents (None = zero).
+
+    With T the tangent of the scores (``scale (q_t k^T + q k_t^T)``, times ``1 - tanh^2`` under
+    softcap, plus ``mask_t``): ``lse_t = sum_j P_ij T_ij`` and ``out_t = P (T - lse_t) V + P v_t``.
+    P is recomputed from the saved lse a chunk of queries at a time, as in the backward.
+    """
+    dtype = compute_dtype_for(q.dtype)
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    scale = resolve_scale(scale, head_dim)
+    window = effective_window(is_causal, window_left, window_right)
+    chunk_rows = chunk_rows or backward_chunk_rows(batch, heads_q, seqlen_q, seqlen_k)
+    kc, vc = k.to(dtype).unsqueeze(2), v.to(dtype).unsqueeze(2)
+    out_parts, lse_parts = [], []
+    for r0 in range(0, seqlen_q, chunk_rows):
+        r1 = min(seqlen_q, r0 + chunk_rows)
+        rows = torch.arange(r0, r1, device=q.device)
+        q_i = _grouped(q[:, :, r0:r1].to(dtype), heads_kv)
+        lse_i = _grouped(lse[:, :, r0:r1].to(dtype), heads_kv)
+        s, tanh_s = _masked_scores(q_i, k.to(dtype), attn_mask, rows, seqlen_q, scale, softcap, window, bottom_right)
+        p = torch.exp(s - _finite_lse(lse_i)[..., None])
+        del s
+        row_sum = p.sum(-1, keepdim=True)
+        p = p / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+        t = torch.zeros_like(p)
+        if q_t is not None:
+            t = t + torch.matmul(_grouped(q_t[:, :, r0:r1].to(dtype), heads_kv), kc.transpose(-1, -2))
+        if k_t is not None:
+            t = t + torch.matmul(q_i, k_t.to(dtype).unsqueeze(2).transpose(-1, -2))
+        t = t * scale
+        if tanh_s is not None:
+            t = t * (1 - tanh_s * tanh_s)
+        if mask_t is not None:
+            m = mask_t.expand(batch, heads_q, seqlen_q, seqlen_k)[:, :, r0:r1]
+            t = t + _grouped(m.to(dtype), heads_kv)
+        # Keys outside the visible set have P = 0; where their T is not finite (a -inf mask's
+        # tangent, say) it must not turn 0 * T into NaN.
+        t = torch.where(p > 0, t, torch.zeros_like(t))
+        lse_t = (p * t).sum(-1, keepdim=True)
+        out_t = torch.matmul(p * (t - lse_t), vc)
+        if v_t is not None:
+            out_t = out_t + torch.matmul(p, v_t.to(dtype).unsqueeze(2))
+        out_parts.append(out_t.flatten(1, 2))
+        lse_parts.append(lse_t.squeeze(-1).flatten(1, 2))
+    out_t = torch.cat(out_parts, 2) if out_parts else q.new_zeros(q.shape, dtype=dtype)
+    lse_t = torch.cat(lse_parts, 2) if lse_parts else q.new_zeros(q.shape[:3], dtype=dtype)
+    return out_t.to(q.dtype), lse_t.float()

@@ -3,7 +3,8 @@
 ``torch.ops.flashmod.softmax`` and ``torch.ops.flashmod.matmul_softmax`` are declared in
 ``csrc/flashmod.cpp``; the checks in ``csrc/softmax/softmax_host.cpp`` are mirrored here with
 ``torch._check`` (same order, same messages) so they also fire while torch.compile traces.
-Backward passes are plain torch math registered with ``register_autograd``.
+Derivatives (reverse, forward, double backward) are plain torch math in autograd.Functions that
+are the ops' Autograd kernels; batching rules fold vmapped dimensions into the ops' own.
 """
 
 from __future__ import annotations
@@ -24,7 +25,17 @@ from .checks import (
     check_same_dtype,
     check_scale,
 )
-from .ops import below_autograd, no_grad_needed
+from .ops import (
+    apply_function,
+    below_autograd,
+    differentiating,
+    forward_below_autograd,
+    no_grad_needed,
+    vmap_into_batch,
+    vmap_mask_into_batch,
+    vmap_out_of_batch,
+    with_defaults,
+)
 
 
 def _check_softmax(x: Tensor, dim: int) -> None:
@@ -78,49 +89,123 @@ def _softmax_grad(grad: Tensor, y: Tensor, dim: int) -> Tensor:
     return torch.ops.aten._softmax_backward_data(grad.contiguous(), y, dim, y.dtype)
 
 
-def _softmax_setup_context(ctx, inputs, output) -> None:
-    _, dim = inputs
-    ctx.save_for_backward(output)
-    ctx.dim = dim
+class SoftmaxFunction(torch.autograd.Function):
+    """``flashmod::softmax`` with its derivatives (reverse, forward, vmap); the op's Autograd kernel."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, dim: int) -> Tensor:
+        return forward_below_autograd(torch.ops.flashmod.softmax, x, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.dim = inputs[1]
+        ctx.save_for_backward(output)
+        ctx.save_for_forward(output)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (y,) = ctx.saved_tensors
+        return _softmax_grad(grad, y, ctx.dim), None
+
+    @staticmethod
+    def jvp(ctx, x_t: Tensor, _):
+        (y,) = ctx.saved_tensors
+        return _softmax_jvp(y, x_t, ctx.dim)
 
 
-def _softmax_backward(ctx, grad: Tensor):
-    (y,) = ctx.saved_tensors
-    return _softmax_grad(grad, y, ctx.dim), None
+def _softmax_jvp(y: Tensor, x_t: Tensor, dim: int) -> Tensor:
+    """y * (x_t - sum(y * x_t)); positions with y = 0 (-inf logits) take no tangent, even a non-finite one."""
+    x_t = torch.where(y != 0, x_t, torch.zeros_like(x_t))
+    return y * (x_t - (y * x_t).sum(dim, keepdim=True))
 
 
-torch.library.register_autograd("flashmod::softmax", _softmax_backward, setup_context=_softmax_setup_context)
+class MatmulSoftmaxFunction(torch.autograd.Function):
+    """``flashmod::matmul_softmax`` with its derivatives (reverse, forward, vmap); the op's Autograd kernel."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b, scale, is_causal, attn_mask):
+        return forward_below_autograd(torch.ops.flashmod.matmul_softmax, a, b, scale, is_causal, attn_mask)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        a, b, scale, _, attn_mask = inputs
+        ctx.mask_shape = None if attn_mask is None else (attn_mask.shape, attn_mask.dtype)
+        ctx.save_for_backward(a, b, output)
+        ctx.save_for_forward(a, b, output)
+        ctx.scale = 1.0 / math.sqrt(a.shape[-1]) if scale is None else scale
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        a, b, p = ctx.saved_tensors
+        batch, heads_a, rows, depth = a.shape
+        heads_b, cols = b.shape[1], b.shape[2]
+        group = heads_a // heads_b
+        ds = _softmax_grad(grad, p, -1)  # masked entries have P = 0 and so dS = 0 there
+        grad_mask = None
+        if ctx.needs_input_grad[4]:  # an additive mask that requires grad: dS summed to its shape
+            shape, dtype = ctx.mask_shape
+            grad_mask = ds.sum_to_size(shape).to(dtype)
+        ds = ds.reshape(batch, heads_b, group * rows, cols)  # GQA: a's head groups share b's head
+        a_g = a.reshape(batch, heads_b, group * rows, depth)
+        grad_a = (ctx.scale * ds) @ b if ctx.needs_input_grad[0] else None
+        grad_b = (ctx.scale * ds).transpose(-1, -2) @ a_g if ctx.needs_input_grad[1] else None
+        if grad_a is not None:
+            grad_a = grad_a.reshape(a.shape)
+        return grad_a, grad_b, None, None, grad_mask
+
+    @staticmethod
+    def jvp(ctx, a_t, b_t, _scale, _causal, mask_t):
+        a, b, p = ctx.saved_tensors
+        batch, heads_a, rows, depth = a.shape
+        heads_b = b.shape[1]
+        t = torch.zeros_like(p).unflatten(1, (heads_b, heads_a // heads_b))
+        if a_t is not None:
+            t = t + a_t.unflatten(1, (heads_b, -1)) @ b.unsqueeze(2).transpose(-1, -2)
+        if b_t is not None:
+            t = t + a.unflatten(1, (heads_b, -1)) @ b_t.unsqueeze(2).transpose(-1, -2)
+        t = (ctx.scale * t).flatten(1, 2)
+        if mask_t is not None:
+            t = t + mask_t
+        return _softmax_jvp(p, t, -1)
 
 
-def _matmul_softmax_setup_context(ctx, inputs, output) -> None:
-    a, b, scale, _, attn_mask = inputs
-    if attn_mask is not None and attn_mask.requires_grad:
-        raise NotImplementedError(
-            "flashmod.matmul_softmax: gradients with respect to attn_mask are not supported; "
-            "pass attn_mask.detach() (got a mask with requires_grad=True)"
-        )
-    ctx.save_for_backward(a, b, output)
-    ctx.scale = 1.0 / math.sqrt(a.shape[-1]) if scale is None else scale
+def _softmax_autograd(*args):
+    x, dim = args
+    if differentiating(x):
+        return apply_function(SoftmaxFunction, x, dim)
+    return below_autograd(torch.ops.flashmod.softmax, x, dim)
 
 
-def _matmul_softmax_backward(ctx, grad: Tensor):
-    a, b, p = ctx.saved_tensors
-    batch, heads_a, rows, depth = a.shape
-    heads_b, cols = b.shape[1], b.shape[2]
-    group = heads_a // heads_b
-    ds = _softmax_grad(grad, p, -1)  # masked entries have P = 0 and so dS = 0 there
-    ds = ds.reshape(batch, heads_b, group * rows, cols)  # GQA: a's head groups share b's head
-    a_g = a.reshape(batch, heads_b, group * rows, depth)
-    grad_a = (ctx.scale * ds) @ b if ctx.needs_input_grad[0] else None
-    grad_b = (ctx.scale * ds).transpose(-1, -2) @ a_g if ctx.needs_input_grad[1] else None
-    if grad_a is not None:
-        grad_a = grad_a.reshape(a.shape)
-    return grad_a, grad_b, None, None, None
+def _matmul_softmax_autograd(*args):
+    args = with_defaults(args, 2, (None, False, None))
+    if differentiating(args[0], args[1], args[4]):
+        return apply_function(MatmulSoftmaxFunction, *args)
+    return below_autograd(torch.ops.flashmod.matmul_softmax, *args)
 
 
-torch.library.register_autograd(
-    "flashmod::matmul_softmax", _matmul_softmax_backward, setup_context=_matmul_softmax_setup_context
-)
+torch.library.impl("flashmod::softmax", "Autograd")(_softmax_autograd)
+torch.library.impl("flashmod::matmul_softmax", "Autograd")(_matmul_softmax_autograd)
+
+
+@torch.library.register_vmap("flashmod::softmax")
+def _softmax_vmap(info, in_dims, x, dim):
+    x = x.movedim(in_dims[0], 0)
+    if x.dim() == 1:  # a 0-d x per sample: softmax of one element
+        return torch.ops.flashmod.softmax(x.unsqueeze(-1), -1).squeeze(-1), 0
+    return torch.ops.flashmod.softmax(x, dim + 1 if dim >= 0 else dim), 0
+
+
+@torch.library.register_vmap("flashmod::matmul_softmax")
+def _matmul_softmax_vmap(info, in_dims, a, b, scale=None, is_causal=False, attn_mask=None):
+    size = info.batch_size
+    batch = vmap_into_batch(a, in_dims[0], size).shape[0] // max(size, 1)
+    a, b = vmap_into_batch(a, in_dims[0], size), vmap_into_batch(b, in_dims[1], size)
+    attn_mask = vmap_mask_into_batch(attn_mask, in_dims[4] if len(in_dims) > 4 else None, size, batch)
+    return vmap_out_of_batch(torch.ops.flashmod.matmul_softmax(a, b, scale, is_causal, attn_mask), size), 0
 
 
 def softmax(x: Tensor, dim: int) -> Tensor:
@@ -133,6 +218,8 @@ def softmax(x: Tensor, dim: int) -> Tensor:
     """
     if no_grad_needed(x):
         return below_autograd(torch.ops.flashmod.softmax, x, dim)
+    if not torch.compiler.is_compiling():
+        return apply_function(SoftmaxFunction, x, dim)
     return torch.ops.flashmod.softmax(x, dim)
 
 
@@ -155,9 +242,12 @@ def matmul_softmax(
 
     Returns:
         ``(B, Ha, M, N)`` contiguous probabilities; rows with no visible column are all zeros.
-        The output is the only ``(B, Ha, M, N)`` buffer allocated. Differentiable in ``a`` and ``b``.
+        The output is the only ``(B, Ha, M, N)`` buffer allocated. Differentiable in ``a``, ``b`` and an
+        additive ``attn_mask`` (its gradient summed over its broadcast dimensions).
     """
     args = (a, b, scale, is_causal, attn_mask)
     if no_grad_needed(a, b, attn_mask):
         return below_autograd(torch.ops.flashmod.matmul_softmax, *args)
+    if not torch.compiler.is_compiling():
+        return apply_function(MatmulSoftmaxFunction, *args)
     return torch.ops.flashmod.matmul_softmax(*args)

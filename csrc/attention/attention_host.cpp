@@ -196,7 +196,7 @@ PreparedAttentionBackward prepare_attention_backward(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& attn_mask,
     std::optional<double> scale, bool is_causal, bool bottom_right, int64_t window_left,
-    int64_t window_right, double softcap) {
+    int64_t window_right, double softcap, bool compute_grad_mask) {
   constexpr const char* prefix = "flashmod.attention_backward: ";
   PreparedAttentionBackward r;
   AttentionBwdParams& p = r.params;
@@ -217,9 +217,22 @@ PreparedAttentionBackward prepare_attention_backward(
   r.lse = lse_in.contiguous();
   if (grad_lse_in.has_value()) r.grad_lse = grad_lse_in->to(at::kFloat).contiguous();
 
+  if (compute_grad_mask) {
+    const bool additive = p.mask_kind == MaskKind::kAdditive || p.mask_kind == MaskKind::kAdditiveF32;
+    TORCH_CHECK(additive, flashmod::error_message(
+                              prefix, "compute_grad_mask needs an additive float attn_mask, got ",
+                              attn_mask.has_value() ? "a bool attn_mask" : "no attn_mask"));
+  }
+
   r.grad_q = at::empty_like(r.q);
   r.grad_k = at::empty_like(r.k);
   r.grad_v = at::empty_like(r.v);
+  // Zeroed: the kernels write the visible pairs only.
+  r.grad_mask = compute_grad_mask
+                    ? at::zeros({p.batch, p.heads_q, p.seqlen_q, p.seqlen_k},
+                                r.q.options().dtype(at::kFloat))
+                    : at::empty({0}, r.q.options().dtype(at::kFloat));
+  p.grad_mask = compute_grad_mask ? r.grad_mask.data_ptr<float>() : nullptr;
 
   p.out = const_cast<void*>(r.out.const_data_ptr());  // read only: the backward never writes it
   p.lse = const_cast<float*>(r.lse.const_data_ptr<float>());

@@ -30,8 +30,9 @@ PreparedAttention prepare_attention(const at::Tensor& q, const at::Tensor& k, co
 bool nothing_to_compute(const PreparedAttention& prepared);
 
 struct PreparedAttentionBackward {
-  // Gradients in the layouts of q, k, v (empty_like of the fixed-up inputs).
-  at::Tensor grad_q, grad_k, grad_v;
+  // Gradients in the layouts of q, k, v (empty_like of the fixed-up inputs); grad_mask: zeroed
+  // fp32 (B, Hq, Nq, Nk) when compute_grad_mask, else an empty fp32 (0,) tensor.
+  at::Tensor grad_q, grad_k, grad_v, grad_mask;
   // Inputs after any fix-up (stride(-1) == 1, mask expanded by strides, grad_lse contiguous
   // fp32); they keep the storage that params points into alive.
   at::Tensor q, k, v, out, lse, grad_out, grad_lse, mask;
@@ -45,6 +46,7 @@ PreparedAttentionBackward prepare_attention_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
-    bool bottom_right, int64_t window_left, int64_t window_right, double softcap);
+    bool bottom_right, int64_t window_left, int64_t window_right, double softcap,
+    bool compute_grad_mask);
 
 }  // namespace flashmod

@@ -36,7 +36,7 @@ def fused_grads(q, k, v, grad_out, grad_lse, attn_mask=None, **options):
     args = (attn_mask, options.get("scale"), options.get("is_causal", False), options.get("bottom_right", True))
     args += (options.get("window_left", -1), options.get("window_right", -1), options.get("softcap", 0.0))
     out, lse = torch.ops.flashmod.attention(q, k, v, *args)
-    return torch.ops.flashmod.attention_backward(grad_out, grad_lse, q, k, v, out, lse, *args)
+    return torch.ops.flashmod.attention_backward(grad_out, grad_lse, q, k, v, out, lse, *args)[:3]
 
 
 def check_grads(q, k, v, use_grad_out=True, use_grad_lse=True, **options):

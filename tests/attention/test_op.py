@@ -151,20 +151,14 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.flashmod.attention.default, args, kwargs)
 
 
-def test_attn_mask_gradient_is_refused_not_dropped():
-    q, k, v = qkv("cpu", requires_grad=True)
-    mask = torch.randn(9, 11, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="gradients with respect to attn_mask are not supported"):
-        flashmod.attention_op(q, k, v, mask)
-
-
-def test_attn_mask_alone_requiring_grad_is_refused():
+def test_attn_mask_alone_requiring_grad_gets_its_gradient():
     # The eager fast path that skips the autograd layer when no input needs a gradient must count
     # the mask as an input.
     q, k, v = qkv("cpu")
     mask = torch.randn(9, 11, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="gradients with respect to attn_mask are not supported"):
-        flashmod.attention_op(q, k, v, mask)
+    out, _ = flashmod.attention_op(q, k, v, mask)
+    (grad,) = torch.autograd.grad(out.sum() + out.pow(2).sum(), mask)
+    assert grad.shape == mask.shape and grad.abs().max() > 0
 
 
 def test_no_grad_fast_path_matches_autograd_path(device):
@@ -190,7 +184,7 @@ def test_no_grad_fast_path_matches_autograd_path(device):
 
 @pytest.mark.parametrize("opts", [(False, 0.0), (True, 3.0)], ids=["plain", "causal_softcap"])
 def test_eager_autograd_matches_registered_autograd(device, opts):
-    """attention_op's eager autograd.Function (ops.eager_autograd) and the op's register_autograd path
+    """attention_op's direct AttentionFunction.apply and the op's own Autograd kernel
     (a direct torch.ops call) give the same outputs and gradients, through out and lse both."""
     is_causal, softcap = opts
     q, k, v = qkv(device, requires_grad=True)

@@ -325,6 +325,10 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
           acc_t* dp_row = dP + r * Bc;
           const acc_t* p_row = S + r * Bc;
           for (int64_t c = 0; c < cols; ++c) dp_row[c] = p_row[c] * (dp_row[c] - d_i);
+          if (p.grad_mask) {  // dL/d(score after the mask): before softcap's tanh factor
+            float* gm = p.grad_mask + ((b * p.heads_q + h) * Nq + r0 + r) * Nk + c0;
+            for (int64_t c = 0; c < cols; ++c) gm[c] = static_cast<float>(dp_row[c]);
+          }
           if (capped) {
             const acc_t* t_row = T + r * Bc;
             for (int64_t c = 0; c < cols; ++c) dp_row[c] *= acc_t(1) - t_row[c] * t_row[c];
@@ -365,14 +369,15 @@ void backward_cpu(const AttentionBwdParams& p) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
-    bool bottom_right, int64_t window_left, int64_t window_right, double softcap) {
-  PreparedAttentionBackward prepared =
-      prepare_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
-                                 bottom_right, window_left, window_right, softcap);
+    bool bottom_right, int64_t window_left, int64_t window_right, double softcap,
+    bool compute_grad_mask) {
+  PreparedAttentionBackward prepared = prepare_attention_backward(
+      grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal, bottom_right, window_left,
+      window_right, softcap, compute_grad_mask);
   // The kernel accumulates: fp32/fp64 straight into the gradients. Rows no key reaches (and all of
   // an empty problem) stay 0.
   prepared.grad_q.zero_();
@@ -394,7 +399,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
       case ScalarKind::kBFloat16: backward_cpu<c10::BFloat16, float>(p); break;
     }
   }
-  return {prepared.grad_q, prepared.grad_k, prepared.grad_v};
+  return {prepared.grad_q, prepared.grad_k, prepared.grad_v, prepared.grad_mask};
 }
 
 }  // namespace

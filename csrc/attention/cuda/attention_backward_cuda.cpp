@@ -22,10 +22,11 @@
 namespace flashmod {
 namespace {
 
-using BackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    std::optional<double>, bool, bool, int64_t, int64_t, double);
+using Gradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using BackwardFn = Gradients(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const std::optional<at::Tensor>&,
+                             std::optional<double>, bool, bool, int64_t, int64_t, double, bool);
 
 // grad_q/k/v rows start 4-byte aligned: the kernels store element pairs as one word.
 bool rows_aligned4(const at::Tensor& t) {
@@ -33,11 +34,13 @@ bool rows_aligned4(const at::Tensor& t) {
          t.stride(1) % 2 == 0 && t.stride(2) % 2 == 0;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
-    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
-    bool bottom_right, int64_t window_left, int64_t window_right, double softcap) {
+Gradients attention_backward_cuda(const at::Tensor& grad_out,
+                                  const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                  const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+                                  std::optional<double> scale, bool is_causal, bool bottom_right,
+                                  int64_t window_left, int64_t window_right, double softcap,
+                                  bool compute_grad_mask) {
   const c10::cuda::CUDAGuard guard(q.device());
   if (q.scalar_type() == at::kFloat) {
     TORCH_WARN_ONCE(
@@ -50,17 +53,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
             .findSchemaOrThrow("flashmod::attention_backward_reference", "")
             .typed<BackwardFn>();
     return reference.call(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
-                          bottom_right, window_left, window_right, softcap);
+                          bottom_right, window_left, window_right, softcap, compute_grad_mask);
   }
   PreparedAttentionBackward r =
       prepare_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
                                  bottom_right, window_left, window_right, softcap);
   check_cuda_attention_inputs("flashmod.attention_backward", q);
   AttentionBwdParams& p = r.params;
-  if (r.grad_q.numel() == 0 && r.grad_k.numel() == 0) return {r.grad_q, r.grad_k, r.grad_v};
+  if (r.grad_q.numel() == 0 && r.grad_k.numel() == 0)
+    return {r.grad_q, r.grad_k, r.grad_v, r.grad_mask};
   if (p.seqlen_q == 0 || p.seqlen_k == 0) {
     // No (query, key) pair: every gradient is 0.
-    return {r.grad_q.zero_(), r.grad_k.zero_(), r.grad_v.zero_()};
+    return {r.grad_q.zero_(), r.grad_k.zero_(), r.grad_v.zero_(), r.grad_mask};
   }
 
   // Alignment fix-ups (see aligned_copy); the copies are kept alive by r.
@@ -119,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
               flashmod::error_message("flashmod.attention_backward: too many blocks for one launch "
                                       "(batch * heads * blocks of the sequence must be < 2^31)"));
   C10_CUDA_CHECK(err);
-  return {r.grad_q, r.grad_k, r.grad_v};
+  return {r.grad_q, r.grad_k, r.grad_v, r.grad_mask};
 }
 
 }  // namespace
