@@ -50,6 +50,47 @@ def test_forced_instruction_set_matches_reference(isa, repo_root):
     assert " passed" in result.stdout and " failed" not in result.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+def test_forced_instruction_set_backward_matches_reference(isa, repo_root):
+    """The fused backward's elementwise rows are compiled per ISA and follow FLASHMOD_CPU_ISA."""
+    if not ISA_FLAGS[isa] <= cpu_flags():
+        pytest.skip(f"this CPU lacks {isa}")
+    env = dict(os.environ, FLASHMOD_CPU_ISA=isa)
+    backward_tests = Path(__file__).with_name("test_attention_backward.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(backward_tests)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=repo_root,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+SOFTMAX_SLICE = "cpu and (softmax_rows or every_dim or neg_inf_rows or matmul_softmax_shapes or matmul_softmax_masks)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+def test_forced_instruction_set_softmax_matches_reference(isa, repo_root):
+    """The softmax row kernels follow FLASHMOD_CPU_ISA too (each is built at its ISA's own vector width)."""
+    if not ISA_FLAGS[isa] <= cpu_flags():
+        pytest.skip(f"this CPU lacks {isa}")
+    env = dict(os.environ, FLASHMOD_CPU_ISA=isa)
+    softmax_tests = Path(__file__).parent.parent / "softmax" / "test_softmax.py"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(softmax_tests), "-k", SOFTMAX_SLICE],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=repo_root,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
 @pytest.mark.parametrize("value", ["avx1024", "AVX2", "sse", "amx", "avx512"])
 def test_unknown_or_missing_instruction_set_is_an_error_listing_the_allowed_ones(value, repo_root):
     if value in ISA_FLAGS and ISA_FLAGS[value] <= cpu_flags():

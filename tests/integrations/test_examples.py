@@ -16,6 +16,8 @@ EXAMPLES = {
     "transformer_block": ["transformer_block.py", "--device", "cpu"],
     "compile": ["compile.py", "--device", "cpu", "--backend", "aot_eager"],
     "hf_generate": ["hf_generate.py", "--device", "cpu", "--prompt-len", "16", "--new-tokens", "4"],
+    # Exits non-zero when the flashmod and sdpa loss curves part; 4 steps keep it to seconds.
+    "hf_train": ["hf_train.py", "--device", "cpu", "--steps", "4", "--seq-len", "64", "--no-save"],
     # Exits non-zero when the ring-parallel loss or gradients differ from the single-process ones.
     "hf_ring_attention": ["hf_ring_attention.py", "--world-size", "2", "--seqlen", "67"],
 }

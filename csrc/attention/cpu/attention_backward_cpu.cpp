@@ -19,11 +19,17 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "../attention_host.h"
+#include "kernel.h"
+
+// Vector-extension types are passed between always-inlined helpers only; the ABI note GCC emits
+// for them does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace flashmod {
 namespace {
@@ -62,30 +68,90 @@ void matmul_rows(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, ac
   }
 }
 
-// e^x with a relative error of ~2 ulp, branch-free so the loops that call it vectorize; -inf and
-// anything below -87.3 (whose e^x is no normal fp32) give exactly 0.
-inline float exp_fast(float x) {
-  const float clamped = std::max(x, -87.3f);
-  // Round to nearest by adding and removing 1.5 * 2^23 (vectorizes on SSE2, unlike nearbyint).
-  constexpr float kRoundShift = 12582912.0f;
-  const float n = (clamped * 1.44269504088896341f + kRoundShift) - kRoundShift;
-  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;  // Cody-Waite: ln2 = hi - lo
-  float poly = 1.9875691500e-4f;
-  poly = poly * r + 1.3981999507e-3f;
-  poly = poly * r + 8.3334519073e-3f;
-  poly = poly * r + 4.1665795894e-2f;
-  poly = poly * r + 1.6666665459e-1f;
-  poly = poly * r + 5.0000001201e-1f;
-  poly = poly * r * r + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &poly, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  float result;
-  std::memcpy(&result, &bits, 4);
-  return x < -87.3f ? 0.0f : result;
-}
-inline double exp_fast(double x) {
-  return std::exp(x);
+// The elementwise part of a tile row, compiled per instruction set and picked by the forward's
+// kernel choice (FLASHMOD_CPU_ISA included). The scalar exp loop this replaced did not vectorize
+// at all (GCC: "control flow in loop"), so the exponentials ran one by one; here they are written
+// over vectors of W floats, the ISA's register width. Only the always-inlined members below are
+// compiled for the target (a whole-TU #pragma GCC target would compile torch's inline functions
+// for AVX too, see kernel.h).
+struct RowOps {
+  void (*probs)(float* s, int64_t n, float lse);                     // s = exp(s - lse)
+  void (*dscores)(float* dp, const float* p, int64_t n, float d_i);  // dp = p (dp - d_i)
+};
+
+template <int W>
+struct VecRows {
+  typedef float vf __attribute__((vector_size(4 * W)));
+  typedef int32_t vi __attribute__((vector_size(4 * W)));
+
+  // e^x with a relative error of ~2 ulp; -inf and anything below -87.3 (whose e^x is no normal
+  // fp32) give exactly 0.
+  static inline __attribute__((always_inline)) vf vexp(vf x) {
+    const vf lo = vf{} - 87.3f, shift = vf{} + 12582912.0f;
+    const vf clamped = x > lo ? x : lo;
+    const vf t = clamped * 1.44269504088896341f + shift;
+    const vf n = t - shift;
+    const vf r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+    vf poly = vf{} + 1.9875691500e-4f;
+    poly = poly * r + 1.3981999507e-3f;
+    poly = poly * r + 8.3334519073e-3f;
+    poly = poly * r + 4.1665795894e-2f;
+    poly = poly * r + 1.6666665459e-1f;
+    poly = poly * r + 5.0000001201e-1f;
+    poly = poly * r * r + r + 1.0f;
+    const vi bits = (vi)poly + (((vi)t - (vi)shift) << 23);
+    return x < lo ? vf{} : (vf)bits;
+  }
+  // f on whole vectors of x (and y), then on the tail through a zero-padded copy.
+  template <class F>
+  static inline __attribute__((always_inline)) void rows(float* x, const float* y, int64_t n, F f) {
+    int64_t c = 0;
+    vf a, b;
+    for (; c + W <= n; c += W) {
+      std::memcpy(&a, x + c, sizeof a);
+      std::memcpy(&b, y + c, sizeof b);
+      a = f(a, b);
+      std::memcpy(x + c, &a, sizeof a);
+    }
+    if (c < n) {
+      float xa[W] = {}, ya[W] = {};
+      std::memcpy(xa, x + c, (n - c) * sizeof(float));
+      std::memcpy(ya, y + c, (n - c) * sizeof(float));
+      std::memcpy(&a, xa, sizeof a);
+      std::memcpy(&b, ya, sizeof b);
+      a = f(a, b);
+      std::memcpy(x + c, &a, (n - c) * sizeof(float));
+    }
+  }
+  static inline __attribute__((always_inline)) void probs(float* s, int64_t n, float lse) {
+    rows(s, s, n, [lse](vf v, vf) __attribute__((always_inline)) { return vexp(v - lse); });
+  }
+  static inline __attribute__((always_inline)) void dscores(float* dp, const float* p, int64_t n,
+                                                            float d_i) {
+    rows(dp, p, n, [d_i](vf d, vf pv) __attribute__((always_inline)) { return pv * (d - d_i); });
+  }
+};
+
+#define FLASHMOD_BWD_ROW_OPS(SUFFIX, TARGET, W)                                   \
+  TARGET void probs_##SUFFIX(float* s, int64_t n, float lse) {                    \
+    VecRows<W>::probs(s, n, lse);                                                 \
+  }                                                                               \
+  TARGET void dscores_##SUFFIX(float* dp, const float* p, int64_t n, float d_i) { \
+    VecRows<W>::dscores(dp, p, n, d_i);                                           \
+  }
+FLASHMOD_BWD_ROW_OPS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma"))), 16)
+FLASHMOD_BWD_ROW_OPS(avx2, __attribute__((target("avx2,fma"))), 8)
+FLASHMOD_BWD_ROW_OPS(baseline, , 4)
+#undef FLASHMOD_BWD_ROW_OPS
+
+const RowOps& row_ops() {
+  static const RowOps ops = [] {
+    const std::string isa = cpu::kernel_name();
+    if (isa == "amx" || isa == "avx512") return RowOps{probs_avx512, dscores_avx512};
+    if (isa == "avx2") return RowOps{probs_avx2, dscores_avx2};
+    return RowOps{probs_baseline, dscores_baseline};
+  }();
+  return ops;
 }
 
 // Tile of Br queries x Bc keys.
@@ -314,7 +380,11 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
             continue;
           }
           logits_row(h, i, c0, cols, window_inside, s_row, T + r * Bc);
-          for (int64_t c = 0; c < cols; ++c) s_row[c] = exp_fast(s_row[c] - row_lse);
+          if constexpr (std::is_same_v<acc_t, float>) {
+            row_ops().probs(s_row, cols, row_lse);
+          } else {
+            for (int64_t c = 0; c < cols; ++c) s_row[c] = std::exp(s_row[c] - row_lse);
+          }
         }
         matmul_rows<acc_t>(true, false, cols, D, rows, acc_t(1), S, Bc, dOi, do_ld, acc_t(1),
                            dV + c0 * dv_ld, dv_ld);
@@ -324,7 +394,11 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
           const acc_t d_i = delta[g * Nq + r0 + r];
           acc_t* dp_row = dP + r * Bc;
           const acc_t* p_row = S + r * Bc;
-          for (int64_t c = 0; c < cols; ++c) dp_row[c] = p_row[c] * (dp_row[c] - d_i);
+          if constexpr (std::is_same_v<acc_t, float>) {
+            row_ops().dscores(dp_row, p_row, cols, d_i);
+          } else {
+            for (int64_t c = 0; c < cols; ++c) dp_row[c] = p_row[c] * (dp_row[c] - d_i);
+          }
           if (p.grad_mask) {  // dL/d(score after the mask): before softcap's tanh factor
             float* gm = p.grad_mask + ((b * p.heads_q + h) * Nq + r0 + r) * Nk + c0;
             for (int64_t c = 0; c < cols; ++c) gm[c] = static_cast<float>(dp_row[c]);

@@ -1,6 +1,6 @@
 // CPU forward: FlashAttention's tiled online softmax. fp32/fp16/bf16 run the vectorized kernel
-// of engine_prefill.h / engine_decode.h, compiled per instruction set and picked at run time; fp64 (used for gradcheck,
-// not for speed) runs the scalar loop below.
+// of engine_prefill.h / engine_decode.h, compiled per instruction set and picked at run time; fp64
+// (used for gradcheck, not for speed) runs the scalar loop below.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -231,6 +231,11 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
 }
 
 }  // namespace
+
+const char* cpu::kernel_name() {
+  return pick_kernel().name;
+}
+
 }  // namespace flashmod
 
 TORCH_LIBRARY_IMPL(flashmod, CPU, m) {

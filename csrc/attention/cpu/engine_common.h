@@ -136,6 +136,13 @@ struct Workspace {
   const void* shared = nullptr;  // KernelInfo::prepare's output
   int64_t seqlen_k = 0;
   void* base;
+  // fp16/bf16 K and V of one (batch, kv head) widened to fp32 (Nk x Dp each), kept while this
+  // thread's tasks stay on that head; see VecEngine::bind_kv.
+  float* wide_kv = nullptr;
+  int64_t wide_kv_floats = 0;
+  const void* wide_k = nullptr;  // the K and V rows widened into wide_kv, or null: none bound
+  const void* wide_v = nullptr;
+  int64_t wide_rows = 0;
 
   Workspace(int64_t D, int64_t Dp) {
     const int64_t sizes[] = {D * kBr, kBc * kBr, kBr * Dp, kBc * D,       kBc * Dp,
@@ -151,8 +158,10 @@ struct Workspace {
       cursor += (sizes[i] + 15) / 16 * 16;
     }
   }
-  ~Workspace() { std::free(base); }
+  ~Workspace() {
+    std::free(base);
+    std::free(wide_kv);
+  }
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
 };
-

@@ -249,6 +249,42 @@ struct VecEngine {
     }
   }
 
+  // fp16/bf16 K and V of one (batch, kv head), all Nk rows, widened into ws.wide_kv (K then V,
+  // row stride Dp) once per thread and head: widening each key block in every task repeated the
+  // same conversion for each of the head's Nq / Br query blocks, 5-8% of the bf16 forward on AVX2
+  // (Br = 16; measured in benchmarks/results/design/cpu-attention.md). Heads beyond
+  // kWideKvMaxFloats keep the per-block widening.
+  static constexpr int64_t kWideKvMaxFloats = int64_t(8) << 20;  // 32 MiB per thread
+  static void bind_kv(const T* K, int64_t ldk, const T* V, int64_t ldv, int64_t Nk, int64_t D,
+                      int64_t Dp, int64_t rows, Workspace& ws) {
+    if constexpr (kIsF32) {
+      return;
+    } else {
+      const int64_t floats = 2 * Nk * Dp;
+      if (rows <= kW || floats > kWideKvMaxFloats || ldk <= 0 || ldv <= 0) {
+        ws.wide_k = ws.wide_v = nullptr;
+        return;
+      }
+      if (ws.wide_k == K && ws.wide_v == V) return;
+      if (floats > ws.wide_kv_floats) {
+        std::free(ws.wide_kv);
+        ws.wide_kv = static_cast<float*>(std::aligned_alloc(64, (floats + 15) / 16 * 64));
+        ws.wide_kv_floats = floats;
+      }
+      widen_rows<Tag>(K, ldk, Nk, D, ws.wide_kv, Dp);
+      widen_rows<Tag>(V, ldv, Nk, D, ws.wide_kv + Nk * Dp, Dp);
+      ws.wide_k = K, ws.wide_v = V;
+      ws.wide_rows = Nk;
+    }
+  }
+  // Row `first` of the widened copy of src (K or V bound by bind_kv), or null if none is bound.
+  static const float* bound_rows(const Workspace& ws, const T* rows, int64_t ld, int64_t Dp,
+                                 bool is_v) {
+    const T* base = static_cast<const T*>(is_v ? ws.wide_v : ws.wide_k);
+    if (base == nullptr) return nullptr;
+    return ws.wide_kv + (is_v ? ws.wide_rows * Dp : 0) + (rows - base) / ld * Dp;
+  }
+
   // fp32 K_j is read in place.
   static void scores(const T* K_j, int64_t ldk, int64_t cols, int64_t D, int64_t rows,
                      float /*scale: in QT*/, Workspace& ws) {
@@ -256,6 +292,8 @@ struct VecEngine {
       scores_few_rows<Tag>(ws.Qr, (D + kW - 1) / kW * kW, K_j, ldk, D, cols, rows, ws.S);
     } else if constexpr (kIsF32) {
       ::flashmod::cpu::scores(ws.QT, reinterpret_cast<const float*>(K_j), ldk, D, cols, ws.S);
+    } else if (const float* Kw = bound_rows(ws, K_j, ldk, (D + kW - 1) / kW * kW, false)) {
+      ::flashmod::cpu::scores(ws.QT, Kw, (D + kW - 1) / kW * kW, D, cols, ws.S);
     } else {
       widen_rows<Tag>(K_j, ldk, cols, D, ws.K, D);
       ::flashmod::cpu::scores(ws.QT, ws.K, D, D, cols, ws.S);
@@ -272,6 +310,8 @@ struct VecEngine {
     if (kIsF32 && Dp == D) {
       ::flashmod::cpu::pv(ws.S, reinterpret_cast<const float*>(V_j), ldv, cols, ws.alpha, ws.O, Dp,
                           rows);
+    } else if (const float* Vw = kIsF32 ? nullptr : bound_rows(ws, V_j, ldv, Dp, true)) {
+      ::flashmod::cpu::pv(ws.S, Vw, Dp, cols, ws.alpha, ws.O, Dp, rows);
     } else {
       widen_rows<Tag>(V_j, ldv, cols, D, ws.V, Dp);
       ::flashmod::cpu::pv(ws.S, ws.V, Dp, cols, ws.alpha, ws.O, Dp, rows);
@@ -323,6 +363,7 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
     ws.l[r] = 0.0f;
   }
   std::memset(ws.O, 0, sizeof(float) * kBr * Dp);
+  Engine<Tag>::bind_kv(K, p.k_row_stride, V, p.v_row_stride, Nk, D, Dp, rows, ws);
 
   // Keys outside every row's window are never visited; blocks wholly inside it skip the test.
   const int64_t diag_first = r0 + off, diag_last = r0 + rows - 1 + off;
@@ -380,4 +421,3 @@ void run_tasks_with(const AttentionParams& p, const void* shared, int64_t begin,
     }
   }
 }
-

@@ -27,8 +27,8 @@ constexpr int kNV = 4, kKB = 6, kRB = 6, kDV = 4;
 constexpr int64_t kBc = 256;
 
 #include "engine_common.h"
-#include "engine_prefill.h"
 #include "engine_decode.h"
+#include "engine_prefill.h"
 
 static_assert(kBr % 32 == 0 && kBc % 32 == 0, "the tiles below work on 32 x 32 blocks");
 
@@ -80,6 +80,9 @@ struct AmxEngine {
   // would cost as much as the attention.
   static bool supports(const AttentionParams& p) { return p.head_dim % 32 == 0 && p.seqlen_q > kW; }
   static constexpr bool kScaledScores = false;
+  // K is read in bf16 by the tiles and V comes transposed from prepare: nothing to widen.
+  static void bind_kv(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
+                      int64_t, Workspace&) {}
 
   // QT holds Q_i^T as bf16 pairs: [d / 2][query] uint32, row stride Br. K holds K_j when the
   // block is cut short, V the rounded output in finalize; O is O_i^T (D x Br).
