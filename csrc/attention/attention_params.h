@@ -71,8 +71,9 @@ struct AttentionParams {
   //   seqused_k (batch): only keys [0, seqused_k[b]) of row b exist (a KV cache's valid length).
   //   kv_batch_idx (batch): row b reads the K/V of cache row kv_batch_idx[b] (default b).
   //   block_table (batch, block_table_batch_stride): paged K/V. k/v are then (pages, page_size,
-  //     Hkv, D) with k_batch_stride / v_batch_stride stepping one page; key j of row b lives in
-  //     page block_table[b * block_table_batch_stride + j / page_size] at row j % page_size.
+  //     Hkv, D) pools stepping k_page_stride / v_page_stride elements per page (their batch
+  //     strides are 0); key j of row b lives in page
+  //     block_table[b * block_table_batch_stride + j / page_size] at row j % page_size.
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
   const int32_t* seqused_k = nullptr;
@@ -80,6 +81,7 @@ struct AttentionParams {
   const int32_t* block_table = nullptr;
   int64_t block_table_batch_stride = 0;
   int64_t page_size = 0;
+  int64_t k_page_stride = 0, v_page_stride = 0;
   bool bottom_right = true;
 };
 

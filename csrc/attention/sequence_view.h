@@ -34,8 +34,8 @@ FLASHMOD_HD bool has_sequence_extents(const AttentionParams& p) {
 // The params of batch row b alone: every batch offset is applied to the pointers and every batch
 // stride is 0 (so indexing with any batch index, 0 or b, lands on row b), seqlen_q / seqlen_k are
 // the row's own lengths and diag_offset is the row's. batch is left alone: grids and workspaces
-// sized from it keep their meaning. Paged K/V: k and v stay the page pool's base (plus nothing),
-// block_table points at row b's page list; kv_row_offset() resolves a key row.
+// sized from it keep their meaning. Paged K/V: k and v stay the page pools' bases, block_table
+// points at row b's page list, and kv_row_offset() resolves a key row.
 FLASHMOD_HD AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
   AttentionParams s = p;
   if (!has_sequence_extents(p)) return s;
@@ -67,20 +67,20 @@ FLASHMOD_HD AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
     s.mask = static_cast<const char*>(p.mask) + b * p.mask_batch_stride * mask_bytes(p);
   }
   s.q_batch_stride = s.out_batch_stride = s.lse_batch_stride = s.mask_batch_stride = 0;
-  if (p.block_table == nullptr) s.k_batch_stride = s.v_batch_stride = 0;
+  s.k_batch_stride = s.v_batch_stride = 0;
   // GQA-packed decode rows (pos_period > 0) hold pos_period query positions.
   const int64_t positions = p.pos_period > 0 ? p.pos_period : s.seqlen_q;
   s.diag_offset = p.bottom_right ? s.seqlen_k - positions : 0;
   return s;
 }
 
-// Element offset of key row j (of the view's kv head 0) in k for a view from sequence_view;
-// add head * k_head_stride for another head. v: the same with v's strides.
-FLASHMOD_HD int64_t kv_row_offset(const AttentionParams& s, int64_t j, int64_t batch_stride,
+// Element offset of key row j (kv head 0) from k of a view from sequence_view, paged or not,
+// with k's strides (k_page_stride, k_row_stride); v: the same with v's.
+FLASHMOD_HD int64_t kv_row_offset(const AttentionParams& s, int64_t j, int64_t page_stride,
                                   int64_t row_stride) {
   if (s.block_table == nullptr) return j * row_stride;
   const int64_t page = s.block_table[j / s.page_size];
-  return page * batch_stride + (j % s.page_size) * row_stride;
+  return page * page_stride + (j % s.page_size) * row_stride;
 }
 
 }  // namespace flashmod

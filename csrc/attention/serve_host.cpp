@@ -346,6 +346,8 @@ PreparedServe prepare_attention_kvcache(const at::Tensor& q_in, const at::Tensor
     p.block_table = r.block_table.data_ptr<int32_t>();
     p.block_table_batch_stride = r.block_table.stride(0);
     p.page_size = k_cache.size(1);
+    p.k_page_stride = p.k_batch_stride, p.v_page_stride = p.v_batch_stride;
+    p.k_batch_stride = p.v_batch_stride = 0;
   }
   p.window_left = window_left;
   p.window_right = is_causal ? 0 : window_right;

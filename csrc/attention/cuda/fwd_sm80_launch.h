@@ -42,12 +42,28 @@ FLASHMOD_CONFIG(224, 64, 64, 4, 2, false)
 FLASHMOD_CONFIG(256, 64, 64, 4, 2, false)
 #undef FLASHMOD_CONFIG
 
+// The kernel variant for (general scores, K/V addressing); kDecode picks the decode variants.
+template <class Tr, bool kDecode>
+auto pick_fwd_kernel(bool general, KvAddressing addr) {
+  switch (addr) {
+    case kBlockPages:
+      return general ? attention_fwd_kernel<Tr, true, kDecode, kBlockPages>
+                     : attention_fwd_kernel<Tr, false, kDecode, kBlockPages>;
+    case kRowPages:
+      return general ? attention_fwd_kernel<Tr, true, kDecode, kRowPages>
+                     : attention_fwd_kernel<Tr, false, kDecode, kRowPages>;
+    default:
+      return general ? attention_fwd_kernel<Tr, true, kDecode, kDense>
+                     : attention_fwd_kernel<Tr, false, kDecode, kDense>;
+  }
+}
+
 template <class Tr>
 cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cudaStream_t stream) {
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
   const int64_t blocks = (p.seqlen_q + Tr::Br - 1) / Tr::Br * p.heads_q * p.batch;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  auto kernel = general ? attention_fwd_kernel<Tr, true> : attention_fwd_kernel<Tr, false>;
+  auto kernel = pick_fwd_kernel<Tr, false>(general, kv_addressing(p, Tr::Bc));
   if (Tr::kSmemBytes > 48 * 1024) {
     // Dynamic shared memory above 48 KB is opt-in per kernel.
     const cudaError_t err =
@@ -148,8 +164,8 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
                                      cudaStream_t stream) {
   using Tr = typename DecodeConfig<Elem, kHeadDim>::Traits;
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
-  auto kernel =
-      general ? attention_fwd_kernel<Tr, true, true> : attention_fwd_kernel<Tr, false, true>;
+  const KvAddressing addr = kv_addressing(p, Tr::Bc);
+  auto kernel = pick_fwd_kernel<Tr, true>(general, addr);
   if (Tr::kSmemBytes > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
@@ -158,9 +174,9 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
   const int64_t ctas = (p.seqlen_q + Tr::Br - 1) / Tr::Br * p.heads_q * p.batch;
   int splits = opt.forced_splits;
   if (splits <= 0) {
-    static std::atomic<int> per_sm_cache[2][kMaxCachedDevices];
+    static std::atomic<int> per_sm_cache[2][3][kMaxCachedDevices];
     const int per_sm =
-        decode_ctas_per_sm(kernel, Tr::kNThreads, Tr::kSmemBytes, per_sm_cache[general]);
+        decode_ctas_per_sm(kernel, Tr::kNThreads, Tr::kSmemBytes, per_sm_cache[general][addr]);
     splits = choose_splits(ctas, decode_key_blocks(p, Tr::Bc),
                            static_cast<int64_t>(opt.num_sms) * per_sm);
   }
