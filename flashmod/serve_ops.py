@@ -74,8 +74,10 @@ def _check_varlen(
     window_right: int,
     softcap: float,
 ) -> None:
-    """Mirror of serve_host.cpp's prepare_attention_varlen checks (values of cu_seqlens are checked
-    by the CPU kernel only: reading them on CUDA would synchronize)."""
+    """Mirror of serve_host.cpp's prepare_attention_varlen checks, after serve_cuda.cpp's CUDA-only
+    ones (values of cu_seqlens are checked by the CPU kernel only: reading them on CUDA would
+    synchronize)."""
+    _check_cuda(_VARLEN, q)
     p = f"{_VARLEN}: "
     for name, t in (("q", q), ("k", k), ("v", v)):
         torch._check(
@@ -112,7 +114,6 @@ def _check_varlen(
     torch._check(max_seqlen_q >= 0, lambda: f"{p}max_seqlen_q must be >= 0, got {max_seqlen_q}")
     torch._check(max_seqlen_k >= 0, lambda: f"{p}max_seqlen_k must be >= 0, got {max_seqlen_k}")
     _check_options(p, scale, window_left, window_right, softcap)
-    _check_cuda(_VARLEN, q)
 
 
 @torch.library.register_fake("flashmod::attention_varlen")
@@ -295,6 +296,7 @@ def _check_kvcache(
     softcap: float,
 ) -> None:
     """Mirror of serve_host.cpp's prepare_attention_kvcache checks (values only on CPU there)."""
+    _check_cuda(_KVCACHE, q)
     p = f"{_KVCACHE}: "
     paged = block_table is not None
     cache_shape = (
@@ -384,7 +386,6 @@ def _check_kvcache(
     if cache_batch_idx is not None:
         _check_index(p, "cache_batch_idx", cache_batch_idx, 1, B, "q's batch", q)
     _check_options(p, scale, window_left, window_right, softcap)
-    _check_cuda(_KVCACHE, q)
 
 
 @torch.library.register_fake("flashmod::attention_kvcache")
