@@ -46,6 +46,9 @@ FLASHMOD_CONFIG(256, 64, 64, 4, 2, false)
 template <class Tr, bool kDecode>
 auto pick_fwd_kernel(bool general, KvAddressing addr) {
   switch (addr) {
+    case kSequences:
+      return general ? attention_fwd_kernel<Tr, true, kDecode, kSequences>
+                     : attention_fwd_kernel<Tr, false, kDecode, kSequences>;
     case kBlockPages:
       return general ? attention_fwd_kernel<Tr, true, kDecode, kBlockPages>
                      : attention_fwd_kernel<Tr, false, kDecode, kBlockPages>;
@@ -174,7 +177,7 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
   const int64_t ctas = (p.seqlen_q + Tr::Br - 1) / Tr::Br * p.heads_q * p.batch;
   int splits = opt.forced_splits;
   if (splits <= 0) {
-    static std::atomic<int> per_sm_cache[2][3][kMaxCachedDevices];
+    static std::atomic<int> per_sm_cache[2][4][kMaxCachedDevices];
     const int per_sm =
         decode_ctas_per_sm(kernel, Tr::kNThreads, Tr::kSmemBytes, per_sm_cache[general][addr]);
     splits = choose_splits(ctas, decode_key_blocks(p, Tr::Bc),
