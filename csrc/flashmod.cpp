@@ -39,6 +39,31 @@ TORCH_LIBRARY(flashmod, m) {
       "bool is_causal=False, bool bottom_right=True, int window_left=-1, int window_right=-1, "
       "float softcap=0.0, bool compute_grad_mask=False) -> "
       "(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_mask)");
+  // Variable-length (packed) batches, flash-attn's varlen layout: q (total_q, Hq, D), k/v
+  // (total_k, Hkv, D); sequence b owns rows [cu_seqlens[b], cu_seqlens[b+1]) (int32, batch + 1
+  // entries); max_seqlen_q/k bound the lengths (no device sync). Causal and windows are
+  // bottom-right per sequence. -> out (total_q, Hq, D), lse (Hq, total_q) fp32.
+  m.def(
+      "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, float? scale=None, bool is_causal=False, "
+      "int window_left=-1, int window_right=-1, float softcap=0.0) -> (Tensor out, Tensor lse)");
+  // Gradients of attention_varlen's (out, lse) with respect to (q, k, v), packed like them.
+  m.def(
+      "attention_varlen_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, "
+      "Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+      "int max_seqlen_k, float? scale=None, bool is_causal=False, int window_left=-1, "
+      "int window_right=-1, float softcap=0.0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // Decode against a KV cache (flash-attn's with_kvcache layout): q (B, Sq, Hq, D); caches
+  // (B_cache, S_cache, Hkv, D), or (pages, page_size, Hkv, D) with block_table (B, max_pages)
+  // int32. New k/v (B, S_new, Hkv, D) are written into the caches in place at cache_seqlens
+  // (int32 (B)), then row b attends to its first cache_seqlens[b] + S_new keys (bottom-right
+  // causal). cache_batch_idx (int32 (B)) maps rows to cache rows. -> out (B, Sq, Hq, D), lse
+  // (B, Hq, Sq) fp32.
+  m.def(
+      "attention_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, "
+      "Tensor? v=None, Tensor? cache_seqlens=None, Tensor? cache_batch_idx=None, "
+      "Tensor? block_table=None, float? scale=None, bool is_causal=False, int window_left=-1, "
+      "int window_right=-1, float softcap=0.0) -> (Tensor out, Tensor lse)");
   // Exact merge of partial attention results over disjoint key sets: outs[i] (..., D) with lses[i]
   // (...) fp32 -> out = sum_i exp(lse_i - lse) outs[i], lse = log(sum_i exp(lse_i)); partials with
   // lse -inf (no visible key) contribute nothing, a row with none visible gives (0, -inf).

@@ -22,6 +22,7 @@ from .modules import FlashAttention, FlashMultiheadAttention
 from .ops import attention_op
 from .patch import patch, patched, unpatch
 from .reference import attention_reference
+from .serve_ops import flash_attn_varlen_func, flash_attn_with_kvcache
 from .softmax_ops import matmul_softmax, softmax
 
 _hf._install()
@@ -34,6 +35,8 @@ __all__ = [
     "attention_op",
     "attention_reference",
     "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "matmul_softmax",
     "merge_attention",
     "patch",

@@ -42,7 +42,11 @@ masks give the same results):
 * ``output_attentions=True`` also returns the probabilities, computed by :func:`attention_weights` (also
   for models such as GPT-2 that do not forward the flag but record what the attention returns); with
   dropout in training they are the probabilities before dropout;
-* rows with no visible key (the padding queries of left-padded batches) have output 0 and zero gradients.
+* rows with no visible key (the padding queries of left-padded batches) have output 0 and zero gradients;
+* packed sequences (training without padding: transformers' ``cu_seq_lens_q/k`` + ``max_length_q/k`` kwargs, or
+  one row whose ``position_ids`` restart at 0 with transformers' block-diagonal mask) run
+  :func:`flashmod.flash_attn_varlen_func`: each sequence attends to itself only, causal per sequence, and the
+  blocks between sequences are never computed.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import torch
 from torch import Tensor, nn
 
 from .functional import attention_bhsd, attention_weights
+from .serve_ops import flash_attn_varlen_func
 
 HF_ATTN_IMPLEMENTATION = "fmod_attention"
 """The ``attn_implementation`` name under which flashmod is registered in transformers."""
@@ -134,6 +139,49 @@ def _attentions_requested(module: nn.Module, kwargs: dict[str, Any]) -> bool:
     else:
         collected = collector.get()
     return bool(collected) and ("attentions" in collected or "cross_attentions" in collected)
+
+
+def _packed_sequences(
+    query: Tensor, key: Tensor, mask: Tensor | None, kwargs: dict[str, Any]
+) -> tuple[Tensor, Tensor, int, int] | None:
+    """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` when the call holds packed sequences,
+    else None.
+
+    Packed means either the varlen kwargs transformers gives its flash backends (``cu_seq_lens_q/k`` and
+    ``max_length_q/k``, e.g. from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or one row
+    whose ``position_ids`` restart (transformers' own packed-sequence detection: no 2-D attention mask, no
+    cache). For the latter, the mask transformers built must keep sequences apart: its last query must not
+    see the first key (a padding or plain causal mask would, and then the mask decides, as in eager).
+    Reading position_ids costs a device sync (as in transformers' flash path), so it is skipped while
+    compiling; the varlen kwargs path reads nothing.
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if cu_q is not None and cu_k is not None and max_q is not None and max_k is not None:
+        return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
+    position_ids = kwargs.get("position_ids")
+    n = query.shape[2]
+    if (
+        position_ids is None
+        or torch.compiler.is_compiling()
+        or query.shape[0] != 1
+        or key.shape[2] != n
+        or n < 2
+        or position_ids.numel() != n
+    ):
+        return None
+    positions = position_ids.reshape(-1)
+    starts = (positions == positions.min()).nonzero().view(-1)
+    if starts.numel() < 2 or int(starts[0]) != 0:
+        return None
+    if mask is not None:
+        corner = mask[..., -1, 0]
+        sees_first_key = corner.any() if corner.dtype == torch.bool else (corner > torch.finfo(corner.dtype).min).any()
+        if bool(sees_first_key):
+            return None
+    cu = torch.cat([starts.to(torch.int32), torch.tensor([n], dtype=torch.int32, device=starts.device)])
+    longest = int(cu.diff().max())
+    return cu, cu, longest, longest
 
 
 def hf_attention_forward(
@@ -210,6 +258,23 @@ def hf_attention_forward(
         mask = _with_position_bias(mask, position_bias, query)
 
     cap = float(softcap) if softcap else 0.0
+    packed = None
+    if not dropout and position_bias is None and not _attentions_requested(module, kwargs):
+        packed = _packed_sequences(query, key, mask, kwargs)
+    if packed is not None:
+        # Packed sequences: each attends to itself only (block-diagonal, causal per sequence when the layer
+        # is), without the (N x N) mask and without computing the blocks off the diagonal.
+        window = (-1, -1)
+        if sliding_window:
+            window = (sliding_window - 1, -1) if is_causal else (sliding_window, sliding_window)
+        hq, hkv, d = query.shape[1], key.shape[1], query.shape[3]
+        out = flash_attn_varlen_func(
+            query.transpose(1, 2).reshape(-1, hq, d), key.transpose(1, 2).reshape(-1, hkv, d),
+            value.transpose(1, 2).reshape(-1, hkv, d), *packed, softmax_scale=scaling,
+            causal=bool(is_causal), window_size=window, softcap=cap,
+        )  # fmt: skip
+        return out.reshape(query.shape[0], -1, hq, d), None
+
     out, _ = attention_bhsd(query, key, value, mask, float(dropout), scaling, causal, bottom_right, window, cap)
 
     weights = None

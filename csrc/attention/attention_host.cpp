@@ -117,6 +117,8 @@ PreparedInputs prepare_inputs(const char* op, const char* prefix, const at::Tens
   p.window_left = window_left;
   p.window_right = is_causal ? 0 : window_right;  // causal: nothing right of the diagonal
   p.diag_offset = bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+  p.bottom_right = bottom_right;
+  p.lse_batch_stride = p.heads_q * p.seqlen_q, p.lse_head_stride = p.seqlen_q;
   p.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   p.softcap = softcap;
   p.dtype = scalar_kind_of(q.scalar_type());

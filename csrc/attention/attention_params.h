@@ -12,8 +12,8 @@
 namespace flashmod {
 
 struct AttentionParams {
-  // q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); out: (B, Hq, Nq, D); lse: (B, Hq, Nq) contiguous
-  // fp32.
+  // q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); out: (B, Hq, Nq, D); lse: (B, Hq, Nq) fp32 (strides
+  // below; contiguous for dense calls).
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
@@ -56,6 +56,33 @@ struct AttentionParams {
 
   ScalarKind dtype = ScalarKind::kFloat32;
   MaskKind mask_kind = MaskKind::kNone;
+
+  // lse's element strides for (batch, head); its rows are contiguous. Dense calls: (Hq * Nq,
+  // Nq). Variable-length calls: (0, total_q), lse being flash-attn's (Hq, total_q).
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
+
+  // Per-sequence extents (all optional; int32, on the kernel's device). With any of them set,
+  // batch, seqlen_q and seqlen_k above are upper bounds (grid sizing), and a kernel turns
+  // (params, batch row b) into the dense view of that row alone with sequence_view() (in
+  // sequence_view.h) at the start of its work. There diag_offset is per row: seqlen_k - seqlen_q
+  // of the row when bottom_right (flash-attn's alignment), else 0.
+  //   cu_seqlens_q / cu_seqlens_k (batch + 1): packed rows. Row b's queries (keys) are rows
+  //     [cu[b], cu[b+1]) of q/out (k/v); the batch strides of packed tensors are 0.
+  //   seqused_k (batch): only keys [0, seqused_k[b]) of row b exist (a KV cache's valid length).
+  //   kv_batch_idx (batch): row b reads the K/V of cache row kv_batch_idx[b] (default b).
+  //   block_table (batch, block_table_batch_stride): paged K/V. k/v are then (pages, page_size,
+  //     Hkv, D) pools stepping k_page_stride / v_page_stride elements per page (their batch
+  //     strides are 0); key j of row b lives in page
+  //     block_table[b * block_table_batch_stride + j / page_size] at row j % page_size.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  const int32_t* seqused_k = nullptr;
+  const int32_t* kv_batch_idx = nullptr;
+  const int32_t* block_table = nullptr;
+  int64_t block_table_batch_stride = 0;
+  int64_t page_size = 0;
+  int64_t k_page_stride = 0, v_page_stride = 0;
+  bool bottom_right = true;
 };
 
 // The backward's description: the forward's fields (q, k, v, out, lse, mask, window, scale,

@@ -20,6 +20,7 @@
 #include "../../common/error_message.h"
 #include "../../common/knobs.h"
 #include "../attention_host.h"
+#include "attention_cpu.h"
 #include "kernel.h"
 
 namespace flashmod {
@@ -211,6 +212,18 @@ void attention_cpu_fp64(const AttentionParams& p) {
   });
 }
 
+}  // namespace
+
+void run_attention_cpu(const AttentionParams& p) {
+  if (p.dtype == ScalarKind::kFloat64) {
+    attention_cpu_fp64(p);
+  } else {
+    attention_cpu_vectorized(p);
+  }
+}
+
+namespace {
+
 std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v,
                                                  const std::optional<at::Tensor>& attn_mask,
@@ -220,12 +233,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
   PreparedAttention prepared = prepare_attention(q, k, v, attn_mask, scale, is_causal, bottom_right,
                                                  window_left, window_right, softcap);
   if (!nothing_to_compute(prepared)) {
-    const AttentionParams& p = prepared.params;
-    if (p.dtype == ScalarKind::kFloat64) {
-      attention_cpu_fp64(p);
-    } else {
-      attention_cpu_vectorized(p);
-    }
+    run_attention_cpu(prepared.params);
   }
   return {prepared.out, prepared.lse};
 }

@@ -48,7 +48,7 @@ struct TilePointers {
   const Elem* v;
   Elem* out;
   float* lse;
-  int64_t row_id;  // flat (B, Hq, Nq) index of row r0: lse's offset, split-KV's partial row
+  int64_t row_id;  // flat (B, Hq, Nq) index of row r0: split-KV's partial row
 };
 
 template <typename Elem>
@@ -62,7 +62,7 @@ __device__ __forceinline__ TilePointers<Elem> tile_pointers(const AttentionParam
   g.out = static_cast<Elem*>(p.out) + t.b * p.out_batch_stride + t.h * p.out_head_stride +
           static_cast<int64_t>(r0) * p.out_row_stride;
   g.row_id = (t.b * p.heads_q + t.h) * p.seqlen_q + r0;
-  g.lse = p.lse + g.row_id;
+  g.lse = p.lse + t.b * p.lse_batch_stride + t.h * p.lse_head_stride + r0;
   return g;
 }
 

@@ -15,8 +15,8 @@ namespace flashmod::cuda_kernels {
 // so each kv head's K/V is streamed once per tile instead of once per q head. Only through
 // strides (no copy): needs one row stride that steps through the packed rows of q and of out,
 // i.e. seqlen_q == 1 or head stride == seqlen_q * row stride, and no mask tensor (its rows are
-// per q head). lse is contiguous (B, Hq, Nq), which is already the packed layout. Returns false
-// and leaves p alone when it does not apply.
+// per q head). lse is (B, Hq, Nq), which is already the packed layout (g heads of Nq rows make
+// one head of g * Nq rows). Returns false and leaves p alone when it does not apply.
 inline bool pack_gqa_rows(AttentionParams& p) {
   const int64_t g = p.heads_q / p.heads_kv, nq = p.seqlen_q;
   if (g <= 1 || p.mask_kind != MaskKind::kNone || nq > kDecodeMaxNq) return false;
@@ -30,6 +30,7 @@ inline bool pack_gqa_rows(AttentionParams& p) {
   p.q_row_stride = q_rs, p.q_head_stride *= g;
   p.out_row_stride = o_rs, p.out_head_stride *= g;
   p.pos_period = nq;
+  p.lse_head_stride *= g;
   p.seqlen_q = g * nq;
   p.heads_q = p.heads_kv;
   return true;

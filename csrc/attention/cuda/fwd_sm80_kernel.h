@@ -19,6 +19,7 @@
 #include "fwd_epilogue.h"
 #include "kernel_traits.h"
 #include "online_softmax.h"
+#include "paged_kv.h"
 #include "score_mask.h"
 #include "visibility.h"
 
@@ -36,9 +37,15 @@ namespace flashmod::cuda_kernels {
 //     normalized partial O and lse (fp32) to sk's workspace; attention_fwd_split_combine_kernel
 //     (split_combine.h) merges them.
 // Without kDecode, sk is unused and the kernel is the prefill kernel, unchanged.
-template <class Tr, bool kGeneral, bool kDecode = false>
+//
+// kAddr != kDense: params carry per-sequence extents (varlen, KV-cache lengths, paged K/V;
+// attention_params.h). The grid is sized from the upper bounds in params, each CTA works on
+// sequence_view(params, b) of its batch row, K/V blocks load through the block table when paged
+// (paged_kv.h), and a CTA whose query block lies past its sequence's end exits without writing.
+// A template parameter, so that dense calls keep their registers.
+template <class Tr, bool kGeneral, bool kDecode = false, KvAddressing kAddr = kDense>
 __global__ void __launch_bounds__(Tr::kNThreads)
-    attention_fwd_kernel(const AttentionParams p, const FwdLaunchFlags flags,
+    attention_fwd_kernel(const AttentionParams params, const FwdLaunchFlags flags,
                          const SplitKvArgs sk) {
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
@@ -51,13 +58,18 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   Elem* sV = sK + Tr::kStages * Tr::kSmemKV;  // kStages buffers of V_j
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
-  const int head_dim = static_cast<int>(p.head_dim);
+  const int head_dim = static_cast<int>(params.head_dim);
 
-  const int num_m_blocks = (Nq + Br - 1) / Br;
+  const int num_m_blocks = static_cast<int>((params.seqlen_q + Br - 1) / Br);
   const int splits = kDecode ? sk.splits : 1;
-  const CtaTile tile = cta_tile(p, num_m_blocks, splits);
+  const CtaTile tile = cta_tile(params, num_m_blocks, splits);
+  constexpr bool kExtents = kAddr != kDense;
+  const AttentionParams p = kExtents ? sequence_view(params, tile.b) : params;
+  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
   const int r0 = tile.m_block * Br;
+  if constexpr (kExtents) {
+    if (r0 >= Nq) return;  // past this sequence's queries (varlen): nothing of it to write
+  }
   const int rows_q = min(Br, Nq - r0);
   const TilePointers<Elem> gp = tile_pointers<Elem>(p, tile, r0);
   const Elem *gQ = gp.q, *gK = gp.k, *gV = gp.v;
@@ -106,8 +118,17 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   auto load_kv = [&](int n, int stage) {
     const int valid = min(Bc, Nk - n * Bc);
     const int64_t row0 = static_cast<int64_t>(n) * Bc;
-    kv_copy.load(sK_addr0 + stage * kStageBytes, gK + row0 * p.k_row_stride, p.k_row_stride, valid);
-    kv_copy.load(sV_addr0 + stage * kStageBytes, gV + row0 * p.v_row_stride, p.v_row_stride, valid);
+    if constexpr (kExtents) {
+      load_kv_block<kAddr>(kv_copy, sK_addr0 + stage * kStageBytes, gK, p, row0, p.k_page_stride,
+                           p.k_row_stride, valid);
+      load_kv_block<kAddr>(kv_copy, sV_addr0 + stage * kStageBytes, gV, p, row0, p.v_page_stride,
+                           p.v_row_stride, valid);
+    } else {
+      kv_copy.load(sK_addr0 + stage * kStageBytes, gK + row0 * p.k_row_stride, p.k_row_stride,
+                   valid);
+      kv_copy.load(sV_addr0 + stage * kStageBytes, gV + row0 * p.v_row_stride, p.v_row_stride,
+                   valid);
+    }
   };
 
   // Pipeline prologue: Q_i, then the first kStages-1 key blocks, one commit group each (empty

@@ -45,10 +45,29 @@ FLASHMOD_CONFIG(224, 64, 64, 4, 2, false)
 FLASHMOD_CONFIG(256, 64, 64, 4, 2, false)
 #undef FLASHMOD_CONFIG
 
+// The kernel variant for (general scores, K/V addressing); kDecode picks the decode variants.
+template <class Tr, bool kDecode>
+auto pick_fwd_kernel(bool general, KvAddressing addr) {
+  switch (addr) {
+    case kSequences:
+      return general ? attention_fwd_kernel<Tr, true, kDecode, kSequences>
+                     : attention_fwd_kernel<Tr, false, kDecode, kSequences>;
+    case kBlockPages:
+      return general ? attention_fwd_kernel<Tr, true, kDecode, kBlockPages>
+                     : attention_fwd_kernel<Tr, false, kDecode, kBlockPages>;
+    case kRowPages:
+      return general ? attention_fwd_kernel<Tr, true, kDecode, kRowPages>
+                     : attention_fwd_kernel<Tr, false, kDecode, kRowPages>;
+    default:
+      return general ? attention_fwd_kernel<Tr, true, kDecode, kDense>
+                     : attention_fwd_kernel<Tr, false, kDecode, kDense>;
+  }
+}
+
 template <class Tr>
 cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cudaStream_t stream) {
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
-  auto kernel = general ? attention_fwd_kernel<Tr, true> : attention_fwd_kernel<Tr, false>;
+  auto kernel = pick_fwd_kernel<Tr, false>(general, kv_addressing(p, Tr::Bc));
   return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads, Tr::kSmemBytes, stream, p,
                              flags, SplitKvArgs{});
 }
@@ -93,14 +112,14 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
                                      cudaStream_t stream) {
   using Tr = typename DecodeConfig<Elem, kHeadDim>::Traits;
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
-  auto kernel =
-      general ? attention_fwd_kernel<Tr, true, true> : attention_fwd_kernel<Tr, false, true>;
+  const KvAddressing addr = kv_addressing(p, Tr::Bc);
+  auto kernel = pick_fwd_kernel<Tr, true>(general, addr);
   const int64_t ctas = cta_count(p, Tr::Br);
   int splits = opt.forced_splits;
   if (splits <= 0) {
-    static std::atomic<int> per_sm_cache[2][kMaxCachedDevices];
+    static std::atomic<int> per_sm_cache[2][4][kMaxCachedDevices];
     const int per_sm =
-        decode_ctas_per_sm(kernel, Tr::kNThreads, Tr::kSmemBytes, per_sm_cache[general]);
+        decode_ctas_per_sm(kernel, Tr::kNThreads, Tr::kSmemBytes, per_sm_cache[general][addr]);
     splits = choose_splits(ctas, decode_key_blocks(p, Tr::Bc),
                            static_cast<int64_t>(opt.num_sms) * per_sm);
   }

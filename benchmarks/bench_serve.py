@@ -1,0 +1,239 @@
+"""The serving ops against what a user would otherwise run, in one process (interleaved rounds, median).
+
+    python benchmarks/bench_serve.py --group varlen    # ragged batch: varlen vs SDPA padded vs FlexAttention
+    python benchmarks/bench_serve.py --group kvcache   # decode against a cache: contiguous, paged, SDPA
+    python benchmarks/bench_serve.py --smoke           # tiny shapes, any device (checks the script runs)
+
+varlen: sequence lengths drawn uniformly from [128, 8192] (mean about half the maximum), packed for
+flash_attn_varlen_func; SDPA runs on the right-padded batch (causal: is_causal, which is exact for the
+valid rows of right-padded self-attention; not causal: a (B, 1, 1, N) key-padding mask) with each backend
+forced in turn; FlexAttention runs on the packed row with a document mask (compiled). TFLOP/s count the
+useful work only (each sequence's own pairs, halved by causality).
+
+kvcache: B = 8, 32 query heads / 8 kv heads, D = 128, one new token per step appended at cache_seqlens,
+caches of 1k ... 128k tokens, contiguous and paged (pages of 256 and 16 tokens); SDPA FLASH / CUDNN /
+EFFICIENT (and flashmod.attention) read a contiguous cache of the same length without appending. Reported
+as TFLOP/s and as a fraction of the device's copy rate, measured in the same run on as many bytes (read +
+written) as the K/V bytes each step reads.
+
+Every contender's output is checked against flashmod's before it is timed. Results (JSON) go to
+build/bench/serve_<group>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+import flashmod  # noqa: E402
+
+BACKENDS = {
+    "FLASH": SDPBackend.FLASH_ATTENTION,
+    "CUDNN": SDPBackend.CUDNN_ATTENTION,
+    "EFFICIENT": SDPBackend.EFFICIENT_ATTENTION,
+}
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> bool:
+    err = (got.float() - want.float()).abs().max().item()
+    if err > atol:
+        print(f"  {name}: result differs from flashmod's by {err:.3e} (> {atol}); not timed")
+        return False
+    return True
+
+
+def varlen_case(lengths: list[int], h: int, d: int, causal: bool, dtype, dev: str, reps: int) -> dict:
+    total, longest, b = sum(lengths), max(lengths), len(lengths)
+    q, k, v = (torch.randn(total, h, d, dtype=dtype, device=dev) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+    flops = 4 * pairs * h * d
+
+    def ours():
+        return flashmod.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)
+
+    ref = ours()
+    # Right-padded (B, H, N, D) copies and the index of every packed row in them.
+    seq = torch.repeat_interleave(torch.arange(b, device=dev), torch.tensor(lengths, device=dev))
+    pos = torch.arange(total, device=dev) - cu[:-1].long()[seq]
+
+    def pad(t):
+        p = t.new_zeros(b, longest, h, d)
+        p[seq, pos] = t
+        return p.transpose(1, 2)
+
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    key_ok = torch.zeros(b, longest, dtype=torch.bool, device=dev)
+    key_ok[seq, pos] = True
+    mask = None if causal else key_ok[:, None, None, :]
+    fns = {"flashmod": ours}
+    for name, backend in BACKENDS.items():
+        if dev != "cuda" or (name == "FLASH" and mask is not None):
+            continue
+
+        def sdpa(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=causal)
+
+        try:
+            got = sdpa().transpose(1, 2)[seq, pos]
+        except RuntimeError as err:
+            print(f"  SDPA {name}: {str(err).splitlines()[0][:100]}")
+            continue
+        if check(f"SDPA {name}", got, ref, 2e-2):
+            fns[f"SDPA {name}"] = sdpa
+    if dev == "cpu":
+
+        def sdpa_cpu():
+            return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=causal)
+
+        if check("SDPA", sdpa_cpu().transpose(1, 2)[seq, pos], ref, 2e-2):
+            fns["SDPA"] = sdpa_cpu
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        doc = seq
+
+        def document(b_, h_, qi, ki):
+            same = doc[qi] == doc[ki]
+            return same & (ki <= qi) if causal else same
+
+        block_mask = create_block_mask(document, None, None, total, total, device=dev)
+        flex = torch.compile(flex_attention)
+        qf, kf, vf = (t.transpose(0, 1)[None] for t in (q, k, v))
+
+        def flex_doc():
+            return flex(qf, kf, vf, block_mask=block_mask)
+
+        if check("FlexAttention", flex_doc()[0].transpose(0, 1), ref, 2e-2):
+            fns["FlexAttention"] = flex_doc
+    except Exception as err:  # noqa: BLE001 (reported, not hidden: the row says why flex is missing)
+        print(f"  FlexAttention: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
+    times = harness.median_times(fns, dev, warmup=3, reps=reps)
+    return {name: {"status": "ok", "ms": t * 1e3, "tflops": flops / t / 1e12} for name, t in times.items()}
+
+
+def kvcache_case(s: int, bsz: int, hq: int, hkv: int, d: int, dtype, dev: str, reps: int, pages: list[int]) -> dict:
+    k_cache, v_cache = (torch.randn(bsz, s, hkv, d, dtype=dtype, device=dev) for _ in range(2))
+    q = torch.randn(bsz, 1, hq, d, dtype=dtype, device=dev)
+    kn, vn = (torch.randn(bsz, 1, hkv, d, dtype=dtype, device=dev) for _ in range(2))
+    seqlens = torch.full((bsz,), s - 1, dtype=torch.int32, device=dev)
+    kv_bytes = 2 * bsz * s * hkv * d * k_cache.element_size()
+    flops = 4 * bsz * hq * s * d
+
+    def contiguous():
+        return flashmod.flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn, cache_seqlens=seqlens)
+
+    ref = contiguous()
+    fns = {"flashmod": contiguous}
+    for page in pages:
+        if s % page:
+            continue
+        n = s // page
+        table = torch.randperm(bsz * n, device=dev).to(torch.int32).reshape(bsz, n)
+        k_pool, v_pool = (torch.empty(bsz * n, page, hkv, d, dtype=dtype, device=dev) for _ in range(2))
+        k_pool[table.long()] = k_cache.reshape(bsz, n, page, hkv, d)
+        v_pool[table.long()] = v_cache.reshape(bsz, n, page, hkv, d)
+
+        def paged(k_pool=k_pool, v_pool=v_pool, table=table):
+            return flashmod.flash_attn_with_kvcache(q, k_pool, v_pool, kn, vn, cache_seqlens=seqlens, block_table=table)
+
+        if check(f"paged {page}", paged(), ref, 0.0):
+            fns[f"paged {page}"] = paged
+    qb, kb, vb = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+
+    def dense():
+        return flashmod.attention(qb, kb, vb)
+
+    if check("flashmod.attention", dense().transpose(1, 2), ref, 2e-2):
+        fns["flashmod.attention"] = dense
+    for name, backend in BACKENDS.items():
+        if dev != "cuda":
+            continue
+
+        def sdpa(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)
+
+        try:
+            got = sdpa().transpose(1, 2)
+        except RuntimeError as err:
+            print(f"  SDPA {name}: {str(err).splitlines()[0][:100]}")
+            continue
+        if check(f"SDPA {name}", got, ref, 2e-2):
+            fns[f"SDPA {name}"] = sdpa
+    src = torch.empty(kv_bytes // 2, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    fns["copy"] = lambda: dst.copy_(src)  # moves kv_bytes (read + written)
+    times = harness.median_times(fns, dev, warmup=3, reps=reps)
+    copy_rate = kv_bytes / times.pop("copy")
+    return {
+        name: {
+            "status": "ok",
+            "ms": t * 1e3,
+            "tflops": flops / t / 1e12,
+            "of_copy": kv_bytes / t / copy_rate,
+        }
+        for name, t in times.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--group", default="all", choices=["varlen", "kvcache", "all"])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs")
+    parser.add_argument("--reps", type=int, default=20, help="timed rounds (the median is reported)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sequence lengths")
+    args = parser.parse_args()
+    dev, dtype = args.device, torch.bfloat16
+    out_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "bench")
+    print(f"serving ops on {harness.device_name(dev)}, bf16")
+    gen = torch.Generator().manual_seed(args.seed)
+    if args.group in ("varlen", "all"):
+        rows = []
+        lo, hi, batches = (16, 256, [4]) if args.smoke else (128, 8192, [8, 16])
+        h, d = (2, 64) if args.smoke else (16, 128)
+        for b in batches:
+            lengths = torch.randint(lo, hi + 1, (b,), generator=gen).tolist()
+            for causal in (False, True):
+                label = f"varlen B={b} H={h} D={d} N={min(lengths)}..{max(lengths)} mean {sum(lengths) // b}" + (
+                    " causal" if causal else ""
+                )
+                print(label)
+                res = varlen_case(lengths, h, d, causal, dtype, dev, 3 if args.smoke else args.reps)
+                rows.append({"label": label, "lengths": lengths, "causal": causal, "results": res})
+        contenders = sorted({c for r in rows for c in r["results"]}, key=lambda c: c != "flashmod")
+        harness.print_table(rows, contenders)
+        harness.write_json(
+            os.path.join(out_dir, "serve_varlen.json"), {"device": harness.device_name(dev), "rows": rows}
+        )
+    if args.group in ("kvcache", "all"):
+        rows = []
+        sizes = [256, 1024] if args.smoke else [1024, 4096, 16384, 65536, 131072]
+        bsz, hq, hkv, d = (2, 4, 2, 64) if args.smoke else (8, 32, 8, 128)
+        for s in sizes:
+            label = f"kvcache B={bsz} Hq={hq} Hkv={hkv} D={d} cache={s}"
+            print(label)
+            res = kvcache_case(s, bsz, hq, hkv, d, dtype, dev, 3 if args.smoke else args.reps, [256, 16])
+            rows.append({"label": label, "cache": s, "results": res})
+        contenders = sorted({c for r in rows for c in r["results"]}, key=lambda c: c != "flashmod")
+        harness.print_table(rows, contenders)
+        print("fraction of the copy rate (bytes read + written, same run):")
+        for r in rows:
+            print(f"  {r['label']}: " + ", ".join(f"{c} {x['of_copy']:.2f}" for c, x in r["results"].items()))
+        harness.write_json(
+            os.path.join(out_dir, "serve_kvcache.json"), {"device": harness.device_name(dev), "rows": rows}
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+// CUDA registration of the serving ops (attention_varlen, attention_kvcache): the shared host
+// preparation (serve_host.cpp), the CUDA-only checks, and the launch of the sm80 kernel's
+// per-sequence variants (fwd_sm80_kernel.h: KvAddressing). No host sync: the extents stay on
+// the device and the grid comes from the caller's upper bounds. The sm90 kernel has no
+// per-sequence variant yet, so these ops run the mma.sync kernel on every GPU; decode-shaped
+// KV-cache calls (seqlen_q <= 64) take the decode kernel (GQA packing, split-KV).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "../../common/error_message.h"
+#include "../../common/knobs.h"
+#include "../serve_host.h"
+#include "entry_points.h"
+#include "host_alignment.h"
+
+namespace flashmod {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+// fp16/bf16 only (flash-attn's dtypes; the fp32 kernels have no per-sequence variant) and
+// head_dim <= 256, checked first. Same order and wording as flashmod/serve_ops.py's
+// _check_cuda.
+void check_cuda_inputs(const char* op, const at::Tensor& q) {
+  TORCH_CHECK(
+      q.scalar_type() != at::kDouble,
+      error_message(op, ": q's dtype float64 is supported on CPU only, got it on ", q.device()));
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              error_message(op, ": q must be float16 or bfloat16 on CUDA, got ", q.scalar_type()));
+  TORCH_CHECK(
+      q.size(-1) <= kMaxHeadDim,
+      error_message(op, ": q's head_dim must be <= ", kMaxHeadDim, " on CUDA, got ", q.size(-1)));
+}
+
+// cp.async needs 16-byte aligned row starts: pointer and every stride a multiple of 8 elements.
+bool rows_aligned16_any(const at::Tensor& t) {
+  if (!aligned16(t.data_ptr())) return false;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    if (t.stride(d) % 8 != 0) return false;
+  return true;
+}
+
+// A copy of a read-only input whose rows are padded to 8 elements, viewed back to its shape.
+at::Tensor aligned_rows_copy(const at::Tensor& t) {
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  const int64_t d = shape.back();
+  shape.back() = (d + 7) / 8 * 8;
+  at::Tensor view = at::empty(shape, t.options()).narrow(-1, 0, d);
+  view.copy_(t);
+  return view;
+}
+
+template <typename Elem>
+cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
+                   const at::TensorOptions& options, cudaStream_t stream) {
+  const int padded = cuda_kernels::padded_head_dim(p.head_dim);
+  const bool decode = p.cu_seqlens_q == nullptr && p.seqlen_q <= cuda_kernels::kDecodeMaxNq &&
+                      env_flag("FLASHMOD_DECODE", true);
+  if (decode) {
+    if (env_flag("FLASHMOD_DECODE_PACK", true)) cuda_kernels::pack_gqa_rows(p);
+    cuda_kernels::DecodeOptions opt;
+    opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
+    // The split-KV workspace depends on shapes only (batch, heads, seqlen_q, the cache's
+    // capacity), never on values, so a captured graph replays with the same allocation.
+    at::Tensor workspace;
+    std::pair<at::Tensor*, const at::TensorOptions*> ctx{&workspace, &options};
+    cuda_kernels::DecodeWorkspace ws;
+    ws.ctx = &ctx;
+    ws.alloc = [](void* c, size_t bytes) -> void* {
+      auto* w = static_cast<std::pair<at::Tensor*, const at::TensorOptions*>*>(c);
+      *w->first = at::empty({static_cast<int64_t>((bytes + 3) / 4)}, w->second->dtype(at::kFloat));
+      return w->first->data_ptr();
+    };
+    switch (padded) {
+#define FLASHMOD_SERVE_DECODE(D) \
+  case D: return cuda_kernels::run_attention_fwd_decode<Elem, D>(p, flags, opt, ws, stream);
+      FLASHMOD_SERVE_DECODE(32)
+      FLASHMOD_SERVE_DECODE(64)
+      FLASHMOD_SERVE_DECODE(96)
+      FLASHMOD_SERVE_DECODE(128)
+      FLASHMOD_SERVE_DECODE(160)
+      FLASHMOD_SERVE_DECODE(192)
+      FLASHMOD_SERVE_DECODE(224)
+      FLASHMOD_SERVE_DECODE(256)
+#undef FLASHMOD_SERVE_DECODE
+    }
+  }
+  switch (padded) {
+#define FLASHMOD_SERVE_PREFILL(D) \
+  case D: return cuda_kernels::run_attention_fwd<Elem, D>(p, flags, stream);
+    FLASHMOD_SERVE_PREFILL(32)
+    FLASHMOD_SERVE_PREFILL(64)
+    FLASHMOD_SERVE_PREFILL(96)
+    FLASHMOD_SERVE_PREFILL(128)
+    FLASHMOD_SERVE_PREFILL(160)
+    FLASHMOD_SERVE_PREFILL(192)
+    FLASHMOD_SERVE_PREFILL(224)
+    FLASHMOD_SERVE_PREFILL(256)
+#undef FLASHMOD_SERVE_PREFILL
+  }
+  return cudaErrorInvalidValue;
+}
+
+void run(const char* op, PreparedServe& r, const at::Tensor& q) {
+  AttentionParams& p = r.params;
+  if (r.out.numel() == 0 || p.batch == 0 || p.seqlen_q == 0) return;
+  cuda_kernels::FwdLaunchFlags flags{};
+  flags.out_vec16 = rows_aligned16_any(r.out) && p.head_dim % 8 == 0;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaError_t err = p.dtype == ScalarKind::kBFloat16
+                              ? launch<__nv_bfloat16>(p, flags, q.options(), stream)
+                              : launch<__half>(p, flags, q.options(), stream);
+  TORCH_CHECK(err != cudaErrorInvalidConfiguration,
+              error_message(op,
+                            ": too many query blocks for one launch (batch * heads * "
+                            "ceil(max_seqlen_q / Br) must be < 2^31)"));
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    std::optional<double> scale, bool is_causal, int64_t window_left, int64_t window_right,
+    double softcap) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  check_cuda_inputs("flashmod.attention_varlen", q);
+  PreparedServe r =
+      prepare_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               scale, is_causal, window_left, window_right, softcap);
+  AttentionParams& p = r.params;
+  // Read-only inputs without aligned rows are copied once (head dims like 59, odd offsets).
+  auto fix = [](at::Tensor& t, const void*& ptr, int64_t& hs, int64_t& rs) {
+    if (rows_aligned16_any(t)) return;
+    t = aligned_rows_copy(t);
+    ptr = t.data_ptr();
+    hs = t.stride(1), rs = t.stride(0);
+  };
+  fix(r.q, p.q, p.q_head_stride, p.q_row_stride);
+  fix(r.k, p.k, p.k_head_stride, p.k_row_stride);
+  fix(r.v, p.v, p.v_head_stride, p.v_row_stride);
+  run("flashmod.attention_varlen", r, q);
+  return {r.out, r.lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_kvcache_cuda(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& cache_seqlens,
+    const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& block_table,
+    std::optional<double> scale, bool is_causal, int64_t window_left, int64_t window_right,
+    double softcap) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  constexpr const char* op = "flashmod.attention_kvcache";
+  // Checked before the shared preparation, which appends to the caches: nothing is written
+  // when a call is refused.
+  check_cuda_inputs(op, q);
+  // The caches are read in place (a copy would cost the whole cache per step).
+  for (auto [name, t] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache}}) {
+    TORCH_CHECK(rows_aligned16_any(*t),
+                error_message(op, ": ", name,
+                              " must have 16-byte aligned rows on CUDA (data pointer and "
+                              "strides multiples of 8 elements; head_dim % 8 == 0), got strides ",
+                              t->strides()));
+  }
+  PreparedServe r =
+      prepare_attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                                block_table, scale, is_causal, window_left, window_right, softcap);
+  AttentionParams& p = r.params;
+  if (!rows_aligned16_any(r.q)) {
+    r.q = aligned_rows_copy(r.q);
+    p.q = r.q.data_ptr();
+    p.q_batch_stride = r.q.stride(0), p.q_head_stride = r.q.stride(2);
+    p.q_row_stride = r.q.stride(1);
+  }
+  run(op, r, q);
+  return {r.out, r.lse};
+}
+
+}  // namespace
+}  // namespace flashmod
+
+TORCH_LIBRARY_IMPL(flashmod, CUDA, m) {
+  m.impl("attention_varlen", &flashmod::attention_varlen_cuda);
+  m.impl("attention_kvcache", &flashmod::attention_kvcache_cuda);
+}

@@ -1,0 +1,88 @@
+// One batch row of a variable-length / KV-cache call, seen as the dense single-sequence call the
+// kernels already handle. Torch-free and __host__ __device__: the CPU glue calls it per sequence
+// with host pointers, the CUDA kernels call it once at the start of a CTA with device pointers.
+#pragma once
+
+#include <cstdint>
+
+#include "attention_params.h"
+
+#if defined(__CUDACC__)
+#define FLASHMOD_HD __host__ __device__ __forceinline__
+#else
+#define FLASHMOD_HD inline
+#endif
+
+namespace flashmod {
+
+// Bytes of one element of q/k/v/out and of the mask (the params hold untyped pointers).
+FLASHMOD_HD int64_t scalar_bytes(ScalarKind kind) {
+  return kind == ScalarKind::kFloat64 ? 8 : kind == ScalarKind::kFloat32 ? 4 : 2;
+}
+FLASHMOD_HD int64_t mask_bytes(const AttentionParams& p) {
+  return p.mask_kind == MaskKind::kBool          ? 1
+         : p.mask_kind == MaskKind::kAdditiveF32 ? 4
+                                                 : scalar_bytes(p.dtype);
+}
+
+// True when p carries per-sequence extents (attention_params.h) and needs sequence_view().
+FLASHMOD_HD bool has_sequence_extents(const AttentionParams& p) {
+  return p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr ||
+         p.kv_batch_idx != nullptr || p.block_table != nullptr;
+}
+
+// The params of batch row b alone: every batch offset is applied to the pointers and every batch
+// stride is 0 (so indexing with any batch index, 0 or b, lands on row b), seqlen_q / seqlen_k are
+// the row's own lengths and diag_offset is the row's. batch is left alone: grids and workspaces
+// sized from it keep their meaning. Paged K/V: k and v stay the page pools' bases, block_table
+// points at row b's page list, and kv_row_offset() resolves a key row.
+FLASHMOD_HD AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
+  AttentionParams s = p;
+  if (!has_sequence_extents(p)) return s;
+  if (p.cu_seqlens_q != nullptr) {
+    const int64_t start = p.cu_seqlens_q[b];
+    s.seqlen_q = p.cu_seqlens_q[b + 1] - start;
+    s.q = static_cast<const char*>(p.q) + start * p.q_row_stride * scalar_bytes(p.dtype);
+    s.out = static_cast<char*>(p.out) + start * p.out_row_stride * scalar_bytes(p.dtype);
+    s.lse = p.lse + start;
+  } else {
+    s.q = static_cast<const char*>(p.q) + b * p.q_batch_stride * scalar_bytes(p.dtype);
+    s.out = static_cast<char*>(p.out) + b * p.out_batch_stride * scalar_bytes(p.dtype);
+    s.lse = p.lse + b * p.lse_batch_stride;
+  }
+  if (p.cu_seqlens_k != nullptr) {
+    const int64_t start = p.cu_seqlens_k[b];
+    s.seqlen_k = p.cu_seqlens_k[b + 1] - start;
+    s.k = static_cast<const char*>(p.k) + start * p.k_row_stride * scalar_bytes(p.dtype);
+    s.v = static_cast<const char*>(p.v) + start * p.v_row_stride * scalar_bytes(p.dtype);
+  } else if (p.block_table != nullptr) {
+    s.block_table = p.block_table + b * p.block_table_batch_stride;
+  } else {
+    const int64_t kb = p.kv_batch_idx != nullptr ? p.kv_batch_idx[b] : b;
+    s.k = static_cast<const char*>(p.k) + kb * p.k_batch_stride * scalar_bytes(p.dtype);
+    s.v = static_cast<const char*>(p.v) + kb * p.v_batch_stride * scalar_bytes(p.dtype);
+  }
+  if (p.seqused_k != nullptr) s.seqlen_k = p.seqused_k[b];
+  if (p.mask != nullptr) {
+    s.mask = static_cast<const char*>(p.mask) + b * p.mask_batch_stride * mask_bytes(p);
+  }
+  s.q_batch_stride = s.out_batch_stride = s.lse_batch_stride = s.mask_batch_stride = 0;
+  s.k_batch_stride = s.v_batch_stride = 0;
+  // GQA-packed decode rows (pos_period > 0) hold pos_period query positions.
+  const int64_t positions = p.pos_period > 0 ? p.pos_period : s.seqlen_q;
+  s.diag_offset = p.bottom_right ? s.seqlen_k - positions : 0;
+  return s;
+}
+
+// Element offset of key row j (kv head 0) from k of a view from sequence_view, paged or not,
+// with k's strides (k_page_stride, k_row_stride); v: the same with v's.
+FLASHMOD_HD int64_t kv_row_offset(const AttentionParams& s, int64_t j, int64_t page_stride,
+                                  int64_t row_stride) {
+  if (s.block_table == nullptr) return j * row_stride;
+  const int64_t page = s.block_table[j / s.page_size];
+  return page * page_stride + (j % s.page_size) * row_stride;
+}
+
+}  // namespace flashmod
+
+#undef FLASHMOD_HD

@@ -1,0 +1,497 @@
+"""The serving ops: variable-length (packed) batches and decoding against a KV cache.
+
+``torch.ops.flashmod.attention_varlen`` / ``attention_varlen_backward`` / ``attention_kvcache`` are
+declared in ``csrc/flashmod.cpp`` and prepared by ``csrc/attention/serve_host.cpp``. Here they get
+their fake implementations (the C++ checks mirrored as ``torch._check``, same order and messages),
+autograd for ``attention_varlen``, the interim CUDA kernel of ``attention_varlen_backward``, and
+the flash-attn-compatible functions :func:`flash_attn_varlen_func` and
+:func:`flash_attn_with_kvcache`.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from torch import Tensor
+
+from .checks import check_float_dtype, check_fp64_on_cpu, check_same_device, check_same_dtype, check_scale
+from .ops import CUDA_MAX_HEAD_DIM, below_autograd, no_grad_needed
+
+_VARLEN = "flashmod.attention_varlen"
+_KVCACHE = "flashmod.attention_kvcache"
+
+
+def _check_options(p: str, scale: float | None, window_left: int, window_right: int, softcap: float) -> None:
+    torch._check(window_left >= -1, lambda: f"{p}window_left must be >= -1 (-1 = unbounded), got {window_left}")
+    torch._check(window_right >= -1, lambda: f"{p}window_right must be >= -1 (-1 = unbounded), got {window_right}")
+    torch._check(
+        softcap >= 0.0 and softcap != float("inf"),
+        lambda: f"{p}softcap must be a finite number >= 0 (0 = off), got {softcap}",
+    )
+    check_scale(p[:-2], scale)
+
+
+def _check_index(p: str, name: str, t: Tensor, rank: int, want: int | None, want_text: str, q: Tensor) -> None:
+    torch._check(t.dtype == torch.int32, lambda: f"{p}{name} must be int32, got {t.dtype}")
+    torch._check(
+        t.dim() == rank,
+        lambda: f"{p}{name} must be a {rank}-D tensor, got a {t.dim()}-D tensor of shape {list(t.shape)}",
+    )
+    torch._check(
+        want is None or t.shape[0] == want,
+        lambda: f"{p}{name} must have {want_text} = {want} entries in dim 0, got {t.shape[0]}",
+    )
+    torch._check(t.device == q.device, lambda: f"{p}{name} must be on q's device {q.device}, got {t.device}")
+
+
+def _check_cuda(op: str, q: Tensor) -> None:
+    """The CUDA kernels of the serving ops: fp16/bf16 (flash-attn's dtypes), head_dim <= 256."""
+    if q.device.type != "cuda":
+        return
+    check_fp64_on_cpu(op, "q", q)
+    torch._check(
+        q.dtype in (torch.float16, torch.bfloat16),
+        lambda: f"{op}: q must be float16 or bfloat16 on CUDA, got {q.dtype}",
+    )
+    torch._check(
+        q.shape[-1] <= CUDA_MAX_HEAD_DIM,
+        lambda: f"{op}: q's head_dim must be <= {CUDA_MAX_HEAD_DIM} on CUDA, got {q.shape[-1]}",
+    )
+
+
+def _check_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float | None,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> None:
+    """Mirror of serve_host.cpp's prepare_attention_varlen checks, after serve_cuda.cpp's CUDA-only
+    ones (values of cu_seqlens are checked by the CPU kernel only: reading them on CUDA would
+    synchronize)."""
+    _check_cuda(_VARLEN, q)
+    p = f"{_VARLEN}: "
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        torch._check(
+            t.dim() == 3,
+            lambda n=name, t=t: (
+                f"{p}{n} must be a 3-D tensor (total_tokens, heads, head_dim), got a {t.dim()}-D tensor "
+                f"of shape {list(t.shape)}"
+            ),
+        )
+    check_float_dtype(_VARLEN, "q", q)
+    check_same_dtype(_VARLEN, "k", k, "q", q)
+    check_same_dtype(_VARLEN, "v", v, "q", q)
+    check_same_device(_VARLEN, "k", k, "q", q)
+    check_same_device(_VARLEN, "v", v, "q", q)
+    torch._check(q.shape[2] > 0, lambda: f"{p}q's head_dim must be positive, got {q.shape[2]}")
+    torch._check(
+        k.shape[2] == q.shape[2] and v.shape[2] == q.shape[2],
+        lambda: f"{p}k and v must have q's head_dim {q.shape[2]}, got k {k.shape[2]} and v {v.shape[2]}",
+    )
+    torch._check(
+        v.shape[0] == k.shape[0] and v.shape[1] == k.shape[1],
+        lambda: f"{p}v must have k's (total_k, heads) = ({k.shape[0]}, {k.shape[1]}), got ({v.shape[0]}, {v.shape[1]})",
+    )
+    torch._check(
+        k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
+        lambda: (
+            f"{p}q's heads must be a multiple of k's heads (GQA/MQA), "
+            f"got q heads {q.shape[1]} and k/v heads {k.shape[1]}"
+        ),
+    )
+    _check_index(p, "cu_seqlens_q", cu_seqlens_q, 1, None, "", q)
+    torch._check(cu_seqlens_q.numel() >= 1, lambda: f"{p}cu_seqlens_q must have batch + 1 >= 1 entries, got 0")
+    _check_index(p, "cu_seqlens_k", cu_seqlens_k, 1, cu_seqlens_q.numel(), "cu_seqlens_q's length (batch + 1)", q)
+    torch._check(max_seqlen_q >= 0, lambda: f"{p}max_seqlen_q must be >= 0, got {max_seqlen_q}")
+    torch._check(max_seqlen_k >= 0, lambda: f"{p}max_seqlen_k must be >= 0, got {max_seqlen_k}")
+    _check_options(p, scale, window_left, window_right, softcap)
+
+
+@torch.library.register_fake("flashmod::attention_varlen")
+def _attention_varlen_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float | None = None,
+    is_causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    _check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right, softcap
+    )
+    out = torch.empty_like(q if q.stride(-1) == 1 else q.contiguous())
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.register_fake("flashmod::attention_varlen_backward")
+def _attention_varlen_backward_fake(
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float | None = None,
+    is_causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right, softcap
+    )
+    p = "flashmod.attention_varlen_backward: "
+    torch._check(
+        out.shape == q.shape and grad_out.shape == q.shape,
+        lambda: (
+            f"{p}out and grad_out must have q's shape {list(q.shape)}, got out {list(out.shape)} "
+            f"and grad_out {list(grad_out.shape)}"
+        ),
+    )
+    want = [q.shape[1], q.shape[0]]
+    torch._check(
+        list(lse.shape) == want and lse.dtype == torch.float32,
+        lambda: f"{p}lse must be float32 of shape (heads, total_q) = {want}, got {lse.dtype} {list(lse.shape)}",
+    )
+    torch._check(
+        grad_lse is None or grad_lse.shape == lse.shape,
+        lambda: f"{p}grad_lse must have lse's shape {list(lse.shape)}, got {list(grad_lse.shape)}",
+    )
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _left_pad_index(cu: Tensor, total: int, max_len: int) -> tuple[Tensor, Tensor]:
+    """(sequence, padded position) of each packed row when every sequence is right-aligned in
+    ``max_len`` rows: device-side index math, no host sync."""
+    tok = torch.arange(total, device=cu.device)
+    ends = cu[1:].long()
+    seq = torch.searchsorted(ends, tok, right=True)
+    lens = ends - cu[:-1].long()
+    return seq, max_len - lens[seq] + (tok - cu[:-1].long()[seq])
+
+
+def varlen_backward_padded(
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float | None = None,
+    is_causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``attention_varlen_backward`` through the dense ``attention_backward`` on a padded batch.
+
+    Each sequence is right-aligned in ``max_seqlen`` rows (queries and keys), so the dense op's
+    bottom-right diagonal (offset ``max_seqlen_k - max_seqlen_q``) is every sequence's own; a bool
+    key-padding mask ``(B, 1, 1, max_seqlen_k)`` hides the padding keys, and padding query rows get
+    ``lse = +inf`` (probabilities 0) and zero output gradients, so they add nothing. Exact, with
+    no host sync (index ops from ``cu_seqlens``); the padding costs compute and memory in
+    proportion to ``batch * max_seqlen`` instead of the packed total.
+    """
+    B = cu_seqlens_q.numel() - 1
+    Hq, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    sq, pq = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
+    sk, pk = _left_pad_index(cu_seqlens_k, k.shape[0], max_seqlen_k)
+
+    def pad(t: Tensor, seq: Tensor, pos: Tensor, n: int, heads: int) -> Tensor:
+        padded = t.new_zeros((B, n, heads, D))
+        padded[seq, pos] = t
+        return padded.transpose(1, 2)
+
+    qp, op, gop = (pad(t, sq, pq, max_seqlen_q, Hq) for t in (q, out, grad_out))
+    kp, vp = (pad(t, sk, pk, max_seqlen_k, Hkv) for t in (k, v))
+    lsep = lse.new_full((B, max_seqlen_q, Hq), float("inf"))
+    lsep[sq, pq] = lse.t()
+    glp = None
+    if grad_lse is not None:
+        glp = grad_lse.new_zeros((B, max_seqlen_q, Hq))
+        glp[sq, pq] = grad_lse.t()
+        glp = glp.transpose(1, 2)
+    key_ok = torch.zeros((B, max_seqlen_k), dtype=torch.bool, device=q.device)
+    key_ok[sk, pk] = True
+    dq, dk, dv = torch.ops.flashmod.attention_backward(
+        gop, glp, qp, kp, vp, op, lsep.transpose(1, 2), key_ok[:, None, None, :], scale,
+        is_causal, True, window_left, window_right, softcap,
+    )  # fmt: skip
+    return dq.transpose(1, 2)[sq, pq], dk.transpose(1, 2)[sk, pk], dv.transpose(1, 2)[sk, pk]
+
+
+@functools.cache
+def _warn_padded_backward_once() -> None:
+    warnings.warn(
+        "flashmod.attention_varlen_backward: CUDA has no variable-length backward kernel yet; "
+        "gradients run the dense attention_backward on a padded copy of the batch (each sequence "
+        "padded to max_seqlen): exact, but the padding costs compute and memory",
+        stacklevel=3,
+    )
+
+
+@torch.library.impl("flashmod::attention_varlen_backward", "CUDA")
+def _attention_varlen_backward_cuda(*args) -> tuple[Tensor, Tensor, Tensor]:
+    _warn_padded_backward_once()
+    _attention_varlen_backward_fake(*args)
+    return varlen_backward_padded(*args)
+
+
+def _varlen_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, window_left, window_right, softcap = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
+    ctx.options = (max_q, max_k, scale, is_causal, window_left, window_right, softcap)
+
+
+def _varlen_backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    if grad_out is None:  # only lse was used
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.flashmod.attention_varlen_backward(
+        grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, *ctx.options
+    )
+    return (dq, dk, dv) + (None,) * 9
+
+
+torch.library.register_autograd("flashmod::attention_varlen", _varlen_backward, setup_context=_varlen_setup_context)
+
+
+def _check_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    cache_seqlens: Tensor | None,
+    cache_batch_idx: Tensor | None,
+    block_table: Tensor | None,
+    scale: float | None,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> None:
+    """Mirror of serve_host.cpp's prepare_attention_kvcache checks (values only on CPU there)."""
+    _check_cuda(_KVCACHE, q)
+    p = f"{_KVCACHE}: "
+    paged = block_table is not None
+    cache_shape = (
+        "(num_blocks, page_size, heads_k, head_dim)" if paged else "(batch_cache, seqlen_cache, heads_k, head_dim)"
+    )
+    torch._check(
+        q.dim() == 4,
+        lambda: (
+            f"{p}q must be a 4-D tensor (batch, seqlen_q, heads, head_dim), "
+            f"got a {q.dim()}-D tensor of shape {list(q.shape)}"
+        ),
+    )
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        torch._check(
+            t.dim() == 4,
+            lambda n=name, t=t: (
+                f"{p}{n} must be a 4-D tensor {cache_shape}, got a {t.dim()}-D tensor of shape {list(t.shape)}"
+            ),
+        )
+        torch._check(
+            t.stride(-1) == 1,
+            lambda n=name, t=t: (
+                f"{p}{n} must have stride 1 in its last dimension (it is updated in place), "
+                f"got strides {list(t.stride())}"
+            ),
+        )
+    check_float_dtype(_KVCACHE, "q", q)
+    check_same_dtype(_KVCACHE, "k_cache", k_cache, "q", q)
+    check_same_dtype(_KVCACHE, "v_cache", v_cache, "q", q)
+    check_same_device(_KVCACHE, "k_cache", k_cache, "q", q)
+    check_same_device(_KVCACHE, "v_cache", v_cache, "q", q)
+    B, Hq, D, Hkv = q.shape[0], q.shape[2], q.shape[3], k_cache.shape[2]
+    torch._check(D > 0, lambda: f"{p}q's head_dim must be positive, got {D}")
+    torch._check(
+        k_cache.shape[3] == D and v_cache.shape[3] == D,
+        lambda: (
+            f"{p}k_cache and v_cache must have q's head_dim {D}, "
+            f"got k_cache {k_cache.shape[3]} and v_cache {v_cache.shape[3]}"
+        ),
+    )
+    torch._check(
+        v_cache.shape == k_cache.shape,
+        lambda: f"{p}v_cache must have k_cache's shape {list(k_cache.shape)}, got {list(v_cache.shape)}",
+    )
+    torch._check(
+        Hkv > 0 and Hq % Hkv == 0,
+        lambda: (
+            f"{p}q's heads must be a multiple of k_cache's heads (GQA/MQA), got q heads {Hq} and k_cache heads {Hkv}"
+        ),
+    )
+    torch._check(
+        (k is None) == (v is None),
+        lambda: f"{p}k and v must be given together, got {'k without v' if k is not None else 'v without k'}",
+    )
+    if k is not None:
+        torch._check(cache_seqlens is not None, lambda: f"{p}appending k/v needs cache_seqlens (where to write them)")
+        for name, t in (("k", k), ("v", v)):
+            torch._check(
+                t.dim() == 4 and t.shape[0] == B and t.shape[2] == Hkv and t.shape[3] == D,
+                lambda n=name, t=t: (
+                    f"{p}{n} must have shape (batch, seqlen_new, heads_k, head_dim) = ({B}, *, {Hkv}, {D}), "
+                    f"got {list(t.shape)}"
+                ),
+            )
+            check_same_dtype(_KVCACHE, name, t, "q", q)
+            check_same_device(_KVCACHE, name, t, "q", q)
+        torch._check(v.shape[1] == k.shape[1], lambda: f"{p}v must have k's seqlen_new {k.shape[1]}, got {v.shape[1]}")
+    if paged:
+        _check_index(p, "block_table", block_table, 2, B, "q's batch", q)
+        torch._check(
+            cache_batch_idx is None,
+            lambda: (
+                f"{p}cache_batch_idx cannot be combined with block_table "
+                "(a block_table row already names each sequence's pages)"
+            ),
+        )
+        torch._check(
+            k_cache.shape[1] > 0, lambda: f"{p}k_cache's page_size (dim 1) must be positive, got {k_cache.shape[1]}"
+        )
+    else:
+        torch._check(
+            cache_batch_idx is not None or k_cache.shape[0] == B,
+            lambda: f"{p}k_cache must have q's batch {B} rows (or pass cache_batch_idx), got {k_cache.shape[0]}",
+        )
+    if cache_seqlens is not None:
+        _check_index(p, "cache_seqlens", cache_seqlens, 1, B, "q's batch", q)
+    if cache_batch_idx is not None:
+        _check_index(p, "cache_batch_idx", cache_batch_idx, 1, B, "q's batch", q)
+    _check_options(p, scale, window_left, window_right, softcap)
+
+
+@torch.library.register_fake("flashmod::attention_kvcache")
+def _attention_kvcache_fake(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    cache_seqlens: Tensor | None = None,
+    cache_batch_idx: Tensor | None = None,
+    block_table: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    _check_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        cache_batch_idx,
+        block_table,
+        scale,
+        window_left,
+        window_right,
+        softcap,
+    )
+    out = torch.empty_like(q if q.stride(-1) == 1 else q.contiguous())
+    return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention over a packed batch of variable-length sequences (flash-attn's signature).
+
+    ``q`` is ``(total_q, Hq, D)``, ``k``/``v`` ``(total_k, Hkv, D)``; sequence ``b`` owns rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of ``q`` (int32, ``batch + 1`` entries) and the matching
+    rows of ``k``/``v``. ``max_seqlen_q``/``max_seqlen_k`` must bound every sequence (CUDA sizes its
+    grid from them without reading ``cu_seqlens``). ``causal`` and ``window_size`` align each
+    sequence bottom-right; sequences may be empty. Returns ``out (total_q, Hq, D)``, and with
+    ``return_lse`` also ``lse (Hq, total_q)`` fp32. Differentiable in ``q``, ``k``, ``v``.
+    """
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"flashmod.flash_attn_varlen_func: dropout_p must be 0 (no variable-length dropout kernel), got {dropout_p}"
+        )
+    args = (
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, causal, window_size[0], window_size[1], softcap,
+    )  # fmt: skip
+    if no_grad_needed(q, k, v):
+        out, lse = below_autograd(torch.ops.flashmod.attention_varlen, *args)
+    else:
+        out, lse = torch.ops.flashmod.attention_varlen(*args)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    cache_seqlens: int | Tensor | None = None,
+    cache_batch_idx: Tensor | None = None,
+    block_table: Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of new queries against a KV cache, appending new keys/values in place (flash-attn's
+    signature and layout).
+
+    ``q`` is ``(B, Sq, Hq, D)``; ``k_cache``/``v_cache`` are ``(B_cache, S_cache, Hkv, D)``, or
+    ``(num_blocks, page_size, Hkv, D)`` pages named by ``block_table`` (int32 ``(B, max_pages)``).
+    ``k``/``v`` ``(B, S_new, Hkv, D)``, if given, are written into the caches at positions
+    ``cache_seqlens[b] ...`` (int32 ``(B)`` or an int) before the attention, which then covers the
+    first ``cache_seqlens[b] + S_new`` keys of each row (the whole cache without ``cache_seqlens``).
+    ``cache_batch_idx`` (int32 ``(B)``) maps rows to cache rows. ``causal`` is bottom-right. No host
+    synchronization and no value-dependent allocation: CUDA-graph capturable. Returns ``out``
+    ``(B, Sq, Hq, D)``, and with ``return_lse`` also ``lse (B, Hq, Sq)`` fp32. Not differentiable.
+    """
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    out, lse = torch.ops.flashmod.attention_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+        softmax_scale, causal, window_size[0], window_size[1], softcap,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out

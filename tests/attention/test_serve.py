@@ -1,0 +1,348 @@
+"""The serving ops: flash_attn_varlen_func (packed ragged batches) and flash_attn_with_kvcache
+(decode against a cache, in-place append, paged caches). Oracle: flashmod's dense attention on each
+sequence alone (bitwise on the CPU, where every sequence runs the same engine on its view) and the
+fp64 reference under the accuracy rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tolerance import assert_within_rule
+
+import flashmod
+from flashmod.reference import attention_reference
+from flashmod.serve_ops import varlen_backward_padded
+
+VARIANTS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (7, 2)},
+    "softcap_causal": {"causal": True, "softcap": 5.0},
+}
+# (query lengths, key lengths) per sequence: odd sizes, empty and single-token sequences, Nq != Nk.
+LENGTHS = {
+    "self": ([17, 1, 0, 113, 3], [17, 1, 0, 113, 3]),
+    "cross": ([5, 0, 40, 1, 9], [17, 3, 0, 64, 9]),
+}
+
+
+def cu(lengths, device):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def opts_of(variant):
+    o = VARIANTS[variant]
+    return {
+        "causal": o.get("causal", False),
+        "window_size": o.get("window_size", (-1, -1)),
+        "softcap": o.get("softcap", 0.0),
+    }
+
+
+def reference(q, k, v, opts, compute_dtype):
+    """The reference on one sequence in flash-attn's layout (N, H, D): (out (N, H, D), lse (H, N))."""
+    wl, wr = opts["window_size"]
+    out, lse = attention_reference(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=opts["causal"], bottom_right=True, window_left=wl, window_right=wr,
+        softcap=opts["softcap"], compute_dtype=compute_dtype,
+    )  # fmt: skip
+    return out[0].transpose(0, 1), lse[0]
+
+
+def make_varlen(lq, lk, hq, hkv, d, dtype, device, requires_grad=False):
+    def one(n, h):
+        return torch.randn(sum(n), h, d, dtype=dtype, device=device, requires_grad=requires_grad)
+
+    return one(lq, hq), one(lk, hkv), one(lk, hkv), cu(lq, device), cu(lk, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_varlen_forward_matches_each_sequence(device, dtype, variant, lengths):
+    if device == "cuda" and dtype != torch.bfloat16:
+        pytest.skip("the CUDA serving kernels take fp16/bf16 (test_varlen_cuda_rejects_fp32)")
+    lq, lk = LENGTHS[lengths]
+    q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 40, dtype, device)
+    opts = opts_of(variant)
+    out, lse = flashmod.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), return_lse=True, **opts)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0]) and lse.dtype == torch.float32
+    for b in range(len(lq)):
+        qs, ks, vs = q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]]
+        o_b, l_b = out[cq[b] : cq[b + 1]], lse[:, cq[b] : cq[b + 1]]
+        if device == "cpu":
+            dense_out, dense_lse = flashmod.flash_attn_func(qs[None], ks[None], vs[None], return_lse=True, **opts)
+            assert torch.equal(o_b, dense_out[0]), f"sequence {b}: out differs from flashmod.attention"
+            assert torch.equal(l_b, dense_lse[0]), f"sequence {b}: lse differs from flashmod.attention"
+        truth, truth_lse = reference(qs, ks, vs, opts, torch.float64)
+        plain, _ = reference(qs, ks, vs, opts, dtype)
+        assert_within_rule(o_b, truth, plain, 2, dtype, f"out of sequence {b}")
+        assert torch.equal(torch.isneginf(l_b), torch.isneginf(truth_lse)), f"sequence {b}: empty rows differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_varlen_gradients_match_each_sequence(device, dtype, variant):
+    if device == "cuda" and dtype != torch.bfloat16:
+        pytest.skip("the CUDA serving kernels take fp16/bf16")
+    lq, lk = LENGTHS["cross"]
+    q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 40, dtype, device, requires_grad=True)
+    opts = opts_of(variant)
+    out = flashmod.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), **opts)
+    grad_out = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+    for b in range(len(lq)):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        leaves = [t[r].detach().requires_grad_() for t, r in ((q, rq), (k, rk), (v, rk))]
+        if device == "cpu":
+            dense = flashmod.flash_attn_func(*(t[None] for t in leaves), **opts)
+            dense_grads = torch.autograd.grad(dense, leaves, grad_out[rq][None], allow_unused=True)
+            for name, ours, theirs, r in zip("qkv", (dq, dk, dv), dense_grads, (rq, rk, rk)):
+                theirs = torch.zeros_like(ours[r]) if theirs is None else theirs
+                assert torch.equal(ours[r], theirs), f"sequence {b}: d{name} differs from flashmod.attention"
+
+        truth, plain = (ref_grads(leaves, grad_out[rq], opts, c) for c in (torch.float64, dtype))
+        for name, ours, t, p, r in zip("qkv", (dq, dk, dv), truth, plain, (rq, rk, rk)):
+            t = torch.zeros_like(ours[r], dtype=torch.float64) if t is None else t
+            p = torch.zeros_like(ours[r]) if p is None else p
+            assert_within_rule(ours[r], t, p, 3, dtype, f"d{name} of sequence {b}")
+
+
+def ref_grads(leaves, grad_out, opts, dtype):
+    """Reference gradients of one sequence with inputs and math in dtype (None where unused)."""
+    xs = [t.detach().to(dtype).requires_grad_() for t in leaves]
+    ref_out, _ = reference(*xs, opts, dtype)
+    return torch.autograd.grad(ref_out, xs, grad_out.to(dtype), allow_unused=True)
+
+
+def test_varlen_lse_gradient_and_padded_backward_agree():
+    """The interim CUDA backward (dense backward on a right-aligned padded batch) equals the CPU's
+    per-sequence backward, lse gradient included (fp64, to rounding)."""
+    lq, lk = LENGTHS["cross"]
+    q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 40, torch.float64, "cpu")
+    for opts in (opts_of("causal"), opts_of("window"), opts_of("plain")):
+        wl, wr = opts["window_size"]
+        args = (None, opts["causal"], wl, wr, opts["softcap"])
+        out, lse = torch.ops.flashmod.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), *args)
+        grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+        fused = torch.ops.flashmod.attention_varlen_backward(
+            grad_out, grad_lse, q, k, v, out, lse, cq, ck, max(lq), max(lk), *args
+        )
+        padded = varlen_backward_padded(grad_out, grad_lse, q, k, v, out, lse, cq, ck, max(lq), max(lk), *args)
+        for name, a, b in zip("qkv", fused, padded):
+            assert torch.allclose(a, b, rtol=0, atol=1e-12), f"d{name}: {(a - b).abs().max().item():.3e}"
+
+
+def test_varlen_rejects_bad_cu_seqlens(device):
+    q, k, v, cq, ck = make_varlen([3, 4], [3, 4], 2, 2, 16, torch.bfloat16, device)
+    call = flashmod.flash_attn_varlen_func
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must be int32, got torch.int64"):
+        call(q, k, v, cq.long(), ck, 4, 4)
+    with pytest.raises(RuntimeError, match="cu_seqlens_k must be a 1-D tensor, got a 2-D"):
+        call(q, k, v, cq, ck[None], 4, 4)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_k must have cu_seqlens_q's length \(batch \+ 1\) = 3"):
+        call(q, k, v, cq, ck[:2], 4, 4)
+    with pytest.raises(RuntimeError, match="max_seqlen_q must be >= 0, got -1"):
+        call(q, k, v, cq, ck, -1, 4)
+    with pytest.raises(RuntimeError, match="q must be a 3-D tensor"):
+        call(q[None], k, v, cq, ck, 4, 4)
+    with pytest.raises(NotImplementedError, match="dropout_p must be 0"):
+        call(q, k, v, cq, ck, 4, 4, dropout_p=0.1)
+    if device == "cpu":  # values: read on the CPU only (on CUDA they would cost a sync)
+        bad = torch.tensor([0, 5, 3], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match=r"cu_seqlens_q must be non-decreasing, got cu_seqlens_q\[1\] = 5"):
+            call(q, k, v, bad, ck, 5, 4)
+        with pytest.raises(RuntimeError, match=r"cu_seqlens_k\[-1\] must equal k.size\(0\) = 7, got 6"):
+            call(q, k, v, cq, torch.tensor([0, 3, 6], dtype=torch.int32), 4, 4)
+        with pytest.raises(RuntimeError, match=r"cu_seqlens_q\[0\] must be 0, got 1"):
+            call(q, k, v, torch.tensor([1, 3, 7], dtype=torch.int32), ck, 4, 4)
+        with pytest.raises(RuntimeError, match="sequence 1 of cu_seqlens_q has length 4, more than max_seqlen_q = 3"):
+            call(q, k, v, cq, ck, 3, 4)
+
+
+def make_cache(b, s, hkv, d, dtype, device):
+    return (torch.randn(b, s, hkv, d, dtype=dtype, device=device) for _ in range(2))
+
+
+def kvcache_dtypes(device):
+    return [torch.bfloat16] if device == "cuda" else [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("sq", [1, 3, 17])
+def test_kvcache_appends_in_place_and_attends_to_valid_keys(device, variant, sq):
+    opts = opts_of(variant)
+    for dtype in kvcache_dtypes(device):
+        B, S, hq, hkv, d, s_new = 4, 203, 8, 2, 64, 2
+        k_cache, v_cache = make_cache(B, S, hkv, d, dtype, device)
+        q = torch.randn(B, sq, hq, d, dtype=dtype, device=device)
+        k_new, v_new = (torch.randn(B, s_new, hkv, d, dtype=dtype, device=device) for _ in range(2))
+        seqlens = torch.tensor([0, 1, 113, S - s_new], dtype=torch.int32, device=device)
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        out, lse = flashmod.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, return_lse=True, **opts
+        )
+        assert out.shape == q.shape and lse.shape == (B, hq, sq)
+        written = torch.zeros(B, S, dtype=torch.bool, device=device)
+        for b in range(B):
+            n = int(seqlens[b])
+            written[b, n : n + s_new] = True
+            assert torch.equal(k_cache[b, n : n + s_new], k_new[b]) and torch.equal(v_cache[b, n : n + s_new], v_new[b])
+        assert torch.equal(k_cache[~written], k_before[~written]), "an untouched k_cache slot changed"
+        assert torch.equal(v_cache[~written], v_before[~written]), "an untouched v_cache slot changed"
+        for b in range(B):
+            n = int(seqlens[b]) + s_new
+            ks, vs = k_cache[b, :n], v_cache[b, :n]
+            truth, _ = reference(q[b], ks, vs, opts, torch.float64)
+            plain, _ = reference(q[b], ks, vs, opts, dtype)
+            assert_within_rule(out[b], truth, plain, 2, dtype, f"out of row {b}")
+            if device == "cpu":
+                dense = flashmod.flash_attn_func(q[b : b + 1], ks[None], vs[None], **opts)
+                assert torch.equal(out[b], dense[0]), f"row {b}: differs from flashmod.attention"
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 64, 256])
+def test_kvcache_paged_equals_contiguous(device, page_size):
+    for dtype in kvcache_dtypes(device):
+        B, pages_per_row, hq, hkv, d, s_new = 3, 4, 8, 8, 128, 1
+        S = pages_per_row * page_size
+        k_cont, v_cont = make_cache(B, S, hkv, d, dtype, device)
+        # The same keys in a shuffled pool of pages, with spare pages nobody owns.
+        n_pages = B * pages_per_row + 3
+        perm = torch.randperm(n_pages, device=device)[: B * pages_per_row].to(torch.int32)
+        table = perm.reshape(B, pages_per_row)
+        k_pool = torch.randn(n_pages, page_size, hkv, d, dtype=dtype, device=device)
+        v_pool = torch.randn_like(k_pool)
+        k_pool[table.long()] = k_cont.reshape(B, pages_per_row, page_size, hkv, d)
+        v_pool[table.long()] = v_cont.reshape(B, pages_per_row, page_size, hkv, d)
+        pool_before = k_pool.clone()
+        q = torch.randn(B, 1, hq, d, dtype=dtype, device=device)
+        k_new, v_new = (torch.randn(B, s_new, hkv, d, dtype=dtype, device=device) for _ in range(2))
+        seqlens = torch.tensor([page_size - 1, 0, S - 1], dtype=torch.int32, device=device)
+        paged = flashmod.flash_attn_with_kvcache(
+            q, k_pool, v_pool, k_new, v_new, cache_seqlens=seqlens, block_table=table, causal=True
+        )
+        cont = flashmod.flash_attn_with_kvcache(q, k_cont, v_cont, k_new, v_new, cache_seqlens=seqlens, causal=True)
+        assert torch.equal(paged, cont), f"page_size {page_size}: paged differs from contiguous"
+        assert torch.equal(k_pool[table.long()].reshape(B, S, hkv, d), k_cont), "paged append differs"
+        spare = torch.ones(n_pages, dtype=torch.bool, device=device)
+        spare[table.long().flatten()] = False
+        assert torch.equal(k_pool[spare], pool_before[spare]), "a page outside the table changed"
+
+
+def test_kvcache_batch_idx_int_seqlens_and_no_append(device):
+    dtype = torch.bfloat16
+    B, hq, hkv, d = 2, 4, 4, 32
+    k_cache, v_cache = make_cache(5, 40, hkv, d, dtype, device)
+    q = torch.randn(B, 1, hq, d, dtype=dtype, device=device)
+    idx = torch.tensor([4, 1], dtype=torch.int32, device=device)
+    out = flashmod.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=17, cache_batch_idx=idx)
+    for b in range(B):
+        ks, vs = k_cache[int(idx[b]), :17], v_cache[int(idx[b]), :17]
+        truth, _ = reference(q[b], ks, vs, opts_of("plain"), torch.float64)
+        plain, _ = reference(q[b], ks, vs, opts_of("plain"), dtype)
+        assert_within_rule(out[b], truth, plain, 2, dtype, f"row {b}")
+    # No cache_seqlens: the whole cache.
+    full = flashmod.flash_attn_with_kvcache(q, k_cache[:B], v_cache[:B])
+    dense = flashmod.flash_attn_func(q, k_cache[:B], v_cache[:B])
+    assert torch.equal(full, dense)
+
+
+def test_kvcache_rejects_bad_inputs(device):
+    dtype = torch.bfloat16
+    k_cache, v_cache = make_cache(2, 32, 2, 16, dtype, device)
+    q = torch.randn(2, 1, 4, 16, dtype=dtype, device=device)
+    kn = torch.randn(2, 1, 2, 16, dtype=dtype, device=device)
+    seqlens = torch.tensor([3, 4], dtype=torch.int32, device=device)
+    call = flashmod.flash_attn_with_kvcache
+    with pytest.raises(RuntimeError, match="k and v must be given together, got k without v"):
+        call(q, k_cache, v_cache, kn, None, cache_seqlens=seqlens)
+    with pytest.raises(RuntimeError, match=r"appending k/v needs cache_seqlens"):
+        call(q, k_cache, v_cache, kn, kn)
+    with pytest.raises(RuntimeError, match="cache_seqlens must be int32, got torch.int64"):
+        call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens.long())
+    with pytest.raises(RuntimeError, match="cache_batch_idx cannot be combined with block_table"):
+        table = torch.zeros(2, 2, dtype=torch.int32, device=device)
+        call(q, k_cache, v_cache, cache_batch_idx=seqlens, block_table=table)
+    with pytest.raises(RuntimeError, match="k_cache must have stride 1 in its last dimension"):
+        call(q, k_cache.transpose(-1, -2).contiguous().transpose(-1, -2), v_cache)
+    with pytest.raises(RuntimeError, match=r"k must have shape \(batch, seqlen_new, heads_k, head_dim\)"):
+        call(q, k_cache, v_cache, kn[:, :, :1], kn[:, :, :1], cache_seqlens=seqlens)
+    if device == "cpu":
+        before = k_cache.clone()
+        with pytest.raises(RuntimeError, match=r"cache_seqlens\[1\] = 32 plus the 1 new tokens must fit"):
+            call(q, k_cache, v_cache, kn, kn, cache_seqlens=torch.tensor([3, 32], dtype=torch.int32))
+        assert torch.equal(k_cache, before), "a refused call wrote to the cache"
+
+
+def test_serving_ops_compile_fullgraph(device):
+    dtype = torch.bfloat16
+    lq = [5, 0, 17]
+    q, k, v, cq, ck = make_varlen(lq, lq, 4, 2, 32, dtype, device, requires_grad=True)
+
+    def step(q, k, v):
+        return flashmod.flash_attn_varlen_func(q, k, v, cq, ck, 17, 17, causal=True).float().square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    eager_grads = torch.autograd.grad(step(q, k, v), (q, k, v))
+    for a, b in zip(grads, eager_grads):
+        assert torch.equal(a, b)
+
+    k_cache, v_cache = make_cache(2, 32, 2, 32, dtype, device)
+    kc_eager, vc_eager = k_cache.clone(), v_cache.clone()
+    qd = torch.randn(2, 1, 4, 32, dtype=dtype, device=device)
+    kn, vn = (torch.randn(2, 1, 2, 32, dtype=dtype, device=device) for _ in range(2))
+    seqlens = torch.tensor([3, 30], dtype=torch.int32, device=device)
+
+    def decode(qd, kc, vc, kn, vn):
+        return flashmod.flash_attn_with_kvcache(qd, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True)
+
+    out = torch.compile(decode, fullgraph=True, backend="aot_eager")(qd, k_cache, v_cache, kn, vn)
+    out_eager = decode(qd, kc_eager, vc_eager, kn, vn)
+    assert torch.equal(out, out_eager)
+    assert torch.equal(k_cache, kc_eager) and torch.equal(v_cache, vc_eager), "compiled call lost the cache append"
+
+    with pytest.raises(Exception, match="cu_seqlens_q must be int32"):
+        torch.compile(lambda q: flashmod.flash_attn_varlen_func(q, k, v, cq.long(), ck, 17, 17), fullgraph=True)(q)
+
+
+@pytest.mark.cuda
+def test_varlen_cuda_rejects_fp32():
+    q, k, v, cq, ck = make_varlen([3], [3], 2, 2, 16, torch.float32, "cuda")
+    with pytest.raises(RuntimeError, match="q must be float16 or bfloat16 on CUDA, got torch.float32"):
+        flashmod.flash_attn_varlen_func(q, k, v, cq, ck, 3, 3)
+
+
+@pytest.mark.cuda
+def test_kvcache_cuda_graph_capture():
+    """A decode step captured in a CUDA graph replays with new cache lengths (no host sync, no
+    value-dependent allocation inside the op)."""
+    dtype, B, S, hq, hkv, d = torch.bfloat16, 4, 1024, 32, 8, 128
+    k_cache, v_cache = make_cache(B, S, hkv, d, dtype, "cuda")
+    q = torch.randn(B, 1, hq, d, dtype=dtype, device="cuda")
+    kn, vn = (torch.randn(B, 1, hkv, d, dtype=dtype, device="cuda") for _ in range(2))
+    seqlens = torch.tensor([5, 100, 700, 1000], dtype=torch.int32, device="cuda")
+
+    def step():
+        return flashmod.flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn, cache_seqlens=seqlens, causal=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up outside the capture (allocator, occupancy cache)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    seqlens.copy_(torch.tensor([0, 200, 10, 1022], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    for b in range(B):
+        n = int(seqlens[b]) + 1
+        assert torch.equal(k_cache[b, n - 1], kn[b, 0])
+        truth, _ = reference(q[b], k_cache[b, :n], v_cache[b, :n], opts_of("causal"), torch.float64)
+        plain, _ = reference(q[b], k_cache[b, :n], v_cache[b, :n], opts_of("causal"), dtype)
+        assert_within_rule(out[b], truth, plain, 2, dtype, f"replayed row {b}")
