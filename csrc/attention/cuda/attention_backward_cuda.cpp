@@ -55,9 +55,9 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
     return reference.call(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
                           bottom_right, window_left, window_right, softcap, compute_grad_mask);
   }
-  PreparedAttentionBackward r =
-      prepare_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
-                                 bottom_right, window_left, window_right, softcap);
+  PreparedAttentionBackward r = prepare_attention_backward(
+      grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal, bottom_right, window_left,
+      window_right, softcap, compute_grad_mask);
   check_cuda_attention_inputs("flashmod.attention_backward", q);
   AttentionBwdParams& p = r.params;
   if (r.grad_q.numel() == 0 && r.grad_k.numel() == 0)
