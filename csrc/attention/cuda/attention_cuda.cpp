@@ -23,13 +23,6 @@ namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
 
-// The padded head dim whose kernels serve head_dim d (the smallest built one >= d), or -1.
-int padded_head_dim(int64_t d) {
-  for (int pd : cuda_kernels::kFwdSm80HeadDims)
-    if (d <= pd) return pd;
-  return -1;
-}
-
 // The wgmma kernels run on sm_90 (H100/H200) when the build carries their sm_90a machine code.
 // FLASHMOD_DISABLE_SM90=1 forces the portable mma.sync kernel (tests compare the two; benchmarks
 // time both).
@@ -119,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
 
     cuda_kernels::FwdLaunchFlags flags{};
     flags.out_vec16 = rows_aligned16(prepared.out) && p.head_dim % 8 == 0;
-    const int padded = padded_head_dim(p.head_dim);
+    const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
     const int key = cuda_kernels::variant_key(p.dtype, padded);
     if (run_decode(p, flags, padded, q.options(), stream, err)) {
       // run_decode launched it
