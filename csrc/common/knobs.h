@@ -1,7 +1,8 @@
 // Environment knobs: kernel-choice switches for tests and benchmarks, read per call by the host
 // glue only (attention_cpu.cpp, attention_cuda.cpp, softmax_cuda.cpp) and handed to kernels in
-// their params or options structs. One polarity: FLASHMOD_X=1 turns the named thing on (or forces it),
-// FLASHMOD_X=0 turns it off; unset keeps the default. Any other value is an error naming the knob.
+// their params or options structs. One polarity: FLASHMOD_X=1 turns the named thing on (or
+// forces it), FLASHMOD_X=0 turns it off; unset keeps the default. Any other value is an error
+// naming the knob.
 //
 // Every knob (all for tests and benchmarks, comparing kernels on one machine; TRACE for debugging):
 //   FLASHMOD_CPU_ISA=amx|avx512|avx2|baseline  forces that CPU kernel (read once per process); a

@@ -92,7 +92,7 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaError_t err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream);
-  const int padded = padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim);
+  const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim);
   const int key = cuda_kernels::variant_key(p.dtype, padded);
   if (err != cudaSuccess) {
     // the row statistics failed to launch; reported below

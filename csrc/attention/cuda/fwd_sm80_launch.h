@@ -98,8 +98,10 @@ int decode_ctas_per_sm(Kernel kernel, int threads, int smem, std::atomic<int>* c
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxCachedDevices) return 1;
   int n = cache[dev].load(std::memory_order_relaxed);
   if (n > 0) return n;
-  if (cuda::allow_dynamic_smem(kernel, smem) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess ||
+  // The occupancy of a kernel past 48 KB of shared memory needs its opt-in first; a refused
+  // opt-in is not cached (the launch reports it).
+  if (cuda::allow_dynamic_smem(kernel, smem) != cudaSuccess) return 1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess ||
       n < 1)
     n = 1;
   cache[dev].store(n, std::memory_order_relaxed);  // racing callers store the same value

@@ -39,14 +39,6 @@ inline bool sm90_kernels_usable() {
 #endif
 }
 
-// The padded head dim whose kernels serve head_dim d: the smallest built one >= d, or -1.
-template <int N>
-int padded_head_dim(const int (&built)[N], int64_t d) {
-  for (int pd : built)
-    if (d <= pd) return pd;
-  return -1;
-}
-
 // cp.async copies 16-byte chunks from 16-byte aligned addresses, so every row start of q/k/v must
 // be 16-byte aligned: base pointer aligned and batch/head/row strides multiples of 8 elements.
 inline bool rows_aligned16(const at::Tensor& t) {

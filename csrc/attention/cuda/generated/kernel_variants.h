@@ -5,6 +5,8 @@
 // built variant; switch on variant_key(dtype, head dim) to call the right instantiation.
 #pragma once
 
+#include <cstdint>
+
 #include "../../../common/scalar_kinds.h"
 
 namespace flashmod::cuda_kernels {
@@ -18,6 +20,15 @@ constexpr bool has_head_dim(const int (&head_dims)[N], int head_dim) {
   for (int d : head_dims)
     if (d == head_dim) return true;
   return false;
+}
+
+// The padded head dim whose kernels serve head_dim d: the smallest of head_dims (ascending)
+// >= d, or -1.
+template <int N>
+constexpr int padded_head_dim(const int (&head_dims)[N], int64_t d) {
+  for (int pd : head_dims)
+    if (d <= pd) return pd;
+  return -1;
 }
 
 constexpr int kFwdSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
