@@ -18,7 +18,9 @@
 #include "../../common/error_message.h"
 #include "../../common/knobs.h"
 #include "../serve_host.h"
+#include "decode_heuristics.h"
 #include "entry_points.h"
+#include "generated/kernel_variants.h"
 #include "host_alignment.h"
 
 namespace flashmod {
@@ -58,10 +60,10 @@ at::Tensor aligned_rows_copy(const at::Tensor& t) {
   return view;
 }
 
-template <typename Elem>
 cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
                    const at::TensorOptions& options, cudaStream_t stream) {
-  const int padded = cuda_kernels::padded_head_dim(p.head_dim);
+  const int key = cuda_kernels::variant_key(
+      p.dtype, cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim));
   const bool decode = p.cu_seqlens_q == nullptr && p.seqlen_q <= cuda_kernels::kDecodeMaxNq &&
                       env_flag("FLASHMOD_DECODE", true);
   if (decode) {
@@ -80,31 +82,19 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
       *w->first = at::empty({static_cast<int64_t>((bytes + 3) / 4)}, w->second->dtype(at::kFloat));
       return w->first->data_ptr();
     };
-    switch (padded) {
-#define FLASHMOD_SERVE_DECODE(D) \
-  case D: return cuda_kernels::run_attention_fwd_decode<Elem, D>(p, flags, opt, ws, stream);
-      FLASHMOD_SERVE_DECODE(32)
-      FLASHMOD_SERVE_DECODE(64)
-      FLASHMOD_SERVE_DECODE(96)
-      FLASHMOD_SERVE_DECODE(128)
-      FLASHMOD_SERVE_DECODE(160)
-      FLASHMOD_SERVE_DECODE(192)
-      FLASHMOD_SERVE_DECODE(224)
-      FLASHMOD_SERVE_DECODE(256)
+    switch (key) {
+#define FLASHMOD_SERVE_DECODE(E, kind, D)              \
+  case cuda_kernels::variant_key(ScalarKind::kind, D): \
+    return cuda_kernels::run_attention_fwd_decode<E, D>(p, flags, opt, ws, stream);
+      FLASHMOD_FWD_SM80_VARIANTS(FLASHMOD_SERVE_DECODE)
 #undef FLASHMOD_SERVE_DECODE
     }
   }
-  switch (padded) {
-#define FLASHMOD_SERVE_PREFILL(D) \
-  case D: return cuda_kernels::run_attention_fwd<Elem, D>(p, flags, stream);
-    FLASHMOD_SERVE_PREFILL(32)
-    FLASHMOD_SERVE_PREFILL(64)
-    FLASHMOD_SERVE_PREFILL(96)
-    FLASHMOD_SERVE_PREFILL(128)
-    FLASHMOD_SERVE_PREFILL(160)
-    FLASHMOD_SERVE_PREFILL(192)
-    FLASHMOD_SERVE_PREFILL(224)
-    FLASHMOD_SERVE_PREFILL(256)
+  switch (key) {
+#define FLASHMOD_SERVE_PREFILL(E, kind, D)             \
+  case cuda_kernels::variant_key(ScalarKind::kind, D): \
+    return cuda_kernels::run_attention_fwd<E, D>(p, flags, stream);
+    FLASHMOD_FWD_SM80_VARIANTS(FLASHMOD_SERVE_PREFILL)
 #undef FLASHMOD_SERVE_PREFILL
   }
   return cudaErrorInvalidValue;
@@ -116,9 +106,7 @@ void run(const char* op, PreparedServe& r, const at::Tensor& q) {
   cuda_kernels::FwdLaunchFlags flags{};
   flags.out_vec16 = rows_aligned16_any(r.out) && p.head_dim % 8 == 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const cudaError_t err = p.dtype == ScalarKind::kBFloat16
-                              ? launch<__nv_bfloat16>(p, flags, q.options(), stream)
-                              : launch<__half>(p, flags, q.options(), stream);
+  const cudaError_t err = launch(p, flags, q.options(), stream);
   TORCH_CHECK(err != cudaErrorInvalidConfiguration,
               error_message(op,
                             ": too many query blocks for one launch (batch * heads * "
