@@ -238,7 +238,7 @@ def varlen_backward_padded(
         glp = glp.transpose(1, 2)
     key_ok = torch.zeros((B, max_seqlen_k), dtype=torch.bool, device=q.device)
     key_ok[sk, pk] = True
-    dq, dk, dv = torch.ops.flashmod.attention_backward(
+    dq, dk, dv, _ = torch.ops.flashmod.attention_backward(
         gop, glp, qp, kp, vp, op, lsep.transpose(1, 2), key_ok[:, None, None, :], scale,
         is_causal, True, window_left, window_right, softcap,
     )  # fmt: skip
