@@ -55,7 +55,7 @@ FAMILIES = (
     Family("bwd_sm80", "bwd_sm80_launch.h", HEAD_DIMS, (
         "run_attention_bwd(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
     )),
-    Family("bwd_sm90", "bwd_sm90_launch.h", (64, 128), (
+    Family("bwd_sm90", "bwd_sm90_launch.h", (64, 128, 256), (
         "run_attention_bwd_sm90(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
     )),
 )  # fmt: skip

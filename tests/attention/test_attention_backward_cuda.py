@@ -150,7 +150,7 @@ def test_training_step_matches_reference():
         assert torch.equal(leaf.grad, e)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize(
     "options",
     [
@@ -163,7 +163,7 @@ def test_training_step_matches_reference():
     ids=["dense", "causal", "causal_top_left", "softcap", "window"],
 )
 def test_portable_kernel_where_the_hopper_one_runs(monkeypatch, d, options):
-    """On an H100 the wgmma backward serves D = 64/128 by default; FLASHMOD_DISABLE_SM90=1 runs the
+    """On an H100 the wgmma backward serves D = 64/128/256 by default; FLASHMOD_DISABLE_SM90=1 runs the
     portable mma.sync kernels on the same inputs, and both must hold the accuracy rule."""
     q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 317, d)
     check_grads(q, k, v, **options)

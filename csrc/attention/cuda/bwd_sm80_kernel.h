@@ -28,10 +28,6 @@
 
 namespace flashmod::cuda_kernels {
 
-// kWhich: both dK and dV (head dims <= 128), or one of them per launch (larger head dims, whose
-// two accumulators would not fit the registers together).
-enum BwdWhich : int { kBwdBoth = 0, kBwdOnlyDV = 1, kBwdOnlyDK = 2 };
-
 // C[16 x (8 kNTiles)] += A[16 x D] B^T where A's rows start at a_off (ldmatrix lane offsets) in
 // one swizzled tile and B's rows (the n index) in another: S = Q K^T, S^T = K Q^T, dP = dO V^T.
 template <typename Elem, int kHeadDim, int kNTiles>

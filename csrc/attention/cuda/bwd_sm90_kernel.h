@@ -41,7 +41,7 @@ struct BwdKVTraitsSm90 {
   // swizzle atom.
   static constexpr int kSmemBytes = 2 * kSmemKV + 2 * 2 * kSmemQ + 2 * 2 * Br * 4 + 1024;
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "dK and dV accumulators of one warpgroup");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole 64-column blocks");
   static_assert(Br == 64 || Br == 128, "wgmma N of S^T");
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
 };
@@ -64,7 +64,7 @@ struct BwdQTraitsSm90 {
   // Q_i, dO_i; two stages of K_j, V_j.
   static constexpr int kSmemBytes = 2 * kSmemQ + 2 * 2 * kSmemKV + 1024;
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "one warpgroup's dQ accumulators");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole 64-column blocks");
   static_assert(Bc == 64 || Bc == 128, "wgmma N of S");
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
 };
@@ -94,13 +94,16 @@ __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
 #endif
 }
 
-template <class Tr, bool kGeneral>
+// kWhich (bwd_common.h): dK and dV together, or one of them per launch where the two D-wide
+// accumulators do not fit one warpgroup's registers (D = 256).
+template <class Tr, bool kGeneral, int kWhich>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams p, const BwdRowStats st) {
 #ifdef FLASHMOD_SM90A
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
+  constexpr bool kDV = kWhich != kBwdOnlyDK, kDK = kWhich != kBwdOnlyDV;
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
@@ -173,7 +176,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const int warp_row0 = warp * 16;  // warp w of warpgroup wg owns key rows 64 wg + 16 (w % 4)
   const int key_row[2] = {k0 + warp_row0 + g, k0 + warp_row0 + g + 8};
 
-  float dV[DT][4], dK[DT][4];
+  float dV[kDV ? DT : 1][4], dK[kDK ? DT : 1][4];
   zero(dV);
   zero(dK);
 
@@ -191,39 +194,44 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
     const uint32_t stage_bytes = stage * Tr::kSmemQ;
 
-    float St[NT][4], dPt[NT][4];
+    float St[NT][4], dPt[kDK ? NT : 1][4];
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < Tr::kKSteps; ++ks)
       Wgmma<Elem, Br>::ss(St, desc_advance(k_desc, k_step(ks, Bc)),
                           desc_advance(q_desc0, stage_bytes + k_step(ks, Br)), ks > 0);
+    if constexpr (kDK) {
 #pragma unroll
-    for (int ks = 0; ks < Tr::kKSteps; ++ks)
-      Wgmma<Elem, Br>::ss(dPt, desc_advance(v_desc, k_step(ks, Bc)),
-                          desc_advance(do_desc0, stage_bytes + k_step(ks, Br)), ks > 0);
+      for (int ks = 0; ks < Tr::kKSteps; ++ks)
+        Wgmma<Elem, Br>::ss(dPt, desc_advance(v_desc, k_step(ks, Bc)),
+                            desc_advance(do_desc0, stage_bytes + k_step(ks, Br)), ks > 0);
+    }
     wgmma_commit();
     wgmma_wait<0>();
     pin_registers(St);
     pin_registers(dPt);
 
-    transposed_probs_and_grads<Elem, kGeneral, true>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
-                                                     n_block, Bc, key_row, sL + stage * Br,
-                                                     sDelta + stage * Br, t);
-    uint32_t pa[Br / 16][4], da[Br / 16][4];
+    transposed_probs_and_grads<Elem, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
+                                                    n_block, Bc, key_row, sL + stage * Br,
+                                                    sDelta + stage * Br, t);
+    // The gradient products take P^T / dS^T packed from the score registers. Those and the
+    // accumulators were written by ordinary instructions: pinned ahead of the fence that orders
+    // them before the wgmma reads.
+    uint32_t pa[kDV ? Br / 16 : 1][4], da[kDK ? Br / 16 : 1][4];
 #pragma unroll
     for (int kk = 0; kk < Br / 16; ++kk) {
-      pack_a<Elem>(pa[kk], St, kk);
-      pack_a<Elem>(da[kk], dPt, kk);
+      if constexpr (kDV) pack_a<Elem>(pa[kk], St, kk);
+      if constexpr (kDK) pack_a<Elem>(da[kk], dPt, kk);
     }
-    // dV, dK and the packed operands were written by ordinary instructions: pinned ahead of the
-    // fence that orders them before the wgmma reads.
     pin_registers(dV);
     pin_registers(dK);
     pin_registers(pa);
     pin_registers(da);
     wgmma_fence();
-    wgmma_rs_tile<Elem, D, Tr::kOChunk>(dV, pa, desc_advance(do_mn_desc0, stage_bytes), Br);
-    wgmma_rs_tile<Elem, D, Tr::kOChunk>(dK, da, desc_advance(q_mn_desc0, stage_bytes), Br);
+    if constexpr (kDV)
+      wgmma_rs_tile<Elem, D, Tr::kOChunk>(dV, pa, desc_advance(do_mn_desc0, stage_bytes), Br);
+    if constexpr (kDK)
+      wgmma_rs_tile<Elem, D, Tr::kOChunk>(dK, da, desc_advance(q_mn_desc0, stage_bytes), Br);
     wgmma_commit();
     wgmma_wait<0>();
     pin_registers(dV);
@@ -234,13 +242,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   cp_async_wait<0>();
 
   const bool vec = st.vec_store != 0;
-  Elem* gdV = static_cast<Elem*>(p.grad_v) + b * p.grad_v_batch_stride + hk * p.grad_v_head_stride +
-              static_cast<int64_t>(k0) * p.grad_v_row_stride;
-  store_rows<Elem, DT>(gdV, p.grad_v_row_stride, dV, 1.f, warp_row0, rows_k, head_dim, lane, vec);
-  Elem* gdK = static_cast<Elem*>(p.grad_k) + b * p.grad_k_batch_stride + hk * p.grad_k_head_stride +
-              static_cast<int64_t>(k0) * p.grad_k_row_stride;
-  store_rows<Elem, DT>(gdK, p.grad_k_row_stride, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
-                       vec);
+  if constexpr (kDV) {
+    Elem* gdV = static_cast<Elem*>(p.grad_v) + b * p.grad_v_batch_stride +
+                hk * p.grad_v_head_stride + static_cast<int64_t>(k0) * p.grad_v_row_stride;
+    store_rows<Elem, DT>(gdV, p.grad_v_row_stride, dV, 1.f, warp_row0, rows_k, head_dim, lane, vec);
+  }
+  if constexpr (kDK) {
+    Elem* gdK = static_cast<Elem*>(p.grad_k) + b * p.grad_k_batch_stride +
+                hk * p.grad_k_head_stride + static_cast<int64_t>(k0) * p.grad_k_row_stride;
+    store_rows<Elem, DT>(gdK, p.grad_k_row_stride, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
+                         vec);
+  }
 #else
   __trap();  // launched only where the sm_90a binary runs (see attention_backward_cuda.cpp)
 #endif

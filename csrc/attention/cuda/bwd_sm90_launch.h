@@ -19,19 +19,35 @@ namespace sm90 {
 // H * D = 2048; benchmarks/results/design/cuda-backward.md): D = 64 step 8.92 -> 7.79 ms at
 // N = 4k (dQ 3.10 -> 2.30 ms, dK/dV 4.37 -> 4.05), D = 128 6.30 -> 6.19 ms. Registers: dK/dV
 // 216-255 (D = 128 general path spills 40 bytes), dQ 146-194.
+// D = 256: dK and dV (128 accumulator floats per thread each) get a launch each, and the tiles
+// (K_j, V_j 64 KB; two stages of Q_i, dO_i 128 KB) leave room for one CTA per SM.
 template <typename Elem, int kHeadDim>
 struct BwdConfigSm90 {
-  using KV = BwdKVTraitsSm90<Elem, kHeadDim, 1, 64, 2>;
-  using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, 64, 2>;
+  static constexpr bool kSplit = kHeadDim > 128;
+  static constexpr int kMinBlocks = kSplit ? 1 : 2;
+  using KV = BwdKVTraitsSm90<Elem, kHeadDim, 1, 64, kMinBlocks>;
+  using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, 64, kMinBlocks>;
 };
+
+template <class KV, bool kGeneral, int kWhich>
+cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
+  const int64_t blocks = (p.seqlen_k + KV::Bc - 1) / KV::Bc * p.heads_kv * p.batch;
+  return cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich>, blocks,
+                             KV::kNThreads, KV::kSmemBytes, stream, p, st);
+}
 
 template <typename Elem, int kHeadDim, bool kGeneral>
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
-  using KV = typename BwdConfigSm90<Elem, kHeadDim>::KV;
-  using Q = typename BwdConfigSm90<Elem, kHeadDim>::Q;
-  const int64_t kv_blocks = (p.seqlen_k + KV::Bc - 1) / KV::Bc * p.heads_kv * p.batch;
-  cudaError_t err = cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, kGeneral>, kv_blocks,
-                                        KV::kNThreads, KV::kSmemBytes, stream, p, st);
+  using Cfg = BwdConfigSm90<Elem, kHeadDim>;
+  using KV = typename Cfg::KV;
+  using Q = typename Cfg::Q;
+  cudaError_t err;
+  if constexpr (Cfg::kSplit) {
+    err = launch_dkdv<KV, kGeneral, kBwdOnlyDV>(p, st, stream);
+    if (err == cudaSuccess) err = launch_dkdv<KV, kGeneral, kBwdOnlyDK>(p, st, stream);
+  } else {
+    err = launch_dkdv<KV, kGeneral, kBwdBoth>(p, st, stream);
+  }
   if (err != cudaSuccess) return err;
   const int64_t q_blocks = (p.seqlen_q + Q::Br - 1) / Q::Br * p.heads_q * p.batch;
   return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral>, q_blocks, Q::kNThreads,

@@ -94,7 +94,8 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st,
                               cudaStream_t stream);
 
-// The Hopper variant (wgmma, sm_90a machine code only) for kHeadDim = 64 and 128; same contract.
+// The Hopper variant (wgmma, sm_90a machine code only) for kHeadDim = 64, 128 and 256; same
+// contract.
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStats& st,
                                    cudaStream_t stream);

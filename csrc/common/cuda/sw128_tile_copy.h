@@ -10,25 +10,30 @@
 namespace flashmod::cuda_kernels::sm90 {
 
 // How one thread copies its share of a (kRows x kHeadDim) tile into the 128-byte-swizzled
-// layout: a fixed 16-byte chunk column and a row step that is a multiple of 8, so the swizzled
-// shared offset is one base plus a constant per row step.
+// layout: a fixed 16-byte chunk column and a constant row step. The swizzle repeats every 8 rows,
+// so the shared offsets repeat every kPeriod steps (1 when the step is a multiple of 8; 2 for the
+// step of 4 that 128 threads take through 256-column rows): kPeriod bases plus a constant per step.
 template <int kRows, int kHeadDim, int kThreads>
 struct Sw128TileCopy {
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kRowStep = kThreads / kChunks;
   static constexpr int kIters = kRows / kRowStep;
-  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0,
-                "even split");
+  static constexpr int kPeriod = kRowStep % 8 == 0 ? 1 : 8 / kRowStep;
+  static_assert(kThreads % kChunks == 0 && kRows % kRowStep == 0, "even split");
+  static_assert(8 % kRowStep == 0 || kRowStep % 8 == 0, "the swizzle period divides the steps");
+  static_assert(kIters % kPeriod == 0, "whole swizzle periods");
 
   int row0, col, src_bytes;
-  uint32_t soff;
+  uint32_t soff[kPeriod];
 
   __device__ __forceinline__ Sw128TileCopy(int tid, int head_dim) {
     const int chunk = tid % kChunks;
     row0 = tid / kChunks;
     col = chunk * 8;
     src_bytes = 2 * max(0, min(8, head_dim - col));
-    soff = sw128_offset<kRows>(row0, chunk);
+#pragma unroll
+    for (int it = 0; it < kPeriod; ++it)
+      soff[it] = sw128_offset<kRows>(row0 + it * kRowStep, chunk) - it * kRowStep * 128;
   }
 
   // Rows [0, valid_rows) x columns [0, head_dim) from gmem; the rest of the tile is zero-filled
@@ -40,7 +45,7 @@ struct Sw128TileCopy {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const bool valid = row0 + it * kRowStep < valid_rows && src_bytes > 0;
-      cp_async_16(smem_base + soff + it * kRowStep * 128, valid ? src : gmem,
+      cp_async_16(smem_base + soff[it % kPeriod] + it * kRowStep * 128, valid ? src : gmem,
                   valid ? src_bytes : 0);
       src += kRowStep * row_stride;
     }
