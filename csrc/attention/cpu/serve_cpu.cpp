@@ -138,11 +138,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cpu(
   static const auto backward =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("flashmod::attention_backward", "")
-          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
               const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const std::optional<at::Tensor>&, std::optional<double>, bool, bool, int64_t, int64_t,
-              double)>();
+              double, bool)>();
   at::Tensor grad_q = at::zeros_like(q), grad_k = at::zeros_like(k), grad_v = at::zeros_like(v);
   const int32_t* cq = r.cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* ck = r.cu_seqlens_k.data_ptr<int32_t>();
@@ -155,10 +155,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cpu(
     if (nq == 0 || nk == 0) continue;  // no visible pair: every gradient stays 0
     std::optional<at::Tensor> g_lse;
     if (grad_lse.has_value()) g_lse = grad_lse->narrow(1, q0, nq).unsqueeze(0);
-    auto [dq, dk, dv] = backward.call(
+    auto [dq, dk, dv, no_mask] = backward.call(
         seq(grad_out, q0, nq), g_lse, seq(q, q0, nq), seq(k, k0, nk), seq(v, k0, nk),
         seq(out, q0, nq), lse.narrow(1, q0, nq).unsqueeze(0), std::nullopt, scale, is_causal,
-        /*bottom_right=*/true, window_left, window_right, softcap);
+        /*bottom_right=*/true, window_left, window_right, softcap, /*compute_grad_mask=*/false);
     seq(grad_q, q0, nq).copy_(dq);
     seq(grad_k, k0, nk).copy_(dk);
     seq(grad_v, k0, nk).copy_(dv);
