@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_float_dtype, check_fp64_on_cpu, check_same_device, check_same_dtype, check_scale
-from .ops import CUDA_MAX_HEAD_DIM, below_autograd, no_grad_needed
+from .ops import CUDA_MAX_HEAD_DIM, attention_op, below_autograd, no_grad_needed
 
 _VARLEN = "flashmod.attention_varlen"
 _KVCACHE = "flashmod.attention_kvcache"
@@ -245,6 +245,51 @@ def varlen_backward_padded(
     return dq.transpose(1, 2)[sq, pq], dk.transpose(1, 2)[sk, pk], dv.transpose(1, 2)[sk, pk]
 
 
+def varlen_forward_padded(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float | None,
+    is_causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
+    """``flash_attn_varlen_func`` for float32 on CUDA, where no variable-length kernel exists: the
+    dense ``flashmod.attention`` (fp32-accurate kernels, differentiable) on the padded layout of
+    :func:`varlen_backward_padded` (sequences right-aligned, a key-padding mask), unpadded after.
+    Exact, no host sync; costs ``batch * max_seqlen`` rows instead of the packed total."""
+    _warn_fp32_varlen_once()
+    B = cu_seqlens_q.numel() - 1
+    sq, pq = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
+    sk, pk = _left_pad_index(cu_seqlens_k, k.shape[0], max_seqlen_k)
+
+    def pad(t: Tensor, seq: Tensor, pos: Tensor, n: int) -> Tensor:
+        return t.new_zeros((B, n, t.shape[1], t.shape[2])).index_put((seq, pos), t).transpose(1, 2)
+
+    key_ok = torch.zeros((B, max_seqlen_k), dtype=torch.bool, device=q.device).index_put(
+        (sk, pk), torch.ones_like(sk, dtype=torch.bool)
+    )
+    out, lse = attention_op(
+        pad(q, sq, pq, max_seqlen_q), pad(k, sk, pk, max_seqlen_k), pad(v, sk, pk, max_seqlen_k),
+        key_ok[:, None, None, :], scale, is_causal, True, window_left, window_right, softcap,
+    )  # fmt: skip
+    return out.transpose(1, 2)[sq, pq], lse.transpose(1, 2)[sq, pq].t()
+
+
+@functools.cache
+def _warn_fp32_varlen_once() -> None:
+    warnings.warn(
+        "flashmod.flash_attn_varlen_func: float32 on CUDA has no variable-length kernel (flash-attn "
+        "has none either); it runs the dense kernels on a padded copy of the batch",
+        stacklevel=3,
+    )
+
+
 @functools.cache
 def _warn_padded_backward_once() -> None:
     warnings.warn(
@@ -444,7 +489,8 @@ def flash_attn_varlen_func(
     rows of ``k``/``v``. ``max_seqlen_q``/``max_seqlen_k`` must bound every sequence (CUDA sizes its
     grid from them without reading ``cu_seqlens``). ``causal`` and ``window_size`` align each
     sequence bottom-right; sequences may be empty. Returns ``out (total_q, Hq, D)``, and with
-    ``return_lse`` also ``lse (Hq, total_q)`` fp32. Differentiable in ``q``, ``k``, ``v``.
+    ``return_lse`` also ``lse (Hq, total_q)`` fp32. Differentiable in ``q``, ``k``, ``v``. float32 on
+    CUDA has no variable-length kernel: it runs the dense kernels on a padded copy (a warning says so).
     """
     if dropout_p != 0.0:
         raise NotImplementedError(
@@ -454,7 +500,9 @@ def flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_size[0], window_size[1], softcap,
     )  # fmt: skip
-    if no_grad_needed(q, k, v):
+    if q.device.type == "cuda" and q.dtype == torch.float32:
+        out, lse = varlen_forward_padded(*args)
+    elif no_grad_needed(q, k, v):
         out, lse = below_autograd(torch.ops.flashmod.attention_varlen, *args)
     else:
         out, lse = torch.ops.flashmod.attention_varlen(*args)

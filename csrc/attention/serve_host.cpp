@@ -164,15 +164,13 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q_in, const at::Tensor&
   return r;
 }
 
-PreparedServe prepare_attention_kvcache(const at::Tensor& q_in, const at::Tensor& k_cache,
-                                        const at::Tensor& v_cache,
-                                        const std::optional<at::Tensor>& k_new,
-                                        const std::optional<at::Tensor>& v_new,
-                                        const std::optional<at::Tensor>& cache_seqlens,
-                                        const std::optional<at::Tensor>& cache_batch_idx,
-                                        const std::optional<at::Tensor>& block_table,
-                                        std::optional<double> scale, bool is_causal,
-                                        int64_t window_left, int64_t window_right, double softcap) {
+PreparedServe prepare_attention_kvcache(
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+    const std::optional<at::Tensor>& cache_seqlens,
+    const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& block_table,
+    std::optional<double> scale, bool is_causal, int64_t window_left, int64_t window_right,
+    double softcap, bool aligned_cache_rows) {
   constexpr const char* prefix = "flashmod.attention_kvcache: ";
   const bool paged = block_table.has_value();
   const char* cache_shape = paged ? "(num_blocks, page_size, heads_k, head_dim)"
@@ -190,6 +188,15 @@ PreparedServe prepare_attention_kvcache(const at::Tensor& q_in, const at::Tensor
                                                   " must have stride 1 in its last dimension "
                                                   "(it is updated in place), got strides ",
                                                   t->strides()));
+    if (aligned_cache_rows) {
+      bool aligned = reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
+      for (int64_t d = 0; d + 1 < t->dim(); ++d) aligned = aligned && t->stride(d) % 8 == 0;
+      TORCH_CHECK(aligned, error_message(prefix, name,
+                                         " must have 16-byte aligned rows on CUDA (data pointer "
+                                         "and strides multiples of 8 elements; head_dim % 8 == 0), "
+                                         "got strides ",
+                                         t->strides()));
+    }
   }
   check_dtype(prefix, q_in, k_cache, v_cache, "k_cache", "v_cache");
   const int64_t B = q_in.size(0), Sq = q_in.size(1), Hq = q_in.size(2), D = q_in.size(3);

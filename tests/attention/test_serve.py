@@ -61,8 +61,8 @@ def make_varlen(lq, lk, hq, hkv, d, dtype, device, requires_grad=False):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 def test_varlen_forward_matches_each_sequence(device, dtype, variant, lengths):
-    if device == "cuda" and dtype != torch.bfloat16:
-        pytest.skip("the CUDA serving kernels take fp16/bf16 (test_varlen_cuda_rejects_fp32)")
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 is CPU only")
     lq, lk = LENGTHS[lengths]
     q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 40, dtype, device)
     opts = opts_of(variant)
@@ -310,10 +310,20 @@ def test_serving_ops_compile_fullgraph(device):
 
 
 @pytest.mark.cuda
-def test_varlen_cuda_rejects_fp32():
-    q, k, v, cq, ck = make_varlen([3], [3], 2, 2, 16, torch.float32, "cuda")
+def test_varlen_cuda_fp32_runs_padded_with_a_warning():
+    """The CUDA varlen kernels take fp16/bf16 (as flash-attn's); flash_attn_varlen_func serves fp32
+    through the dense kernels on a padded copy, saying so, and the op itself refuses it."""
+    q, k, v, cq, ck = make_varlen([3, 0, 9], [5, 2, 9], 2, 2, 16, torch.float32, "cuda", requires_grad=True)
+    with pytest.warns(UserWarning, match="float32 on CUDA has no variable-length kernel"):
+        out = flashmod.flash_attn_varlen_func(q, k, v, cq, ck, 9, 9, causal=True)
+    cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    expected = flashmod.flash_attn_varlen_func(*cpu, cq.cpu(), ck.cpu(), 9, 9, causal=True)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(expected)
+    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), grad.cuda()), torch.autograd.grad(expected, cpu, grad)):
+        torch.testing.assert_close(ours.cpu(), theirs, rtol=1e-4, atol=1e-5)
     with pytest.raises(RuntimeError, match="q must be float16 or bfloat16 on CUDA, got torch.float32"):
-        flashmod.flash_attn_varlen_func(q, k, v, cq, ck, 3, 3)
+        torch.ops.flashmod.attention_varlen(q, k, v, cq, ck, 9, 9)
 
 
 @pytest.mark.cuda

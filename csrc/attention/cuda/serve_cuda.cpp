@@ -152,17 +152,10 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_cuda(
   // Checked before the shared preparation, which appends to the caches: nothing is written
   // when a call is refused.
   check_cuda_inputs(op, q);
-  // The caches are read in place (a copy would cost the whole cache per step).
-  for (auto [name, t] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache}}) {
-    TORCH_CHECK(rows_aligned16_any(*t),
-                error_message(op, ": ", name,
-                              " must have 16-byte aligned rows on CUDA (data pointer and "
-                              "strides multiples of 8 elements; head_dim % 8 == 0), got strides ",
-                              t->strides()));
-  }
   PreparedServe r =
       prepare_attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                                block_table, scale, is_causal, window_left, window_right, softcap);
+                                block_table, scale, is_causal, window_left, window_right, softcap,
+                                /*aligned_cache_rows=*/true);
   AttentionParams& p = r.params;
   if (!rows_aligned16_any(r.q)) {
     r.q = aligned_rows_copy(r.q);
