@@ -63,7 +63,8 @@ void matmul_rows(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, ac
 }
 
 // e^x with a relative error of ~2 ulp, branch-free so the loops that call it vectorize; -inf and
-// anything below -87.3 (whose e^x is no normal fp32) give exactly 0.
+// anything below -87.3 (whose e^x is no normal fp32) give exactly 0; NaN (a row whose forward
+// came out NaN: its lse is NaN) stays NaN, so the backward agrees with the forward.
 inline float exp_fast(float x) {
   const float clamped = std::max(x, -87.3f);
   // Round to nearest by adding and removing 1.5 * 2^23 (vectorizes on SSE2, unlike nearbyint).
@@ -82,7 +83,7 @@ inline float exp_fast(float x) {
   bits += static_cast<int32_t>(n) << 23;
   float result;
   std::memcpy(&result, &bits, 4);
-  return x < -87.3f ? 0.0f : result;
+  return x < -87.3f ? 0.0f : (x == x ? result : x);
 }
 inline double exp_fast(double x) {
   return std::exp(x);
@@ -314,7 +315,10 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
             continue;
           }
           logits_row(h, i, c0, cols, window_inside, s_row, T + r * Bc);
-          for (int64_t c = 0; c < cols; ++c) s_row[c] = exp_fast(s_row[c] - row_lse);
+          // A hidden key has P = 0 even in a NaN row (lse NaN), whose NaN stays on its visible
+          // keys.
+          for (int64_t c = 0; c < cols; ++c)
+            s_row[c] = s_row[c] == neg_inf ? acc_t(0) : exp_fast(s_row[c] - row_lse);
         }
         matmul_rows<acc_t>(true, false, cols, D, rows, acc_t(1), S, Bc, dOi, do_ld, acc_t(1),
                            dV + c0 * dv_ld, dv_ld);
@@ -324,7 +328,12 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
           const acc_t d_i = delta[g * Nq + r0 + r];
           acc_t* dp_row = dP + r * Bc;
           const acc_t* p_row = S + r * Bc;
-          for (int64_t c = 0; c < cols; ++c) dp_row[c] = p_row[c] * (dp_row[c] - d_i);
+          if (d_i == d_i) {
+            for (int64_t c = 0; c < cols; ++c) dp_row[c] = p_row[c] * (dp_row[c] - d_i);
+          } else {  // a NaN row: hidden keys (P = 0) keep dS = 0, as autograd of the masked math
+            for (int64_t c = 0; c < cols; ++c)
+              dp_row[c] = p_row[c] == acc_t(0) ? acc_t(0) : p_row[c] * (dp_row[c] - d_i);
+          }
           if (p.grad_mask) {  // dL/d(score after the mask): before softcap's tanh factor
             float* gm = p.grad_mask + ((b * p.heads_q + h) * Nq + r0 + r) * Nk + c0;
             for (int64_t c = 0; c < cols; ++c) gm[c] = static_cast<float>(dp_row[c]);

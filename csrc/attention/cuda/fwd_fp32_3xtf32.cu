@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     total += __shfl_xor_sync(0xffffffffu, total, 2);
     const int r = row_in_tile[ri];
     if (r >= rows_q) continue;
-    const bool empty = m[ri] == -CUDART_INF_F || !(total > 0.0);
+    const bool empty = total == 0.0;  // a NaN total (NaN or +inf score): NaN out and lse
     const float inv_l = empty ? 0.f : static_cast<float>(1.0 / total);
     float* o_row = gp.out + static_cast<int64_t>(r) * p.out_row_stride;
 #pragma unroll

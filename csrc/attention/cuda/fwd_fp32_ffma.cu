@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_fp32_kernel(const Atte
   double sum = l;
   sum += __shfl_xor_sync(0xffffffffu, sum, 1);
   sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-  const bool empty = m == -CUDART_INF_F || !(sum > 0.0);
+  const bool empty = sum == 0.0;  // a NaN sum (NaN or +inf score): NaN out and lse
   const float inv_l = empty ? 0.f : static_cast<float>(1.0 / sum);
   if (r < rows_q) {
     float* o_row = gO + static_cast<int64_t>(r) * p.out_row_stride;

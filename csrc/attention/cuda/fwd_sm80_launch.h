@@ -80,7 +80,8 @@ struct DecodeConfig {
 // Merges the splits of each row: with M = max_s lse_s, lse = M + log(sum_s exp(lse_s - M)) and
 // out = sum_s exp(lse_s - lse) O_s (each O_s normalized by its own sum, so the weights are the
 // splits' shares of the total). Splits with lse_s = -inf saw no visible key and are skipped
-// (their O_s is not even read); a row whose splits are all empty gets out = 0, lse = -inf.
+// (their O_s is not even read); a row whose splits are all empty gets out = 0, lse = -inf; a
+// split with a NaN lse (a NaN or +inf score) makes the row NaN.
 // One warp per row, lanes over 4-column groups; the splits are summed in index order by every
 // lane, so the result is deterministic. Weights in double: a few hundred exps per row.
 constexpr int kCombineWarps = 4;
@@ -98,7 +99,17 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   const int head_dim = static_cast<int>(p.head_dim);
 
   float m = -CUDART_INF_F;
-  for (int s = 0; s < sk.splits; ++s) m = fmaxf(m, sk.lse[s * rows + row]);
+  bool poisoned = false;
+  for (int s = 0; s < sk.splits; ++s) {
+    const float ls = sk.lse[s * rows + row];
+    poisoned |= ls != ls;
+    m = fmaxf(m, ls);
+  }
+  if (poisoned) {
+    for (int col = lane; col < head_dim; col += 32) out[col] = from_float<Elem>(CUDART_NAN_F);
+    if (lane == 0) p.lse[row] = CUDART_NAN_F;
+    return;
+  }
   if (m == -CUDART_INF_F) {
     for (int col = lane; col < head_dim; col += 32) out[col] = from_float<Elem>(0.f);
     if (lane == 0) p.lse[row] = -CUDART_INF_F;
