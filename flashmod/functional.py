@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .ops import attention_op
+from .ops import attention_op, autocast_attention_args
 from .reference import attention_reference
 from .softmax_ops import matmul_softmax
 
@@ -34,6 +34,7 @@ def attention_bhsd(
 ) -> tuple[Tensor, Tensor]:
     """The one path every public entry point takes: the op, or the reference when dropping out."""
     if dropout_p > 0.0:
+        q, k, v, attn_mask = autocast_attention_args((q, k, v, attn_mask))
         out, lse = attention_reference(
             q, k, v, attn_mask, scale, is_causal, bottom_right, window[0], window[1], softcap, dropout_p
         )

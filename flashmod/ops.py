@@ -424,6 +424,61 @@ def _batch_of(t: Tensor, dim: int | None) -> int:
     return _vmap_front(t, dim, 1).shape[1]
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype active for ``device_type`` (None when autocast is off there)."""
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def autocast_cast(t: Tensor | None, dtype: torch.dtype, device_type: str) -> Tensor | None:
+    """``t`` in ``dtype`` when autocast would cast it (floating, not fp64, on that device)."""
+    if t is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+        return t
+    return t.to(dtype) if t.device.type == device_type else t
+
+
+def autocast_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """An additive mask next to ``dtype`` inputs: kept in fp32 or ``dtype`` (both accepted), else fp32."""
+    if mask is None or not mask.is_floating_point() or mask.dtype in (dtype, torch.float32, torch.float64):
+        return mask
+    return mask.float()
+
+
+def autocast_attention_args(args: tuple) -> tuple:
+    """SDPA's autocast rule for attention's arguments (q, k, v, attn_mask, ...): q, k and v in the
+    autocast dtype of q's device (so mixed-dtype inputs meet too), the output then in that dtype."""
+    q, k, v, attn_mask, *rest = args
+    dtype = autocast_dtype(q.device.type)
+    if dtype is None:
+        return args
+    device_type = q.device.type
+    q, k, v = (autocast_cast(t, dtype, device_type) for t in (q, k, v))
+    return (q, k, v, autocast_mask(attn_mask, q.dtype if q.dtype != torch.float64 else dtype), *rest)
+
+
+def register_autocast(qualname: str, cast_args: Callable[[tuple], tuple]) -> None:
+    """An Autocast kernel for ``flashmod::<qualname>`` on CPU and CUDA that casts with ``cast_args``
+    and redispatches below autocast (what torch.library.register_autocast does, with the autocast
+    dtype read when called instead of fixed, as for SDPA)."""
+    op = getattr(torch.ops.flashmod, qualname).default
+    for device_type in ("cpu", "cuda"):
+        key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        key = getattr(torch._C.DispatchKey, key_name)
+
+        def kernel(*args: Any, key: torch._C.DispatchKey = key) -> Any:
+            args = cast_args(args)  # before the guard: autocast reads as off inside it
+            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+                return op(*args)
+
+        op.py_impl(key)(kernel)  # what torch.compile's Python dispatcher runs
+        _LIB.impl(qualname, lambda _keyset, *args, k=kernel: k(*args), key_name, with_keyset=True)
+
+
+_LIB = torch.library.Library("flashmod", "IMPL")
+register_autocast("attention", lambda args: autocast_attention_args(with_defaults(args, 3, ATTENTION_DEFAULTS)))
+
+
 def attention_op(
     q: Tensor,
     k: Tensor,
@@ -438,6 +493,9 @@ def attention_op(
 ) -> tuple[Tensor, Tensor]:
     """``torch.ops.flashmod.attention`` with keyword defaults; returns ``(out, lse)``."""
     args = (q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap)
+    if autocast_dtype(q.device.type) is not None:  # cast outside the graph's Function, as the op's Autocast kernel does
+        args = autocast_attention_args(args)
+        q, k, v, attn_mask = args[:4]
     if no_grad_needed(q, k, v, attn_mask):
         return below_autograd(torch.ops.flashmod.attention, *args)
     if not torch.compiler.is_compiling():

@@ -27,10 +27,14 @@ from .checks import (
 )
 from .ops import (
     apply_function,
+    autocast_cast,
+    autocast_dtype,
+    autocast_mask,
     below_autograd,
     differentiating,
     forward_below_autograd,
     no_grad_needed,
+    register_autocast,
     vmap_into_batch,
     vmap_mask_into_batch,
     vmap_out_of_batch,
@@ -191,6 +195,19 @@ torch.library.impl("flashmod::softmax", "Autograd")(_softmax_autograd)
 torch.library.impl("flashmod::matmul_softmax", "Autograd")(_matmul_softmax_autograd)
 
 
+def _autocast_matmul_softmax_args(args: tuple) -> tuple:
+    """Autocast's rule for matmul_softmax (a matmul, like SDPA's): a and b in the autocast dtype."""
+    a, b, scale, is_causal, attn_mask = with_defaults(args, 2, (None, False, None))
+    dtype = autocast_dtype(a.device.type)
+    if dtype is None:
+        return (a, b, scale, is_causal, attn_mask)
+    a, b = (autocast_cast(t, dtype, a.device.type) for t in (a, b))
+    return (a, b, scale, is_causal, autocast_mask(attn_mask, a.dtype if a.dtype != torch.float64 else dtype))
+
+
+register_autocast("matmul_softmax", _autocast_matmul_softmax_args)
+
+
 @torch.library.register_vmap("flashmod::softmax")
 def _softmax_vmap(info, in_dims, x, dim):
     x = x.movedim(in_dims[0], 0)
@@ -246,6 +263,9 @@ def matmul_softmax(
         additive ``attn_mask`` (its gradient summed over its broadcast dimensions).
     """
     args = (a, b, scale, is_causal, attn_mask)
+    if autocast_dtype(a.device.type) is not None:
+        args = _autocast_matmul_softmax_args(args)
+        a, b, attn_mask = args[0], args[1], args[4]
     if no_grad_needed(a, b, attn_mask):
         return below_autograd(torch.ops.flashmod.matmul_softmax, *args)
     if not torch.compiler.is_compiling():
