@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -491,7 +492,13 @@ def attention_op(
     window_right: int = -1,
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """``torch.ops.flashmod.attention`` with keyword defaults; returns ``(out, lse)``."""
+    """``torch.ops.flashmod.attention`` with keyword defaults; returns ``(out, lse)``.
+
+    Unlike the operator, it also takes a value head dim other than q's and k's (as SDPA does)."""
+    if _value_head_dim_differs(q, k, v):
+        return _attention_other_value_dim(
+            q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap
+        )
     args = (q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap)
     if autocast_dtype(q.device.type) is not None:  # cast outside the graph's Function, as the op's Autocast kernel does
         args = autocast_attention_args(args)
@@ -501,6 +508,30 @@ def attention_op(
     if not torch.compiler.is_compiling():
         return apply_function(AttentionFunction, *args)
     return torch.ops.flashmod.attention(*args)
+
+
+def _value_head_dim_differs(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """q and k share a head dim and v has another (anything else is the op's to judge)."""
+    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return False
+    return k.shape[3] == q.shape[3] and v.shape[3] != q.shape[3] and min(q.shape[3], v.shape[3]) > 0
+
+
+def _attention_other_value_dim(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: Any, *options: Any):
+    """Attention with v's head dim Dv != Dqk (e.g. 192 / 128 in latent-attention models): the
+    smaller side is zero-padded to the larger, which changes no dot product (the default scale stays
+    1 / sqrt(Dqk)) and adds zero columns to the output; the output is sliced back to Dv, and autograd
+    slices the gradients back through the pads. Every kernel (CPU and CUDA) serves it, at the cost
+    of the padded copies."""
+    d_qk, d_v = q.shape[3], v.shape[3]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d_qk)
+    if d_qk < d_v:
+        q, k = (torch.nn.functional.pad(t, (0, d_v - d_qk)) for t in (q, k))
+    else:
+        v = torch.nn.functional.pad(v, (0, d_qk - d_v))
+    out, lse = attention_op(q, k, v, attn_mask, scale, *options)
+    return out[..., :d_v].contiguous(), lse
 
 
 def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
