@@ -33,6 +33,7 @@ from .checks import (
     check_same_device,
     check_same_dtype,
     check_scale,
+    check_tensor_types,
 )
 from .reference import attention_backward_chunked, attention_jvp_chunked
 
@@ -495,6 +496,9 @@ def attention_op(
     """``torch.ops.flashmod.attention`` with keyword defaults; returns ``(out, lse)``.
 
     Unlike the operator, it also takes a value head dim other than q's and k's (as SDPA does)."""
+    check_tensor_types("flashmod.attention", ("attn_mask",), q=q, k=k, v=v, attn_mask=attn_mask)
+    if isinstance(scale, Tensor):
+        q, scale = _tensor_scale(q, scale)
     if _value_head_dim_differs(q, k, v):
         return _attention_other_value_dim(
             q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap
@@ -508,6 +512,17 @@ def attention_op(
     if not torch.compiler.is_compiling():
         return apply_function(AttentionFunction, *args)
     return torch.ops.flashmod.attention(*args)
+
+
+def _tensor_scale(q: Tensor, scale: Tensor) -> tuple[Tensor, float]:
+    """A 0-d tensor ``scale``: read as a float in eager code; folded into q (``q * scale``, the same
+    scores) while torch.compile traces, where reading it would stop the graph, or when it requires
+    grad, so that it gets one."""
+    if scale.dim() != 0 or not scale.is_floating_point():
+        raise TypeError(f"flashmod.attention: scale must be a float or a 0-d float tensor, got {scale!r}")
+    if torch.compiler.is_compiling() or scale.requires_grad:
+        return q * scale.to(device=q.device, dtype=q.dtype), 1.0
+    return q, float(scale)
 
 
 def _value_head_dim_differs(q: Tensor, k: Tensor, v: Tensor) -> bool:

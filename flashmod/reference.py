@@ -54,7 +54,7 @@ def visible_keys(
 
 def _grouped(x: Tensor, heads_kv: int) -> Tensor:
     """(B, Hq, ...) -> (B, Hkv, G, ...) without copying: GQA by broadcasting, not repeat_kv."""
-    return x.unflatten(1, (heads_kv, x.shape[1] // heads_kv))
+    return x.unflatten(1, (heads_kv, x.shape[1] // heads_kv if heads_kv else 0))
 
 
 def _masked_scores(

@@ -24,6 +24,7 @@ from .checks import (
     check_same_device,
     check_same_dtype,
     check_scale,
+    check_tensor_types,
 )
 from .ops import (
     apply_function,
@@ -233,6 +234,7 @@ def softmax(x: Tensor, dim: int) -> Tensor:
     all ``-inf`` gives all zeros instead of NaN; a NaN in a row makes that whole row NaN.
     Differentiable.
     """
+    check_tensor_types("flashmod.softmax", x=x)
     if no_grad_needed(x):
         return below_autograd(torch.ops.flashmod.softmax, x, dim)
     if not torch.compiler.is_compiling():
@@ -262,6 +264,7 @@ def matmul_softmax(
         The output is the only ``(B, Ha, M, N)`` buffer allocated. Differentiable in ``a``, ``b`` and an
         additive ``attn_mask`` (its gradient summed over its broadcast dimensions).
     """
+    check_tensor_types("flashmod.matmul_softmax", ("attn_mask",), a=a, b=b, attn_mask=attn_mask)
     args = (a, b, scale, is_causal, attn_mask)
     if autocast_dtype(a.device.type) is not None:
         args = _autocast_matmul_softmax_args(args)

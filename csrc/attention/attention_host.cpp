@@ -51,7 +51,8 @@ void check_qkv(const char* prefix, const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(v.size(2) == k.size(2),
               flashmod::error_message(prefix, "v must have k's sequence length ", k.size(2),
                                       ", got ", v.size(2)));
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+  // No query heads at all is an empty problem (SDPA returns an empty result), whatever k has.
+  TORCH_CHECK((k.size(1) > 0 && q.size(1) % k.size(1) == 0) || q.size(1) == 0,
               flashmod::error_message(
                   prefix, "q's heads must be a multiple of k's heads (GQA/MQA), got q heads ",
                   q.size(1), " and k/v heads ", k.size(1)));
