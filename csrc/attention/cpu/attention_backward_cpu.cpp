@@ -63,8 +63,7 @@ void matmul_rows(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, ac
 }
 
 // e^x with a relative error of ~2 ulp, branch-free so the loops that call it vectorize; -inf and
-// anything below -87.3 (whose e^x is no normal fp32) give exactly 0; NaN (a row whose forward
-// came out NaN: its lse is NaN) stays NaN, so the backward agrees with the forward.
+// anything below -87.3 (whose e^x is no normal fp32) give exactly 0.
 inline float exp_fast(float x) {
   const float clamped = std::max(x, -87.3f);
   // Round to nearest by adding and removing 1.5 * 2^23 (vectorizes on SSE2, unlike nearbyint).
@@ -83,7 +82,7 @@ inline float exp_fast(float x) {
   bits += static_cast<int32_t>(n) << 23;
   float result;
   std::memcpy(&result, &bits, 4);
-  return x < -87.3f ? 0.0f : (x == x ? result : x);
+  return x < -87.3f ? 0.0f : result;
 }
 inline double exp_fast(double x) {
   return std::exp(x);
@@ -315,10 +314,14 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
             continue;
           }
           logits_row(h, i, c0, cols, window_inside, s_row, T + r * Bc);
-          // A hidden key has P = 0 even in a NaN row (lse NaN), whose NaN stays on its visible
-          // keys.
-          for (int64_t c = 0; c < cols; ++c)
-            s_row[c] = s_row[c] == neg_inf ? acc_t(0) : exp_fast(s_row[c] - row_lse);
+          if (row_lse != row_lse) {
+            // The forward made this row NaN (a NaN or +inf visible score): P is NaN on its visible
+            // keys and 0 on hidden ones, as autograd of the masked math has it. Off the hot loop.
+            for (int64_t c = 0; c < cols; ++c)
+              s_row[c] = s_row[c] == neg_inf ? acc_t(0) : std::numeric_limits<acc_t>::quiet_NaN();
+            continue;
+          }
+          for (int64_t c = 0; c < cols; ++c) s_row[c] = exp_fast(s_row[c] - row_lse);
         }
         matmul_rows<acc_t>(true, false, cols, D, rows, acc_t(1), S, Bc, dOi, do_ld, acc_t(1),
                            dV + c0 * dv_ld, dv_ld);
