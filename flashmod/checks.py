@@ -14,6 +14,25 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 """The dtypes every flashmod op accepts (float64 on CPU only)."""
 
 
+def check_tensor_types(op: str, optional: tuple[str, ...] = (), **tensors: object) -> None:
+    """Each argument is a strided torch.Tensor (those named in ``optional`` may be None): anything
+    else (None, a numpy array, a list) is a TypeError naming the argument and what came, and a
+    NestedTensor a NotImplementedError that names the alternative."""
+    for name, t in tensors.items():
+        if t is None and name in optional:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(
+                f"{op}: {name} must be a torch.Tensor{' or None' if name in optional else ''}, "
+                f"got {type(t).__module__}.{type(t).__qualname__}"
+            )
+        if t.is_nested:
+            raise NotImplementedError(
+                f"{op}: {name} is a NestedTensor, which flashmod does not take; use padded tensors "
+                "with a mask (attn_mask, or key_padding_mask in the modules) for sequences of different lengths"
+            )
+
+
 def check_4d(op: str, dims: str, **tensors: Tensor) -> None:
     """Each tensor is 4-D; ``dims`` names the four dimensions, e.g. ``"batch, heads, seqlen, depth"``."""
     for name, t in tensors.items():
@@ -51,9 +70,9 @@ def check_fp64_on_cpu(op: str, name: str, t: Tensor) -> None:
 
 def check_head_groups(op: str, q_name: str, q: Tensor, kv_name: str, kv: Tensor, kv_label: str) -> None:
     """GQA/MQA: ``q``'s heads are a whole multiple of ``kv``'s; ``kv_label`` names the key side in the
-    message (``"k/v"`` when k and v share the head count)."""
+    message (``"k/v"`` when k and v share the head count). No query heads at all is an empty problem."""
     torch._check(
-        kv.shape[1] > 0 and q.shape[1] % kv.shape[1] == 0,
+        (kv.shape[1] > 0 and q.shape[1] % kv.shape[1] == 0) or q.shape[1] == 0,
         lambda: (
             f"{op}: {q_name}'s heads must be a multiple of {kv_name}'s heads (GQA/MQA), "
             f"got {q_name} heads {q.shape[1]} and {kv_label} heads {kv.shape[1]}"

@@ -13,9 +13,14 @@ Dropout in training has no fused kernel: with ``dropout_p > 0`` the call falls b
 
 from __future__ import annotations
 
+import numbers
+import operator
+
+import torch
 from torch import Tensor
 
-from .ops import attention_op
+from .checks import check_tensor_types
+from .ops import attention_op, autocast_attention_args
 from .reference import attention_reference
 from .softmax_ops import matmul_softmax
 
@@ -33,7 +38,9 @@ def attention_bhsd(
     softcap: float,
 ) -> tuple[Tensor, Tensor]:
     """The one path every public entry point takes: the op, or the reference when dropping out."""
+    dropout_p = check_dropout("flashmod", "dropout", dropout_p)
     if dropout_p > 0.0:
+        q, k, v, attn_mask = autocast_attention_args((q, k, v, attn_mask))
         out, lse = attention_reference(
             q, k, v, attn_mask, scale, is_causal, bottom_right, window[0], window[1], softcap, dropout_p
         )
@@ -68,10 +75,48 @@ def attention_weights(
     return probs.to(query.dtype)
 
 
-def _check_window(window_size: tuple[int, int]) -> tuple[int, int]:
-    if len(window_size) != 2:
-        raise ValueError(f"flashmod: window_size must be a pair (left, right), got {window_size!r}")
-    return int(window_size[0]), int(window_size[1])
+def check_window(op: str, window_size: object) -> tuple[int, int]:
+    """``window_size`` as a pair of ints ``(left, right)``; anything else (an int, None, floats)
+    raises a TypeError naming the argument and what came."""
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    ok = ok and all(isinstance(w, (numbers.Integral, torch.SymInt)) and not isinstance(w, bool) for w in window_size)
+    if not ok:
+        raise TypeError(f"{op}: window_size must be a pair of ints (left, right), -1 = unbounded, got {window_size!r}")
+    return operator.index(window_size[0]), operator.index(window_size[1])
+
+
+def check_dropout(op: str, name: str, dropout_p: object) -> float:
+    """A dropout probability in [0, 1] (NaN, negative, above 1 or not a number raise)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{op}: {name} must be a probability in [0, 1], got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def check_bshd(op: str, q: Tensor, k: Tensor, v: Tensor) -> None:
+    """The shape rules of the op, checked on (batch, seqlen, heads, head_dim) tensors before they are
+    transposed, so that an error shows the caller's own layout and shapes."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise RuntimeError(
+                f"{op}: {name} must be a 4-D tensor (batch, seqlen, heads, head_dim), "
+                f"got a {t.dim()}-D tensor of shape {list(t.shape)}"
+            )
+    rules = (
+        (k.shape[0] == q.shape[0] and v.shape[0] == q.shape[0], "k and v must have q's batch size (dim 0)"),
+        (k.shape[3] == q.shape[3], "k must have q's head_dim (dim 3)"),
+        (v.shape[1] == k.shape[1], "v must have k's seqlen (dim 1)"),
+        (v.shape[2] == k.shape[2], "v must have k's number of heads (dim 2)"),
+        (
+            (k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0) or q.shape[2] == 0,
+            "q's heads (dim 2) must be a multiple of k's and v's heads (GQA/MQA)",
+        ),
+    )
+    for ok, rule in rules:
+        if not ok:
+            raise RuntimeError(
+                f"{op}: {rule}; got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "
+                "(batch, seqlen, heads, head_dim)"
+            )
 
 
 def attention(
@@ -99,7 +144,8 @@ def attention(
         is_causal: causal mask aligned top-left (query ``i`` sees keys ``j <= i``), as SDPA.
             May be combined with ``attn_mask``.
         scale: score scale, default ``1 / sqrt(D)``.
-        enable_gqa: accepted for SDPA compatibility; GQA is always on.
+        enable_gqa: grouped-query attention (``Hq`` a multiple of ``Hkv``); on by default, unlike
+            SDPA. ``False`` requires equal head counts, as SDPA does.
         window_size: ``(left, right)`` sliding window around the (top-left) diagonal, -1 = unbounded.
         softcap: if > 0, scores become ``softcap * tanh(score / softcap)`` before the mask.
         return_lse: also return the fp32 log-sum-exp ``(B, Hq, Nq)``.
@@ -108,8 +154,17 @@ def attention(
         ``(B, Hq, Nq, D)`` output in ``query``'s dtype (and the lse if asked). Rows with no visible
         key are 0 (lse ``-inf``).
     """
-    del enable_gqa
-    window = _check_window(window_size)
+    op = "flashmod.attention"
+    check_tensor_types(op, ("attn_mask",), query=query, key=key, value=value, attn_mask=attn_mask)
+    dropout_p = check_dropout(op, "dropout_p", dropout_p)
+    window = check_window(op, window_size)
+    if not enable_gqa and query.dim() == 4 and key.dim() == 4 and value.dim() == 4:
+        if key.shape[1] != query.shape[1] or value.shape[1] != query.shape[1]:
+            raise RuntimeError(
+                f"{op}: with enable_gqa=False, key and value must have query's number of heads "
+                f"{query.shape[1]} (dim 1), got key {key.shape[1]} and value {value.shape[1]}; "
+                "pass enable_gqa=True for grouped-query attention"
+            )
     out, lse = attention_bhsd(query, key, value, attn_mask, dropout_p, scale, is_causal, False, window, softcap)
     return (out, lse) if return_lse else out
 
@@ -133,14 +188,23 @@ def flash_attn_func(
         softmax_scale: default ``1 / sqrt(D)``.
         causal: causal mask aligned bottom-right: query ``i`` sees keys ``j <= i + Nk - Nq``.
         window_size: ``(left, right)``: query ``i`` sees keys in
-            ``[i + Nk - Nq - left, i + Nk - Nq + right]``; -1 = unbounded.
+            ``[i + Nk - Nq - left, i + Nk - Nq + right]``; -1 = unbounded, and, as in flash-attn, so
+            is a side ``>= Nk``.
         softcap: if > 0, scores become ``softcap * tanh(score / softcap)``.
         return_lse: also return the fp32 log-sum-exp, ``(B, Hq, Nq)`` as in flash-attn.
 
     Returns:
         ``(B, Nq, Hq, D)`` output in q's dtype (and the lse if asked).
     """
-    window = _check_window(window_size)
+    op = "flashmod.flash_attn_func"
+    check_tensor_types(op, q=q, k=k, v=v)
+    dropout_p = check_dropout(op, "dropout_p", dropout_p)
+    left, right = check_window(op, window_size)
+    check_bshd(op, q, k, v)
+    # flash-attn treats a window side reaching over all keys as unbounded (its mha_fwd): with
+    # Nq > Nk the literal bound would hide keys from the first queries.
+    seqlen_k = k.shape[1]
+    window = (-1 if left >= seqlen_k else left, -1 if right >= seqlen_k else right)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     out, lse = attention_bhsd(qt, kt, vt, None, dropout_p, softmax_scale, causal, True, window, softcap)
     out = out.transpose(1, 2)

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .functional import attention_bhsd, attention_weights
+from .checks import check_tensor_types
+from .functional import attention_bhsd, attention_weights, check_bshd, check_dropout, check_window
 from .reference import attention_reference
 
 __all__ = ["FlashAttention", "FlashMultiheadAttention"]
@@ -55,8 +56,8 @@ class FlashAttention(nn.Module):
             raise ValueError(f"FlashAttention: layout must be 'bshd' or 'bhsd', got {layout!r}")
         self.causal = causal
         self.softmax_scale = softmax_scale
-        self.dropout = dropout
-        self.window_size = tuple(window_size)
+        self.dropout = check_dropout("FlashAttention", "dropout", dropout)
+        self.window_size = check_window("FlashAttention", window_size)
         self.softcap = softcap
         self.layout = layout
 
@@ -68,13 +69,19 @@ class FlashAttention(nn.Module):
         attn_mask: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
     ) -> Tensor:
+        op = "FlashAttention"
+        check_tensor_types(
+            op, ("attn_mask", "key_padding_mask"), q=q, k=k, v=v, attn_mask=attn_mask, key_padding_mask=key_padding_mask
+        )
         if self.layout == "bshd":
+            check_bshd(op, q, k, v)  # before the transpose: errors in the caller's layout
             q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         if key_padding_mask is not None:
-            if key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2:
+            want = [q.shape[0], k.shape[2]] if q.dim() == 4 and k.dim() == 4 else None
+            if want is not None and (key_padding_mask.dtype != torch.bool or list(key_padding_mask.shape) != want):
                 raise ValueError(
-                    "FlashAttention: key_padding_mask must be a bool (batch, seqlen_k) tensor, "
-                    f"got {key_padding_mask.dtype} of shape {list(key_padding_mask.shape)}"
+                    f"{op}: key_padding_mask must be a bool (batch, seqlen_k) = {want} tensor (True = a real "
+                    f"token), got {key_padding_mask.dtype} of shape {list(key_padding_mask.shape)}"
                 )
             padding = key_padding_mask[:, None, None, :]
             if attn_mask is None:
@@ -304,6 +311,11 @@ class FlashMultiheadAttention(nn.Module):
             value = key if same_kv else value.transpose(0, 1)
 
         batch, seqlen_q, _ = query.shape
+        if key_padding_mask is not None and key_padding_mask.shape[-1] != key.shape[1]:
+            raise ValueError(
+                f"FlashMultiheadAttention: key_padding_mask must be (batch, S) with S = {key.shape[1]} keys, "
+                f"got {list(key_padding_mask.shape)}"
+            )
         q, k, v = self._projections(query, key, value)
         if self.bias_k is not None:
             k = torch.cat([k, self.bias_k.expand(batch, 1, -1)], dim=1)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,7 @@ from .checks import (
     check_same_device,
     check_same_dtype,
     check_scale,
+    check_tensor_types,
 )
 from .reference import attention_backward_chunked, attention_jvp_chunked
 
@@ -434,6 +436,61 @@ def _batch_of(t: Tensor, dim: int | None) -> int:
     return _vmap_front(t, dim, 1).shape[1]
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype active for ``device_type`` (None when autocast is off there)."""
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def autocast_cast(t: Tensor | None, dtype: torch.dtype, device_type: str) -> Tensor | None:
+    """``t`` in ``dtype`` when autocast would cast it (floating, not fp64, on that device)."""
+    if t is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+        return t
+    return t.to(dtype) if t.device.type == device_type else t
+
+
+def autocast_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """An additive mask next to ``dtype`` inputs: kept in fp32 or ``dtype`` (both accepted), else fp32."""
+    if mask is None or not mask.is_floating_point() or mask.dtype in (dtype, torch.float32, torch.float64):
+        return mask
+    return mask.float()
+
+
+def autocast_attention_args(args: tuple) -> tuple:
+    """SDPA's autocast rule for attention's arguments (q, k, v, attn_mask, ...): q, k and v in the
+    autocast dtype of q's device (so mixed-dtype inputs meet too), the output then in that dtype."""
+    q, k, v, attn_mask, *rest = args
+    dtype = autocast_dtype(q.device.type)
+    if dtype is None:
+        return args
+    device_type = q.device.type
+    q, k, v = (autocast_cast(t, dtype, device_type) for t in (q, k, v))
+    return (q, k, v, autocast_mask(attn_mask, q.dtype if q.dtype != torch.float64 else dtype), *rest)
+
+
+def register_autocast(qualname: str, cast_args: Callable[[tuple], tuple]) -> None:
+    """An Autocast kernel for ``flashmod::<qualname>`` on CPU and CUDA that casts with ``cast_args``
+    and redispatches below autocast (what torch.library.register_autocast does, with the autocast
+    dtype read when called instead of fixed, as for SDPA)."""
+    op = getattr(torch.ops.flashmod, qualname).default
+    for device_type in ("cpu", "cuda"):
+        key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        key = getattr(torch._C.DispatchKey, key_name)
+
+        def kernel(*args: Any, key: torch._C.DispatchKey = key) -> Any:
+            args = cast_args(args)  # before the guard: autocast reads as off inside it
+            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+                return op(*args)
+
+        op.py_impl(key)(kernel)  # what torch.compile's Python dispatcher runs
+        _LIB.impl(qualname, lambda _keyset, *args, k=kernel: k(*args), key_name, with_keyset=True)
+
+
+_LIB = torch.library.Library("flashmod", "IMPL")
+register_autocast("attention", lambda args: autocast_attention_args(with_defaults(args, 3, ATTENTION_DEFAULTS)))
+
+
 def attention_op(
     q: Tensor,
     k: Tensor,
@@ -446,13 +503,60 @@ def attention_op(
     window_right: int = -1,
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """``torch.ops.flashmod.attention`` with keyword defaults; returns ``(out, lse)``."""
+    """``torch.ops.flashmod.attention`` with keyword defaults; returns ``(out, lse)``.
+
+    Unlike the operator, it also takes a value head dim other than q's and k's (as SDPA does)."""
+    check_tensor_types("flashmod.attention", ("attn_mask",), q=q, k=k, v=v, attn_mask=attn_mask)
+    if isinstance(scale, Tensor):
+        q, scale = _tensor_scale(q, scale)
+    if _value_head_dim_differs(q, k, v):
+        return _attention_other_value_dim(
+            q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap
+        )
     args = (q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap)
+    if autocast_dtype(q.device.type) is not None:  # cast outside the graph's Function, as the op's Autocast kernel does
+        args = autocast_attention_args(args)
+        q, k, v, attn_mask = args[:4]
     if no_grad_needed(q, k, v, attn_mask):
         return below_autograd(torch.ops.flashmod.attention, *args)
     if not torch.compiler.is_compiling():
         return apply_function(AttentionFunction, *args)
     return torch.ops.flashmod.attention(*args)
+
+
+def _tensor_scale(q: Tensor, scale: Tensor) -> tuple[Tensor, float]:
+    """A 0-d tensor ``scale``: read as a float in eager code; folded into q (``q * scale``, the same
+    scores) while torch.compile traces, where reading it would stop the graph, or when it requires
+    grad, so that it gets one."""
+    if scale.dim() != 0 or not scale.is_floating_point():
+        raise TypeError(f"flashmod.attention: scale must be a float or a 0-d float tensor, got {scale!r}")
+    if torch.compiler.is_compiling() or scale.requires_grad:
+        return q * scale.to(device=q.device, dtype=q.dtype), 1.0
+    return q, float(scale)
+
+
+def _value_head_dim_differs(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """q and k share a head dim and v has another (anything else is the op's to judge)."""
+    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return False
+    return k.shape[3] == q.shape[3] and v.shape[3] != q.shape[3] and min(q.shape[3], v.shape[3]) > 0
+
+
+def _attention_other_value_dim(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: Any, *options: Any):
+    """Attention with v's head dim Dv != Dqk (e.g. 192 / 128 in latent-attention models): the
+    smaller side is zero-padded to the larger, which changes no dot product (the default scale stays
+    1 / sqrt(Dqk)) and adds zero columns to the output; the output is sliced back to Dv, and autograd
+    slices the gradients back through the pads. Every kernel (CPU and CUDA) serves it, at the cost
+    of the padded copies."""
+    d_qk, d_v = q.shape[3], v.shape[3]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d_qk)
+    if d_qk < d_v:
+        q, k = (torch.nn.functional.pad(t, (0, d_v - d_qk)) for t in (q, k))
+    else:
+        v = torch.nn.functional.pad(v, (0, d_qk - d_v))
+    out, lse = attention_op(q, k, v, attn_mask, scale, *options)
+    return out[..., :d_v].contiguous(), lse
 
 
 def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:

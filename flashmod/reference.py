@@ -13,7 +13,8 @@ Semantics, shared with the kernels:
 * key ``j`` is visible to query ``i`` iff ``i + off - window_left <= j <= i + off + window_right``
   (a negative bound is unbounded), with ``off = Nk - Nq`` (bottom-right) or ``0`` (top-left);
   ``is_causal`` sets ``window_right = 0``.
-* a row with no visible key has output 0 and lse ``-inf``.
+* a row with no visible key has output 0 and lse ``-inf``; a NaN or +inf among a row's visible
+  scores makes its output and lse NaN (SDPA's math backend gives the same outputs).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def visible_keys(
 
 def _grouped(x: Tensor, heads_kv: int) -> Tensor:
     """(B, Hq, ...) -> (B, Hkv, G, ...) without copying: GQA by broadcasting, not repeat_kv."""
-    return x.unflatten(1, (heads_kv, x.shape[1] // heads_kv))
+    return x.unflatten(1, (heads_kv, x.shape[1] // heads_kv if heads_kv else 0))
 
 
 def _masked_scores(
@@ -89,6 +90,17 @@ def _masked_scores(
 def _finite_lse(lse: Tensor) -> Tensor:
     """lse with -inf (fully masked rows) replaced by 0, so exp(-inf - lse) is 0, never NaN."""
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def _chunk_probs(s: Tensor, lse: Tensor) -> Tensor:
+    """P of whole rows of scores from their saved lse, each row normalized exactly (the kernel's lse
+    carries fast-exp rounding, ~1e-6 relative in fp32 on CUDA, that would otherwise scale the row's
+    every gradient). Hidden keys (-inf) get 0 even in a NaN row (lse NaN), whose NaN stays on its
+    visible keys, as autograd through the materialized softmax has it."""
+    p = torch.exp(s - _finite_lse(lse)[..., None])
+    row_sum = p.sum(-1, keepdim=True)
+    p = p / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+    return p.masked_fill(torch.isneginf(s), 0)
 
 
 def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -134,7 +146,10 @@ def attention_reference(
     # log-sum-exp of zeros (no gradient flows back through masked_fill) and are set to -inf after.
     empty_rows = torch.isneginf(s).all(-1, keepdim=True)
     lse = torch.logsumexp(s.masked_fill(empty_rows, 0), dim=-1).masked_fill(empty_rows.squeeze(-1), -math.inf)
-    p = torch.exp(s - _finite_lse(lse)[..., None])
+    # A +inf score makes the row NaN (exp(inf - inf)), as in SDPA's math; its lse too, not +inf.
+    lse = lse.masked_fill(torch.isposinf(lse), math.nan)
+    # Hidden keys get 0 even in a NaN row (lse NaN): the row's NaN stays on the keys it sees.
+    p = torch.exp(s - _finite_lse(lse)[..., None]).masked_fill(torch.isneginf(s), 0)
     if dropout_p > 0:
         p = torch.nn.functional.dropout(p, dropout_p)
     out = torch.matmul(p, v.to(dtype).unsqueeze(2))
@@ -195,20 +210,16 @@ def attention_backward_chunked(
         do_i = _grouped(grad_out[:, :, r0:r1].to(dtype), heads_kv)
         lse_i = _grouped(lse[:, :, r0:r1].to(dtype), heads_kv)
         s, tanh_s = _masked_scores(q_i, kc, attn_mask, rows, seqlen_q, scale, softcap, window, bottom_right)
-        # The chunk holds whole rows, so the saved lse serves as the shift and each row is then
-        # normalized exactly: the kernel's lse carries fast-exp rounding (~1e-6 relative in fp32
-        # on CUDA) that would otherwise scale every gradient of the row by the same error.
-        p = torch.exp(s - _finite_lse(lse_i)[..., None])
+        p = _chunk_probs(s, lse_i)
         del s
-        row_sum = p.sum(-1, keepdim=True)
-        p = p / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
         dp = torch.matmul(do_i, vc.unsqueeze(2).transpose(-1, -2))
         # sum_j p_ij dp_ij equals dO_i . O_i, but taken from the same p it stays consistent with
         # it (exactly 0 for a single visible key); the chunk is in memory, so it costs one pass.
         delta = (p * dp).sum(-1, keepdim=True)
         if grad_lse is not None:  # d lse / d s = p
             delta = delta - _grouped(grad_lse[:, :, r0:r1].to(dtype), heads_kv)[..., None]
-        ds = p * (dp - delta)
+        # Hidden keys keep dS = 0 in a NaN row too (delta NaN), as autograd of the masked math.
+        ds = torch.where(p == 0, 0, p * (dp - delta))
         del dp
         if compute_grad_mask:
             mask_parts.append(ds.flatten(1, 2).float())
@@ -266,10 +277,8 @@ def attention_jvp_chunked(
         q_i = _grouped(q[:, :, r0:r1].to(dtype), heads_kv)
         lse_i = _grouped(lse[:, :, r0:r1].to(dtype), heads_kv)
         s, tanh_s = _masked_scores(q_i, k.to(dtype), attn_mask, rows, seqlen_q, scale, softcap, window, bottom_right)
-        p = torch.exp(s - _finite_lse(lse_i)[..., None])
+        p = _chunk_probs(s, lse_i)
         del s
-        row_sum = p.sum(-1, keepdim=True)
-        p = p / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
         t = torch.zeros_like(p)
         if q_t is not None:
             t = t + torch.matmul(_grouped(q_t[:, :, r0:r1].to(dtype), heads_kv), kc.transpose(-1, -2))

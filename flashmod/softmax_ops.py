@@ -24,13 +24,18 @@ from .checks import (
     check_same_device,
     check_same_dtype,
     check_scale,
+    check_tensor_types,
 )
 from .ops import (
     apply_function,
+    autocast_cast,
+    autocast_dtype,
+    autocast_mask,
     below_autograd,
     differentiating,
     forward_below_autograd,
     no_grad_needed,
+    register_autocast,
     vmap_into_batch,
     vmap_mask_into_batch,
     vmap_out_of_batch,
@@ -191,6 +196,19 @@ torch.library.impl("flashmod::softmax", "Autograd")(_softmax_autograd)
 torch.library.impl("flashmod::matmul_softmax", "Autograd")(_matmul_softmax_autograd)
 
 
+def _autocast_matmul_softmax_args(args: tuple) -> tuple:
+    """Autocast's rule for matmul_softmax (a matmul, like SDPA's): a and b in the autocast dtype."""
+    a, b, scale, is_causal, attn_mask = with_defaults(args, 2, (None, False, None))
+    dtype = autocast_dtype(a.device.type)
+    if dtype is None:
+        return (a, b, scale, is_causal, attn_mask)
+    a, b = (autocast_cast(t, dtype, a.device.type) for t in (a, b))
+    return (a, b, scale, is_causal, autocast_mask(attn_mask, a.dtype if a.dtype != torch.float64 else dtype))
+
+
+register_autocast("matmul_softmax", _autocast_matmul_softmax_args)
+
+
 @torch.library.register_vmap("flashmod::softmax")
 def _softmax_vmap(info, in_dims, x, dim):
     x = x.movedim(in_dims[0], 0)
@@ -216,6 +234,7 @@ def softmax(x: Tensor, dim: int) -> Tensor:
     all ``-inf`` gives all zeros instead of NaN; a NaN in a row makes that whole row NaN.
     Differentiable.
     """
+    check_tensor_types("flashmod.softmax", x=x)
     if no_grad_needed(x):
         return below_autograd(torch.ops.flashmod.softmax, x, dim)
     if not torch.compiler.is_compiling():
@@ -245,7 +264,11 @@ def matmul_softmax(
         The output is the only ``(B, Ha, M, N)`` buffer allocated. Differentiable in ``a``, ``b`` and an
         additive ``attn_mask`` (its gradient summed over its broadcast dimensions).
     """
+    check_tensor_types("flashmod.matmul_softmax", ("attn_mask",), a=a, b=b, attn_mask=attn_mask)
     args = (a, b, scale, is_causal, attn_mask)
+    if autocast_dtype(a.device.type) is not None:
+        args = _autocast_matmul_softmax_args(args)
+        a, b, attn_mask = args[0], args[1], args[4]
     if no_grad_needed(a, b, attn_mask):
         return below_autograd(torch.ops.flashmod.matmul_softmax, *args)
     if not torch.compiler.is_compiling():

@@ -51,7 +51,8 @@ void check_qkv(const char* prefix, const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(v.size(2) == k.size(2),
               flashmod::error_message(prefix, "v must have k's sequence length ", k.size(2),
                                       ", got ", v.size(2)));
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+  // No query heads at all is an empty problem (SDPA returns an empty result), whatever k has.
+  TORCH_CHECK((k.size(1) > 0 && q.size(1) % k.size(1) == 0) || q.size(1) == 0,
               flashmod::error_message(
                   prefix, "q's heads must be a multiple of k's heads (GQA/MQA), got q heads ",
                   q.size(1), " and k/v heads ", k.size(1)));
@@ -220,7 +221,8 @@ PreparedAttentionBackward prepare_attention_backward(
   if (grad_lse_in.has_value()) r.grad_lse = grad_lse_in->to(at::kFloat).contiguous();
 
   if (compute_grad_mask) {
-    const bool additive = p.mask_kind == MaskKind::kAdditive || p.mask_kind == MaskKind::kAdditiveF32;
+    const bool additive =
+        p.mask_kind == MaskKind::kAdditive || p.mask_kind == MaskKind::kAdditiveF32;
     TORCH_CHECK(additive, flashmod::error_message(
                               prefix, "compute_grad_mask needs an additive float attn_mask, got ",
                               attn_mask.has_value() ? "a bool attn_mask" : "no attn_mask"));
@@ -230,10 +232,9 @@ PreparedAttentionBackward prepare_attention_backward(
   r.grad_k = at::empty_like(r.k);
   r.grad_v = at::empty_like(r.v);
   // Zeroed: the kernels write the visible pairs only.
-  r.grad_mask = compute_grad_mask
-                    ? at::zeros({p.batch, p.heads_q, p.seqlen_q, p.seqlen_k},
-                                r.q.options().dtype(at::kFloat))
-                    : at::empty({0}, r.q.options().dtype(at::kFloat));
+  r.grad_mask = compute_grad_mask ? at::zeros({p.batch, p.heads_q, p.seqlen_q, p.seqlen_k},
+                                              r.q.options().dtype(at::kFloat))
+                                  : at::empty({0}, r.q.options().dtype(at::kFloat));
   p.grad_mask = compute_grad_mask ? r.grad_mask.data_ptr<float>() : nullptr;
 
   p.out = const_cast<void*>(r.out.const_data_ptr());  // read only: the backward never writes it

@@ -85,7 +85,7 @@ PreparedMatmulSoftmax prepare_matmul_softmax(const at::Tensor& a_in, const at::T
   TORCH_CHECK(b_in.size(3) == a_in.size(3),
               flashmod::error_message(op, ": b must have a's depth (last dimension) ", a_in.size(3),
                                       ", got ", b_in.size(3)));
-  TORCH_CHECK(b_in.size(1) > 0 && a_in.size(1) % b_in.size(1) == 0,
+  TORCH_CHECK((b_in.size(1) > 0 && a_in.size(1) % b_in.size(1) == 0) || a_in.size(1) == 0,
               flashmod::error_message(
                   op, ": a's heads must be a multiple of b's heads (GQA/MQA), got a heads ",
                   a_in.size(1), " and b heads ", b_in.size(1)));

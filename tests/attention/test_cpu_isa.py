@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-SLICE = "cpu and forward_matches and (plain or causal_bottom_right_mqa or bool_mask_empty_rows or softcap_causal)"
+SLICE = (
+    "cpu and (nonfinite or (forward_matches and "
+    "(plain or causal_bottom_right_mqa or bool_mask_empty_rows or softcap_causal)))"
+)
 
 
 def cpu_flags() -> set[str]:
@@ -38,9 +41,9 @@ def test_forced_instruction_set_matches_reference(isa, repo_root):
     if not ISA_FLAGS[isa] <= cpu_flags():
         pytest.skip(f"this CPU lacks {isa}")
     env = dict(os.environ, FLASHMOD_CPU_ISA=isa)
-    forward_tests = Path(__file__).with_name("test_attention.py")
+    forward_tests = [str(Path(__file__).with_name(name)) for name in ("test_attention.py", "test_nonfinite.py")]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(forward_tests), "-k", SLICE],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *forward_tests, "-k", SLICE],
         env=env,
         capture_output=True,
         text=True,

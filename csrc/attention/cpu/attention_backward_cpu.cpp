@@ -380,6 +380,13 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
             continue;
           }
           logits_row(h, i, c0, cols, window_inside, s_row, T + r * Bc);
+          if (row_lse != row_lse) {
+            // The forward made this row NaN (a NaN or +inf visible score): P is NaN on its visible
+            // keys and 0 on hidden ones, as autograd of the masked math has it. Off the hot loop.
+            for (int64_t c = 0; c < cols; ++c)
+              s_row[c] = s_row[c] == neg_inf ? acc_t(0) : std::numeric_limits<acc_t>::quiet_NaN();
+            continue;
+          }
           if constexpr (std::is_same_v<acc_t, float>) {
             row_ops().probs(s_row, cols, row_lse);
           } else {
@@ -394,7 +401,11 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
           const acc_t d_i = delta[g * Nq + r0 + r];
           acc_t* dp_row = dP + r * Bc;
           const acc_t* p_row = S + r * Bc;
-          if constexpr (std::is_same_v<acc_t, float>) {
+          if (d_i !=
+              d_i) {  // a NaN row: hidden keys (P = 0) keep dS = 0, as autograd of the masked math
+            for (int64_t c = 0; c < cols; ++c)
+              dp_row[c] = p_row[c] == acc_t(0) ? acc_t(0) : p_row[c] * (dp_row[c] - d_i);
+          } else if constexpr (std::is_same_v<acc_t, float>) {
             row_ops().dscores(dp_row, p_row, cols, d_i);
           } else {
             for (int64_t c = 0; c < cols; ++c) dp_row[c] = p_row[c] * (dp_row[c] - d_i);

@@ -129,6 +129,12 @@ void attention_cpu_vectorized(const AttentionParams& p) {
 }
 
 // fp64: the same blocked online softmax with scalar loops.
+// max that propagates a NaN from either side (std::max keeps its first operand): a NaN score must
+// reach the row's sum, not be dropped by the running maximum.
+inline double nan_max(double a, double b) {
+  return (a > b || a != a) ? a : b;
+}
+
 void attention_cpu_fp64(const AttentionParams& p) {
   constexpr int64_t Br = 32, Bc = 64;
   const int64_t D = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
@@ -179,10 +185,10 @@ void attention_cpu_fp64(const AttentionParams& p) {
               }
             }
             S_ij[r * Bc + c] = s;
-            row_max = std::max(row_max, s);
+            row_max = nan_max(row_max, s);
           }
           // Online softmax: rescale what was accumulated for earlier key blocks.
-          const double m_new = std::max(m[r], row_max);
+          const double m_new = nan_max(m[r], row_max);
           if (m_new == neg_inf) continue;  // every key so far is masked: nothing to add
           const double alpha = std::exp(m[r] - m_new);
           double* o_row = &O_i[r * D];
@@ -202,7 +208,9 @@ void attention_cpu_fp64(const AttentionParams& p) {
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r0 + r;
         double* o_out = O + i * p.out_row_stride;
-        const bool empty = l[r] == 0.0;  // all keys masked: out = 0, lse = -inf
+        // All keys masked: out = 0, lse = -inf. A NaN or +inf visible score made m or l NaN, and
+        // with it the row's out and lse, as in SDPA's math.
+        const bool empty = l[r] == 0.0;
         const double inv_l = empty ? 0.0 : 1.0 / l[r];
         for (int64_t d = 0; d < D; ++d) o_out[d] = O_i[r * D + d] * inv_l;
         lse[i] = empty ? -std::numeric_limits<float>::infinity()

@@ -84,6 +84,17 @@ inline void storeu(float* p, vf v) {
 inline vf vmax(vf a, vf b) {
   return a > b ? a : b;
 }
+// A row's end of the online softmax, from its running max m and sum l: l == 0 means no visible
+// key (out 0, lse -inf); a NaN or +inf among the visible scores leaves l NaN (exp(NaN) and
+// exp(inf - inf) are NaN and stay in the sum), and the row's out and lse come out NaN, as in
+// SDPA's math. inv_l: what the accumulator is multiplied by (0 for an empty row).
+inline float finish_inv_l(float l) {
+  return l == 0.0f ? 0.0f : 1.0f / l;
+}
+inline float finish_lse(float m, float l) {
+  return l == 0.0f ? kNegInf : m + logf(l);
+}
+
 inline int64_t min64(int64_t a, int64_t b) {
   return a < b ? a : b;
 }
@@ -96,9 +107,11 @@ inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
 
 // e^x for x <= 0 (or -inf), about 1 ulp. exp(-80) ~ 2e-35 is below fp32 resolution next to
 // the row maximum's exp(0) = 1, so everything under -80 becomes an exact 0: masked scores (-inf)
-// must contribute nothing, and the clamp keeps 2^n normal (no denormal stalls).
+// must contribute nothing, and the clamp keeps 2^n normal (no denormal stalls). NaN stays NaN (the
+// clamp is written so that it passes NaN through): a NaN score must poison its row's sum, which
+// is how a row with a NaN among its visible scores comes out NaN (see finish_row).
 inline vf exp_neg(vf x) {
-  const vf xc = vmax(x, splat(-80.0f));
+  const vf xc = x < splat(-80.0f) ? splat(-80.0f) : x;
   // n = round(x / ln 2) by the 1.5 * 2^23 trick; its low mantissa bits then hold n.
   const vf magic = splat(12582912.0f);
   const vf t = fmadd(xc, splat(1.44269504088896341f), magic);

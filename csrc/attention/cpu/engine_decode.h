@@ -214,14 +214,14 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
     for (int64_t r = 0; r < rows; ++r) {
       T* o = static_cast<T*>(p.out) + b * p.out_batch_stride + hs[r] * p.out_head_stride +
              is[r] * p.out_row_stride;
-      const bool empty = !(l[r] > 0.0f);
+      const bool empty = l[r] == 0.0f;  // NaN l (a NaN or +inf score): NaN out and lse
       if constexpr (sizeof(T) == 4) {
         for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : O[r * D + d] / l[r];
       } else {
-        const float inv_l = empty ? 0.0f : 1.0f / l[r];
+        const float inv_l = finish_inv_l(l[r]);
         for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(O[r * D + d] * inv_l);
       }
-      p.lse[(b * p.heads_q + hs[r]) * Nq + is[r]] = empty ? kNegInf : m[r] + logf(l[r]);
+      p.lse[(b * p.heads_q + hs[r]) * Nq + is[r]] = finish_lse(m[r], l[r]);
     }
   }
   std::free(mem);
@@ -258,14 +258,15 @@ void decode_merge_chunks(const AttentionParams& p, int64_t splits, const float* 
       }
       T* o = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride +
              i * p.out_row_stride;
-      const bool empty = !(Lsum > 0.0f);
+      // A split whose sum is NaN makes Lsum NaN (0 * NaN too): the row comes out NaN.
+      const bool empty = Lsum == 0.0f;
       if constexpr (sizeof(T) == 4) {
         for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : acc[d] / Lsum;
       } else {
-        const float inv_l = empty ? 0.0f : 1.0f / Lsum;
+        const float inv_l = finish_inv_l(Lsum);
         for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(acc[d] * inv_l);
       }
-      p.lse[(b * p.heads_q + h) * Nq + i] = empty ? kNegInf : M + logf(Lsum);
+      p.lse[(b * p.heads_q + h) * Nq + i] = finish_lse(M, Lsum);
     }
   }
   std::free(acc);

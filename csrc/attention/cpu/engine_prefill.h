@@ -323,13 +323,13 @@ struct VecEngine {
                        int64_t Dp) {
     for (int64_t r = 0; r < rows; ++r) {
       const float l = ws.l[r];
-      const bool empty = !(l > 0.0f);  // no visible key: out = 0
+      const bool empty = l == 0.0f;  // no visible key: out = 0; NaN l: NaN out (finish_lse)
       T* o = out + r * ldo;
       const float* acc = ws.O + r * Dp;
       if constexpr (kIsF32) {  // a division rounds once, a multiply by 1/l twice
         for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : acc[d] / l;
       } else {  // ... which fp16/bf16 rounding swamps, and divisions are slow
-        const float inv_l = empty ? 0.0f : 1.0f / l;
+        const float inv_l = finish_inv_l(l);
         for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(acc[d] * inv_l);
       }
     }
@@ -393,8 +393,7 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
 
   Engine<Tag>::finalize(ws, O + r0 * p.out_row_stride, p.out_row_stride, rows, D, Dp);
   for (int64_t r = 0; r < rows; ++r) {
-    const float l = ws.l[r];
-    lse[r0 + r] = l > 0.0f ? ws.m[r] + logf(l) : kNegInf;  // no visible key: -inf
+    lse[r0 + r] = finish_lse(ws.m[r], ws.l[r]);
   }
 }
 

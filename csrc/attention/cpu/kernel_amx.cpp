@@ -48,9 +48,10 @@ inline void memory_barrier() {
 
 // e^x for x <= 0 (or -inf) to ~2e-6 relative, for P_ij that is rounded to bf16 (4e-3) next:
 // Taylor to r^5 instead of r^7 and vscalefps for the 2^n, 11 instead of 17 operations. Below
-// -80 gives exactly 0, as exp_neg.
+// -80 gives exactly 0, NaN stays NaN, as exp_neg (max_ps returns its second operand, x, for a NaN;
+// the unordered compare keeps a NaN lane live).
 inline vf exp_neg_for_bf16(vf x) {
-  const __m512 xc = _mm512_max_ps((__m512)x, _mm512_set1_ps(-80.0f));
+  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-80.0f), (__m512)x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), xc);
@@ -61,7 +62,7 @@ inline vf exp_neg_for_bf16(vf x) {
   e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
   e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
   e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
-  const __mmask16 live = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-80.0f), _CMP_GE_OQ);
+  const __mmask16 live = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-80.0f), _CMP_NLT_UQ);
   return (vf)_mm512_maskz_scalef_ps(live, e, n);
 }
 
@@ -251,7 +252,7 @@ struct AmxEngine {
                        int64_t /*Dp*/) {
     const int64_t rows16 = (rows + 15) / 16 * 16;
     alignas(64) float inv_l[kBr];
-    for (int64_t r = 0; r < rows16; ++r) inv_l[r] = ws.l[r] > 0.0f ? 1.0f / ws.l[r] : 0.0f;
+    for (int64_t r = 0; r < rows16; ++r) inv_l[r] = finish_inv_l(ws.l[r]);
     auto* rounded = reinterpret_cast<uint16_t*>(ws.V);  // D x Br bf16
     for (int64_t d = 0; d < D; ++d) {
       for (int64_t r = 0; r < rows16; r += 16) {

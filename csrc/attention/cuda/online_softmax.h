@@ -60,11 +60,13 @@ struct OnlineSoftmaxRowF64 {
 
   // Row normalizer 1/l (0 for a row that never saw a visible key) and the row's lse in natural-log
   // units (-inf for such a row), from the quad's four partial sums: all four lanes must call it.
+  // A NaN or +inf among the visible scores leaves the sum NaN: out and lse NaN, as the mma
+  // layout's finish below.
   __device__ __forceinline__ void finish(float c, float& inv_l, float& lse) const {
     double sum = l;
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const bool empty = m == -CUDART_INF_F || !(sum > 0.0);
+    const bool empty = sum == 0.0;
     inv_l = empty ? 0.f : static_cast<float>(1.0 / sum);
     // In double, once per row: the p's were exp2(c x - cm) with this same cm = c m, so
     // lse = ln(sum) + cm ln(2) exactly; fp32 logf (approximate under fast math) costs ~1e-6.
@@ -125,10 +127,12 @@ struct OnlineSoftmax {
   }
 
   // Row normalizer 1/l (0 for a row that never saw a visible key, so its output is 0) and the
-  // row's log-sum-exp in natural-log units (-inf for such a row).
+  // row's log-sum-exp in natural-log units (-inf for such a row). A NaN or +inf among the row's
+  // visible scores leaves the sum NaN (fmaxf skips a NaN in m, but its p = exp2(NaN) is NaN, and a
+  // +inf score gives exp2(inf - inf)): then out and lse are NaN, as in SDPA's math, not empty.
   __device__ __forceinline__ void finish(int mi, int h, float c, float& inv_l, float& lse) {
     const float sum = quad_sum(l[mi][h]);
-    const bool empty = m[mi][h] == -CUDART_INF_F || !(sum > 0.f);
+    const bool empty = sum == 0.f;
     inv_l = empty ? 0.f : 1.f / sum;
     // lse = ln(sum) + cm * ln(2), with cm rounded exactly as update() rounded it (the p's were
     // exp2(c x - cm), so cm cancels). Combined in double, once per row: fp32's log2 approximation

@@ -35,7 +35,17 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   const int head_dim = static_cast<int>(p.head_dim);
 
   float m = -CUDART_INF_F;
-  for (int s = 0; s < sk.splits; ++s) m = fmaxf(m, sk.lse[s * rows + row]);
+  bool poisoned = false;  // a split with a NaN lse (a NaN or +inf visible score) makes the row NaN
+  for (int s = 0; s < sk.splits; ++s) {
+    const float ls = sk.lse[s * rows + row];
+    poisoned |= ls != ls;
+    m = fmaxf(m, ls);
+  }
+  if (poisoned) {
+    for (int col = lane; col < head_dim; col += 32) out[col] = from_float<Elem>(CUDART_NAN_F);
+    if (lane == 0) p.lse[row] = CUDART_NAN_F;
+    return;
+  }
   if (m == -CUDART_INF_F) {
     for (int col = lane; col < head_dim; col += 32) out[col] = from_float<Elem>(0.f);
     if (lane == 0) p.lse[row] = -CUDART_INF_F;

@@ -1,0 +1,192 @@
+"""SDPA's answers at the edges and clear errors everywhere else: zero heads, NestedTensors, argument
+types, dropout and window values, enable_gqa, the caller's own layout and names in messages, tensor
+scales, and flash-attn's rule for a window side reaching over every key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashmod
+from flashmod.reference import attention_reference
+
+
+def qkv(device, b=2, hq=4, hkv=2, nq=9, nk=11, d=16, dtype=torch.float32):
+    return (
+        torch.randn(b, hq, nq, d, device=device, dtype=dtype),
+        torch.randn(b, hkv, nk, d, device=device, dtype=dtype),
+        torch.randn(b, hkv, nk, d, device=device, dtype=dtype),
+    )
+
+
+# --- item: H = 0 and NestedTensor -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hkv", [0, 2])
+def test_zero_query_heads_give_an_empty_result_like_sdpa(device, hkv):
+    q = torch.randn(2, 0, 5, 8, device=device)
+    k = torch.randn(2, hkv, 7, 8, device=device, requires_grad=True)
+    v = torch.randn(2, hkv, 7, 8, device=device, requires_grad=True)
+    out, lse = flashmod.attention(q, k, v, return_lse=True)
+    sdpa = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert out.shape == sdpa.shape == (2, 0, 5, 8) and lse.shape == (2, 0, 5)
+    out.sum().backward()
+    assert (k.grad == 0).all() and (v.grad == 0).all()
+    compiled = torch.compile(lambda q, k, v: flashmod.attention(q, k, v), fullgraph=True)
+    assert compiled(q, k.detach(), v.detach()).shape == (2, 0, 5, 8)
+    assert flashmod.matmul_softmax(q, k.detach()).shape == (2, 0, 5, 7)
+
+
+def test_query_heads_without_key_heads_still_raise():
+    q = torch.randn(2, 2, 5, 8)
+    k = torch.randn(2, 0, 7, 8)
+    with pytest.raises(
+        RuntimeError, match="q's heads must be a multiple of k's heads .* got q heads 2 and k/v heads 0"
+    ):
+        flashmod.attention(q, k, k)
+
+
+def test_jagged_nested_tensor_is_a_clear_error():
+    nt = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)], layout=torch.jagged)
+    dense = torch.randn(2, 2, 4, 8)
+    for call in (
+        lambda: flashmod.attention(nt, nt, nt),
+        lambda: flashmod.attention(dense, nt, nt),
+        lambda: flashmod.flash_attn_func(nt, nt, nt),
+        lambda: flashmod.FlashAttention()(nt, nt, nt),
+        lambda: flashmod.attention_op(nt, nt, nt),
+    ):
+        with pytest.raises(NotImplementedError, match="NestedTensor.*use padded tensors with a mask"):
+            call()
+
+
+# --- item: validation and messages -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [-0.1, float("nan"), 1.5, "0.1"])
+def test_bad_dropout_raises(p):
+    q, k, v = qkv("cpu")
+    with pytest.raises(ValueError, match=r"flashmod.attention: dropout_p must be a probability in \[0, 1\]"):
+        flashmod.attention(q, k, v, dropout_p=p)
+    with pytest.raises(ValueError, match=r"flashmod.flash_attn_func: dropout_p must be a probability in \[0, 1\]"):
+        flashmod.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), dropout_p=p)
+    with pytest.raises(ValueError, match=r"FlashAttention: dropout must be a probability in \[0, 1\]"):
+        flashmod.FlashAttention(dropout=p)
+
+
+@pytest.mark.parametrize("window", [5, None, (1.7, 0.2), (1, 2, 3), (True, 0), "ab"])
+def test_window_size_must_be_a_pair_of_ints(window):
+    q, k, v = qkv("cpu")
+    message = r"window_size must be a pair of ints \(left, right\), -1 = unbounded, got "
+    with pytest.raises(TypeError, match="flashmod.attention: " + message):
+        flashmod.attention(q, k, v, window_size=window)
+    with pytest.raises(TypeError, match="flashmod.flash_attn_func: " + message):
+        flashmod.flash_attn_func(q, k, v, window_size=window)
+    with pytest.raises(TypeError, match="FlashAttention: " + message):
+        flashmod.FlashAttention(window_size=window)
+
+
+def test_window_size_accepts_numpy_and_lists():
+    q, k, v = qkv("cpu")
+    ref = flashmod.attention(q, k, v, window_size=(3, 1))
+    torch.testing.assert_close(flashmod.attention(q, k, v, window_size=[np.int64(3), 1]), ref, rtol=0, atol=0)
+
+
+def test_enable_gqa_false_requires_equal_heads_like_sdpa():
+    q, k, v = qkv("cpu")
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=False)
+    with pytest.raises(RuntimeError, match="with enable_gqa=False, key and value must have query's number of heads 4"):
+        flashmod.attention(q, k, v, enable_gqa=False)
+    torch.testing.assert_close(
+        flashmod.attention(q, k, v, enable_gqa=True), F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    )
+    q2 = q[:, :2]
+    torch.testing.assert_close(flashmod.attention(q2, k, v, enable_gqa=False), F.scaled_dot_product_attention(q2, k, v))
+
+
+def test_bshd_errors_speak_the_callers_layout():
+    q = torch.randn(5, 4, 8)
+    k = v = torch.randn(1, 6, 2, 8)
+    bshd = r"must be a 4-D tensor \(batch, seqlen, heads, head_dim\), got a 3-D tensor of shape \[5, 4, 8\]"
+    with pytest.raises(RuntimeError, match="flashmod.flash_attn_func: q " + bshd):
+        flashmod.flash_attn_func(q, k, v)
+    with pytest.raises(RuntimeError, match="FlashAttention: q " + bshd):
+        flashmod.FlashAttention(layout="bshd")(q, k, v)
+    q = torch.randn(1, 7, 3, 8)  # 3 query heads over 2 kv heads
+    shapes = r"got q \[1, 7, 3, 8\], k \[1, 6, 2, 8\], v \[1, 6, 2, 8\] \(batch, seqlen, heads, head_dim\)"
+    with pytest.raises(RuntimeError, match=r"q's heads \(dim 2\) must be a multiple .*" + shapes):
+        flashmod.flash_attn_func(q, k, v)
+    with pytest.raises(RuntimeError, match=r"v must have k's seqlen \(dim 1\)"):
+        flashmod.FlashAttention()(torch.randn(1, 7, 2, 8), k, torch.randn(1, 5, 2, 8))
+
+
+def test_key_padding_mask_errors_name_key_padding_mask():
+    q = torch.randn(2, 7, 4, 8)
+    k = v = torch.randn(2, 6, 2, 8)
+    with pytest.raises(
+        ValueError, match=r"FlashAttention: key_padding_mask must be a bool \(batch, seqlen_k\) = \[2, 6\]"
+    ):
+        flashmod.FlashAttention()(q, k, v, key_padding_mask=torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_padding_mask must be a bool"):
+        flashmod.FlashAttention()(q, k, v, key_padding_mask=torch.ones(2, 6))
+    mha = flashmod.FlashMultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 6, 16)
+    with pytest.raises(ValueError, match=r"FlashMultiheadAttention: key_padding_mask must be \(batch, S\) with S = 6"):
+        mha(x, x, x, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("bad", [None, "numpy", [1.0, 2.0]])
+def test_non_tensor_arguments_are_type_errors(bad):
+    q, k, v = qkv("cpu")
+    value = k.numpy() if bad == "numpy" else bad
+    shown = "numpy.ndarray" if bad == "numpy" else type(bad).__qualname__
+    with pytest.raises(TypeError, match=f"flashmod.attention: key must be a torch.Tensor, got .*{shown}"):
+        flashmod.attention(q, value, v)
+    with pytest.raises(TypeError, match=f"flashmod.attention: k must be a torch.Tensor, got .*{shown}"):
+        flashmod.attention_op(q, value, v)
+    with pytest.raises(TypeError, match=f"flashmod.flash_attn_func: k must be a torch.Tensor, got .*{shown}"):
+        flashmod.flash_attn_func(q, value, v)
+    with pytest.raises(TypeError, match=f"FlashAttention: v must be a torch.Tensor, got .*{shown}"):
+        flashmod.FlashAttention()(q, k, value)
+    with pytest.raises(TypeError, match=f"flashmod.matmul_softmax: b must be a torch.Tensor, got .*{shown}"):
+        flashmod.matmul_softmax(q, value)
+    if bad is not None:
+        with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor or None"):
+            flashmod.attention(q, k, v, attn_mask=value)
+
+
+def test_tensor_scale_works_eager_and_compiled(device):
+    q, k, v = qkv(device)
+    scale = torch.tensor(0.3, device=device)
+    ref = flashmod.attention(q, k, v, scale=0.3)
+    torch.testing.assert_close(flashmod.attention(q, k, v, scale=scale), ref)
+    compiled = torch.compile(lambda q, k, v, s: flashmod.attention(q, k, v, scale=s), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, scale), ref, rtol=1e-5, atol=1e-6)
+    learned = torch.tensor(0.3, device=device, requires_grad=True)
+    out = flashmod.attention(q, k, v, scale=learned)
+    (g,) = torch.autograd.grad(out.pow(2).sum(), learned)
+    s_ref = torch.tensor(0.3, device=device, dtype=torch.float64, requires_grad=True)
+    out_ref, _ = attention_reference(q.double(), k.double(), v.double(), scale=s_ref)
+    (g_ref,) = torch.autograd.grad(out_ref.pow(2).sum(), s_ref)
+    torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(TypeError, match="scale must be a float or a 0-d float tensor"):
+        flashmod.attention(q, k, v, scale=torch.ones(2))
+
+
+@pytest.mark.parametrize("window", [(-1, 3), (3, -1), (5, 7), (-1, 2)])
+def test_flash_attn_func_window_side_over_all_keys_is_unbounded(device, window):
+    """flash-attn's mha_fwd sets a window side >= seqlen_k to -1 (unbounded)."""
+    q = torch.randn(2, 10, 4, 16, device=device)
+    k = torch.randn(2, 3, 2, 16, device=device)
+    v = torch.randn(2, 3, 2, 16, device=device)
+    out = flashmod.flash_attn_func(q, k, v, window_size=window)
+    left, right = (-1 if w >= 3 else w for w in window)
+    ref, _ = attention_reference(
+        *(t.transpose(1, 2) for t in (q, k, v)), window_left=left, window_right=right, bottom_right=True
+    )
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    if window == (-1, 3):
+        assert (out[:, :4] != 0).any(dim=-1).all(), "the first queries see every key, as in flash-attn"
