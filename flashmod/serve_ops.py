@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_float_dtype, check_fp64_on_cpu, check_same_device, check_same_dtype, check_scale
-from .ops import CUDA_MAX_HEAD_DIM, below_autograd, no_grad_needed
+from .ops import CUDA_MAX_HEAD_DIM, attention_op, below_autograd, no_grad_needed
 
 _VARLEN = "flashmod.attention_varlen"
 _KVCACHE = "flashmod.attention_kvcache"
@@ -190,6 +190,42 @@ def _left_pad_index(cu: Tensor, total: int, max_len: int) -> tuple[Tensor, Tenso
     return seq, max_len - lens[seq] + (tok - cu[:-1].long()[seq])
 
 
+def _pad_to(t: Tensor, seq: Tensor, pos: Tensor, batch: int, n: int) -> Tensor:
+    """Packed rows ``(total, H, D)`` into a zero ``(batch, H, n, D)`` view at ``(seq, pos)``."""
+    padded = t.new_zeros((batch, n, *t.shape[1:]))
+    padded[seq, pos] = t
+    return padded.transpose(1, 2)
+
+
+def varlen_forward_padded(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float | None = None,
+    is_causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """``attention_varlen``'s result through the dense attention op on a padded batch (the layout of
+    :func:`varlen_backward_padded`), differentiable through the dense op's autograd. Serves fp32 on CUDA,
+    which has no per-sequence kernel; exact, no host sync, the padding costs compute and memory."""
+    B = cu_seqlens_q.numel() - 1
+    sq, pq = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
+    sk, pk = _left_pad_index(cu_seqlens_k, k.shape[0], max_seqlen_k)
+    key_ok = torch.zeros((B, max_seqlen_k), dtype=torch.bool, device=q.device)
+    key_ok[sk, pk] = True
+    out, lse = attention_op(
+        _pad_to(q, sq, pq, B, max_seqlen_q), _pad_to(k, sk, pk, B, max_seqlen_k), _pad_to(v, sk, pk, B, max_seqlen_k),
+        key_ok[:, None, None, :], scale, is_causal, True, window_left, window_right, softcap,
+    )  # fmt: skip
+    return out.transpose(1, 2)[sq, pq], lse.transpose(1, 2)[sq, pq].t()
+
+
 def varlen_backward_padded(
     grad_out: Tensor,
     grad_lse: Tensor | None,
@@ -217,18 +253,12 @@ def varlen_backward_padded(
     no host sync (index ops from ``cu_seqlens``); the padding costs compute and memory in
     proportion to ``batch * max_seqlen`` instead of the packed total.
     """
-    B = cu_seqlens_q.numel() - 1
-    Hq, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    B, Hq = cu_seqlens_q.numel() - 1, q.shape[1]
     sq, pq = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
     sk, pk = _left_pad_index(cu_seqlens_k, k.shape[0], max_seqlen_k)
 
-    def pad(t: Tensor, seq: Tensor, pos: Tensor, n: int, heads: int) -> Tensor:
-        padded = t.new_zeros((B, n, heads, D))
-        padded[seq, pos] = t
-        return padded.transpose(1, 2)
-
-    qp, op, gop = (pad(t, sq, pq, max_seqlen_q, Hq) for t in (q, out, grad_out))
-    kp, vp = (pad(t, sk, pk, max_seqlen_k, Hkv) for t in (k, v))
+    qp, op, gop = (_pad_to(t, sq, pq, B, max_seqlen_q) for t in (q, out, grad_out))
+    kp, vp = (_pad_to(t, sk, pk, B, max_seqlen_k) for t in (k, v))
     lsep = lse.new_full((B, max_seqlen_q, Hq), float("inf"))
     lsep[sq, pq] = lse.t()
     glp = None
@@ -444,7 +474,8 @@ def flash_attn_varlen_func(
     rows of ``k``/``v``. ``max_seqlen_q``/``max_seqlen_k`` must bound every sequence (CUDA sizes its
     grid from them without reading ``cu_seqlens``). ``causal`` and ``window_size`` align each
     sequence bottom-right; sequences may be empty. Returns ``out (total_q, Hq, D)``, and with
-    ``return_lse`` also ``lse (Hq, total_q)`` fp32. Differentiable in ``q``, ``k``, ``v``.
+    ``return_lse`` also ``lse (Hq, total_q)`` fp32. Differentiable in ``q``, ``k``, ``v``. fp32 on CUDA (no
+    per-sequence kernel) runs the dense kernels on a padded copy of the batch (:func:`varlen_forward_padded`).
     """
     if dropout_p != 0.0:
         raise NotImplementedError(
@@ -454,7 +485,9 @@ def flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_size[0], window_size[1], softcap,
     )  # fmt: skip
-    if no_grad_needed(q, k, v):
+    if q.device.type == "cuda" and q.dtype == torch.float32:
+        out, lse = varlen_forward_padded(*args)
+    elif no_grad_needed(q, k, v):
         out, lse = below_autograd(torch.ops.flashmod.attention_varlen, *args)
     else:
         out, lse = torch.ops.flashmod.attention_varlen(*args)

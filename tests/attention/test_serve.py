@@ -11,7 +11,7 @@ from tolerance import assert_within_rule
 
 import flashmod
 from flashmod.reference import attention_reference
-from flashmod.serve_ops import varlen_backward_padded
+from flashmod.serve_ops import varlen_backward_padded, varlen_forward_padded
 
 VARIANTS = {
     "plain": {},
@@ -61,8 +61,8 @@ def make_varlen(lq, lk, hq, hkv, d, dtype, device, requires_grad=False):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 def test_varlen_forward_matches_each_sequence(device, dtype, variant, lengths):
-    if device == "cuda" and dtype != torch.bfloat16:
-        pytest.skip("the CUDA serving kernels take fp16/bf16 (test_varlen_cuda_rejects_fp32)")
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 is CPU-only")
     lq, lk = LENGTHS[lengths]
     q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 40, dtype, device)
     opts = opts_of(variant)
@@ -84,8 +84,6 @@ def test_varlen_forward_matches_each_sequence(device, dtype, variant, lengths):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_varlen_gradients_match_each_sequence(device, dtype, variant):
-    if device == "cuda" and dtype != torch.bfloat16:
-        pytest.skip("the CUDA serving kernels take fp16/bf16")
     lq, lk = LENGTHS["cross"]
     q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 40, dtype, device, requires_grad=True)
     opts = opts_of(variant)
@@ -116,15 +114,18 @@ def ref_grads(leaves, grad_out, opts, dtype):
     return torch.autograd.grad(ref_out, xs, grad_out.to(dtype), allow_unused=True)
 
 
-def test_varlen_lse_gradient_and_padded_backward_agree():
-    """The interim CUDA backward (dense backward on a right-aligned padded batch) equals the CPU's
-    per-sequence backward, lse gradient included (fp64, to rounding)."""
+def test_padded_paths_agree_with_the_varlen_op():
+    """The interim CUDA paths (the dense op on a right-aligned padded batch: fp32's forward, every
+    dtype's backward) equal the CPU's per-sequence forward and backward, lse and its gradient included
+    (fp64, to rounding)."""
     lq, lk = LENGTHS["cross"]
     q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 40, torch.float64, "cpu")
     for opts in (opts_of("causal"), opts_of("window"), opts_of("plain")):
         wl, wr = opts["window_size"]
         args = (None, opts["causal"], wl, wr, opts["softcap"])
         out, lse = torch.ops.flashmod.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), *args)
+        out_p, lse_p = varlen_forward_padded(q, k, v, cq, ck, max(lq), max(lk), *args)
+        assert torch.allclose(out_p, out, rtol=0, atol=1e-12) and torch.allclose(lse_p, lse, rtol=0, atol=1e-12)
         grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
         fused = torch.ops.flashmod.attention_varlen_backward(
             grad_out, grad_lse, q, k, v, out, lse, cq, ck, max(lq), max(lk), *args
@@ -310,10 +311,11 @@ def test_serving_ops_compile_fullgraph(device):
 
 
 @pytest.mark.cuda
-def test_varlen_cuda_rejects_fp32():
+def test_varlen_op_cuda_rejects_fp32():
+    """The op has fp16/bf16 kernels only (flash_attn_varlen_func pads fp32 instead)."""
     q, k, v, cq, ck = make_varlen([3], [3], 2, 2, 16, torch.float32, "cuda")
     with pytest.raises(RuntimeError, match="q must be float16 or bfloat16 on CUDA, got torch.float32"):
-        flashmod.flash_attn_varlen_func(q, k, v, cq, ck, 3, 3)
+        torch.ops.flashmod.attention_varlen(q, k, v, cq, ck, 3, 3)
 
 
 @pytest.mark.cuda
