@@ -164,15 +164,13 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q_in, const at::Tensor&
   return r;
 }
 
-PreparedServe prepare_attention_kvcache(const at::Tensor& q_in, const at::Tensor& k_cache,
-                                        const at::Tensor& v_cache,
-                                        const std::optional<at::Tensor>& k_new,
-                                        const std::optional<at::Tensor>& v_new,
-                                        const std::optional<at::Tensor>& cache_seqlens,
-                                        const std::optional<at::Tensor>& cache_batch_idx,
-                                        const std::optional<at::Tensor>& block_table,
-                                        std::optional<double> scale, bool is_causal,
-                                        int64_t window_left, int64_t window_right, double softcap) {
+PreparedServe prepare_attention_kvcache(
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+    const std::optional<at::Tensor>& cache_seqlens,
+    const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& block_table,
+    std::optional<double> scale, bool is_causal, int64_t window_left, int64_t window_right,
+    double softcap, bool append_here) {
   constexpr const char* prefix = "flashmod.attention_kvcache: ";
   const bool paged = block_table.has_value();
   const char* cache_shape = paged ? "(num_blocks, page_size, heads_k, head_dim)"
@@ -290,7 +288,7 @@ PreparedServe prepare_attention_kvcache(const at::Tensor& q_in, const at::Tensor
 
   // The append: token t of row b goes to slot cache_seqlens[b] + t of the row's cache (through
   // its page list when paged). Index ops only, so it is stream-ordered and graph-capturable.
-  if (s_new > 0) {
+  if (append_here && s_new > 0) {
     const auto long_opts = q_in.options().dtype(at::kLong);
     const at::Tensor pos =
         cache_seqlens->to(at::kLong).unsqueeze(1) + at::arange(s_new, long_opts).unsqueeze(0);
@@ -317,7 +315,8 @@ PreparedServe prepare_attention_kvcache(const at::Tensor& q_in, const at::Tensor
   r.out = at::empty_like(r.q);
   r.lse = at::empty({B, Hq, Sq}, r.q.options().dtype(at::kFloat));
   if (cache_seqlens.has_value()) {
-    r.seqused_k = (*cache_seqlens + s_new).to(at::kInt).contiguous();
+    r.seqused_k = append_here ? (*cache_seqlens + s_new).to(at::kInt).contiguous()
+                              : at::empty({B}, cache_seqlens->options());
   }
   if (cache_batch_idx.has_value()) r.kv_batch_idx = cache_batch_idx->contiguous();
   if (paged) r.block_table = block_table->contiguous();
