@@ -17,7 +17,7 @@ as TFLOP/s and as a fraction of the device's copy rate, measured in the same run
 written) as the K/V bytes each step reads.
 
 Every contender's output is checked against flashmod's before it is timed. Results (JSON) go to
-build/bench/serve_<group>.json.
+build/bench/serve_<group>.json (or --out-dir).
 """
 
 from __future__ import annotations
@@ -193,9 +193,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs")
     parser.add_argument("--reps", type=int, default=20, help="timed rounds (the median is reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sequence lengths")
+    parser.add_argument("--out-dir", default=None, help="where the JSON files go (default: build/bench)")
     args = parser.parse_args()
     dev, dtype = args.device, torch.bfloat16
-    out_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "bench")
+    default_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "bench")
+    out_dir = args.out_dir or default_dir
     print(f"serving ops on {harness.device_name(dev)}, bf16")
     gen = torch.Generator().manual_seed(args.seed)
     if args.group in ("varlen", "all"):

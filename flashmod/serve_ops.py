@@ -190,6 +190,44 @@ def _left_pad_index(cu: Tensor, total: int, max_len: int) -> tuple[Tensor, Tenso
     return seq, max_len - lens[seq] + (tok - cu[:-1].long()[seq])
 
 
+def _pad_to(t: Tensor, seq: Tensor, pos: Tensor, batch: int, n: int) -> Tensor:
+    """Packed rows ``(total, H, D)`` into a zero ``(batch, H, n, D)`` view at ``(seq, pos)``."""
+    padded = t.new_zeros((batch, n, *t.shape[1:]))
+    padded[seq, pos] = t
+    return padded.transpose(1, 2)
+
+
+def varlen_forward_padded(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float | None = None,
+    is_causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """``attention_varlen``'s result through the dense attention op on a padded batch (the layout of
+    :func:`varlen_backward_padded`), differentiable through the dense op's autograd. Serves fp32 on CUDA,
+    which has no per-sequence kernel (a warning says so); exact, no host sync, the padding costs compute
+    and memory."""
+    _warn_fp32_varlen_once()
+    B = cu_seqlens_q.numel() - 1
+    sq, pq = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
+    sk, pk = _left_pad_index(cu_seqlens_k, k.shape[0], max_seqlen_k)
+    key_ok = torch.zeros((B, max_seqlen_k), dtype=torch.bool, device=q.device)
+    key_ok[sk, pk] = True
+    out, lse = attention_op(
+        _pad_to(q, sq, pq, B, max_seqlen_q), _pad_to(k, sk, pk, B, max_seqlen_k), _pad_to(v, sk, pk, B, max_seqlen_k),
+        key_ok[:, None, None, :], scale, is_causal, True, window_left, window_right, softcap,
+    )  # fmt: skip
+    return out.transpose(1, 2)[sq, pq], lse.transpose(1, 2)[sq, pq].t()
+
+
 def varlen_backward_padded(
     grad_out: Tensor,
     grad_lse: Tensor | None,
@@ -217,18 +255,12 @@ def varlen_backward_padded(
     no host sync (index ops from ``cu_seqlens``); the padding costs compute and memory in
     proportion to ``batch * max_seqlen`` instead of the packed total.
     """
-    B = cu_seqlens_q.numel() - 1
-    Hq, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    B, Hq = cu_seqlens_q.numel() - 1, q.shape[1]
     sq, pq = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
     sk, pk = _left_pad_index(cu_seqlens_k, k.shape[0], max_seqlen_k)
 
-    def pad(t: Tensor, seq: Tensor, pos: Tensor, n: int, heads: int) -> Tensor:
-        padded = t.new_zeros((B, n, heads, D))
-        padded[seq, pos] = t
-        return padded.transpose(1, 2)
-
-    qp, op, gop = (pad(t, sq, pq, max_seqlen_q, Hq) for t in (q, out, grad_out))
-    kp, vp = (pad(t, sk, pk, max_seqlen_k, Hkv) for t in (k, v))
+    qp, op, gop = (_pad_to(t, sq, pq, B, max_seqlen_q) for t in (q, out, grad_out))
+    kp, vp = (_pad_to(t, sk, pk, B, max_seqlen_k) for t in (k, v))
     lsep = lse.new_full((B, max_seqlen_q, Hq), float("inf"))
     lsep[sq, pq] = lse.t()
     glp = None
@@ -243,42 +275,6 @@ def varlen_backward_padded(
         is_causal, True, window_left, window_right, softcap,
     )  # fmt: skip
     return dq.transpose(1, 2)[sq, pq], dk.transpose(1, 2)[sk, pk], dv.transpose(1, 2)[sk, pk]
-
-
-def varlen_forward_padded(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float | None,
-    is_causal: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-) -> tuple[Tensor, Tensor]:
-    """``flash_attn_varlen_func`` for float32 on CUDA, where no variable-length kernel exists: the
-    dense ``flashmod.attention`` (fp32-accurate kernels, differentiable) on the padded layout of
-    :func:`varlen_backward_padded` (sequences right-aligned, a key-padding mask), unpadded after.
-    Exact, no host sync; costs ``batch * max_seqlen`` rows instead of the packed total."""
-    _warn_fp32_varlen_once()
-    B = cu_seqlens_q.numel() - 1
-    sq, pq = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
-    sk, pk = _left_pad_index(cu_seqlens_k, k.shape[0], max_seqlen_k)
-
-    def pad(t: Tensor, seq: Tensor, pos: Tensor, n: int) -> Tensor:
-        return t.new_zeros((B, n, t.shape[1], t.shape[2])).index_put((seq, pos), t).transpose(1, 2)
-
-    key_ok = torch.zeros((B, max_seqlen_k), dtype=torch.bool, device=q.device).index_put(
-        (sk, pk), torch.ones_like(sk, dtype=torch.bool)
-    )
-    out, lse = attention_op(
-        pad(q, sq, pq, max_seqlen_q), pad(k, sk, pk, max_seqlen_k), pad(v, sk, pk, max_seqlen_k),
-        key_ok[:, None, None, :], scale, is_causal, True, window_left, window_right, softcap,
-    )  # fmt: skip
-    return out.transpose(1, 2)[sq, pq], lse.transpose(1, 2)[sq, pq].t()
 
 
 @functools.cache
@@ -489,8 +485,8 @@ def flash_attn_varlen_func(
     rows of ``k``/``v``. ``max_seqlen_q``/``max_seqlen_k`` must bound every sequence (CUDA sizes its
     grid from them without reading ``cu_seqlens``). ``causal`` and ``window_size`` align each
     sequence bottom-right; sequences may be empty. Returns ``out (total_q, Hq, D)``, and with
-    ``return_lse`` also ``lse (Hq, total_q)`` fp32. Differentiable in ``q``, ``k``, ``v``. float32 on
-    CUDA has no variable-length kernel: it runs the dense kernels on a padded copy (a warning says so).
+    ``return_lse`` also ``lse (Hq, total_q)`` fp32. Differentiable in ``q``, ``k``, ``v``. fp32 on CUDA (no
+    per-sequence kernel) runs the dense kernels on a padded copy of the batch (:func:`varlen_forward_padded`).
     """
     if dropout_p != 0.0:
         raise NotImplementedError(

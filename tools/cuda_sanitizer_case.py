@@ -50,8 +50,32 @@ def main() -> None:
                 os.environ.update(knobs)
                 attention_op(q, k, k, is_causal=True)
                 attention_op(q, k, k, torch.rand(3, 700, device="cuda") > 0.5, softcap=3.0)
+    serving_ops()
     torch.cuda.synchronize()
     print("sanitizer case done")
+
+
+def serving_ops() -> None:
+    """The per-sequence kernel variants: varlen (empty and odd sequences), contiguous and paged caches
+    (pages of 16 rows per row lookup, 64 per block lookup) with the append kernel."""
+    import flashmod
+
+    for dtype in (torch.bfloat16, torch.float16):
+        lengths = [17, 0, 130, 1]
+        cu = torch.tensor([0, 17, 17, 147, 148], dtype=torch.int32, device="cuda")
+        q, k, v = (torch.randn(sum(lengths), h, 64, device="cuda", dtype=dtype) for h in (4, 2, 2))
+        flashmod.flash_attn_varlen_func(q, k, v, cu, cu, 130, 130, causal=True)
+        flashmod.flash_attn_varlen_func(q, k, v, cu, cu, 130, 130, window_size=(9, 2), softcap=5.0)
+        for page in (16, 64):
+            pages = 256 // page
+            k_pool, v_pool = (torch.randn(3 * pages, page, 2, 128, device="cuda", dtype=dtype) for _ in range(2))
+            table = torch.randperm(3 * pages, device="cuda").to(torch.int32).reshape(3, pages)
+            qd = torch.randn(3, 1, 8, 128, device="cuda", dtype=dtype)
+            kn, vn = (torch.randn(3, 1, 2, 128, device="cuda", dtype=dtype) for _ in range(2))
+            seqlens = torch.tensor([0, 100, 255], dtype=torch.int32, device="cuda")
+            flashmod.flash_attn_with_kvcache(qd, k_pool, v_pool, kn, vn, seqlens, block_table=table, causal=True)
+            k_cache, v_cache = (t.reshape(3, 256, 2, 128) for t in (k_pool.clone(), v_pool.clone()))
+            flashmod.flash_attn_with_kvcache(qd, k_cache, v_cache, kn, vn, seqlens, causal=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build (all cores, sm_80 + sm_90a), tests, benchmarks.
-# Usage: bash tools/gpu_check.sh [tests|bench|softmax|all]   (logs go to $OUT, or ./gpu_logs)
+# Usage: bash tools/gpu_check.sh [tests|bench|softmax|serve|all]   (logs go to $OUT, or ./gpu_logs)
 #   TEST_M      pytest -m expression (default: cuda, every test that runs on the GPU)
 #   BENCH_ARGS  arguments of bench_attention.py (default: the speed-bar subset, all backends)
 #   TEST_SECONDS / BENCH_SECONDS   time limits
@@ -37,6 +37,10 @@ if [[ $what == bench || $what == all ]]; then
   timeout ${BENCH_SECONDS:-200} python benchmarks/bench_attention.py --out-dir "$OUT" --tag cuda-attention \
     ${BENCH_ARGS:---kinds paper,gqa,padding --dtypes bf16,fp16 --dims 64,128 --min-n 1024 --portable} 2>/dev/null |
     tee "$OUT/attention-bench.log" | tail -45
+fi
+if [[ $what == serve ]]; then  # not in "all": the serving benchmark takes minutes
+  timeout ${SERVE_SECONDS:-400} python benchmarks/bench_serve.py --out-dir "$OUT" 2>&1 |
+    tee "$OUT/serve-bench.log" | tail -40
 fi
 if [[ $what == softmax || $what == all ]]; then
   timeout ${SOFTMAX_SECONDS:-75} python benchmarks/bench_softmax.py --device cuda --out "$OUT/cuda-softmax.json" 2>&1 |

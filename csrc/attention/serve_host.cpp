@@ -170,7 +170,7 @@ PreparedServe prepare_attention_kvcache(
     const std::optional<at::Tensor>& cache_seqlens,
     const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& block_table,
     std::optional<double> scale, bool is_causal, int64_t window_left, int64_t window_right,
-    double softcap, bool aligned_cache_rows) {
+    double softcap, bool append_here) {
   constexpr const char* prefix = "flashmod.attention_kvcache: ";
   const bool paged = block_table.has_value();
   const char* cache_shape = paged ? "(num_blocks, page_size, heads_k, head_dim)"
@@ -188,15 +188,6 @@ PreparedServe prepare_attention_kvcache(
                                                   " must have stride 1 in its last dimension "
                                                   "(it is updated in place), got strides ",
                                                   t->strides()));
-    if (aligned_cache_rows) {
-      bool aligned = reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
-      for (int64_t d = 0; d + 1 < t->dim(); ++d) aligned = aligned && t->stride(d) % 8 == 0;
-      TORCH_CHECK(aligned, error_message(prefix, name,
-                                         " must have 16-byte aligned rows on CUDA (data pointer "
-                                         "and strides multiples of 8 elements; head_dim % 8 == 0), "
-                                         "got strides ",
-                                         t->strides()));
-    }
   }
   check_dtype(prefix, q_in, k_cache, v_cache, "k_cache", "v_cache");
   const int64_t B = q_in.size(0), Sq = q_in.size(1), Hq = q_in.size(2), D = q_in.size(3);
@@ -297,7 +288,7 @@ PreparedServe prepare_attention_kvcache(
 
   // The append: token t of row b goes to slot cache_seqlens[b] + t of the row's cache (through
   // its page list when paged). Index ops only, so it is stream-ordered and graph-capturable.
-  if (s_new > 0) {
+  if (append_here && s_new > 0) {
     const auto long_opts = q_in.options().dtype(at::kLong);
     const at::Tensor pos =
         cache_seqlens->to(at::kLong).unsqueeze(1) + at::arange(s_new, long_opts).unsqueeze(0);
@@ -324,7 +315,8 @@ PreparedServe prepare_attention_kvcache(
   r.out = at::empty_like(r.q);
   r.lse = at::empty({B, Hq, Sq}, r.q.options().dtype(at::kFloat));
   if (cache_seqlens.has_value()) {
-    r.seqused_k = (*cache_seqlens + s_new).to(at::kInt).contiguous();
+    r.seqused_k = append_here ? (*cache_seqlens + s_new).to(at::kInt).contiguous()
+                              : at::empty({B}, cache_seqlens->options());
   }
   if (cache_batch_idx.has_value()) r.kv_batch_idx = cache_batch_idx->contiguous();
   if (paged) r.block_table = block_table->contiguous();

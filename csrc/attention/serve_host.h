@@ -36,15 +36,15 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q, const at::Tensor& k,
 // caches at cache_seqlens (int32 (B)) before the attention, which then covers
 // cache_seqlens + S_new keys per row (all S_cache / max_pages * page_size without
 // cache_seqlens). cache_batch_idx (int32 (B)) picks each row's cache row (contiguous caches).
-// The append runs here, with device-side index ops (no host sync), after every check, so a
-// refused call writes nothing; aligned_cache_rows adds the CUDA kernels' requirement that the
-// caches' rows start 16-byte aligned (they are read in place: a copy would cost the whole cache).
+// append_here: the append and seqused_k (cache_seqlens + S_new) are done here with index ops (no
+// host sync); otherwise seqused_k is allocated unfilled and the caller appends and fills it (CUDA:
+// one kernel) before the attention runs.
 PreparedServe prepare_attention_kvcache(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
     const std::optional<at::Tensor>& cache_seqlens,
     const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& block_table,
     std::optional<double> scale, bool is_causal, int64_t window_left, int64_t window_right,
-    double softcap, bool aligned_cache_rows = false);
+    double softcap, bool append_here = true);
 
 }  // namespace flashmod

@@ -11,7 +11,7 @@ from tolerance import assert_within_rule
 
 import flashmod
 from flashmod.reference import attention_reference
-from flashmod.serve_ops import varlen_backward_padded
+from flashmod.serve_ops import varlen_backward_padded, varlen_forward_padded
 
 VARIANTS = {
     "plain": {},
@@ -84,8 +84,6 @@ def test_varlen_forward_matches_each_sequence(device, dtype, variant, lengths):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_varlen_gradients_match_each_sequence(device, dtype, variant):
-    if device == "cuda" and dtype != torch.bfloat16:
-        pytest.skip("the CUDA serving kernels take fp16/bf16")
     lq, lk = LENGTHS["cross"]
     q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 40, dtype, device, requires_grad=True)
     opts = opts_of(variant)
@@ -116,15 +114,18 @@ def ref_grads(leaves, grad_out, opts, dtype):
     return torch.autograd.grad(ref_out, xs, grad_out.to(dtype), allow_unused=True)
 
 
-def test_varlen_lse_gradient_and_padded_backward_agree():
-    """The interim CUDA backward (dense backward on a right-aligned padded batch) equals the CPU's
-    per-sequence backward, lse gradient included (fp64, to rounding)."""
+def test_padded_paths_agree_with_the_varlen_op():
+    """The interim CUDA paths (the dense op on a right-aligned padded batch: fp32's forward, every
+    dtype's backward) equal the CPU's per-sequence forward and backward, lse and its gradient included
+    (fp64, to rounding)."""
     lq, lk = LENGTHS["cross"]
     q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 40, torch.float64, "cpu")
     for opts in (opts_of("causal"), opts_of("window"), opts_of("plain")):
         wl, wr = opts["window_size"]
         args = (None, opts["causal"], wl, wr, opts["softcap"])
         out, lse = torch.ops.flashmod.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), *args)
+        out_p, lse_p = varlen_forward_padded(q, k, v, cq, ck, max(lq), max(lk), *args)
+        assert torch.allclose(out_p, out, rtol=0, atol=1e-12) and torch.allclose(lse_p, lse, rtol=0, atol=1e-12)
         grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
         fused = torch.ops.flashmod.attention_varlen_backward(
             grad_out, grad_lse, q, k, v, out, lse, cq, ck, max(lq), max(lk), *args
@@ -198,8 +199,20 @@ def test_kvcache_appends_in_place_and_attends_to_valid_keys(device, variant, sq)
             plain, _ = reference(q[b], ks, vs, opts, dtype)
             assert_within_rule(out[b], truth, plain, 2, dtype, f"out of row {b}")
             if device == "cpu":
-                dense = flashmod.flash_attn_func(q[b : b + 1], ks[None], vs[None], **opts)
-                assert torch.equal(out[b], dense[0]), f"row {b}: differs from flashmod.attention"
+                # The op itself: flash_attn_func would, like flash-attn, drop a window side that
+                # reaches past this row's few keys, where the cache call (again like flash-attn's)
+                # judges the window against the cache's capacity.
+                wl, wr = opts["window_size"]
+                dense, _ = flashmod.attention_op(
+                    q[b : b + 1].transpose(1, 2),
+                    ks[None].transpose(1, 2),
+                    vs[None].transpose(1, 2),
+                    is_causal=opts["causal"],
+                    window_left=wl,
+                    window_right=wr,
+                    softcap=opts["softcap"],
+                )
+                assert torch.equal(out[b], dense[0].transpose(0, 1)), f"row {b}: differs from flashmod.attention"
 
 
 @pytest.mark.parametrize("page_size", [16, 48, 64, 256])

@@ -22,6 +22,7 @@
 #include "entry_points.h"
 #include "generated/kernel_variants.h"
 #include "host_alignment.h"
+#include "kvcache_append.h"
 
 namespace flashmod {
 namespace {
@@ -149,14 +150,57 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_cuda(
     double softcap) {
   const c10::cuda::CUDAGuard guard(q.device());
   constexpr const char* op = "flashmod.attention_kvcache";
-  // Checked before the shared preparation, which appends to the caches: nothing is written
-  // when a call is refused.
+  // Every check runs before the append kernel below: a refused call writes nothing.
   check_cuda_inputs(op, q);
   PreparedServe r =
       prepare_attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                                 block_table, scale, is_causal, window_left, window_right, softcap,
-                                /*aligned_cache_rows=*/true);
+                                /*append_here=*/false);
+  // The caches are read in place (a copy would cost the whole cache per step); their layout was
+  // checked by the shared preparation.
+  for (auto [name, t] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache}}) {
+    TORCH_CHECK(rows_aligned16_any(*t),
+                error_message(op, ": ", name,
+                              " must have 16-byte aligned rows on CUDA (data pointer and "
+                              "strides multiples of 8 elements; head_dim % 8 == 0), got strides ",
+                              t->strides()));
+  }
   AttentionParams& p = r.params;
+  if (r.seqused_k.defined()) {
+    // The append and the valid lengths in one kernel, queued before the attention.
+    cuda_kernels::KvAppendArgs a;
+    const at::Tensor seqlens = cache_seqlens->contiguous();
+    a.cache_seqlens = seqlens.data_ptr<int32_t>();
+    a.kv_batch_idx = p.kv_batch_idx;
+    a.block_table = p.block_table;
+    a.block_table_batch_stride = p.block_table_batch_stride;
+    a.page_size = p.page_size;
+    a.seqused_k = r.seqused_k.data_ptr<int32_t>();
+    a.batch = p.batch, a.heads_kv = p.heads_kv, a.head_dim = p.head_dim;
+    a.k_cache = k_cache.data_ptr(), a.v_cache = v_cache.data_ptr();
+    a.kc_batch_stride = k_cache.stride(0), a.kc_row_stride = k_cache.stride(1);
+    a.kc_head_stride = k_cache.stride(2);
+    a.vc_batch_stride = v_cache.stride(0), a.vc_row_stride = v_cache.stride(1);
+    a.vc_head_stride = v_cache.stride(2);
+    at::Tensor kn, vn;  // rows read as contiguous vectors; kept alive until the launch is queued
+    if (k.has_value()) {
+      kn = k->stride(-1) == 1 ? *k : k->contiguous();
+      vn = v->stride(-1) == 1 ? *v : v->contiguous();
+      a.s_new = kn.size(1);
+      a.k_new = kn.data_ptr(), a.v_new = vn.data_ptr();
+      a.kn_batch_stride = kn.stride(0), a.kn_row_stride = kn.stride(1);
+      a.kn_head_stride = kn.stride(2);
+      a.vn_batch_stride = vn.stride(0), a.vn_row_stride = vn.stride(1);
+      a.vn_head_stride = vn.stride(2);
+    }
+    const cudaError_t err = cuda_kernels::run_kvcache_append(a, at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err != cudaErrorInvalidConfiguration,
+                error_message(op,
+                              ": too many new tokens for one append launch (seqlen_new * "
+                              "heads_k must be <= ",
+                              int64_t{65535} * 64, ")"));
+    C10_CUDA_CHECK(err);
+  }
   if (!rows_aligned16_any(r.q)) {
     r.q = aligned_rows_copy(r.q);
     p.q = r.q.data_ptr();
