@@ -14,12 +14,14 @@ if ! MAX_JOBS=$(nproc) FLASHMOD_CUDA_ARCHS="80;90a" python3 setup.py build_ext -
 fi
 echo "build: $(($(date +%s) - start)) s"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-timeout "${TEST_SECONDS:-420}" python3 -m pytest tests -q -n 12 -p no:cacheprovider -m "${TEST_M:-cuda}" 2>&1 |
-  grep -v -i warn | tee "$OUT/tests.log" | tail -15
+timeout "${TEST_SECONDS:-420}" python3 -m pytest tests -q -n 12 -p no:cacheprovider -m "${TEST_M:-cuda}" --tb=line \
+  >"$OUT/tests.log" 2>&1
+grep -E "^E |FAILED|ERROR| passed| failed" "$OUT/tests.log" | tail -25
 for mode in fwdbwd fwd; do
   timeout "${BENCH_SECONDS:-240}" python3 benchmarks/bench_attention.py --mode $mode --quick --kinds paper,gqa,padding \
     --dtypes bf16,fp16 --dims 64,128,256 --min-n 1024 --out-dir "$OUT" --tag "cuda-$mode" 2>/dev/null |
-    tee "$OUT/bench-$mode.log" | tail -8
+    grep -E "geomean|^paper|^gqa|^padding" | tail -40
 done
-timeout 150 python3 benchmarks/bench_serve.py --reps 10 > "$OUT/bench-serve.log" 2>&1; tail -25 "$OUT/bench-serve.log"
-timeout 150 python3 examples/hf_train.py --device cuda > "$OUT/hf-train.log" 2>&1; tail -6 "$OUT/hf-train.log"
+timeout 200 python3 benchmarks/bench_serve.py --reps 10 > "$OUT/bench-serve.log" 2>&1; grep -E "geomean|fraction|: flashmod" "$OUT/bench-serve.log" | tail -30
+timeout 150 python3 examples/hf_train.py --device cuda > "$OUT/hf-train.log" 2>&1; tail -4 "$OUT/hf-train.log"
+rm -f "$OUT"/*.png  # at most 8 files come back: the plots are redrawn from the JSON
