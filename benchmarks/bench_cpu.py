@@ -31,6 +31,8 @@ import flashmod  # noqa: F401  (loads the operators)
 SHAPES = [(1, 16, 512, 64), (1, 16, 1024, 64), (1, 8, 2048, 128), (1, 8, 4096, 64), (1, 16, 1024, 128)]
 QUICK_SHAPES = [(1, 16, 512, 64), (1, 8, 2048, 128)]
 SMOKE_SHAPES = [(1, 2, 64, 32)]
+# Environment variables that make a wider CPU run an instruction-set class's code (recorded as set).
+FORCING_KNOBS = ("FLASHMOD_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
 def cpu_shapes(mode: str, dtypes: list[str], quick: bool, smoke: bool) -> list[dict]:
@@ -107,6 +109,7 @@ def main() -> None:
         flashmod_kernel=flashmod_cpu_kernel(),
         torch=torch.__version__,
         torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        env={k: os.environ[k] for k in FORCING_KNOBS if k in os.environ},
     )
     print(
         f"CPU: {meta['cpu']}; threads: {meta['threads']}; flashmod kernel: {meta['flashmod_kernel']}; "

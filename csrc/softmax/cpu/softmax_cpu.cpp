@@ -50,19 +50,23 @@ constexpr int kLanes = 8;
 #include "softmax_rows_impl.h"
 }  // namespace w8
 
-#define FLASHMOD_SHARED_ROW_KERNELS(SUFFIX, TARGET, NS)                                         \
-  TARGET void softmax_f32_##SUFFIX(const float* x, float* y, int64_t n, float s, float* cm) {   \
-    NS::softmax_row_impl(x, y, n, s, cm);                                                       \
-  }                                                                                             \
-  TARGET void softmax_strided_f32_##SUFFIX(const float* x, float* y, int64_t n, int64_t stride, \
-                                           int64_t lanes) {                                     \
-    NS::softmax_strided_groups(x, y, n, stride, lanes);                                         \
-  }                                                                                             \
-  TARGET void bf16_to_f32_##SUFFIX(const c10::BFloat16* s, float* d, int64_t n) {               \
-    NS::bf16_to_f32_impl(s, d, n);                                                              \
-  }                                                                                             \
-  TARGET void f32_to_bf16_##SUFFIX(const float* s, c10::BFloat16* d, int64_t n) {               \
-    NS::f32_to_bf16_impl(s, d, n);                                                              \
+#define FLASHMOD_SHARED_ROW_KERNELS(SUFFIX, TARGET, NS)                                            \
+  TARGET void softmax_f32_##SUFFIX(const float* x, float* y, int64_t n, float s, float* cm) {      \
+    NS::softmax_row_impl(x, y, n, s, cm);                                                          \
+  }                                                                                                \
+  TARGET void softmax_bf16_##SUFFIX(const c10::BFloat16* x, float* e, c10::BFloat16* y, int64_t n, \
+                                    float s, float* cm) {                                          \
+    NS::softmax_row_impl(x, e, n, s, cm, y);                                                       \
+  }                                                                                                \
+  TARGET void softmax_strided_f32_##SUFFIX(const float* x, float* y, int64_t n, int64_t stride,    \
+                                           int64_t lanes) {                                        \
+    NS::softmax_strided_groups(x, y, n, stride, lanes);                                            \
+  }                                                                                                \
+  TARGET void bf16_to_f32_##SUFFIX(const c10::BFloat16* s, float* d, int64_t n) {                  \
+    NS::bf16_to_f32_impl(s, d, n);                                                                 \
+  }                                                                                                \
+  TARGET void f32_to_bf16_##SUFFIX(const float* s, c10::BFloat16* d, int64_t n) {                  \
+    NS::f32_to_bf16_impl(s, d, n);                                                                 \
   }
 
 #define FLASHMOD_TARGET_AVX512 \
@@ -125,30 +129,17 @@ RowKernels pick_row_kernels() {
       want.empty() || want == "baseline" || use_avx2, "FLASHMOD_CPU_ISA='", want,
       "' is not a known ISA or not supported by this CPU; allowed: amx, avx512, avx2, baseline");
   if (use_avx512) {
-    return {softmax_f32_avx512,
-            softmax_strided_f32_avx512,
-            bf16_to_f32_avx512,
-            f32_to_bf16_avx512,
-            f16_to_f32_avx512,
-            f32_to_f16_avx512,
-            "avx512"};
+    return {softmax_f32_avx512, softmax_bf16_avx512, softmax_strided_f32_avx512, bf16_to_f32_avx512,
+            f32_to_bf16_avx512, f16_to_f32_avx512,   f32_to_f16_avx512,          "avx512"};
   }
   if (use_avx2) {
-    return {softmax_f32_avx2,
-            softmax_strided_f32_avx2,
-            bf16_to_f32_avx2,
-            f32_to_bf16_avx2,
-            f16_to_f32_avx2,
-            f32_to_f16_avx2,
-            "avx2"};
+    return {softmax_f32_avx2, softmax_bf16_avx2, softmax_strided_f32_avx2, bf16_to_f32_avx2,
+            f32_to_bf16_avx2, f16_to_f32_avx2,   f32_to_f16_avx2,          "avx2"};
   }
-  return {softmax_f32_baseline,
-          softmax_strided_f32_baseline,
-          bf16_to_f32_baseline,
-          f32_to_bf16_baseline,
-          f16_to_f32_baseline,
-          f32_to_f16_baseline,
-          "baseline"};
+  return {softmax_f32_baseline,         softmax_bf16_baseline,
+          softmax_strided_f32_baseline, bf16_to_f32_baseline,
+          f32_to_bf16_baseline,         f16_to_f32_baseline,
+          f32_to_f16_baseline,          "baseline"};
 }
 
 // fp64 exists for gradcheck: a scalar loop per row, strided rows gathered into a contiguous buffer.
@@ -188,6 +179,8 @@ void softmax_cpu_typed(const SoftmaxParams& p) {
           for (int64_t r = begin; r < end; ++r) {
             if constexpr (kF32) {
               k.softmax_f32(x + r * n, y + r * n, n, 1.0f, chunk_max.data());
+            } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+              k.softmax_bf16(x + r * n, row.data(), y + r * n, n, 1.0f, chunk_max.data());
             } else {
               to_f32(k, x + r * n, row.data(), n);
               k.softmax_f32(row.data(), row.data(), n, 1.0f, chunk_max.data());

@@ -17,6 +17,9 @@ struct RowKernels {
   // all -inf becomes all zeros; a NaN anywhere makes the whole row NaN. chunk_max needs
   // chunk_max_floats(n) floats of scratch.
   void (*softmax_f32)(const float* x, float* y, int64_t n, float scale, float* chunk_max);
+  // The same for bf16 rows; e is n floats of scratch.
+  void (*softmax_bf16)(const c10::BFloat16* x, float* e, c10::BFloat16* y, int64_t n, float scale,
+                       float* chunk_max);
   // `lanes` (<= 16) neighbouring rows of n elements, element d of row l at x[d * stride + l].
   void (*softmax_strided_f32)(const float* x, float* y, int64_t n, int64_t stride, int64_t lanes);
   void (*bf16_to_f32)(const c10::BFloat16* src, float* dst, int64_t n);
