@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int nt = 0; nt < kKTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] += s_small[nt][e];
+      for (int e = 0; e < 4; ++e) s[nt][e] = add_small_terms(s[nt][e], s_small[nt][e]);
     // Every warp has read K_j: its buffers can take K_{j+1}, which lands while P V_j runs.
     __syncthreads();
     if (n + 1 < range.hi) load_kv(sK, gp.k, p.k_row_stride, n + 1);
@@ -259,7 +259,8 @@ __global__ void __launch_bounds__(kThreads, 2)
                          lds_32(sVlo + off), lds_32(sVlo + off + kLd));
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[dt][e] = fmaf(o[dt][e], alpha[e / 2], pv[e] + pv_small[e]);
+      for (int e = 0; e < 4; ++e)
+        o[dt][e] = fmaf(o[dt][e], alpha[e / 2], add_small_terms(pv[e], pv_small[e]));
     }
     // Every warp has read V_j: its buffers can take V_{j+1}, which lands while S_{j+1} runs.
     __syncthreads();

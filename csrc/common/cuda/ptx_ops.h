@@ -170,6 +170,13 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+// big + small of a 3xTF32 product (mma_3xtf32_apart): where the big term is infinite the small
+// ones (a_lo * inf, of either sign) carry nothing and could only turn it into NaN where the plain
+// fp32 product is +-inf. The test is on the bits, which fast math cannot fold away.
+__device__ __forceinline__ float add_small_terms(float big, float small) {
+  return (__float_as_uint(big) & 0x7fffffffu) == 0x7f800000u ? big : big + small;
+}
+
 // As mma_3xtf32, with the small terms (a_lo * b_hi + a_hi * b_lo) in their own accumulator: two
 // independent mma chains instead of one, and the small terms are not rounded against the large
 // running sum. The caller adds big + small once, in fp32.
