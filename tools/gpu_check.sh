@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build (all cores, sm_80 + sm_90a), tests, benchmarks.
-# Usage: bash tools/gpu_check.sh [tests|bench|softmax|serve|all]   (logs go to $OUT, or ./gpu_logs)
+# Usage: bash tools/gpu_check.sh [tests|bench|softmax|serve|all|session]   (logs go to $OUT, or ./gpu_logs)
+#   session: the whole CUDA suite (failures by their first line), forward and forward+backward
+#            benchmarks (geomeans; the JSON holds the tables), serving, the CUDA training example;
+#            leaves at most 8 files in $OUT (what the device tool brings back)
 #   TEST_M      pytest -m expression (default: cuda, every test that runs on the GPU)
 #   BENCH_ARGS  arguments of bench_attention.py (default: the speed-bar subset, all backends)
 #   TEST_SECONDS / BENCH_SECONDS   time limits
@@ -17,9 +20,11 @@ if ! MAX_JOBS=$(nproc) FLASHMOD_CUDA_ARCHS="80;90a" python setup.py build_ext --
 fi
 echo "build: $(($(date +%s) - start)) s"
 # The Hopper kernel must be wgmma (HGMMA) in the machine code, not an mma.sync fallback.
-obj=$(find build -name 'fwd_sm90_bf16_hd128.o' | head -1)
-[[ -n $obj ]] && echo "HGMMA in sm90 object: $(cuobjdump --dump-sass "$obj" 2>/dev/null | grep -c HGMMA)"
-export PYTHONPATH=$PWD
+for unit in fwd_sm90_bf16_hd128 bwd_sm90_bf16_hd128; do
+  obj=$(find build -name "$unit.o" | head -1)
+  [[ -n $obj ]] && echo "HGMMA in $unit: $(cuobjdump --dump-sass "$obj" 2>/dev/null | grep -c HGMMA)"
+done
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
 # A bad input must raise, not crash the process (it once did on this image).
 python -c "
 import torch, flashmod
@@ -45,4 +50,18 @@ fi
 if [[ $what == softmax || $what == all ]]; then
   timeout ${SOFTMAX_SECONDS:-75} python benchmarks/bench_softmax.py --device cuda --out "$OUT/cuda-softmax.json" 2>&1 |
     tee "$OUT/softmax-bench.log" | tail -30
+fi
+if [[ $what == session ]]; then
+  timeout "${TEST_SECONDS:-420}" python -m pytest tests -q -n 12 -p no:cacheprovider -m "${TEST_M:-cuda}" --tb=line \
+    >"$OUT/tests.log" 2>&1
+  grep -E "^E |FAILED|ERROR| passed| failed" "$OUT/tests.log" | tail -25
+  for mode in fwdbwd fwd; do
+    timeout "${BENCH_SECONDS:-240}" python benchmarks/bench_attention.py --mode $mode --quick --kinds paper,gqa,padding \
+      --dtypes bf16,fp16 --dims 64,128,256 --min-n 1024 --out-dir "$OUT" --tag "cuda-$mode" 2>/dev/null | grep geomean
+  done
+  timeout 200 python benchmarks/bench_serve.py --reps 10 >"$OUT/bench-serve.log" 2>&1
+  grep -E "geomean|fraction|: flashmod" "$OUT/bench-serve.log" | tail -30
+  timeout 150 python examples/hf_train.py --device cuda >"$OUT/hf-train.log" 2>&1
+  tail -4 "$OUT/hf-train.log"
+  rm -f "$OUT"/*.png  # at most 8 files come back: the plots are redrawn from the JSON
 fi
