@@ -6,6 +6,8 @@ expected and what came."""
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 
 import torch
 from torch import Tensor
@@ -111,3 +113,28 @@ def check_mask(op: str, attn_mask: Tensor | None, ref: Tensor, ref_name: str, ta
             f"got shape {list(attn_mask.shape)}"
         ),
     )
+
+
+def check_window(op: str, window_size: object) -> tuple[int, int]:
+    """``window_size`` as a pair of ints ``(left, right)``; anything else (an int, None, floats)
+    raises a TypeError naming the argument and what came."""
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    ok = ok and all(isinstance(w, (numbers.Integral, torch.SymInt)) and not isinstance(w, bool) for w in window_size)
+    if not ok:
+        raise TypeError(f"{op}: window_size must be a pair of ints (left, right), -1 = unbounded, got {window_size!r}")
+    return operator.index(window_size[0]), operator.index(window_size[1])
+
+
+def check_dropout(op: str, name: str, dropout_p: object) -> float:
+    """A dropout probability in [0, 1] (NaN, negative, above 1 or not a number raise)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{op}: {name} must be a probability in [0, 1], got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def unbounded_past(window: tuple[int, int], seqlen_k: int) -> tuple[int, int]:
+    """flash-attn's rule: a window side that reaches over all ``seqlen_k`` keys is unbounded (-1).
+    With Nq > Nk the literal bound would hide keys from the first queries, which flash-attn's
+    kernels never do; code ported from it expects the same answers."""
+    left, right = window
+    return (-1 if left >= seqlen_k else left, -1 if right >= seqlen_k else right)

@@ -13,13 +13,9 @@ Dropout in training has no fused kernel: with ``dropout_p > 0`` the call falls b
 
 from __future__ import annotations
 
-import numbers
-import operator
-
-import torch
 from torch import Tensor
 
-from .checks import check_tensor_types
+from .checks import check_dropout, check_tensor_types, check_window, unbounded_past
 from .ops import attention_op, autocast_attention_args
 from .reference import attention_reference
 from .softmax_ops import matmul_softmax
@@ -73,23 +69,6 @@ def attention_weights(
         window[0], window[1], softcap, return_probs=True,
     )  # fmt: skip
     return probs.to(query.dtype)
-
-
-def check_window(op: str, window_size: object) -> tuple[int, int]:
-    """``window_size`` as a pair of ints ``(left, right)``; anything else (an int, None, floats)
-    raises a TypeError naming the argument and what came."""
-    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
-    ok = ok and all(isinstance(w, (numbers.Integral, torch.SymInt)) and not isinstance(w, bool) for w in window_size)
-    if not ok:
-        raise TypeError(f"{op}: window_size must be a pair of ints (left, right), -1 = unbounded, got {window_size!r}")
-    return operator.index(window_size[0]), operator.index(window_size[1])
-
-
-def check_dropout(op: str, name: str, dropout_p: object) -> float:
-    """A dropout probability in [0, 1] (NaN, negative, above 1 or not a number raise)."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{op}: {name} must be a probability in [0, 1], got {dropout_p!r}")
-    return float(dropout_p)
 
 
 def check_bshd(op: str, q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -201,10 +180,7 @@ def flash_attn_func(
     dropout_p = check_dropout(op, "dropout_p", dropout_p)
     left, right = check_window(op, window_size)
     check_bshd(op, q, k, v)
-    # flash-attn treats a window side reaching over all keys as unbounded (its mha_fwd): with
-    # Nq > Nk the literal bound would hide keys from the first queries.
-    seqlen_k = k.shape[1]
-    window = (-1 if left >= seqlen_k else left, -1 if right >= seqlen_k else right)
+    window = unbounded_past((left, right), k.shape[1])
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     out, lse = attention_bhsd(qt, kt, vt, None, dropout_p, softmax_scale, causal, True, window, softcap)
     out = out.transpose(1, 2)

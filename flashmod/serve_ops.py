@@ -16,7 +16,17 @@ import warnings
 import torch
 from torch import Tensor
 
-from .checks import check_float_dtype, check_fp64_on_cpu, check_same_device, check_same_dtype, check_scale
+from .checks import (
+    check_dropout,
+    check_float_dtype,
+    check_fp64_on_cpu,
+    check_same_device,
+    check_same_dtype,
+    check_scale,
+    check_tensor_types,
+    check_window,
+    unbounded_past,
+)
 from .ops import CUDA_MAX_HEAD_DIM, attention_op, below_autograd, no_grad_needed
 
 _VARLEN = "flashmod.attention_varlen"
@@ -488,13 +498,14 @@ def flash_attn_varlen_func(
     ``return_lse`` also ``lse (Hq, total_q)`` fp32. Differentiable in ``q``, ``k``, ``v``. fp32 on CUDA (no
     per-sequence kernel) runs the dense kernels on a padded copy of the batch (:func:`varlen_forward_padded`).
     """
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"flashmod.flash_attn_varlen_func: dropout_p must be 0 (no variable-length dropout kernel), got {dropout_p}"
-        )
+    op = "flashmod.flash_attn_varlen_func"
+    check_tensor_types(op, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if check_dropout(op, "dropout_p", dropout_p) != 0.0:
+        raise NotImplementedError(f"{op}: dropout_p must be 0 (no variable-length dropout kernel), got {dropout_p}")
+    left, right = unbounded_past(check_window(op, window_size), max_seqlen_k)
     args = (
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, window_size[0], window_size[1], softcap,
+        softmax_scale, causal, left, right, softcap,
     )  # fmt: skip
     if q.device.type == "cuda" and q.dtype == torch.float32:
         out, lse = varlen_forward_padded(*args)
@@ -532,10 +543,18 @@ def flash_attn_with_kvcache(
     synchronization and no value-dependent allocation: CUDA-graph capturable. Returns ``out``
     ``(B, Sq, Hq, D)``, and with ``return_lse`` also ``lse (B, Hq, Sq)`` fp32. Not differentiable.
     """
+    op = "flashmod.flash_attn_with_kvcache"
+    check_tensor_types(
+        op, ("k", "v", "cache_batch_idx", "block_table"), q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+        cache_batch_idx=cache_batch_idx, block_table=block_table,
+    )  # fmt: skip
+    # As flash-attn, a window side is judged against the cache's capacity, not a row's length.
+    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    left, right = unbounded_past(check_window(op, window_size), capacity)
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     out, lse = torch.ops.flashmod.attention_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-        softmax_scale, causal, window_size[0], window_size[1], softcap,
+        softmax_scale, causal, left, right, softcap,
     )  # fmt: skip
     return (out, lse) if return_lse else out

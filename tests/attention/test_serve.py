@@ -369,3 +369,29 @@ def test_kvcache_cuda_graph_capture():
         truth, _ = reference(q[b], k_cache[b, :n], v_cache[b, :n], opts_of("causal"), torch.float64)
         plain, _ = reference(q[b], k_cache[b, :n], v_cache[b, :n], opts_of("causal"), dtype)
         assert_within_rule(out[b], truth, plain, 2, dtype, f"replayed row {b}")
+
+
+def test_serving_functions_validate_like_flash_attn_func(device):
+    """window_size must be a pair of ints, tensors must be tensors, and a window side reaching over
+    max_seqlen_k (varlen) or the cache's capacity (kvcache) is unbounded, as in flash-attn."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    lq, lk = [3, 9], [12, 2]
+    q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 32, dtype, device)
+    varlen = flashmod.flash_attn_varlen_func
+    with pytest.raises(TypeError, match=r"flash_attn_varlen_func: window_size must be a pair of ints"):
+        varlen(q, k, v, cq, ck, 9, 12, window_size=5)
+    with pytest.raises(TypeError, match=r"flash_attn_varlen_func: k must be a torch.Tensor, got builtins.NoneType"):
+        varlen(q, None, v, cq, ck, 9, 12)
+    with pytest.raises(ValueError, match=r"dropout_p must be a probability in \[0, 1\], got -0.5"):
+        varlen(q, k, v, cq, ck, 9, 12, dropout_p=-0.5)
+    unbounded = varlen(q, k, v, cq, ck, 9, 12, causal=True, window_size=(-1, -1))
+    assert torch.equal(varlen(q, k, v, cq, ck, 9, 12, causal=True, window_size=(12, 40)), unbounded)
+    literal = varlen(q, k, v, cq, ck, 9, 12, causal=True, window_size=(2, 0))
+    assert not torch.equal(literal, unbounded), "a window side under max_seqlen_k must still apply"
+
+    k_cache, v_cache = make_cache(2, 32, 2, 32, dtype, device)
+    qd = torch.randn(2, 1, 4, 32, dtype=dtype, device=device)
+    with pytest.raises(TypeError, match=r"flash_attn_with_kvcache: window_size must be a pair of ints"):
+        flashmod.flash_attn_with_kvcache(qd, k_cache, v_cache, window_size=None)
+    full = flashmod.flash_attn_with_kvcache(qd, k_cache, v_cache, causal=True)
+    assert torch.equal(flashmod.flash_attn_with_kvcache(qd, k_cache, v_cache, causal=True, window_size=(32, 0)), full)
