@@ -86,6 +86,19 @@ def check_scale(op: str, scale: float | None) -> None:
     torch._check(scale is None or math.isfinite(scale), lambda: f"{op}: scale must be finite, got {scale}")
 
 
+def check_options(op: str, scale: float | None, window_left: int, window_right: int, softcap: float) -> None:
+    """The options every attention op shares, in the order of csrc/attention/attention_host.cpp's
+    check_attention_options."""
+    p = f"{op}: "
+    torch._check(window_left >= -1, lambda: f"{p}window_left must be >= -1 (-1 = unbounded), got {window_left}")
+    torch._check(window_right >= -1, lambda: f"{p}window_right must be >= -1 (-1 = unbounded), got {window_right}")
+    torch._check(
+        softcap >= 0.0 and softcap != float("inf"),
+        lambda: f"{p}softcap must be a finite number >= 0 (0 = off), got {softcap}",
+    )
+    check_scale(op, scale)
+
+
 def check_mask(op: str, attn_mask: Tensor | None, ref: Tensor, ref_name: str, target: tuple, target_names: str) -> None:
     """The ``attn_mask`` rules every op with a mask shares: ``ref``'s device, bool or ``ref``'s dtype
     (or float32 for half-precision ``ref``), broadcastable to ``target``."""

@@ -30,9 +30,9 @@ from .checks import (
     check_fp64_on_cpu,
     check_head_groups,
     check_mask,
+    check_options,
     check_same_device,
     check_same_dtype,
-    check_scale,
     check_tensor_types,
 )
 from .reference import attention_backward_chunked, attention_jvp_chunked
@@ -75,13 +75,7 @@ def _check_inputs(
     torch._check(v.shape[2] == k.shape[2], lambda: f"{p}v must have k's sequence length {k.shape[2]}, got {v.shape[2]}")
     check_head_groups(op, "q", q, "k", k, "k/v")
     check_mask(op, attn_mask, q, "q", (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), ATTENTION_MASK_DIMS)
-    check_scale(op, scale)
-    torch._check(window_left >= -1, lambda: f"{p}window_left must be >= -1 (-1 = unbounded), got {window_left}")
-    torch._check(window_right >= -1, lambda: f"{p}window_right must be >= -1 (-1 = unbounded), got {window_right}")
-    torch._check(
-        softcap >= 0.0 and softcap != float("inf"),
-        lambda: f"{p}softcap must be a finite number >= 0 (0 = off), got {softcap}",
-    )
+    check_options(op, scale, window_left, window_right, softcap)
     if q.device.type == "cuda":
         check_fp64_on_cpu(op, "q", q)
         torch._check(

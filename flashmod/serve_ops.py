@@ -20,9 +20,9 @@ from .checks import (
     check_dropout,
     check_float_dtype,
     check_fp64_on_cpu,
+    check_options,
     check_same_device,
     check_same_dtype,
-    check_scale,
     check_tensor_types,
     check_window,
     unbounded_past,
@@ -31,16 +31,6 @@ from .ops import CUDA_MAX_HEAD_DIM, attention_op, below_autograd, no_grad_needed
 
 _VARLEN = "flashmod.attention_varlen"
 _KVCACHE = "flashmod.attention_kvcache"
-
-
-def _check_options(p: str, scale: float | None, window_left: int, window_right: int, softcap: float) -> None:
-    torch._check(window_left >= -1, lambda: f"{p}window_left must be >= -1 (-1 = unbounded), got {window_left}")
-    torch._check(window_right >= -1, lambda: f"{p}window_right must be >= -1 (-1 = unbounded), got {window_right}")
-    torch._check(
-        softcap >= 0.0 and softcap != float("inf"),
-        lambda: f"{p}softcap must be a finite number >= 0 (0 = off), got {softcap}",
-    )
-    check_scale(p[:-2], scale)
 
 
 def _check_index(p: str, name: str, t: Tensor, rank: int, want: int | None, want_text: str, q: Tensor) -> None:
@@ -123,7 +113,7 @@ def _check_varlen(
     _check_index(p, "cu_seqlens_k", cu_seqlens_k, 1, cu_seqlens_q.numel(), "cu_seqlens_q's length (batch + 1)", q)
     torch._check(max_seqlen_q >= 0, lambda: f"{p}max_seqlen_q must be >= 0, got {max_seqlen_q}")
     torch._check(max_seqlen_k >= 0, lambda: f"{p}max_seqlen_k must be >= 0, got {max_seqlen_k}")
-    _check_options(p, scale, window_left, window_right, softcap)
+    check_options(_VARLEN, scale, window_left, window_right, softcap)
 
 
 @torch.library.register_fake("flashmod::attention_varlen")
@@ -436,7 +426,7 @@ def _check_kvcache(
         _check_index(p, "cache_seqlens", cache_seqlens, 1, B, "q's batch", q)
     if cache_batch_idx is not None:
         _check_index(p, "cache_batch_idx", cache_batch_idx, 1, B, "q's batch", q)
-    _check_options(p, scale, window_left, window_right, softcap)
+    check_options(_KVCACHE, scale, window_left, window_right, softcap)
 
 
 @torch.library.register_fake("flashmod::attention_kvcache")

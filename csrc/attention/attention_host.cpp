@@ -58,6 +58,25 @@ void check_qkv(const char* prefix, const at::Tensor& q, const at::Tensor& k, con
                   q.size(1), " and k/v heads ", k.size(1)));
 }
 
+}  // namespace
+
+void check_attention_options(const char* prefix, std::optional<double> scale, int64_t window_left,
+                             int64_t window_right, double softcap) {
+  TORCH_CHECK(window_left >= -1,
+              flashmod::error_message(prefix, "window_left must be >= -1 (-1 = unbounded), got ",
+                                      window_left));
+  TORCH_CHECK(window_right >= -1,
+              flashmod::error_message(prefix, "window_right must be >= -1 (-1 = unbounded), got ",
+                                      window_right));
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap),
+              flashmod::error_message(
+                  prefix, "softcap must be a finite number >= 0 (0 = off), got ", softcap));
+  TORCH_CHECK(!scale.has_value() || std::isfinite(*scale),
+              flashmod::error_message(prefix, "scale must be finite, got ", scale.value_or(0.0)));
+}
+
+namespace {
+
 // The checks and fix-ups the forward and the backward share: q, k, v, the mask and the options.
 // Fills every field of p but the output pointers and strides.
 struct PreparedInputs {
@@ -71,17 +90,7 @@ PreparedInputs prepare_inputs(const char* op, const char* prefix, const at::Tens
                               int64_t window_left, int64_t window_right, double softcap,
                               AttentionParams& p) {
   check_qkv(prefix, q_in, k_in, v_in);
-  TORCH_CHECK(window_left >= -1,
-              flashmod::error_message(prefix, "window_left must be >= -1 (-1 = unbounded), got ",
-                                      window_left));
-  TORCH_CHECK(window_right >= -1,
-              flashmod::error_message(prefix, "window_right must be >= -1 (-1 = unbounded), got ",
-                                      window_right));
-  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap),
-              flashmod::error_message(
-                  prefix, "softcap must be a finite number >= 0 (0 = off), got ", softcap));
-  TORCH_CHECK(!scale.has_value() || std::isfinite(*scale),
-              flashmod::error_message(prefix, "scale must be finite, got ", scale.value_or(0.0)));
+  check_attention_options(prefix, scale, window_left, window_right, softcap);
 
   PreparedInputs r;
   // The kernels read rows as contiguous vectors; any other layout is copied once here.

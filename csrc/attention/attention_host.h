@@ -20,6 +20,11 @@ struct PreparedAttention {
   AttentionParams params;
 };
 
+// The options every attention op shares (window sides >= -1, a finite softcap >= 0, a finite
+// scale), with errors prefixed by `prefix` ("flashmod.<op>: ").
+void check_attention_options(const char* prefix, std::optional<double> scale, int64_t window_left,
+                             int64_t window_right, double softcap);
+
 PreparedAttention prepare_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const std::optional<at::Tensor>& attn_mask,
                                     std::optional<double> scale, bool is_causal, bool bottom_right,

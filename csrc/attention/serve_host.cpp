@@ -8,6 +8,7 @@
 
 #include "../common/error_message.h"
 #include "../common/scalar_kind_of.h"
+#include "attention_host.h"
 
 namespace flashmod {
 namespace {
@@ -26,21 +27,6 @@ void check_dtype(const char* prefix, const at::Tensor& q, const at::Tensor& k, c
                                                       q.device(), ", got ", k.device()));
   TORCH_CHECK(v.device() == q.device(), error_message(prefix, v_name, " must be on q's device ",
                                                       q.device(), ", got ", v.device()));
-}
-
-void check_options(const char* prefix, std::optional<double> scale, int64_t window_left,
-                   int64_t window_right, double softcap) {
-  TORCH_CHECK(
-      window_left >= -1,
-      error_message(prefix, "window_left must be >= -1 (-1 = unbounded), got ", window_left));
-  TORCH_CHECK(
-      window_right >= -1,
-      error_message(prefix, "window_right must be >= -1 (-1 = unbounded), got ", window_right));
-  TORCH_CHECK(
-      softcap >= 0.0 && std::isfinite(softcap),
-      error_message(prefix, "softcap must be a finite number >= 0 (0 = off), got ", softcap));
-  TORCH_CHECK(!scale.has_value() || std::isfinite(*scale),
-              error_message(prefix, "scale must be finite, got ", scale.value_or(0.0)));
 }
 
 // An int32 index tensor of the given rank (and, where want >= 0, size of dim 0) on q's device.
@@ -120,7 +106,7 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q_in, const at::Tensor&
               error_message(prefix, "max_seqlen_q must be >= 0, got ", max_seqlen_q));
   TORCH_CHECK(max_seqlen_k >= 0,
               error_message(prefix, "max_seqlen_k must be >= 0, got ", max_seqlen_k));
-  check_options(prefix, scale, window_left, window_right, softcap);
+  check_attention_options(prefix, scale, window_left, window_right, softcap);
 
   PreparedServe r;
   r.cu_seqlens_q = cu_seqlens_q.contiguous();
@@ -250,7 +236,7 @@ PreparedServe prepare_attention_kvcache(
     check_index(prefix, "cache_seqlens", *cache_seqlens, 1, B, "q's batch", q_in);
   if (cache_batch_idx.has_value())
     check_index(prefix, "cache_batch_idx", *cache_batch_idx, 1, B, "q's batch", q_in);
-  check_options(prefix, scale, window_left, window_right, softcap);
+  check_attention_options(prefix, scale, window_left, window_right, softcap);
 
   PreparedServe r;
   // Values, where reading them costs no device sync: every write and read stays in the cache.
