@@ -68,17 +68,11 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
   }
 
   // Alignment fix-ups (see aligned_copy); the copies are kept alive by r.
-  auto fix = [](at::Tensor& t, const void*& ptr, int64_t& bs, int64_t& hs, int64_t& rs) {
-    if (rows_aligned16(t)) return;
-    t = aligned_copy(t);
-    ptr = t.data_ptr();
-    bs = t.stride(0), hs = t.stride(1), rs = t.stride(2);
-  };
-  fix(r.q, p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-  fix(r.k, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-  fix(r.v, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
-  fix(r.grad_out, p.grad_out, p.grad_out_batch_stride, p.grad_out_head_stride,
-      p.grad_out_row_stride);
+  align_rows16(r.q, p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+  align_rows16(r.k, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  align_rows16(r.v, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+  align_rows16(r.grad_out, p.grad_out, p.grad_out_batch_stride, p.grad_out_head_stride,
+               p.grad_out_row_stride);
 
   cuda_kernels::BwdRowStats st;
   st.rows_padded = (p.seqlen_q + cuda_kernels::kBwdRowPad - 1) / cuda_kernels::kBwdRowPad *

@@ -83,15 +83,9 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
     err = cuda_kernels::run_attention_fwd_fp32(p, env_flag("FLASHMOD_FP32_FFMA", false), stream);
   } else {
     // Alignment fix-ups (see aligned_copy); the copies are kept alive by prepared.
-    auto fix = [](at::Tensor& t, const void*& ptr, int64_t& bs, int64_t& hs, int64_t& rs) {
-      if (rows_aligned16(t)) return;
-      t = aligned_copy(t);
-      ptr = t.data_ptr();
-      bs = t.stride(0), hs = t.stride(1), rs = t.stride(2);
-    };
-    fix(prepared.q, p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-    fix(prepared.k, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-    fix(prepared.v, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+    align_rows16(prepared.q, p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+    align_rows16(prepared.k, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+    align_rows16(prepared.v, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
 
     cuda_kernels::FwdLaunchFlags flags{};
     flags.out_vec16 = rows_aligned16(prepared.out) && p.head_dim % 8 == 0;

@@ -57,4 +57,14 @@ inline at::Tensor aligned_copy(const at::Tensor& t) {
   return view;
 }
 
+// An input that the kernels will read with cp.async: left as it is when its rows are 16-byte
+// aligned, else replaced by aligned_copy, with the params fields that point into it updated.
+inline void align_rows16(at::Tensor& t, const void*& ptr, int64_t& batch_stride,
+                         int64_t& head_stride, int64_t& row_stride) {
+  if (rows_aligned16(t)) return;
+  t = aligned_copy(t);
+  ptr = t.data_ptr();
+  batch_stride = t.stride(0), head_stride = t.stride(1), row_stride = t.stride(2);
+}
+
 }  // namespace flashmod
