@@ -1,6 +1,7 @@
 // The tensor-core backward (FlashAttention-2's, made deterministic): three kernels.
 //
-//   1. attention_bwd_rowstats_kernel: per query row, delta_i = rowsum(dO_i * O_i) - grad_lse_i and
+//   1. attention_bwd_rowstats_kernel (bwd_rowstats.cu, shared with the Hopper kernels): per query
+//   row, delta_i = rowsum(dO_i * O_i) - grad_lse_i and
 //      the saved lse in log2 units (+inf for a row that saw no key, so that its P is exactly 0).
 //   2. attention_bwd_dkdv_kernel: per key block K_j, over every visible query block Q_i of the GQA
 //      group: S^T = K_j Q_i^T, P^T = exp(S^T - lse), dP^T = V_j dO_i^T, dS^T = P^T (dP^T - delta),
@@ -9,7 +10,8 @@
 //      above (not transposed), dQ_i += dS K_j.
 // FlashAttention-2 accumulates dQ with atomic adds from the dK/dV pass, whose order varies from
 // run to run; recomputing S and dP in a dQ pass of its own costs 3 more matmuls per block pair
-// (7 instead of 5) and makes every gradient bitwise reproducible with no atomics at all.
+// (7 instead of 5) and makes every gradient bitwise reproducible with no atomics at all. Adding dQ
+// from the dK/dV kernel in a fixed order measured slower, even unordered (design/cuda-backward.md).
 //
 // Scores: s = scale * q.k, then softcap * tanh(s / softcap) if a soft cap is set, then the mask;
 // ds/d(q.k) = scale * (1 - tanh^2). grad_lse enters through delta: d lse_i / d s_ij = P_ij.
