@@ -1,8 +1,8 @@
 // The tensor-core backward (FlashAttention-2's, made deterministic): three kernels.
 //
 //   1. attention_bwd_rowstats_kernel (bwd_rowstats.cu, shared with the Hopper kernels): per query
-//   row, delta_i = rowsum(dO_i * O_i) - grad_lse_i and
-//      the saved lse in log2 units (+inf for a row that saw no key, so that its P is exactly 0).
+//      row, delta_i = rowsum(dO_i * O_i) - grad_lse_i and the saved lse in log2 units (+inf for a
+//      row that saw no key, so that its P is exactly 0).
 //   2. attention_bwd_dkdv_kernel: per key block K_j, over every visible query block Q_i of the GQA
 //      group: S^T = K_j Q_i^T, P^T = exp(S^T - lse), dP^T = V_j dO_i^T, dS^T = P^T (dP^T - delta),
 //      dV_j += P^T dO_i, dK_j += dS^T Q_i.
