@@ -72,7 +72,8 @@ struct FwdWsTraits {
 
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "whole 64-column boxes, one PV chunk");
-  static_assert(Bc == 64 || Bc == 128, "wgmma N of S; TMA box rows <= 256");
+  static_assert(Bc == 64 || Bc == 128 || Bc == 176,
+                "a wgmma N of S (wgmma_ops.h); box rows <= 256");
   static_assert(kConsumers == 2 || kConsumers == 3, "Br <= 256: one TMA box of Q rows");
   static_assert(kStages >= 2, "the turn order needs a buffer of slack (no deadlock at 1)");
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
@@ -183,9 +184,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const bool last_consumer = consumer == kConsumers - 1;
     if (last_consumer) named_barrier_arrive(Tr::kBarTurn0, 256);
 
-    const float log2e = 1.4426950408889634f;
-    const ScoreTransform tf(p);
-    const float c = tf.scale * log2e;
+    const float c = static_cast<float>(p.scale) * 1.4426950408889634f;  // exp2 units
+    // The lane's two row windows, computed once: per block they would cost registers that the
+    // wide key blocks do not have.
+    RowWindow win[1][2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) win[0][hh] = row_window(p, r0 + warp_row0 + lane / 4 + 8 * hh);
 
     float O[1][DT][4];
 #pragma unroll
@@ -222,10 +226,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     auto release = [&](uint32_t bar) {
       if (lane == 0) mbarrier_arrive(bar);
     };
-    // Mask and softmax of block n's scores: S -> P in place, alpha for O.
+    // Mask and softmax of block n's scores: S -> P in place, alpha for O. Only blocks that
+    // straddle a row's window or seqlen_k test elements.
     auto mask_and_softmax = [&](int n) {
-      mask_scores<Elem, false>(S, p, tf, tile.b, tile.h, r0 + warp_row0, r0, r0 + Br - 1, n, Bc,
-                               lane, [](int64_t row) { return row; });
+      if (!key_block_unmasked(p, r0, r0 + Br - 1, n, Bc))
+        mask_outside_windows(S, win, n * Bc + 2 * (lane % 4));
       softmax.scores_to_p(S, c, alpha);
     };
     // P packed to 16 bits: the register A operand of the next PV.
