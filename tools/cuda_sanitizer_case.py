@@ -39,6 +39,10 @@ def main() -> None:
             attention_op(q, k, v, is_causal=True, bottom_right=False)
             attention_op(q, k, v, mask, softcap=5.0, window_left=20, window_right=3)
             attention_op(q, k, v, mask, is_causal=True)  # bool mask alone: the wgmma kernel's bit path
+        if dtype != torch.float32:  # the persistent sm_90 kernel: more tiles than SMs, some empty
+            q, k = (torch.randn(1, 150, n, 64, device="cuda", dtype=dtype) for n in (200, 150))
+            attention_op(q, k, k, is_causal=True)
+            attention_op(q, k, k)
         if dtype != torch.float32:  # decode kernel: GQA packing + split-KV and its combine
             q, k = (
                 torch.randn(1, 8, 3, 59, device="cuda", dtype=dtype),

@@ -23,10 +23,12 @@ struct CtaTile {
   int64_t b, h, hk;
 };
 
-__device__ __forceinline__ CtaTile cta_tile(const AttentionParams& p, int num_m_blocks,
-                                            int splits) {
+// The tile of flat index `index` in that order (blockIdx.x for one CTA per tile; persistent
+// kernels walk several).
+__device__ __forceinline__ CtaTile cta_tile_at(const AttentionParams& p, int64_t index,
+                                               int num_m_blocks, int splits) {
   CtaTile t;
-  int64_t bid = blockIdx.x;
+  int64_t bid = index;
   t.m_block = static_cast<int>(bid % num_m_blocks);
   bid /= num_m_blocks;
   t.split = static_cast<int>(bid % splits);
@@ -38,6 +40,11 @@ __device__ __forceinline__ CtaTile cta_tile(const AttentionParams& p, int num_m_
   if (p.window_right >= 0) t.m_block = num_m_blocks - 1 - t.m_block;
   t.hk = t.h / (p.heads_q / p.heads_kv);
   return t;
+}
+
+__device__ __forceinline__ CtaTile cta_tile(const AttentionParams& p, int num_m_blocks,
+                                            int splits) {
+  return cta_tile_at(p, blockIdx.x, num_m_blocks, splits);
 }
 
 // Global pointers of the tile: its q/out/lse rows from row r0 on and its kv head's k/v.

@@ -1,23 +1,30 @@
 // The warp-specialized Hopper (sm_90a) forward kernel: TMA loads, a producer warp, consumer
 // warpgroups that ping-pong their matmuls and overlap each block's softmax with their own PV
-// matmul.
+// matmul, on a persistent grid.
 //
-// A CTA owns Br = 64 * kConsumers query rows Q_i and has kConsumers + 1 warpgroups:
+// A tile is Br = 64 * kConsumers query rows Q_i of one (batch, head); the grid has at most one
+// CTA per SM and CTA k takes tiles k, k + gridDim.x, ... (cta_tile's order: query blocks of a head
+// side by side, the longest first under a right window bound). A CTA has kConsumers + 1
+// warpgroups:
 //   warpgroup 0, the producer: gives its registers away (setmaxnreg.dec); one thread issues the
-//     TMA loads of Q_i once and of K_j, V_j into a kStages-deep ring of 128-byte-swizzled buffers,
-//     each buffer with a "full" mbarrier (the copy engine completes it with the bytes) and an
-//     "empty" one (every consumer warp arrives once it no longer reads the buffer);
+//     TMA loads of each tile's Q_i and of its K_j, V_j into a kStages-deep ring of
+//     128-byte-swizzled buffers. Every buffer (Q's too) has a "full" mbarrier (the copy engine
+//     completes it with the bytes) and an "empty" one (every consumer warp arrives once it no
+//     longer reads the buffer). The ring runs on across tiles, and the next tile's Q is loaded as
+//     soon as the consumers' last S of this one is done: the next tile's first loads hide under
+//     this tile's last PV and epilogue.
 //   warpgroups 1..kConsumers, the consumers: take the registers (setmaxnreg.inc); consumer c owns
-//     rows 64c..64c+63 and runs, per key block j, in this order
+//     rows 64c..64c+63 of each tile and runs, per key block j, in this order
 //       issue S_j = Q K_j^T,  O *= alpha_{j-1},  issue O += P_{j-1} V_{j-1}    (one turn)
 //       wait S_j; release K_j; mask and softmax S_j -> P_j, alpha_j (PV still running)
 //       wait PV; release V_{j-1}
 //     The "turn" is serialized across consumers through named barriers (consumer c waits on its
 //     own, then signals c + 1's), so one consumer's softmax runs while the next one's matmuls
-//     occupy the tensor cores.
-// Nothing in the key loop waits on the whole CTA. Rows past seqlen_q and keys past seqlen_k arrive
-// as zeros (the tensor maps bound each (batch, head)'s rows) and are masked as in the
-// FlashAttention-2-style kernel (fwd_sm90_kernel.h), whose masking, softmax and epilogue code this
+//     occupy the tensor cores. The epilogue stages each warp's rows in a shared-memory area of its
+//     own, so it needs no barrier either.
+// Nothing waits on the whole CTA after the barrier initialization. Rows past seqlen_q and keys
+// past seqlen_k arrive as zeros (the tensor maps bound each (batch, head)'s rows) and are masked as
+// in the FlashAttention-2-style kernel (fwd_sm90_kernel.h), whose softmax and epilogue code this
 // one shares. Plain scores only (no mask tensor, soft cap or scale <= 0); windows and causal are
 // in.
 #pragma once
@@ -57,23 +64,22 @@ struct FwdWsTraits {
   static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;
   static constexpr int kSmemQ = Br * kHeadDim * 2;   // bytes
   static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of one K_j or one V_j
-  static constexpr int kSmemTiles = kSmemQ + 2 * kStages * kSmemKV;
-  // Barriers after the tiles: full Q, then full K, full V, empty K, empty V per stage.
-  static constexpr int kNBarriers = 1 + 4 * kStages;
+  // Q_i, the ring of K_j and V_j, then the epilogue's staging area for O (Br x D, as Q).
+  static constexpr int kSmemTiles = kSmemQ + 2 * kStages * kSmemKV + kSmemQ;
+  // Barriers after the tiles: full Q, empty Q, then full K, full V, empty K, empty V per stage.
+  static constexpr int kNBarriers = 2 + 4 * kStages;
   // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
   static constexpr int kSmemBytes = kSmemTiles + 8 * kNBarriers + 1024;
   // Per-thread registers after reallocation; the sum over warpgroups stays within the 64K file
   // (128 * (producer + kConsumers * consumer) <= 65536), each a multiple of 8.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
-  // Named barriers: 0 is __syncthreads; 1 the consumers' epilogue; 2 + c consumer c's turn.
-  static constexpr int kBarEpilogue = 1;
-  static constexpr int kBarTurn0 = 2;
+  // Named barriers: 0 is __syncthreads; 1 + c consumer c's turn.
+  static constexpr int kBarTurn0 = 1;
 
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "whole 64-column boxes, one PV chunk");
-  static_assert(Bc == 64 || Bc == 128 || Bc == 176,
-                "a wgmma N of S (wgmma_ops.h); box rows <= 256");
+  static_assert(Bc == 64 || Bc == 128, "a wgmma N of S (wgmma_ops.h); box rows <= 256");
   static_assert(kConsumers == 2 || kConsumers == 3, "Br <= 256: one TMA box of Q rows");
   static_assert(kStages >= 2, "the turn order needs a buffer of slack (no deadlock at 1)");
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
@@ -96,40 +102,54 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const int warpgroup = warp / 4;
   const int Nq = static_cast<int>(p.seqlen_q);
   const int num_m_blocks = (Nq + Br - 1) / Br;
-  const CtaTile tile = cta_tile(p, num_m_blocks, 1);
-  const int r0 = tile.m_block * Br;
-  const int rows_q = min(Br, Nq - r0);
-  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
-  if (range.lo >= range.hi) {
-    const TilePointers<Elem> gp = tile_pointers<Elem>(p, tile, r0);
-    write_rows_without_keys<Tr::kNThreads>(p, gp.out, gp.lse, rows_q, tid);
-    return;
-  }
+  const int64_t num_tiles = cta_count(p, Br);
+  // A tile's rows and visible key blocks; producer and consumers derive the same ones, so they
+  // agree on which tiles load nothing (no visible key) and on every barrier's count.
+  struct Tile {
+    CtaTile t;
+    int r0, rows_q;
+    KeyBlockRange range;
+  };
+  auto tile_of = [&](int64_t index) {
+    Tile x;
+    x.t = cta_tile_at(p, index, num_m_blocks, 1);
+    x.r0 = x.t.m_block * Br;
+    x.rows_q = min(Br, Nq - x.r0);
+    x.range = key_block_range(p, x.r0, x.r0 + x.rows_q - 1, Bc);
+    return x;
+  };
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
   const uint32_t sQ_addr = (raw_addr + 1023) & ~1023u;
   const uint32_t sK_addr0 = sQ_addr + Tr::kSmemQ;              // kStages buffers of K_j
   const uint32_t sV_addr0 = sK_addr0 + kStages * Tr::kSmemKV;  // kStages buffers of V_j
+  const uint32_t sO_addr = sV_addr0 + kStages * Tr::kSmemKV;
   const uint32_t bar0 = sQ_addr + Tr::kSmemTiles;
-  const uint32_t full_q = bar0;
-  auto full_k = [&](int s) { return bar0 + 8 * (1 + s); };
-  auto full_v = [&](int s) { return bar0 + 8 * (1 + kStages + s); };
-  auto empty_k = [&](int s) { return bar0 + 8 * (1 + 2 * kStages + s); };
-  auto empty_v = [&](int s) { return bar0 + 8 * (1 + 3 * kStages + s); };
+  const uint32_t full_q = bar0, empty_q = bar0 + 8;
+  auto full_k = [&](int s) { return bar0 + 8 * (2 + s); };
+  auto full_v = [&](int s) { return bar0 + 8 * (2 + kStages + s); };
+  auto empty_k = [&](int s) { return bar0 + 8 * (2 + 2 * kStages + s); };
+  auto empty_v = [&](int s) { return bar0 + 8 * (2 + 3 * kStages + s); };
 
   if (tid == 0) {
     mbarrier_init(full_q, 1);
+    mbarrier_init(empty_q, 4 * kConsumers);  // one arrival per consumer warp
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
-      mbarrier_init(empty_k(s), 4 * kConsumers);  // one arrival per consumer warp
+      mbarrier_init(empty_k(s), 4 * kConsumers);
       mbarrier_init(empty_v(s), 4 * kConsumers);
     }
     fence_mbarrier_init();
   }
   __syncthreads();
 
+  // Round r of a buffer (r = its use count so far) waits, on "full", for phase parity r & 1; the
+  // producer's reuse of it waits, on "empty", for the consumers' release of round r - 1: parity
+  // (r & 1) ^ 1, which a fresh barrier reports as complete for round 0. `blocks` counts the key
+  // blocks this CTA has gone through (buffer blocks % kStages, round blocks / kStages), `tiles`
+  // the tiles that loaded a Q.
   if (warpgroup == 0) {
     // Producer. The other 127 threads leave at once; their registers go to the consumers.
     setmaxnreg_dec<Tr::kProducerRegs>();
@@ -137,35 +157,43 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     prefetch_tensor_map(&tm_q);
     prefetch_tensor_map(&tm_k);
     prefetch_tensor_map(&tm_v);
-    const int b = static_cast<int>(tile.b), h = static_cast<int>(tile.h);
-    const int hk = static_cast<int>(tile.hk);
-    mbarrier_arrive_expect_tx(full_q, Tr::kSmemQ);
+    int blocks = 0, tiles = 0;
+    for (int64_t index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+      const Tile x = tile_of(index);
+      if (x.range.lo >= x.range.hi) continue;
+      const int b = static_cast<int>(x.t.b), h = static_cast<int>(x.t.h);
+      const int hk = static_cast<int>(x.t.hk);
+      for (int n = x.range.lo; n < x.range.hi; ++n, ++blocks) {
+        const int s = blocks % kStages;
+        const uint32_t parity = ((blocks / kStages) & 1) ^ 1;
+        mbarrier_wait(empty_k(s), parity);
+        mbarrier_arrive_expect_tx(full_k(s), Tr::kSmemKV);
 #pragma unroll
-    for (int cb = 0; cb < Tr::kColBlocks; ++cb)
-      tma_load_4d(sQ_addr + cb * Br * 128, &tm_q, cb * 64, r0, h, b, full_q);
-    for (int n = range.lo; n < range.hi; ++n) {
-      const int i = n - range.lo, s = i % kStages;
-      // Round r of a buffer waits for the consumers' release of round r - 1: parity (r & 1) ^ 1,
-      // which a fresh barrier reports as complete for round 0.
-      const uint32_t parity = ((i / kStages) & 1) ^ 1;
-      mbarrier_wait(empty_k(s), parity);
-      mbarrier_arrive_expect_tx(full_k(s), Tr::kSmemKV);
+        for (int cb = 0; cb < Tr::kColBlocks; ++cb)
+          tma_load_4d(sK_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_k, cb * 64, n * Bc, hk, b,
+                      full_k(s));
+        // Q after the first K: that K's buffer is free earlier than Q's (released only after the
+        // previous tile's last S).
+        if (n == x.range.lo) {
+          mbarrier_wait(empty_q, (tiles & 1) ^ 1);
+          mbarrier_arrive_expect_tx(full_q, Tr::kSmemQ);
 #pragma unroll
-      for (int cb = 0; cb < Tr::kColBlocks; ++cb)
-        tma_load_4d(sK_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_k, cb * 64, n * Bc, hk, b,
-                    full_k(s));
-      mbarrier_wait(empty_v(s), parity);
-      mbarrier_arrive_expect_tx(full_v(s), Tr::kSmemKV);
+          for (int cb = 0; cb < Tr::kColBlocks; ++cb)
+            tma_load_4d(sQ_addr + cb * Br * 128, &tm_q, cb * 64, x.r0, h, b, full_q);
+          ++tiles;
+        }
+        mbarrier_wait(empty_v(s), parity);
+        mbarrier_arrive_expect_tx(full_v(s), Tr::kSmemKV);
 #pragma unroll
-      for (int cb = 0; cb < Tr::kColBlocks; ++cb)
-        tma_load_4d(sV_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_v, cb * 64, n * Bc, hk, b,
-                    full_v(s));
+        for (int cb = 0; cb < Tr::kColBlocks; ++cb)
+          tma_load_4d(sV_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_v, cb * 64, n * Bc, hk, b,
+                      full_v(s));
+      }
     }
   } else {
     setmaxnreg_inc<Tr::kConsumerRegs>();
     const int consumer = warpgroup - 1;
     const int warp_row0 = 16 * (warp - 4);  // row of this warp's first row within Q_i
-    const TilePointers<Elem> gp = tile_pointers<Elem>(p, tile, r0);
 
     // Descriptors as in fwd_sm90_kernel.h: Q (this consumer's 64 rows) and K_j K-major, V_j
     // MN-major with its 64-wide column blocks Bc * 128 bytes apart.
@@ -175,32 +203,22 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     auto k_step = [](int ks, int rows) {
       return static_cast<uint32_t>((ks / 4) * rows * 128 + (ks % 4) * 32);
     };
-
-    // The turn: wait for this consumer's barrier, issue, signal the next consumer's. The last
-    // consumer signals consumer 0 once up front, and skips its signal after its last turn so
-    // every barrier phase completes exactly (nothing left half-arrived at exit).
+    // The turn: wait for this consumer's barrier, issue, signal the next consumer's. Per tile,
+    // the last consumer signals consumer 0 once up front and skips its signal after its last
+    // turn, so every barrier phase completes within the tile (nothing half-arrived at exit).
     const uint32_t bar_mine = Tr::kBarTurn0 + consumer;
     const uint32_t bar_next = Tr::kBarTurn0 + (consumer + 1) % kConsumers;
     const bool last_consumer = consumer == kConsumers - 1;
-    if (last_consumer) named_barrier_arrive(Tr::kBarTurn0, 256);
-
     const float c = static_cast<float>(p.scale) * 1.4426950408889634f;  // exp2 units
-    // The lane's two row windows, computed once: per block they would cost registers that the
-    // wide key blocks do not have.
-    RowWindow win[1][2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) win[0][hh] = row_window(p, r0 + warp_row0 + lane / 4 + 8 * hh);
+    Elem* sO = reinterpret_cast<Elem*>(smem_raw + (sO_addr - raw_addr));
 
     float O[1][DT][4];
-#pragma unroll
-    for (int di = 0; di < DT; ++di)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) O[0][di][e] = 0.f;
     OnlineSoftmax<1> softmax;
-    softmax.init();
     float alpha[1][2];
     float S[1][NT][4];
     uint32_t pa[Bc / 16][4];
+    // The lane's two row windows, computed once per tile: per block they would cost registers.
+    RowWindow win[1][2];
 
     auto issue_scores = [&](int s) {
       const uint64_t k_desc = desc_advance(k_desc0, s * Tr::kSmemKV);
@@ -226,13 +244,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     auto release = [&](uint32_t bar) {
       if (lane == 0) mbarrier_arrive(bar);
     };
-    // Mask and softmax of block n's scores: S -> P in place, alpha for O. Only blocks that
-    // straddle a row's window or seqlen_k test elements.
-    auto mask_and_softmax = [&](int n) {
-      if (!key_block_unmasked(p, r0, r0 + Br - 1, n, Bc))
-        mask_outside_windows(S, win, n * Bc + 2 * (lane % 4));
-      softmax.scores_to_p(S, c, alpha);
-    };
     // P packed to 16 bits: the register A operand of the next PV.
     auto pack_p = [&]() {
 #pragma unroll
@@ -244,55 +255,89 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       }
     };
 
-    mbarrier_wait(full_q, 0);
-    // First block: S only.
-    mbarrier_wait(full_k(0), 0);
-    named_barrier(bar_mine, 256);
-    issue_scores(0);
-    if (!(last_consumer && range.hi - range.lo == 1)) named_barrier_arrive(bar_next, 256);
-    wgmma_wait<0>();
-    pin_registers(S[0]);
-    release(empty_k(0));
-    mask_and_softmax(range.lo);
-    pack_p();
+    int blocks = 0, tiles = 0;
+    for (int64_t index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+      const Tile x = tile_of(index);
+      const int r0 = x.r0, lo = x.range.lo, hi = x.range.hi;
+      const TilePointers<Elem> gp = tile_pointers<Elem>(p, x.t, r0);
+      if (lo >= hi) {
+        write_rows_without_keys<128 * kConsumers>(p, gp.out, gp.lse, x.rows_q, tid - 128);
+        continue;
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) win[0][hh] = row_window(p, r0 + warp_row0 + lane / 4 + 8 * hh);
+      // Mask and softmax of block n's scores: S -> P in place, alpha for O. Only blocks that
+      // straddle a row's window or seqlen_k test elements.
+      auto mask_and_softmax = [&](int n) {
+        if (!key_block_unmasked(p, r0, r0 + Br - 1, n, Bc))
+          mask_outside_windows(S, win, n * Bc + 2 * (lane % 4));
+        softmax.scores_to_p(S, c, alpha);
+      };
+#pragma unroll
+      for (int di = 0; di < DT; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) O[0][di][e] = 0.f;
+      softmax.init();
+      if (last_consumer) named_barrier_arrive(Tr::kBarTurn0, 256);
 
-    for (int n = range.lo + 1; n < range.hi; ++n) {
-      const int i = n - range.lo, s = i % kStages, sp = (i - 1) % kStages;
-      mbarrier_wait(full_k(s), (i / kStages) & 1);
-      named_barrier(bar_mine, 256);
-      issue_scores(s);
-      // PV_{j-1} finished last iteration, so O is free to rescale while S_j runs.
-      OnlineSoftmax<1>::rescale(O, alpha);
-      mbarrier_wait(full_v(sp), ((i - 1) / kStages) & 1);
-      issue_pv(sp);
-      if (!(last_consumer && n == range.hi - 1)) named_barrier_arrive(bar_next, 256);
-      wgmma_wait<1>();  // S_j done (groups retire in order); PV_{j-1} may still run
-      pin_registers(S[0]);
-      release(empty_k(s));
-      // Softmax of S_j in S's own registers; pa still feeds PV_{j-1}, so packing waits for it.
-      mask_and_softmax(n);
-      wgmma_wait<0>();
-      pin_registers(O[0]);
-      pin_registers(pa);
-      release(empty_v(sp));
-      pack_p();
-    }
-    // Last block's PV, outside the turn order (nothing of this consumer's follows it).
-    {
-      const int i = range.hi - 1 - range.lo, s = i % kStages;
-      OnlineSoftmax<1>::rescale(O, alpha);
-      mbarrier_wait(full_v(s), (i / kStages) & 1);
-      issue_pv(s);
-      wgmma_wait<0>();
-      pin_registers(O[0]);
-      pin_registers(pa);
-    }
+      mbarrier_wait(full_q, tiles & 1);
+      // First block: S only.
+      {
+        const int s = blocks % kStages;
+        mbarrier_wait(full_k(s), (blocks / kStages) & 1);
+        named_barrier(bar_mine, 256);
+        issue_scores(s);
+        if (!(last_consumer && hi - lo == 1)) named_barrier_arrive(bar_next, 256);
+        wgmma_wait<0>();
+        pin_registers(S[0]);
+        release(empty_k(s));
+        if (hi - lo == 1) release(empty_q);  // the tile's last S: the next Q may come in
+        mask_and_softmax(lo);
+        pack_p();
+      }
+      for (int n = lo + 1; n < hi; ++n) {
+        const int prev = blocks + n - lo - 1, cur = prev + 1;
+        const int s = cur % kStages, sp = prev % kStages;
+        mbarrier_wait(full_k(s), (cur / kStages) & 1);
+        named_barrier(bar_mine, 256);
+        issue_scores(s);
+        // PV_{j-1} finished last iteration, so O is free to rescale while S_j runs.
+        OnlineSoftmax<1>::rescale(O, alpha);
+        mbarrier_wait(full_v(sp), (prev / kStages) & 1);
+        issue_pv(sp);
+        if (!(last_consumer && n == hi - 1)) named_barrier_arrive(bar_next, 256);
+        wgmma_wait<1>();  // S_j done (groups retire in order); PV_{j-1} may still run
+        pin_registers(S[0]);
+        release(empty_k(s));
+        if (n == hi - 1) release(empty_q);
+        // Softmax of S_j in S's own registers; pa still feeds PV_{j-1}, so packing waits for it.
+        mask_and_softmax(n);
+        wgmma_wait<0>();
+        pin_registers(O[0]);
+        pin_registers(pa);
+        release(empty_v(sp));
+        pack_p();
+      }
+      // Last block's PV, outside the turn order (nothing of this consumer's follows it).
+      {
+        const int last = blocks + hi - lo - 1, s = last % kStages;
+        OnlineSoftmax<1>::rescale(O, alpha);
+        mbarrier_wait(full_v(s), (last / kStages) & 1);
+        issue_pv(s);
+        wgmma_wait<0>();
+        pin_registers(O[0]);
+        pin_registers(pa);
+        release(empty_v(s));
+      }
+      blocks += hi - lo;
+      ++tiles;
 
-    // Epilogue (fwd_epilogue.h): each warp stages its 16 rows over Q's shared memory, which the
-    // other consumers' last matmuls may still read: wait for all of them first.
-    named_barrier(Tr::kBarEpilogue, 128 * kConsumers);
-    Elem* sQ = reinterpret_cast<Elem*>(smem_raw + (sQ_addr - raw_addr));
-    store_out_rows<D, 16>(softmax, O, c, sQ, p, flags, gp.out, gp.lse, warp_row0, rows_q, lane);
+      // Epilogue (fwd_epilogue.h) through this warp's own 16 rows of the staging area: the
+      // previous tile's copy-out by other lanes of the warp must be done before they are
+      // overwritten.
+      __syncwarp();
+      store_out_rows<D, 16>(softmax, O, c, sO, p, flags, gp.out, gp.lse, warp_row0, x.rows_q, lane);
+    }
   }
 #else
   __trap();  // launched only where the sm_90a binary runs (see run_attention_fwd_sm90_ws)
