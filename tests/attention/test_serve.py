@@ -11,6 +11,7 @@ from tolerance import assert_within_rule
 
 import flashmod
 from flashmod.reference import attention_reference
+from flashmod import serve_ops
 from flashmod.serve_ops import varlen_backward_padded, varlen_forward_padded
 
 VARIANTS = {
@@ -327,6 +328,7 @@ def test_varlen_cuda_fp32_runs_padded_with_a_warning():
     """The CUDA varlen kernels take fp16/bf16 (as flash-attn's); flash_attn_varlen_func serves fp32
     through the dense kernels on a padded copy, saying so, and the op itself refuses it."""
     q, k, v, cq, ck = make_varlen([3, 0, 9], [5, 2, 9], 2, 2, 16, torch.float32, "cuda", requires_grad=True)
+    serve_ops._warn_fp32_varlen_once.cache_clear()  # warned once per process: another test may have been first
     with pytest.warns(UserWarning, match="float32 on CUDA has no variable-length kernel"):
         out = flashmod.flash_attn_varlen_func(q, k, v, cq, ck, 9, 9, causal=True)
     cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
