@@ -10,8 +10,8 @@ import torch
 from tolerance import assert_within_rule
 
 import flashmod
-from flashmod.reference import attention_reference
 from flashmod import serve_ops
+from flashmod.reference import attention_reference
 from flashmod.serve_ops import varlen_backward_padded, varlen_forward_padded
 
 VARIANTS = {
