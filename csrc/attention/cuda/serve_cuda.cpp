@@ -23,25 +23,10 @@
 #include "generated/kernel_variants.h"
 #include "host_alignment.h"
 #include "kvcache_append.h"
+#include "serve_cuda_checks.h"
 
 namespace flashmod {
 namespace {
-
-constexpr int64_t kMaxHeadDim = 256;
-
-// fp16/bf16 only (flash-attn's dtypes; the fp32 kernels have no per-sequence variant) and
-// head_dim <= 256, checked first. Same order and wording as flashmod/serve_ops.py's
-// _check_cuda.
-void check_cuda_inputs(const char* op, const at::Tensor& q) {
-  TORCH_CHECK(
-      q.scalar_type() != at::kDouble,
-      error_message(op, ": q's dtype float64 is supported on CPU only, got it on ", q.device()));
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              error_message(op, ": q must be float16 or bfloat16 on CUDA, got ", q.scalar_type()));
-  TORCH_CHECK(
-      q.size(-1) <= kMaxHeadDim,
-      error_message(op, ": q's head_dim must be <= ", kMaxHeadDim, " on CUDA, got ", q.size(-1)));
-}
 
 // cp.async needs 16-byte aligned row starts: pointer and every stride a multiple of 8 elements.
 bool rows_aligned16_any(const at::Tensor& t) {
