@@ -29,6 +29,7 @@
 #include "../attention_params.h"
 #include "bwd_common.h"
 #include "entry_points.h"
+#include "tf32_tile.h"
 #include "visibility.h"
 
 namespace flashmod::cuda_kernels {
@@ -37,7 +38,7 @@ namespace flashmod::cuda_kernels {
 template <int kHeadDim_, int kWarps, int kBs>
 struct Tf32BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kLd = kHeadDim + 4;  // row pitch in floats: 4 (mod 32) words
+  static constexpr int kLd = tf32_tile_pitch<kHeadDim>();
   static constexpr int Bo = 16 * kWarps;
   static constexpr int Bs = kBs;
   static constexpr int kNWarps = kWarps;
@@ -48,7 +49,6 @@ struct Tf32BwdTraits {
   static constexpr int kStreamTile = Bs * kLd;
   // Two own and two streamed tiles, each as hi and lo; the dK/dV kernel adds Bs lse2 and delta.
   static constexpr int kSmemBytes = 4 * (4 * kOwnTile + 4 * kStreamTile + 2 * Bs);
-  static_assert(kHeadDim % 32 == 0, "the bank-conflict-free pitch needs kHeadDim % 32 == 0");
   static_assert(Bs % 8 == 0 && Bs / 2 <= kNThreads, "one 16-byte lse2/delta chunk per thread");
   static_assert(kBwdRowPad % Bs == 0 && kBwdRowPad % Bo == 0, "row statistics cover whole blocks");
   static_assert(kSmemBytes <= 163 * 1024, "must also fit an A100");
@@ -61,7 +61,7 @@ namespace tf32_bwd {
 template <int kRows, int kHeadDim, int kThreads>
 __device__ __forceinline__ void load_tile(float* s, const float* g, int64_t row_stride,
                                           int valid_rows, int head_dim, int tid) {
-  constexpr int kLd = kHeadDim + 4, kChunks = kHeadDim / 4;
+  constexpr int kLd = tf32_tile_pitch<kHeadDim>(), kChunks = kHeadDim / 4;
   static_assert(kRows * kChunks % kThreads == 0, "even split");
 #pragma unroll 4
   for (int it = 0; it < kRows * kChunks / kThreads; ++it) {
@@ -70,26 +70,6 @@ __device__ __forceinline__ void load_tile(float* s, const float* g, int64_t row_
     const int left = head_dim - c;
     const int bytes = r < valid_rows && left > 0 ? 4 * (left < 4 ? left : 4) : 0;
     cp_async_16(smem_addr(s + r * kLd + c), bytes > 0 ? g + r * row_stride + c : g, bytes);
-  }
-}
-
-// Replaces a landed fp32 tile by its tf32 hi halves and writes the lo halves kTile floats on.
-template <int kRows, int kHeadDim, int kThreads, int kTile>
-__device__ __forceinline__ void split_tile(float* hi, int tid) {
-  constexpr int kLd = kHeadDim + 4, kChunks = kHeadDim / 4;
-  static_assert(kRows * kChunks % kThreads == 0, "even split");
-#pragma unroll 4
-  for (int it = 0; it < kRows * kChunks / kThreads; ++it) {
-    const int idx = tid + it * kThreads;
-    const int off = idx / kChunks * kLd + idx % kChunks * 4;
-    float4 x = *reinterpret_cast<float4*>(hi + off), y;
-    uint32_t h, l;
-    split_tf32(__float_as_uint(x.x), h, l), x.x = __uint_as_float(h), y.x = __uint_as_float(l);
-    split_tf32(__float_as_uint(x.y), h, l), x.y = __uint_as_float(h), y.y = __uint_as_float(l);
-    split_tf32(__float_as_uint(x.z), h, l), x.z = __uint_as_float(h), y.z = __uint_as_float(l);
-    split_tf32(__float_as_uint(x.w), h, l), x.w = __uint_as_float(h), y.w = __uint_as_float(l);
-    *reinterpret_cast<float4*>(hi + off) = x;
-    *reinterpret_cast<float4*>(hi + kTile + off) = y;
   }
 }
 
@@ -103,7 +83,7 @@ __device__ __forceinline__ uint32_t lds(const float* p) {
 template <int kHeadDim, int kNT, int kA, int kB>
 __device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, const float* b,
                                             int g, int t) {
-  constexpr int kLd = kHeadDim + 4;
+  constexpr int kLd = tf32_tile_pitch<kHeadDim>();
   float small[kNT][4];
   zero(c);
   zero(small);
@@ -136,7 +116,7 @@ template <int kHeadDim, int kNT, int kB>
 __device__ __forceinline__ void product_ab(float (&acc)[kHeadDim / 8][4],
                                            const float (&a_acc)[kNT][4], const float* b, int g,
                                            int t) {
-  constexpr int kLd = kHeadDim + 4;
+  constexpr int kLd = tf32_tile_pitch<kHeadDim>();
   uint32_t a_hi[kNT][4], a_lo[kNT][4];
 #pragma unroll
   for (int kt = 0; kt < kNT; ++kt) {
@@ -206,8 +186,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  tf32_bwd::split_tile<Bc, D, kThreads, kOwn>(sK, tid);
-  if constexpr (kDK) tf32_bwd::split_tile<Bc, D, kThreads, kOwn>(sV, tid);
+  split_tf32_tile<Bc, D, kThreads>(sK, sK + kOwn, tid);
+  if constexpr (kDK) split_tf32_tile<Bc, D, kThreads>(sV, sV + kOwn, tid);
 
   const ScoreTransform tf(p);
   const float scale_log2 = tf.scale * 1.4426950408889634f;
@@ -244,8 +224,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    tf32_bwd::split_tile<Br, D, kThreads, kStream>(sQ, tid);
-    tf32_bwd::split_tile<Br, D, kThreads, kStream>(sdO, tid);
+    split_tf32_tile<Br, D, kThreads>(sQ, sQ + kStream, tid);
+    split_tf32_tile<Br, D, kThreads>(sdO, sdO + kStream, tid);
     __syncthreads();
 
     float St[NT][4];
@@ -316,8 +296,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  tf32_bwd::split_tile<Br, D, kThreads, kOwn>(sQ, tid);
-  tf32_bwd::split_tile<Br, D, kThreads, kOwn>(sdO, tid);
+  split_tf32_tile<Br, D, kThreads>(sQ, sQ + kOwn, tid);
+  split_tf32_tile<Br, D, kThreads>(sdO, sdO + kOwn, tid);
 
   const ScoreTransform tf(p);
   const float scale_log2 = tf.scale * 1.4426950408889634f;
@@ -342,8 +322,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    tf32_bwd::split_tile<Bc, D, kThreads, kStream>(sK, tid);
-    tf32_bwd::split_tile<Bc, D, kThreads, kStream>(sV, tid);
+    split_tf32_tile<Bc, D, kThreads>(sK, sK + kStream, tid);
+    split_tf32_tile<Bc, D, kThreads>(sV, sV + kStream, tid);
     __syncthreads();
 
     float S[NT][4], dP[NT][4];
