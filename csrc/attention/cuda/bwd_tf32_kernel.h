@@ -5,11 +5,11 @@
 // (fwd_fp32_3xtf32.cu): every operand split into tf32 halves hi + lo and a * b computed as
 // a_lo * b_hi + a_hi * b_lo (one accumulator) + a_hi * b_hi (another), ~22 of 24 mantissa bits.
 //
-// Accuracy: the products over the head dim (S = Q K^T, dP = dO V^T) keep their small terms in an
-// accumulator of their own; the products over the streamed rows (dV += P^T dO, dK += dS^T Q,
-// dQ += dS K) run into a fresh accumulator per step that joins the gradient with an fp32 add, as
-// the forward's O does: the tensor cores' accumulation rounds coarsely, and a chain over every
-// query of a GQA group (dK/dV) or every key (dQ) would lose fp32 accuracy.
+// Accuracy: the tensor cores' accumulation truncates, so no long chain of mma's accumulates in
+// place: the products over the head dim (S = Q K^T, dP = dO V^T) add each k8 step's big terms to
+// the sum in fp32 (the small terms, 2^-11 smaller, keep one accumulator of their own), and the
+// products over the streamed rows (dV += P^T dO, dK += dS^T Q, dQ += dS K) run into a fresh
+// accumulator per step that joins the gradient with an fp32 add, as the forward's O does.
 //
 // Layout: each warp owns 16 rows (the mma's m16) of the CTA's "own" tile (K_j and V_j in the dK/dV
 // kernel, Q_i and dO_i in the dQ kernel) and every CTA streams Bs rows of the other pair per step.
@@ -78,8 +78,11 @@ __device__ __forceinline__ uint32_t lds(const float* p) {
 }
 
 // c[16 x 8 kNT] = A B^T over the head dim: A = 16 rows of an own tile (a: its first row, hi; lo
-// kA floats on), B = the kNT * 8 rows of a streamed tile (hi; lo kB floats on). 3xTF32, big and
-// small terms apart, joined at the end.
+// kA floats on), B = the kNT * 8 rows of a streamed tile (hi; lo kB floats on). 3xTF32 with the
+// small terms in an accumulator of their own. The big terms of each k8 step go into a fresh
+// accumulator that joins c with an fp32 add: the tensor cores truncate when they accumulate, and a
+// chain over the whole head dim biased dP by tens of ulps at D >= 160 (dQ failed the 3x rule there,
+// H100 run 1); per step, the truncation is that of one 8-term sum.
 template <int kHeadDim, int kNT, int kA, int kB>
 __device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, const float* b,
                                             int g, int t) {
@@ -100,8 +103,11 @@ __device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, 
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
       const float* bp = b_lane + nt * 8 * kLd + 8 * ks;
-      mma_3xtf32_apart(c[nt], small[nt], a_hi, a_lo, lds(bp), lds(bp + 4), lds(bp + kB),
+      float big[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_3xtf32_apart(big, small[nt], a_hi, a_lo, lds(bp), lds(bp + 4), lds(bp + kB),
                        lds(bp + kB + 4));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[nt][e] += big[e];
     }
   }
 #pragma unroll
