@@ -54,6 +54,9 @@ FAMILIES = (
     Family("fwd_sm90", "fwd_sm90_launch.h", (64, 128, 256), (
         "run_attention_fwd_sm90(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
     )),
+    Family("fwd_sm90_ws", "fwd_sm90_ws_launch.h", (64, 128), (
+        "run_attention_fwd_sm90_ws(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
+    )),
     Family("bwd_sm80", "bwd_sm80_launch.h", HEAD_DIMS, (
         "run_attention_bwd(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
     )),

@@ -10,6 +10,7 @@ import torch
 from tolerance import assert_within_rule
 
 import flashmod
+from flashmod import serve_ops
 from flashmod.reference import attention_reference
 from flashmod.serve_ops import varlen_backward_padded, varlen_forward_padded
 
@@ -327,6 +328,7 @@ def test_varlen_cuda_fp32_runs_padded_with_a_warning():
     """The CUDA varlen kernels take fp16/bf16 (as flash-attn's); flash_attn_varlen_func serves fp32
     through the dense kernels on a padded copy, saying so, and the op itself refuses it."""
     q, k, v, cq, ck = make_varlen([3, 0, 9], [5, 2, 9], 2, 2, 16, torch.float32, "cuda", requires_grad=True)
+    serve_ops._warn_fp32_varlen_once.cache_clear()  # warned once per process: another test may have been first
     with pytest.warns(UserWarning, match="float32 on CUDA has no variable-length kernel"):
         out = flashmod.flash_attn_varlen_func(q, k, v, cq, ck, 9, 9, causal=True)
     cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
@@ -337,6 +339,56 @@ def test_varlen_cuda_fp32_runs_padded_with_a_warning():
         torch.testing.assert_close(ours.cpu(), theirs, rtol=1e-4, atol=1e-5)
     with pytest.raises(RuntimeError, match="q must be float16 or bfloat16 on CUDA, got torch.float32"):
         torch.ops.flashmod.attention_varlen(q, k, v, cq, ck, 9, 9)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["default", "portable"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("variant", ["plain", "causal", "softcap_causal"])
+def test_cuda_serving_prefill_kernels(monkeypatch, kernel, d, variant):
+    """Prefill-shaped serving calls (varlen; a KV cache with more than 64 new queries, contiguous,
+    in whole-block pages and in small pages) on the wgmma kernel's per-sequence variants (the default
+    on an H100/H200 for these head dims) and on the portable kernel: each sequence within the rule
+    against fp64, and equal to the paged and contiguous calls."""
+    if kernel == "portable":
+        monkeypatch.setenv("FLASHMOD_DISABLE_SM90", "1")
+    opts, dtype = opts_of(variant), torch.bfloat16
+    lq, lk = [0, 1, 130, 77, 300], [5, 1, 130, 200, 300]
+    q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, d, dtype, "cuda")
+    out = flashmod.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), **opts)
+    for b in range(len(lq)):
+        qs, ks, vs = q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]]
+        truth, _ = reference(qs, ks, vs, opts, torch.float64)
+        plain, _ = reference(qs, ks, vs, opts, dtype)
+        assert_within_rule(out[cq[b] : cq[b + 1]], truth, plain, 2, dtype, f"varlen sequence {b}")
+
+    B, S, sq, hq, hkv = 3, 512, 100, 4, 2
+    k_cont, v_cont = make_cache(B, S, hkv, d, dtype, "cuda")
+    q = torch.randn(B, sq, hq, d, dtype=dtype, device="cuda")
+    seqlens = torch.tensor([0, 37, S - sq], dtype=torch.int32, device="cuda")
+    k_new, v_new = (torch.randn(B, sq, hkv, d, dtype=dtype, device="cuda") for _ in range(2))
+    results = {}
+    for page_size in (None, 16, 256):
+        if page_size is None:
+            kc, vc, table = k_cont.clone(), v_cont.clone(), None
+        else:
+            per_row = S // page_size
+            table = torch.randperm(B * per_row, device="cuda").to(torch.int32).reshape(B, per_row)
+            kc = torch.empty(B * per_row, page_size, hkv, d, dtype=dtype, device="cuda")
+            vc = torch.empty_like(kc)
+            kc[table.long()] = k_cont.reshape(B, per_row, page_size, hkv, d)
+            vc[table.long()] = v_cont.reshape(B, per_row, page_size, hkv, d)
+        results[page_size] = flashmod.flash_attn_with_kvcache(
+            q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table, **opts
+        )
+    for page_size in (16, 256):
+        assert torch.equal(results[page_size], results[None]), f"pages of {page_size} differ from contiguous"
+    for b in range(B):
+        n = int(seqlens[b])
+        ks, vs = torch.cat([k_cont[b, :n], k_new[b]]), torch.cat([v_cont[b, :n], v_new[b]])
+        truth, _ = reference(q[b], ks, vs, opts, torch.float64)
+        plain, _ = reference(q[b], ks, vs, opts, dtype)
+        assert_within_rule(results[None][b], truth, plain, 2, dtype, f"kvcache row {b}")
 
 
 @pytest.mark.cuda

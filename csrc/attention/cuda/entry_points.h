@@ -30,6 +30,14 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_sm90(const AttentionParams& p, const FwdLaunchFlags& flags,
                                    cudaStream_t stream);
 
+// The warp-specialized Hopper variant (TMA loads, ping-ponged consumer warpgroups; sm_90a machine
+// code only) for kHeadDim = 64 and 128: plain scores (causal and windows included, GQA) on tensors
+// TMA can address (16-byte aligned base, strides multiples of 16 bytes). Any other call it hands
+// to run_attention_fwd_sm90 itself, so the contract is run_attention_fwd_sm90's.
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
+                                      cudaStream_t stream);
+
 // Split-KV workspace of the decode kernel. rows = batch * heads_q * seqlen_q of the params the
 // kernel gets (GQA-packed or not: same count), row id = the lse index.
 struct SplitKvArgs {

@@ -1,9 +1,9 @@
 // CUDA registration of the serving ops (attention_varlen, attention_kvcache): the shared host
-// preparation (serve_host.cpp), the CUDA-only checks, and the launch of the sm80 kernel's
-// per-sequence variants (fwd_sm80_kernel.h: KvAddressing). No host sync: the extents stay on
-// the device and the grid comes from the caller's upper bounds. The sm90 kernel has no
-// per-sequence variant yet, so these ops run the mma.sync kernel on every GPU; decode-shaped
-// KV-cache calls (seqlen_q <= 64) take the decode kernel (GQA packing, split-KV).
+// preparation (serve_host.cpp), the CUDA-only checks, and the launch of the kernels'
+// per-sequence variants (KvAddressing: the wgmma kernel on sm_90 for head dims 64/128/256, the
+// mma.sync kernel elsewhere). No host sync: the extents stay on the device and the grid comes
+// from the caller's upper bounds. Decode-shaped KV-cache calls (seqlen_q <= 64) take the decode
+// kernel (GQA packing, split-KV).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -89,6 +89,15 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
     return cuda_kernels::run_attention_fwd_decode<E, D>(p, flags, opt, ws, stream);
       FLASHMOD_FWD_SM80_VARIANTS(FLASHMOD_SERVE_DECODE)
 #undef FLASHMOD_SERVE_DECODE
+    }
+  }
+  if (sm90_kernels_usable()) {
+    switch (key) {
+#define FLASHMOD_SERVE_PREFILL_SM90(E, kind, D)        \
+  case cuda_kernels::variant_key(ScalarKind::kind, D): \
+    return cuda_kernels::run_attention_fwd_sm90<E, D>(p, flags, stream);
+      FLASHMOD_FWD_SM90_VARIANTS(FLASHMOD_SERVE_PREFILL_SM90)
+#undef FLASHMOD_SERVE_PREFILL_SM90
     }
   }
   switch (key) {

@@ -1,6 +1,6 @@
 // sm_90a warpgroup matrix multiply (wgmma) for the Hopper forward kernel: shared-memory matrix
 // descriptors, the fences that order wgmma against ordinary instructions, and the m64nNk16
-// instructions it issues (N = 64 or 128, fp32 accumulators, fp16/bf16 operands).
+// instructions it issues (N = 64 or 128; 176 for S only; fp32 accumulators, fp16/bf16 operands).
 //
 // A warpgroup (4 consecutive warps, 128 threads) issues each wgmma together; the result lands
 // asynchronously in the accumulator registers. Those registers hold the same layout as four
@@ -198,12 +198,49 @@ struct Wgmma;
     }                                                                                              \
   };
 
+// N = 176 (FlashAttention-3's key-block width at D = 128): S = Q K^T only (ss); the PV product
+// runs at N = head dim. The operand list is 22 accumulator quads.
+#define FLASHMOD_WGMMA_ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define FLASHMOD_WGMMA_ACC22                                                                      \
+  FLASHMOD_WGMMA_ACC4(0), FLASHMOD_WGMMA_ACC4(1), FLASHMOD_WGMMA_ACC4(2), FLASHMOD_WGMMA_ACC4(3), \
+      FLASHMOD_WGMMA_ACC4(4), FLASHMOD_WGMMA_ACC4(5), FLASHMOD_WGMMA_ACC4(6),                     \
+      FLASHMOD_WGMMA_ACC4(7), FLASHMOD_WGMMA_ACC4(8), FLASHMOD_WGMMA_ACC4(9),                     \
+      FLASHMOD_WGMMA_ACC4(10), FLASHMOD_WGMMA_ACC4(11), FLASHMOD_WGMMA_ACC4(12),                  \
+      FLASHMOD_WGMMA_ACC4(13), FLASHMOD_WGMMA_ACC4(14), FLASHMOD_WGMMA_ACC4(15),                  \
+      FLASHMOD_WGMMA_ACC4(16), FLASHMOD_WGMMA_ACC4(17), FLASHMOD_WGMMA_ACC4(18),                  \
+      FLASHMOD_WGMMA_ACC4(19), FLASHMOD_WGMMA_ACC4(20), FLASHMOD_WGMMA_ACC4(21)
+#define FLASHMOD_WGMMA_N176(ELEM, PTX)                                                             \
+  template <>                                                                                      \
+  struct Wgmma<ELEM, 176> {                                                                        \
+    __device__ __forceinline__ static void ss(float (&d)[22][4], uint64_t desc_a, uint64_t desc_b, \
+                                              int accumulate) {                                    \
+      asm volatile(                                                                                \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"                                             \
+          "wgmma.mma_async.sync.aligned.m64n176k16.f32." PTX "." PTX                               \
+          " "                                                                                      \
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
+          "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "  \
+          "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, "  \
+          "%70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, "  \
+          "%87"                                                                                    \
+          "}, %88, %89, p, 1, 1, 0, 0;\n}\n"                                                       \
+          : FLASHMOD_WGMMA_ACC22                                                                   \
+          : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                            \
+    }                                                                                              \
+  };
+
 FLASHMOD_WGMMA_N64(__nv_bfloat16, "bf16")
 FLASHMOD_WGMMA_N64(__half, "f16")
 FLASHMOD_WGMMA_N128(__nv_bfloat16, "bf16")
 FLASHMOD_WGMMA_N128(__half, "f16")
+FLASHMOD_WGMMA_N176(__nv_bfloat16, "bf16")
+FLASHMOD_WGMMA_N176(__half, "f16")
 #undef FLASHMOD_WGMMA_N64
 #undef FLASHMOD_WGMMA_N128
+#undef FLASHMOD_WGMMA_N176
+#undef FLASHMOD_WGMMA_ACC22
+#undef FLASHMOD_WGMMA_ACC4
 #endif  // FLASHMOD_SM90A
 
 }  // namespace flashmod::cuda_kernels::sm90
