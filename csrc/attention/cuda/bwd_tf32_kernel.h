@@ -13,12 +13,15 @@
 //
 // Layout: each warp owns 16 rows (the mma's m16) of the CTA's "own" tile (K_j and V_j in the dK/dV
 // kernel, Q_i and dO_i in the dQ kernel) and every CTA streams Bs rows of the other pair per step.
-// All four tiles sit in shared memory twice, as tf32 hi and lo halves (split once per tile by every
-// thread, after it landed), in rows padded to kHeadDim + 4 floats: with a pitch of 4 (mod 32)
-// words the fragment reads (8 rows x 4 columns, or 4 row pairs x 8 columns) hit 32 different
-// banks. P and dS go from the accumulator straight into the A operand of the next product, with
-// the forward's relabelling of the k index (position t <-> row 2t, t + 4 <-> 2t + 1 of each k8
-// slice) and the B^T fragment reading rows 2t and 2t + 1 to match.
+// Own tiles sit in shared memory as tf32 hi and lo halves (split once, by every thread, after they
+// landed): their A fragments are read at every step. Streamed tiles stay fp32, double-buffered
+// (cp.async of step s + 1 runs under step s's products), and their B fragments are split as they
+// are read: a split pass per step and its two barriers cost more than the splits (H100 run 1 of the
+// split-per-tile version: 0.45x EFFICIENT at D = 128). Rows are padded to kHeadDim + 4 floats: with
+// a pitch of 4 (mod 32) words the fragment reads (8 rows x 4 columns, or 4 row pairs x 8 columns)
+// hit 32 different banks. P and dS go from the accumulator straight into the A operand of the next
+// product, with the forward's relabelling of the k index (position t <-> row 2t, t + 4 <-> 2t + 1
+// of each k8 slice) and the B^T fragment reading rows 2t and 2t + 1 to match.
 #pragma once
 
 #include <math_constants.h>
@@ -46,9 +49,10 @@ struct Tf32BwdTraits {
   static constexpr int kNTiles = Bs / 8;  // n8 tiles of S per warp = k8 steps of the 2nd product
   static constexpr int kDTiles = kHeadDim / 8;  // k8 steps of the 1st product = its n8 tiles
   static constexpr int kOwnTile = Bo * kLd;     // floats of one half of one own tile
-  static constexpr int kStreamTile = Bs * kLd;
-  // Two own and two streamed tiles, each as hi and lo; the dK/dV kernel adds Bs lse2 and delta.
-  static constexpr int kSmemBytes = 4 * (4 * kOwnTile + 4 * kStreamTile + 2 * Bs);
+  static constexpr int kStreamTile = Bs * kLd;  // floats of one stage of one streamed tile
+  // Two own tiles as hi and lo, two streamed tiles (fp32) in two stages; the dK/dV kernel adds
+  // two stages of Bs lse2 and delta.
+  static constexpr int kSmemBytes = 4 * (4 * kOwnTile + 4 * kStreamTile + 4 * Bs);
   static_assert(Bs % 8 == 0 && Bs / 2 <= kNThreads, "one 16-byte lse2/delta chunk per thread");
   static_assert(kBwdRowPad % Bs == 0 && kBwdRowPad % Bo == 0, "row statistics cover whole blocks");
   static_assert(kSmemBytes <= 163 * 1024, "must also fit an A100");
@@ -78,12 +82,12 @@ __device__ __forceinline__ uint32_t lds(const float* p) {
 }
 
 // c[16 x 8 kNT] = A B^T over the head dim: A = 16 rows of an own tile (a: its first row, hi; lo
-// kA floats on), B = the kNT * 8 rows of a streamed tile (hi; lo kB floats on). 3xTF32 with the
-// small terms in an accumulator of their own. The big terms of each k8 step go into a fresh
-// accumulator that joins c with an fp32 add: the tensor cores truncate when they accumulate, and a
-// chain over the whole head dim biased dP by tens of ulps at D >= 160 (dQ failed the 3x rule there,
-// H100 run 1); per step, the truncation is that of one 8-term sum.
-template <int kHeadDim, int kNT, int kA, int kB>
+// kA floats on), B = the kNT * 8 rows of a streamed fp32 tile, split into tf32 halves as its
+// fragments are read. 3xTF32 with the small terms in an accumulator of their own. The big terms of
+// each k8 step go into a fresh accumulator that joins c with an fp32 add: the tensor cores truncate
+// when they accumulate, and a chain over the whole head dim biased dP by tens of ulps at D >= 160
+// (dQ failed the 3x rule there, H100 run 1); per step, the truncation is that of one 8-term sum.
+template <int kHeadDim, int kNT, int kA>
 __device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, const float* b,
                                             int g, int t) {
   constexpr int kLd = tf32_tile_pitch<kHeadDim>();
@@ -103,9 +107,11 @@ __device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, 
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
       const float* bp = b_lane + nt * 8 * kLd + 8 * ks;
+      uint32_t b_hi[2], b_lo[2];
+      split_tf32(lds(bp), b_hi[0], b_lo[0]);
+      split_tf32(lds(bp + 4), b_hi[1], b_lo[1]);
       float big[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_3xtf32_apart(big, small[nt], a_hi, a_lo, lds(bp), lds(bp + 4), lds(bp + kB),
-                       lds(bp + kB + 4));
+      mma_3xtf32_apart(big, small[nt], a_hi, a_lo, b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
 #pragma unroll
       for (int e = 0; e < 4; ++e) c[nt][e] += big[e];
     }
@@ -117,8 +123,8 @@ __device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, 
 }
 
 // acc[16 x kHeadDim] += A B, A = an accumulator (P^T, dS^T or dS: 16 x 8 kNT), B = the kNT * 8
-// rows of a streamed or own tile (hi at b; lo kB floats on), read transposed.
-template <int kHeadDim, int kNT, int kB>
+// rows of a streamed fp32 tile, read transposed and split as its fragments are read.
+template <int kHeadDim, int kNT>
 __device__ __forceinline__ void product_ab(float (&acc)[kHeadDim / 8][4],
                                            const float (&a_acc)[kNT][4], const float* b, int g,
                                            int t) {
@@ -139,8 +145,10 @@ __device__ __forceinline__ void product_ab(float (&acc)[kHeadDim / 8][4],
 #pragma unroll
     for (int kt = 0; kt < kNT; ++kt) {
       const float* bp = b_lane + kt * 8 * kLd + 8 * dt;
-      mma_3xtf32_apart(big, small, a_hi[kt], a_lo[kt], lds(bp), lds(bp + kLd), lds(bp + kB),
-                       lds(bp + kB + kLd));
+      uint32_t b_hi[2], b_lo[2];
+      split_tf32(lds(bp), b_hi[0], b_lo[0]);
+      split_tf32(lds(bp + kLd), b_hi[1], b_lo[1]);
+      mma_3xtf32_apart(big, small, a_hi[kt], a_lo[kt], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[dt][e] += add_small_terms(big[e], small[e]);
@@ -160,10 +168,10 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   extern __shared__ __align__(16) float smem[];
   float* sK = smem;  // hi; lo at + kOwn
   float* sV = sK + 2 * kOwn;
-  float* sQ = sV + 2 * kOwn;  // hi; lo at + kStream
+  float* sQ = sV + 2 * kOwn;  // fp32, stage 1 at + kStream
   float* sdO = sQ + 2 * kStream;
-  float* sL = sdO + 2 * kStream;
-  float* sDelta = sL + Br;
+  float* sL = sdO + 2 * kStream;  // stage 1 at + Br
+  float* sDelta = sL + 2 * Br;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
@@ -185,10 +193,34 @@ __global__ void __launch_bounds__(Tr::kNThreads)
                     static_cast<int64_t>(k0) * p.k_row_stride;
   const float* gV = static_cast<const float*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride +
                     static_cast<int64_t>(k0) * p.v_row_stride;
+  // Step s = (head of the group, query block): head-major, so each head's rows stream in order.
+  auto load_step = [&](int s, int stage) {
+    const int64_t h = hk * group + s / m_count;
+    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+    const int valid = p.seqlen_q - r0 < Br ? static_cast<int>(p.seqlen_q - r0) : Br;
+    const float* q = static_cast<const float*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                     r0 * p.q_row_stride;
+    const float* dout = static_cast<const float*>(p.grad_out) + b * p.grad_out_batch_stride +
+                        h * p.grad_out_head_stride + r0 * p.grad_out_row_stride;
+    tf32_bwd::load_tile<Br, D, kThreads>(sQ + stage * kStream, q, p.q_row_stride, valid, head_dim,
+                                         tid);
+    tf32_bwd::load_tile<Br, D, kThreads>(sdO + stage * kStream, dout, p.grad_out_row_stride, valid,
+                                         head_dim, tid);
+    // The row statistics are padded to whole blocks: Br / 4 chunks of each, no bounds.
+    const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
+    if (tid < Br / 4) {
+      cp_async_16(smem_addr(sL + stage * Br + 4 * tid), st.lse2 + stat + 4 * tid, 16);
+    } else if (tid < Br / 2) {
+      const int c = tid - Br / 4;
+      cp_async_16(smem_addr(sDelta + stage * Br + 4 * c), st.delta + stat + 4 * c, 16);
+    }
+  };
+
   tf32_bwd::load_tile<Bc, D, kThreads>(sK, gK, p.k_row_stride, rows_k, head_dim, tid);
   // dV alone needs no V (dP^T only feeds dS^T, hence dK).
   if constexpr (kDK)
     tf32_bwd::load_tile<Bc, D, kThreads>(sV, gV, p.v_row_stride, rows_k, head_dim, tid);
+  if (steps > 0) load_step(0, 0);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -206,45 +238,33 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   zero(dV);
   zero(dK);
 
-  // Step s = (head of the group, query block): head-major, so each head's rows stream in order.
   for (int s = 0; s < steps; ++s) {
+    const int stage = s & 1;
+    cp_async_wait<0>();
+    // Publishes step s's tiles (and at s = 0 K_j/V_j's halves), and every warp is done with step
+    // s - 1, whose buffers the prefetch below overwrites.
+    __syncthreads();
+    if (s + 1 < steps) load_step(s + 1, stage ^ 1);
+    cp_async_commit();
+
     const int64_t h = hk * group + s / m_count;
     const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
-    const int valid = p.seqlen_q - r0 < Br ? static_cast<int>(p.seqlen_q - r0) : Br;
-    // Every warp is done with step s - 1's tiles (and, at s = 0, K_j/V_j's halves are in place).
-    __syncthreads();
-    const float* q = static_cast<const float*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                     r0 * p.q_row_stride;
-    const float* dout = static_cast<const float*>(p.grad_out) + b * p.grad_out_batch_stride +
-                        h * p.grad_out_head_stride + r0 * p.grad_out_row_stride;
-    tf32_bwd::load_tile<Br, D, kThreads>(sQ, q, p.q_row_stride, valid, head_dim, tid);
-    tf32_bwd::load_tile<Br, D, kThreads>(sdO, dout, p.grad_out_row_stride, valid, head_dim, tid);
-    // The row statistics are padded to whole blocks: Br / 4 chunks of each, no bounds.
-    const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
-    if (tid < Br / 4) {
-      cp_async_16(smem_addr(sL + 4 * tid), st.lse2 + stat + 4 * tid, 16);
-    } else if (tid < Br / 2) {
-      const int c = tid - Br / 4;
-      cp_async_16(smem_addr(sDelta + 4 * c), st.delta + stat + 4 * c, 16);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    split_tf32_tile<Br, D, kThreads>(sQ, sQ + kStream, tid);
-    split_tf32_tile<Br, D, kThreads>(sdO, sdO + kStream, tid);
-    __syncthreads();
+    const float* sQ_s = sQ + stage * kStream;
+    const float* sdO_s = sdO + stage * kStream;
 
     float St[NT][4];
-    tf32_bwd::product_abt<D, NT, kOwn, kStream>(St, sK_warp, sQ, g, t);
+    tf32_bwd::product_abt<D, NT, kOwn>(St, sK_warp, sQ_s, g, t);
     float dPt[kDK ? NT : 1][4];
-    if constexpr (kDK) tf32_bwd::product_abt<D, NT, kOwn, kStream>(dPt, sV_warp, sdO, g, t);
+    if constexpr (kDK) tf32_bwd::product_abt<D, NT, kOwn>(dPt, sV_warp, sdO_s, g, t);
 
     transposed_probs_and_grads<float, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
-                                                     n_block, Bc, key_row, sL, sDelta, t);
+                                                     n_block, Bc, key_row, sL + stage * Br,
+                                                     sDelta + stage * Br, t);
 
-    if constexpr (kDV) tf32_bwd::product_ab<D, NT, kStream>(dV, St, sdO, g, t);
-    if constexpr (kDK) tf32_bwd::product_ab<D, NT, kStream>(dK, dPt, sQ, g, t);
+    if constexpr (kDV) tf32_bwd::product_ab<D, NT>(dV, St, sdO_s, g, t);
+    if constexpr (kDK) tf32_bwd::product_ab<D, NT>(dK, dPt, sQ_s, g, t);
   }
+  cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 
   const bool vec = st.vec_store != 0;
   if constexpr (kDV) {
@@ -271,7 +291,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   extern __shared__ __align__(16) float smem[];
   float* sQ = smem;  // hi; lo at + kOwn
   float* sdO = sQ + 2 * kOwn;
-  float* sK = sdO + 2 * kOwn;  // hi; lo at + kStream
+  float* sK = sdO + 2 * kOwn;  // fp32, stage 1 at + kStream
   float* sV = sK + 2 * kStream;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -299,6 +319,15 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
   tf32_bwd::load_tile<Br, D, kThreads>(sQ, gQ, p.q_row_stride, rows_q, head_dim, tid);
   tf32_bwd::load_tile<Br, D, kThreads>(sdO, gdO, p.grad_out_row_stride, rows_q, head_dim, tid);
+  auto load_kv = [&](int n, int stage) {
+    const int valid = min(Bc, Nk - n * Bc);
+    const int64_t row0 = static_cast<int64_t>(n) * Bc;
+    tf32_bwd::load_tile<Bc, D, kThreads>(sK + stage * kStream, gK + row0 * p.k_row_stride,
+                                         p.k_row_stride, valid, head_dim, tid);
+    tf32_bwd::load_tile<Bc, D, kThreads>(sV + stage * kStream, gV + row0 * p.v_row_stride,
+                                         p.v_row_stride, valid, head_dim, tid);
+  };
+  if (range.lo < range.hi) load_kv(range.lo, 0);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -316,28 +345,22 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   zero(dQ);
 
   for (int n = range.lo; n < range.hi; ++n) {
-    // Every warp is done with block n - 1 (and, at the first block, Q_i/dO_i's halves are in
-    // place).
-    __syncthreads();
-    const int valid = min(Bc, Nk - n * Bc);
-    const int64_t row0 = static_cast<int64_t>(n) * Bc;
-    tf32_bwd::load_tile<Bc, D, kThreads>(sK, gK + row0 * p.k_row_stride, p.k_row_stride, valid,
-                                         head_dim, tid);
-    tf32_bwd::load_tile<Bc, D, kThreads>(sV, gV + row0 * p.v_row_stride, p.v_row_stride, valid,
-                                         head_dim, tid);
-    cp_async_commit();
+    const int stage = (n - range.lo) & 1;
     cp_async_wait<0>();
+    // Publishes K_j/V_j (and at the first block Q_i/dO_i's halves), and every warp is done with
+    // block n - 1, whose buffers the prefetch below overwrites.
     __syncthreads();
-    split_tf32_tile<Bc, D, kThreads>(sK, sK + kStream, tid);
-    split_tf32_tile<Bc, D, kThreads>(sV, sV + kStream, tid);
-    __syncthreads();
+    if (n + 1 < range.hi) load_kv(n + 1, stage ^ 1);
+    cp_async_commit();
 
+    const float* sK_s = sK + stage * kStream;
     float S[NT][4], dP[NT][4];
-    tf32_bwd::product_abt<D, NT, kOwn, kStream>(S, sQ_warp, sK, g, t);
-    tf32_bwd::product_abt<D, NT, kOwn, kStream>(dP, sdO_warp, sV, g, t);
+    tf32_bwd::product_abt<D, NT, kOwn>(S, sQ_warp, sK_s, g, t);
+    tf32_bwd::product_abt<D, NT, kOwn>(dP, sdO_warp, sV + stage * kStream, g, t);
     probs_and_grads<float, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t);
-    tf32_bwd::product_ab<D, NT, kStream>(dQ, S, sK, g, t);
+    tf32_bwd::product_ab<D, NT>(dQ, S, sK_s, g, t);
   }
+  cp_async_wait<0>();
 
   float* gdQ = static_cast<float*>(p.grad_q) + b * p.grad_q_batch_stride +
                h * p.grad_q_head_stride + static_cast<int64_t>(r0) * p.grad_q_row_stride;

@@ -11,11 +11,12 @@
 namespace flashmod::cuda_kernels {
 
 // (warps, streamed rows per step) of both kernels: each warp owns 16 rows. Shared memory holds
-// four tiles twice (tf32 halves) of (kHeadDim + 4) floats per row: 104 KB at D = 64 with 4 warps
-// and Bs = 32, 101 KB at D = 128 with 2 warps and Bs = 16, 133 KB at D = 256 with one warp, so
-// two CTAs fit an H100's SM up to D = 128. Registers: dK and dV take D floats per thread together,
-// S^T and dP^T (big and small terms) 2 Bs; past D = 128 dV and dK get a launch each (S^T is then
-// computed twice; dP^T and V only in the dK launch), as in the fp16/bf16 backward.
+// the two own tiles twice (tf32 halves) and the two streamed ones in two stages, (kHeadDim + 4)
+// floats per row: 105 KB at D = 64 with 4 warps and Bs = 32, 102 KB at D = 128 with 2 warps and
+// Bs = 16, 133 KB at D = 256 with one warp, so two CTAs fit an H100's SM up to D = 128.
+// Registers: dK and dV take D floats per thread together, S^T and dP^T (big and small terms)
+// 2 Bs; past D = 128 dV and dK get a launch each (S^T is then computed twice; dP^T and V only in
+// the dK launch), as in the fp16/bf16 backward.
 template <int kHeadDim>
 struct Tf32BwdConfig {
   static constexpr bool kSplit = kHeadDim > 128;
