@@ -11,9 +11,9 @@
 namespace flashmod::cuda_kernels {
 namespace {
 
-// A row is read by kLanesPerRow lanes, 16 bytes (8 elements) each per step where the rows are
-// 16-byte aligned, so a warp streams 4 rows with full-width loads (one warp per row with 2-byte
-// loads ran at ~30% of the copy rate: 155 us for 134 MB at D = 64 on an H100).
+// A row is read by kLanesPerRow lanes, 16 bytes (8 elements, 4 in fp32) each per step where the
+// rows are 16-byte aligned, so a warp streams 4 rows with full-width loads (one warp per row with
+// 2-byte loads ran at ~30% of the copy rate: 155 us for 134 MB at D = 64 on an H100).
 constexpr int kThreads = 256, kLanesPerRow = 8, kRowsPerBlock = kThreads / kLanesPerRow;
 
 // kExtents: a variable-length call; row i of (b, h) is row i of sequence b (sequence_view_bwd), and
@@ -34,13 +34,14 @@ __global__ void __launch_bounds__(kThreads)
     const Elem* dout = static_cast<const Elem*>(p.grad_out) + b * p.grad_out_batch_stride +
                        h * p.grad_out_head_stride + i * p.grad_out_row_stride;
     if (st.vec_rows) {
-      for (int64_t c = 8 * sub; c < p.head_dim; c += 8 * kLanesPerRow) {
+      constexpr int kVec = 16 / sizeof(Elem);
+      for (int64_t c = kVec * sub; c < p.head_dim; c += kVec * kLanesPerRow) {
         const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
         const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
         const Elem* oe = reinterpret_cast<const Elem*>(&ov);
         const Elem* de = reinterpret_cast<const Elem*>(&dv);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) sum = fmaf(to_float(oe[e]), to_float(de[e]), sum);
+        for (int e = 0; e < kVec; ++e) sum = fmaf(to_float(oe[e]), to_float(de[e]), sum);
       }
     } else {
       for (int64_t d = sub; d < p.head_dim; d += kLanesPerRow)
@@ -70,13 +71,22 @@ cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdRow
                                        cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads_q * st.rows_padded;
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  // Variable-length calls are fp16/bf16 only (flash-attn's dtypes): fp32 has no extents variant.
   const bool extents = has_sequence_extents(p);
-  auto kernel = p.dtype == ScalarKind::kBFloat16
-                    ? (extents ? attention_bwd_rowstats_kernel<__nv_bfloat16, true>
-                               : attention_bwd_rowstats_kernel<__nv_bfloat16, false>)
-                    : (extents ? attention_bwd_rowstats_kernel<__half, true>
-                               : attention_bwd_rowstats_kernel<__half, false>);
-  return cuda::launch_kernel(kernel, blocks, kThreads, 0, stream, p, st);
+  switch (p.dtype) {
+    case ScalarKind::kBFloat16:
+      return cuda::launch_kernel(extents ? attention_bwd_rowstats_kernel<__nv_bfloat16, true>
+                                         : attention_bwd_rowstats_kernel<__nv_bfloat16, false>,
+                                 blocks, kThreads, 0, stream, p, st);
+    case ScalarKind::kFloat32:
+      if (extents) return cudaErrorInvalidValue;
+      return cuda::launch_kernel(attention_bwd_rowstats_kernel<float, false>, blocks, kThreads, 0,
+                                 stream, p, st);
+    default:
+      return cuda::launch_kernel(extents ? attention_bwd_rowstats_kernel<__half, true>
+                                         : attention_bwd_rowstats_kernel<__half, false>,
+                                 blocks, kThreads, 0, stream, p, st);
+  }
 }
 
 }  // namespace flashmod::cuda_kernels
