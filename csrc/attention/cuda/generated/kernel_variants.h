@@ -104,4 +104,17 @@ constexpr int kBwdSm90HeadDims[] = {64, 128, 256};
   X(__nv_bfloat16, kBFloat16, 256)
 // clang-format on
 
+constexpr int kBwdTf32HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
+// clang-format off
+#define FLASHMOD_BWD_TF32_VARIANTS(X) \
+  X(float, kFloat32, 32) \
+  X(float, kFloat32, 64) \
+  X(float, kFloat32, 96) \
+  X(float, kFloat32, 128) \
+  X(float, kFloat32, 160) \
+  X(float, kFloat32, 192) \
+  X(float, kFloat32, 224) \
+  X(float, kFloat32, 256)
+// clang-format on
+
 }  // namespace flashmod::cuda_kernels
