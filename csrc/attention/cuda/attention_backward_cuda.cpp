@@ -55,13 +55,8 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
   align_rows16(r.grad_out, p.grad_out, p.grad_out_batch_stride, p.grad_out_head_stride,
                p.grad_out_row_stride);
 
-  cuda_kernels::BwdRowStats st;
-  st.rows_padded = (p.seqlen_q + cuda_kernels::kBwdRowPad - 1) / cuda_kernels::kBwdRowPad *
-                   cuda_kernels::kBwdRowPad;
-  at::Tensor stats =
-      at::empty({2, p.batch * p.heads_q * st.rows_padded}, q.options().dtype(at::kFloat));
-  st.lse2 = stats[0].data_ptr<float>();
-  st.delta = stats[1].data_ptr<float>();
+  at::Tensor stats;
+  cuda_kernels::BwdRowStats st = allocate_bwd_row_stats(p, q.options(), stats);
   st.vec_store =
       rows_aligned_pairs(r.grad_q) && rows_aligned_pairs(r.grad_k) && rows_aligned_pairs(r.grad_v);
   st.vec_rows = rows_aligned16(r.out) && rows_aligned16(r.grad_out) && p.head_dim % 8 == 0;

@@ -88,13 +88,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cuda(
   p.grad_k_head_stride = grad_k.stride(1), p.grad_k_row_stride = grad_k.stride(0);
   p.grad_v_head_stride = grad_v.stride(1), p.grad_v_row_stride = grad_v.stride(0);
 
-  cuda_kernels::BwdRowStats st;
-  st.rows_padded = (p.seqlen_q + cuda_kernels::kBwdRowPad - 1) / cuda_kernels::kBwdRowPad *
-                   cuda_kernels::kBwdRowPad;
-  at::Tensor stats =
-      at::empty({2, p.batch * p.heads_q * st.rows_padded}, q.options().dtype(at::kFloat));
-  st.lse2 = stats[0].data_ptr<float>();
-  st.delta = stats[1].data_ptr<float>();
+  at::Tensor stats;
+  cuda_kernels::BwdRowStats st = allocate_bwd_row_stats(p, q.options(), stats);
   st.vec_store = packed_rows_aligned(grad_q, 4) && packed_rows_aligned(grad_k, 4) &&
                  packed_rows_aligned(grad_v, 4);
   st.vec_rows = packed_rows_aligned(out_rows, 16) && packed_rows_aligned(grad_out_rows, 16) &&
