@@ -31,6 +31,32 @@ constexpr int padded_head_dim(const int (&head_dims)[N], int64_t d) {
   return -1;
 }
 
+// A tile variant (tools/gen_kernels.py, Tile): the dK/dV kernel's query rows per step, CTAs
+// per SM, stages and overlap flag; the dQ kernel's key columns per block and the same.
+struct KernelTile {
+  const char* name;
+  int head_dim;
+  int kv_rows, kv_ctas, kv_stages, kv_overlap;
+  int q_cols, q_ctas, q_stages, q_overlap;
+  bool is_default;
+};
+
+constexpr bool same_name(const char* a, const char* b) {
+  while (*a != 0 && *a == *b) ++a, ++b;
+  return *a == *b;
+}
+
+// The index of the tile called `name` built for head_dim (an empty name: the default one),
+// or -1.
+template <int N>
+constexpr int find_tile(const KernelTile (&tiles)[N], const char* name, int head_dim) {
+  for (int i = 0; i < N; ++i)
+    if (tiles[i].head_dim == head_dim && (*name == 0 ? tiles[i].is_default
+                                                    : same_name(tiles[i].name, name)))
+      return i;
+  return -1;
+}
+
 constexpr int kFwdSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 // clang-format off
 #define FLASHMOD_FWD_SM80_VARIANTS(X) \
@@ -86,13 +112,39 @@ constexpr int kBwdSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 
 constexpr int kBwdSm90HeadDims[] = {64, 128, 256};
 // clang-format off
+constexpr KernelTile kBwdSm90Tiles[] = {
+  {"base", 64, 64, 2, 2, 0, 64, 2, 2, 0, true},
+  {"base", 128, 64, 2, 2, 0, 64, 2, 2, 0, true},
+  {"base", 256, 64, 1, 2, 0, 64, 1, 2, 0, true},
+  {"kv128", 64, 128, 2, 2, 0, 64, 2, 2, 0, false},
+  {"q128", 64, 64, 2, 2, 0, 128, 2, 2, 0, false},
+  {"wide", 64, 128, 2, 2, 0, 128, 2, 2, 0, false},
+  {"cta3", 64, 64, 3, 2, 0, 64, 3, 2, 0, false},
+  {"stage3", 64, 64, 2, 3, 0, 64, 2, 3, 0, false},
+  {"overlap", 64, 64, 2, 3, 1, 64, 2, 3, 1, false},
+  {"kv128_qoverlap", 64, 128, 2, 2, 0, 64, 2, 3, 1, false},
+};
 #define FLASHMOD_BWD_SM90_VARIANTS(X) \
-  X(__half, kFloat16, 64) \
-  X(__half, kFloat16, 128) \
-  X(__half, kFloat16, 256) \
-  X(__nv_bfloat16, kBFloat16, 64) \
-  X(__nv_bfloat16, kBFloat16, 128) \
-  X(__nv_bfloat16, kBFloat16, 256)
+  X(__half, kFloat16, 64, 0) \
+  X(__half, kFloat16, 128, 1) \
+  X(__half, kFloat16, 256, 2) \
+  X(__half, kFloat16, 64, 3) \
+  X(__half, kFloat16, 64, 4) \
+  X(__half, kFloat16, 64, 5) \
+  X(__half, kFloat16, 64, 6) \
+  X(__half, kFloat16, 64, 7) \
+  X(__half, kFloat16, 64, 8) \
+  X(__half, kFloat16, 64, 9) \
+  X(__nv_bfloat16, kBFloat16, 64, 0) \
+  X(__nv_bfloat16, kBFloat16, 128, 1) \
+  X(__nv_bfloat16, kBFloat16, 256, 2) \
+  X(__nv_bfloat16, kBFloat16, 64, 3) \
+  X(__nv_bfloat16, kBFloat16, 64, 4) \
+  X(__nv_bfloat16, kBFloat16, 64, 5) \
+  X(__nv_bfloat16, kBFloat16, 64, 6) \
+  X(__nv_bfloat16, kBFloat16, 64, 7) \
+  X(__nv_bfloat16, kBFloat16, 64, 8) \
+  X(__nv_bfloat16, kBFloat16, 64, 9)
 // clang-format on
 
 }  // namespace flashmod::cuda_kernels
