@@ -37,13 +37,16 @@ class Tile:
     value; kv: the dK/dV kernel's (query rows per step, CTAs per SM its registers must allow,
     shared-memory stages of Q_i/dO_i, overlap: 1 leaves a step's gradient wgmma in flight across
     the next step's barrier); q: the dQ kernel's (key columns per block, CTAs per SM, stages of
-    K_j/V_j, overlap); default: the tile that runs when the knob is unset (one per head dim)."""
+    K_j/V_j, overlap); default: the tile that runs when the knob is unset (one per head dim);
+    split: how dK and dV share out (0: one warpgroup accumulates both, 1: a launch each, 2: a
+    warpgroup each in one CTA)."""
 
     name: str
     head_dims: tuple[int, ...]
     kv: tuple[int, int, int, int]
     q: tuple[int, int, int, int]
     default: bool = False
+    split: int = 0
 
 
 # Measurements behind the defaults: benchmarks/results/design/cuda-backward.md ("Hopper v4").
@@ -51,7 +54,9 @@ BWD_SM90_TILES = (
     # 64 keys x 64-query steps, 64 queries x 64-key blocks, two CTAs per SM, double-buffered.
     Tile("base", (64, 128), kv=(64, 2, 2, 0), q=(64, 2, 2, 0), default=True),
     # D = 256: one CTA per SM (the tiles take ~194 KB), dK and dV in separate launches.
-    Tile("base", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), default=True),
+    Tile("base", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), default=True, split=1),
+    # D = 256, dV and dK by the two warpgroups of one CTA (8 warps an SM, one load of Q_i, dO_i).
+    Tile("pair", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), split=2),
     # The wider steps: wgmma N = 128 for the score products (128 fp32 score registers a thread).
     Tile("kv128", (64,), kv=(128, 2, 2, 0), q=(64, 2, 2, 0)),
     Tile("q128", (64,), kv=(64, 2, 2, 0), q=(128, 2, 2, 0)),
@@ -188,6 +193,7 @@ def variants_header() -> str:
         "  int head_dim;\n",
         "  int kv_rows, kv_ctas, kv_stages, kv_overlap;\n",
         "  int q_cols, q_ctas, q_stages, q_overlap;\n",
+        "  int kv_split;  // dK and dV: 0 one warpgroup, 1 a launch each, 2 a warpgroup each\n",
         "  bool is_default;\n",
         "};\n",
         "\n",
@@ -216,7 +222,7 @@ def variants_header() -> str:
             check_tiles(family)
             out.append(f"constexpr KernelTile k{camel}Tiles[] = {{\n")
             for _, t, d in family.tile_entries():
-                fields = ", ".join(str(x) for x in (d, *t.kv, *t.q))
+                fields = ", ".join(str(x) for x in (d, *t.kv, *t.q, t.split))
                 out.append(f'  {{"{t.name}", {fields}, {str(t.default).lower()}}},\n')
             out.append("};\n")
         out.append(f"#define FLASHMOD_{family.name.upper()}_VARIANTS(X) \\\n")

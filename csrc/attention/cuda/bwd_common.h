@@ -17,8 +17,9 @@
 namespace flashmod::cuda_kernels {
 
 // kWhich: both dK and dV (head dims <= 128), or one of them per launch (larger head dims, whose
-// two accumulators would not fit the registers together).
-enum BwdWhich : int { kBwdBoth = 0, kBwdOnlyDV = 1, kBwdOnlyDK = 2 };
+// two accumulators would not fit the registers together), or (Hopper) dV by one warpgroup and dK
+// by the other of one CTA, sharing its tiles.
+enum BwdWhich : int { kBwdBoth = 0, kBwdOnlyDV = 1, kBwdOnlyDK = 2, kBwdPair = 3 };
 
 // The score transform of one (query i, key j) pair of the general path (a mask tensor, a soft cap
 // or a non-positive scale): returns P = exp(s - lse) (0 where hidden) and leaves in dcap the

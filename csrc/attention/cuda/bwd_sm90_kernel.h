@@ -11,6 +11,7 @@
 #include <math_constants.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/cuda/ptx_ops.h"
 #include "../../common/cuda/sw128_tile_copy.h"
@@ -36,15 +37,16 @@ struct BwdStagesSm90 {
 };
 
 // dK/dV: Bc = 64 key rows per warpgroup; each step takes Br query rows (wgmma's N of S^T).
+// kPair: two warpgroups over the same 64 keys (kBwdPair: one accumulates dV, the other dK).
 template <typename Elem_, int kHeadDim_, int kWarpgroups, int kBr, int kMinBlocks_ = 1,
-          int kStages_ = 2, bool kOverlap_ = false>
+          int kStages_ = 2, bool kOverlap_ = false, bool kPair = false>
 struct BwdKVTraitsSm90 : BwdStagesSm90<kStages_, kOverlap_> {
   using Elem = Elem_;
   static constexpr int kMinBlocks = kMinBlocks_;  // CTAs per SM the registers must allow
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int Bc = 64 * kWarpgroups;
+  static constexpr int Bc = kPair ? 64 : 64 * kWarpgroups;
   static constexpr int Br = kBr;
-  static constexpr int kNThreads = 128 * kWarpgroups;
+  static constexpr int kNThreads = 128 * (kPair ? 2 : kWarpgroups);
   static constexpr int kNTiles = Br / 8;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
@@ -134,8 +136,8 @@ __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
 #endif
 }
 
-// kWhich (bwd_common.h): dK and dV together, or one of them per launch where the two D-wide
-// accumulators do not fit one warpgroup's registers (D = 256).
+// kWhich (bwd_common.h): dK and dV together, or, where the two D-wide accumulators do not fit one
+// warpgroup's registers (D = 256), one of them per launch or one per warpgroup of the CTA.
 template <class Tr, bool kGeneral, int kWhich>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams p, const BwdRowStats st) {
@@ -143,7 +145,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
-  constexpr bool kDV = kWhich != kBwdOnlyDK, kDK = kWhich != kBwdOnlyDV;
+  static_assert((kWhich == kBwdPair) == (kThreads == 256 && Bc == 64),
+                "kBwdPair: two warpgroups over the same 64 keys");
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
@@ -210,8 +213,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
   // A: this warpgroup's 64 rows of K_j / V_j (K-major). B of the score products: Q_i / dO_i
   // (K-major). B of the gradient products: the same Q_i / dO_i tiles read MN-major.
-  const uint64_t k_desc = sw128_desc(sK_addr + warpgroup * 64 * 128, 16, 1024);
-  const uint64_t v_desc = sw128_desc(sV_addr + warpgroup * 64 * 128, 16, 1024);
+  const int row_block = kWhich == kBwdPair ? 0 : warpgroup;  // this warpgroup's 64 keys
+  const uint64_t k_desc = sw128_desc(sK_addr + row_block * 64 * 128, 16, 1024);
+  const uint64_t v_desc = sw128_desc(sV_addr + row_block * 64 * 128, 16, 1024);
   const uint64_t q_desc0 = sw128_desc(sQ_addr0, 16, 1024);
   const uint64_t do_desc0 = sw128_desc(sdO_addr0, 16, 1024);
   const uint64_t q_mn_desc0 = sw128_desc(sQ_addr0, Br * 128, 1024);
@@ -219,115 +223,131 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
   const ScoreTransform tf(p);
   const float scale_log2 = tf.scale * 1.4426950408889634f;
-  const int warp_row0 = warp * 16;  // warp w of warpgroup wg owns key rows 64 wg + 16 (w % 4)
+  const int warp_row0 = row_block * 64 + (warp % 4) * 16;  // the warp's 16 key rows
   const int key_row[2] = {k0 + warp_row0 + g, k0 + warp_row0 + g + 8};
 
-  float dV[kDV ? DT : 1][4], dK[kDK ? DT : 1][4];
-  if constexpr (!Tr::kOverlap) {  // kOverlap: written first by step 0's products
-    zero(dV);
-    zero(dK);
-  }
-  // P^T / dS^T packed for the gradient products; with kOverlap they stay live (read by the wgmma
-  // in flight) until the next step's wait.
-  uint32_t pa[kDV ? Br / 16 : 1][4], da[kDK ? Br / 16 : 1][4];
-
-  for (int s = 0, stage = 0; s < steps; ++s, stage = stage + 1 < kStages ? stage + 1 : 0) {
-    cp_async_wait<kAhead - 1>();
-    fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
-    // Publishes step s's tiles copied by every thread, and every warp is done with the stage
-    // the prefetch below overwrites: step s - 1's (s - 2's with kOverlap, whose gradient wgmma
-    // each warp waited for during step s - 1).
-    __syncthreads();
-    if (s + kAhead < steps) {
-      const int ahead = stage + kAhead;
-      load_step(s + kAhead, ahead < kStages ? ahead : ahead - kStages);
+  // The step loop for one gradient set (a warpgroup's accumulators): kBwdPair runs it for dV on
+  // warpgroup 0 and for dK on warpgroup 1, both over the same tiles and barriers.
+  auto mainloop = [&](auto which) {
+    constexpr int kW = decltype(which)::value;
+    constexpr bool kDV = kW != kBwdOnlyDK, kDK = kW != kBwdOnlyDV;
+    float dV[kDV ? DT : 1][4], dK[kDK ? DT : 1][4];
+    if constexpr (!Tr::kOverlap) {  // kOverlap: written first by step 0's products
+      zero(dV);
+      zero(dK);
     }
-    cp_async_commit();
+    // P^T / dS^T packed for the gradient products; with kOverlap they stay live (read by the wgmma
+    // in flight) until the next step's wait.
+    uint32_t pa[kDV ? Br / 16 : 1][4], da[kDK ? Br / 16 : 1][4];
 
-    const int64_t h = hk * group + s / m_count;
-    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
-    const uint32_t stage_bytes = stage * Tr::kSmemQ;
+    for (int s = 0, stage = 0; s < steps; ++s, stage = stage + 1 < kStages ? stage + 1 : 0) {
+      cp_async_wait<kAhead - 1>();
+      fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
+      // Publishes step s's tiles copied by every thread, and every warp is done with the stage
+      // the prefetch below overwrites: step s - 1's (s - 2's with kOverlap, whose gradient wgmma
+      // each warp waited for during step s - 1).
+      __syncthreads();
+      if (s + kAhead < steps) {
+        const int ahead = stage + kAhead;
+        load_step(s + kAhead, ahead < kStages ? ahead : ahead - kStages);
+      }
+      cp_async_commit();
 
-    float St[NT][4], dPt[kDK ? NT : 1][4];
-    wgmma_fence();
-    wgmma_ss_first<Elem, Br, Tr::kOverlap>(St, k_desc, desc_advance(q_desc0, stage_bytes));
-#pragma unroll
-    for (int ks = 1; ks < Tr::kKSteps; ++ks)
-      Wgmma<Elem, Br>::ss(St, desc_advance(k_desc, k_step(ks, Bc)),
-                          desc_advance(q_desc0, stage_bytes + k_step(ks, Br)), 1);
-    if constexpr (kDK) {
-      wgmma_ss_first<Elem, Br, Tr::kOverlap>(dPt, v_desc, desc_advance(do_desc0, stage_bytes));
+      const int64_t h = hk * group + s / m_count;
+      const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+      const uint32_t stage_bytes = stage * Tr::kSmemQ;
+
+      float St[NT][4], dPt[kDK ? NT : 1][4];
+      wgmma_fence();
+      wgmma_ss_first<Elem, Br, Tr::kOverlap>(St, k_desc, desc_advance(q_desc0, stage_bytes));
 #pragma unroll
       for (int ks = 1; ks < Tr::kKSteps; ++ks)
-        Wgmma<Elem, Br>::ss(dPt, desc_advance(v_desc, k_step(ks, Bc)),
-                            desc_advance(do_desc0, stage_bytes + k_step(ks, Br)), 1);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();  // with kOverlap, also step s - 1's gradient products
-    pin_registers(St);
-    pin_registers(dPt);
-    if constexpr (Tr::kOverlap) {
+        Wgmma<Elem, Br>::ss(St, desc_advance(k_desc, k_step(ks, Bc)),
+                            desc_advance(q_desc0, stage_bytes + k_step(ks, Br)), 1);
+      if constexpr (kDK) {
+        wgmma_ss_first<Elem, Br, Tr::kOverlap>(dPt, v_desc, desc_advance(do_desc0, stage_bytes));
+#pragma unroll
+        for (int ks = 1; ks < Tr::kKSteps; ++ks)
+          Wgmma<Elem, Br>::ss(dPt, desc_advance(v_desc, k_step(ks, Bc)),
+                              desc_advance(do_desc0, stage_bytes + k_step(ks, Br)), 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();  // with kOverlap, also step s - 1's gradient products
+      pin_registers(St);
+      pin_registers(dPt);
+      if constexpr (Tr::kOverlap) {
+        pin_registers(dV);
+        pin_registers(dK);
+        pin_registers(pa);
+        pin_registers(da);
+      }
+
+      transposed_probs_and_grads<Elem, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
+                                                      n_block, Bc, key_row, sL + stage * Br,
+                                                      sDelta + stage * Br, t);
+      // The gradient products take P^T / dS^T packed from the score registers. Those and the
+      // accumulators were written by ordinary instructions: pinned ahead of the fence that orders
+      // them before the wgmma reads.
+#pragma unroll
+      for (int kk = 0; kk < Br / 16; ++kk) {
+        if constexpr (kDV) pack_a<Elem>(pa[kk], St, kk);
+        if constexpr (kDK) pack_a<Elem>(da[kk], dPt, kk);
+      }
       pin_registers(dV);
       pin_registers(dK);
       pin_registers(pa);
       pin_registers(da);
+      wgmma_fence();
+      if constexpr (kDV)
+        wgmma_rs_tile<Elem, D, Tr::kOChunk>(dV, pa, desc_advance(do_mn_desc0, stage_bytes), Br,
+                                            Tr::kOverlap && s == 0);
+      if constexpr (kDK)
+        wgmma_rs_tile<Elem, D, Tr::kOChunk>(dK, da, desc_advance(q_mn_desc0, stage_bytes), Br,
+                                            Tr::kOverlap && s == 0);
+      wgmma_commit();
+      if constexpr (!Tr::kOverlap) {
+        wgmma_wait<0>();
+        pin_registers(dV);
+        pin_registers(dK);
+        pin_registers(pa);
+        pin_registers(da);
+      }
     }
-
-    transposed_probs_and_grads<Elem, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
-                                                    n_block, Bc, key_row, sL + stage * Br,
-                                                    sDelta + stage * Br, t);
-    // The gradient products take P^T / dS^T packed from the score registers. Those and the
-    // accumulators were written by ordinary instructions: pinned ahead of the fence that orders
-    // them before the wgmma reads.
-#pragma unroll
-    for (int kk = 0; kk < Br / 16; ++kk) {
-      if constexpr (kDV) pack_a<Elem>(pa[kk], St, kk);
-      if constexpr (kDK) pack_a<Elem>(da[kk], dPt, kk);
-    }
-    pin_registers(dV);
-    pin_registers(dK);
-    pin_registers(pa);
-    pin_registers(da);
-    wgmma_fence();
-    if constexpr (kDV)
-      wgmma_rs_tile<Elem, D, Tr::kOChunk>(dV, pa, desc_advance(do_mn_desc0, stage_bytes), Br,
-                                          Tr::kOverlap && s == 0);
-    if constexpr (kDK)
-      wgmma_rs_tile<Elem, D, Tr::kOChunk>(dK, da, desc_advance(q_mn_desc0, stage_bytes), Br,
-                                          Tr::kOverlap && s == 0);
-    wgmma_commit();
-    if constexpr (!Tr::kOverlap) {
+    if constexpr (Tr::kOverlap) {
       wgmma_wait<0>();
       pin_registers(dV);
       pin_registers(dK);
       pin_registers(pa);
       pin_registers(da);
     }
-  }
-  if constexpr (Tr::kOverlap) {
-    wgmma_wait<0>();
-    pin_registers(dV);
-    pin_registers(dK);
-    pin_registers(pa);
-    pin_registers(da);
-  }
-  cp_async_wait<0>();
-  if (Tr::kOverlap && steps == 0) {  // no query sees these keys
-    zero(dV);
-    zero(dK);
-  }
+    cp_async_wait<0>();
+    if (Tr::kOverlap && steps == 0) {  // no query sees these keys
+      zero(dV);
+      zero(dK);
+    }
 
-  const bool vec = st.vec_store != 0;
-  if constexpr (kDV) {
-    Elem* gdV = static_cast<Elem*>(p.grad_v) + b * p.grad_v_batch_stride +
-                hk * p.grad_v_head_stride + static_cast<int64_t>(k0) * p.grad_v_row_stride;
-    store_rows<Elem, DT>(gdV, p.grad_v_row_stride, dV, 1.f, warp_row0, rows_k, head_dim, lane, vec);
-  }
-  if constexpr (kDK) {
-    Elem* gdK = static_cast<Elem*>(p.grad_k) + b * p.grad_k_batch_stride +
-                hk * p.grad_k_head_stride + static_cast<int64_t>(k0) * p.grad_k_row_stride;
-    store_rows<Elem, DT>(gdK, p.grad_k_row_stride, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
-                         vec);
+    const bool vec = st.vec_store != 0;
+    if constexpr (kDV) {
+      Elem* gdV = static_cast<Elem*>(p.grad_v) + b * p.grad_v_batch_stride +
+                  hk * p.grad_v_head_stride + static_cast<int64_t>(k0) * p.grad_v_row_stride;
+      store_rows<Elem, DT>(gdV, p.grad_v_row_stride, dV, 1.f, warp_row0, rows_k, head_dim, lane,
+                           vec);
+    }
+    if constexpr (kDK) {
+      Elem* gdK = static_cast<Elem*>(p.grad_k) + b * p.grad_k_batch_stride +
+                  hk * p.grad_k_head_stride + static_cast<int64_t>(k0) * p.grad_k_row_stride;
+      store_rows<Elem, DT>(gdK, p.grad_k_row_stride, dK, tf.scale, warp_row0, rows_k, head_dim,
+                           lane, vec);
+    }
+  };
+  if constexpr (kWhich == kBwdPair) {
+    if (warpgroup == 0) {
+      mainloop(std::integral_constant<int, kBwdOnlyDV>{});
+    } else {
+      mainloop(std::integral_constant<int, kBwdOnlyDK>{});
+    }
+  } else {
+    mainloop(std::integral_constant<int, kWhich>{});
   }
 #else
   __trap();  // launched only where the sm_90a binary runs (see attention_backward_cuda.cpp)

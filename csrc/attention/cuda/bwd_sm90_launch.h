@@ -28,9 +28,11 @@ template <typename Elem, int kHeadDim, int kTile>
 struct BwdConfigSm90 {
   static constexpr KernelTile kT = kBwdSm90Tiles[kTile];
   static_assert(kT.head_dim == kHeadDim, "a tile of the table is built for its own head dim");
-  static constexpr bool kSplit = kHeadDim > 128;
-  using KV =
-      BwdKVTraitsSm90<Elem, kHeadDim, 1, kT.kv_rows, kT.kv_ctas, kT.kv_stages, kT.kv_overlap != 0>;
+  // kv_split: 0 dK and dV by one warpgroup, 1 one launch each, 2 one warpgroup each (kBwdPair).
+  static constexpr int kSplit = kT.kv_split;
+  static_assert(kSplit != 0 || kHeadDim <= 128, "D = 256: dK and dV do not fit one warpgroup");
+  using KV = BwdKVTraitsSm90<Elem, kHeadDim, 1, kT.kv_rows, kT.kv_ctas, kT.kv_stages,
+                             kT.kv_overlap != 0, kSplit == 2>;
   using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, kT.q_cols, kT.q_ctas, kT.q_stages, kT.q_overlap != 0>;
 };
 
@@ -47,9 +49,11 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
   using KV = typename Cfg::KV;
   using Q = typename Cfg::Q;
   cudaError_t err;
-  if constexpr (Cfg::kSplit) {
+  if constexpr (Cfg::kSplit == 1) {
     err = launch_dkdv<KV, kGeneral, kBwdOnlyDV>(p, st, stream);
     if (err == cudaSuccess) err = launch_dkdv<KV, kGeneral, kBwdOnlyDK>(p, st, stream);
+  } else if constexpr (Cfg::kSplit == 2) {
+    err = launch_dkdv<KV, kGeneral, kBwdPair>(p, st, stream);
   } else {
     err = launch_dkdv<KV, kGeneral, kBwdBoth>(p, st, stream);
   }
