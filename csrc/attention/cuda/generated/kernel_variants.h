@@ -125,6 +125,7 @@ constexpr KernelTile kBwdSm90Tiles[] = {
   {"stage3", 64, 64, 2, 3, 0, 64, 2, 3, 0, 0, false},
   {"overlap", 64, 64, 2, 3, 1, 64, 2, 3, 1, 0, false},
   {"kv128_qoverlap", 64, 128, 2, 2, 0, 64, 2, 3, 1, 0, false},
+  {"q128_overlap", 64, 64, 2, 2, 0, 128, 2, 3, 1, 0, false},
 };
 #define FLASHMOD_BWD_SM90_VARIANTS(X) \
   X(__half, kFloat16, 64, 0) \
@@ -138,6 +139,7 @@ constexpr KernelTile kBwdSm90Tiles[] = {
   X(__half, kFloat16, 64, 8) \
   X(__half, kFloat16, 64, 9) \
   X(__half, kFloat16, 64, 10) \
+  X(__half, kFloat16, 64, 11) \
   X(__nv_bfloat16, kBFloat16, 64, 0) \
   X(__nv_bfloat16, kBFloat16, 128, 1) \
   X(__nv_bfloat16, kBFloat16, 256, 2) \
@@ -148,7 +150,8 @@ constexpr KernelTile kBwdSm90Tiles[] = {
   X(__nv_bfloat16, kBFloat16, 64, 7) \
   X(__nv_bfloat16, kBFloat16, 64, 8) \
   X(__nv_bfloat16, kBFloat16, 64, 9) \
-  X(__nv_bfloat16, kBFloat16, 64, 10)
+  X(__nv_bfloat16, kBFloat16, 64, 10) \
+  X(__nv_bfloat16, kBFloat16, 64, 11)
 // clang-format on
 
 }  // namespace flashmod::cuda_kernels
