@@ -123,6 +123,26 @@ __device__ __forceinline__ void transposed_probs_and_grads(
   const int k0 = n_block * Bc;
   const bool all_visible =
       !kGeneral && key_block_unmasked(p, r0, r0 + Br - 1, n_block, Bc) && k0 + Bc <= Nk;
+  if (all_visible) {
+    // Every (query, key) pair of the block is visible and its keys are real: no window compares
+    // and no guard for hidden keys (grad_score), only the transform; at D = 64 the elementwise
+    // work is as long as the step's wgmma.
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int qc = 8 * ni + 2 * t + c;
+        const float l2 = lse2[qc], dl = kDK ? delta[qc] : 0.f;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int e = 2 * hh + c;
+          const float prob = exp2f(fmaf(St[ni][e], scale_log2, -l2));
+          St[ni][e] = prob;
+          if constexpr (kDK) dPt[ni][e] = prob * (dPt[ni][e] - dl);
+        }
+      }
+    return;
+  }
   const int64_t mask_head = b * p.mask_batch_stride + h * p.mask_head_stride;
   float* gmask =
       p.grad_mask ? p.grad_mask + ((b * p.heads_q + h) * p.seqlen_q) * p.seqlen_k : nullptr;
@@ -150,7 +170,9 @@ __device__ __forceinline__ void transposed_probs_and_grads(
         St[ni][e] = prob;
         if constexpr (kDK) {
           const float ds = grad_score(prob, dPt[ni][e], dl);
-          if (gmask != nullptr && i < p.seqlen_q && j < Nk) gmask[i * p.seqlen_k + j] = ds;
+          // grad_mask comes only with an additive mask: the general path.
+          if (kGeneral && gmask != nullptr && i < p.seqlen_q && j < Nk)
+            gmask[i * p.seqlen_k + j] = ds;
           dPt[ni][e] = ds * dcap;
         }
       }
@@ -189,6 +211,17 @@ __device__ __forceinline__ void probs_and_grads(float (&S)[NT][4], const float (
                                                 int Bc, int t) {
   const bool all_visible = !kGeneral && key_block_unmasked(p, r0, r0 + Br - 1, n, Bc);
   const int key0 = n * Bc + 2 * t;
+  if (all_visible) {  // as in transposed_probs_and_grads: only the transform
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = e >> 1;
+        const float prob = exp2f(fmaf(S[ni][e], scale_log2, -rows.lse2[hh]));
+        S[ni][e] = prob * (dP[ni][e] - rows.delta[hh]);
+      }
+    return;
+  }
 #pragma unroll
   for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
