@@ -51,23 +51,32 @@ class Tile:
 
 # Measurements behind the defaults: benchmarks/results/design/cuda-backward.md ("Hopper v4").
 BWD_SM90_TILES = (
-    # 64 keys x 64-query steps, 64 queries x 64-key blocks, two CTAs per SM, double-buffered.
-    Tile("base", (64, 128), kv=(64, 2, 2, 0), q=(64, 2, 2, 0), default=True),
-    # D = 256: one CTA per SM (the tiles take ~194 KB), dK and dV in separate launches.
-    Tile("base", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), default=True, split=1),
-    # D = 256, dV and dK by the two warpgroups of one CTA (8 warps an SM, one load of Q_i, dO_i).
-    Tile("pair", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), split=2),
-    # The wider steps: wgmma N = 128 for the score products (128 fp32 score registers a thread).
+    # Defaults measured with tools/bwd_sm90_tiles.py on an H100 (bf16, B * N = 16k, H * D = 2048,
+    # N = 1k/4k/16k, causal and not; fwd+bwd vs SDPA FLASH in one process); losers kept where
+    # they exercise a parameter (benchmarks/results/design/cuda-backward.md, "Hopper v4").
+    # D = 64: three CTAs per SM (dK/dV 164-168 registers of 170, no spill): dK/dV -7 to -12%
+    # against base (N = 4k 4.04 -> 3.76 ms, 16k 15.8 -> 14.9), dQ even; step 0.85-1.06x FLASH ->
+    # 0.87-1.13x.
+    Tile("cta3", (64,), kv=(64, 3, 2, 0), q=(64, 3, 2, 0), default=True),
+    # 64 keys x 64-query steps, 64 queries x 64-key blocks, two CTAs per SM, double-buffered. D = 128:
+    # 1.00-1.18x FLASH; its dK/dV (252 registers) and dQ (smem 97 KB) allow no third CTA.
+    Tile("base", (64,), kv=(64, 2, 2, 0), q=(64, 2, 2, 0)),
+    Tile("base", (128,), kv=(64, 2, 2, 0), q=(64, 2, 2, 0), default=True),
+    # D = 256: dV and dK by the two warpgroups of one CTA (8 warps an SM, one load of Q_i, dO_i per
+    # step): dK/dV -10 to -16% against a launch each (N = 16k 18.8 -> 16.7 ms), step 0.84-0.95x
+    # FLASH -> 0.90-1.02x.
+    Tile("pair", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), default=True, split=2),
+    # D = 256, one launch per gradient, one CTA per SM (the tiles take ~194 KB).
+    Tile("base", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), split=1),
+    # D = 64, lost against base (dK/dV, dQ ms at N = 16k; base 15.8, 9.45): wgmma N = 128 score
+    # products (kv128: dK/dV 17.1; q128: dQ 11.2), a third stage (even), the gradient wgmma in
+    # flight across the next step's barrier (overlap: dK/dV 15.5, dQ 11.5).
     Tile("kv128", (64,), kv=(128, 2, 2, 0), q=(64, 2, 2, 0)),
     Tile("q128", (64,), kv=(64, 2, 2, 0), q=(128, 2, 2, 0)),
-    Tile("wide", (64,), kv=(128, 2, 2, 0), q=(128, 2, 2, 0)),
-    # Three CTAs per SM (170 registers a thread), three stages, and the gradient wgmma overlapped
-    # (three CTAs with the overlap: 88 bytes of spill and serialized wgmma, not built).
-    Tile("cta3", (64,), kv=(64, 3, 2, 0), q=(64, 3, 2, 0)),
     Tile("stage3", (64,), kv=(64, 2, 3, 0), q=(64, 2, 3, 0)),
     Tile("overlap", (64,), kv=(64, 2, 3, 1), q=(64, 2, 3, 1)),
-    Tile("kv128_qoverlap", (64,), kv=(128, 2, 2, 0), q=(64, 2, 3, 1)),
-    Tile("q128_overlap", (64,), kv=(64, 2, 2, 0), q=(128, 2, 3, 1)),
+    # D = 64, dQ at four CTAs per SM (127 registers, no spill).
+    Tile("cta3_q4", (64,), kv=(64, 3, 2, 0), q=(64, 4, 2, 0)),
 )
 
 

@@ -128,19 +128,18 @@ __device__ __forceinline__ void transposed_probs_and_grads(
     // and no guard for hidden keys (grad_score), only the transform; at D = 64 the elementwise
     // work is as long as the step's wgmma.
 #pragma unroll
-    for (int ni = 0; ni < NT; ++ni)
+    for (int ni = 0; ni < NT; ++ni) {
+      // Columns 2t and 2t + 1: one 8-byte load each (the rows are cp.async 16-byte destinations).
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * ni + 2 * t);
+      const float2 dl =
+          kDK ? *reinterpret_cast<const float2*>(delta + 8 * ni + 2 * t) : make_float2(0.f, 0.f);
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int qc = 8 * ni + 2 * t + c;
-        const float l2 = lse2[qc], dl = kDK ? delta[qc] : 0.f;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int e = 2 * hh + c;
-          const float prob = exp2f(fmaf(St[ni][e], scale_log2, -l2));
-          St[ni][e] = prob;
-          if constexpr (kDK) dPt[ni][e] = prob * (dPt[ni][e] - dl);
-        }
+      for (int e = 0; e < 4; ++e) {
+        const float prob = exp2f(fmaf(St[ni][e], scale_log2, -(e & 1 ? l2.y : l2.x)));
+        St[ni][e] = prob;
+        if constexpr (kDK) dPt[ni][e] = prob * (dPt[ni][e] - (e & 1 ? dl.y : dl.x));
       }
+    }
     return;
   }
   const int64_t mask_head = b * p.mask_batch_stride + h * p.mask_head_stride;

@@ -182,9 +182,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const Sw128TileCopy<Br, D, kThreads> q_copy(tid, head_dim);
 
   // Step s = (head of the group, query block), head-major as in the portable kernel.
-  auto load_step = [&](int s, int stage) {
-    const int64_t h = hk * group + s / m_count;
-    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+  // Steps are walked with a (head, block) cursor rather than divided out of s: at D = 64 the
+  // per-step integer work is a large share of the step's instructions.
+  struct StepCursor {
+    int head, block;  // head of the group, query block from m_lo
+    __device__ __forceinline__ void next(int m_count) {
+      if (++block == m_count) block = 0, ++head;
+    }
+  };
+  auto load_step = [&](StepCursor c, int stage) {
+    const int64_t h = hk * group + c.head;
+    const int64_t r0 = static_cast<int64_t>(m_lo + c.block) * Br;
     const int valid = p.seqlen_q - r0 < Br ? static_cast<int>(p.seqlen_q - r0) : Br;
     const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
                     r0 * p.q_row_stride;
@@ -207,7 +215,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   kv_copy.load(sV_addr, gV, p.v_row_stride, rows_k);
 #pragma unroll
   for (int a = 0; a < kAhead; ++a) {
-    if (a < steps) load_step(a, a);
+    if (a < steps) load_step({a / m_count, a % m_count}, a);
     cp_async_commit();
   }
 
@@ -240,6 +248,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     // in flight) until the next step's wait.
     uint32_t pa[kDV ? Br / 16 : 1][4], da[kDK ? Br / 16 : 1][4];
 
+    StepCursor step{0, 0};  // the step s, and the step the prefetch loads next (s + kAhead)
+    StepCursor ahead_step{0, 0};
+    if (steps > kAhead) ahead_step = {kAhead / m_count, kAhead % m_count};
     for (int s = 0, stage = 0; s < steps; ++s, stage = stage + 1 < kStages ? stage + 1 : 0) {
       cp_async_wait<kAhead - 1>();
       fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
@@ -249,12 +260,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       __syncthreads();
       if (s + kAhead < steps) {
         const int ahead = stage + kAhead;
-        load_step(s + kAhead, ahead < kStages ? ahead : ahead - kStages);
+        load_step(ahead_step, ahead < kStages ? ahead : ahead - kStages);
+        ahead_step.next(m_count);
       }
       cp_async_commit();
 
-      const int64_t h = hk * group + s / m_count;
-      const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+      const int64_t h = hk * group + step.head;
+      const int64_t r0 = static_cast<int64_t>(m_lo + step.block) * Br;
+      step.next(m_count);
       const uint32_t stage_bytes = stage * Tr::kSmemQ;
 
       float St[NT][4], dPt[kDK ? NT : 1][4];

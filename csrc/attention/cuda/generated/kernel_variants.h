@@ -114,44 +114,38 @@ constexpr int kBwdSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 constexpr int kBwdSm90HeadDims[] = {64, 128, 256};
 // clang-format off
 constexpr KernelTile kBwdSm90Tiles[] = {
-  {"base", 64, 64, 2, 2, 0, 64, 2, 2, 0, 0, true},
+  {"cta3", 64, 64, 3, 2, 0, 64, 3, 2, 0, 0, true},
+  {"base", 64, 64, 2, 2, 0, 64, 2, 2, 0, 0, false},
   {"base", 128, 64, 2, 2, 0, 64, 2, 2, 0, 0, true},
-  {"base", 256, 64, 1, 2, 0, 64, 1, 2, 0, 1, true},
-  {"pair", 256, 64, 1, 2, 0, 64, 1, 2, 0, 2, false},
+  {"pair", 256, 64, 1, 2, 0, 64, 1, 2, 0, 2, true},
+  {"base", 256, 64, 1, 2, 0, 64, 1, 2, 0, 1, false},
   {"kv128", 64, 128, 2, 2, 0, 64, 2, 2, 0, 0, false},
   {"q128", 64, 64, 2, 2, 0, 128, 2, 2, 0, 0, false},
-  {"wide", 64, 128, 2, 2, 0, 128, 2, 2, 0, 0, false},
-  {"cta3", 64, 64, 3, 2, 0, 64, 3, 2, 0, 0, false},
   {"stage3", 64, 64, 2, 3, 0, 64, 2, 3, 0, 0, false},
   {"overlap", 64, 64, 2, 3, 1, 64, 2, 3, 1, 0, false},
-  {"kv128_qoverlap", 64, 128, 2, 2, 0, 64, 2, 3, 1, 0, false},
-  {"q128_overlap", 64, 64, 2, 2, 0, 128, 2, 3, 1, 0, false},
+  {"cta3_q4", 64, 64, 3, 2, 0, 64, 4, 2, 0, 0, false},
 };
 #define FLASHMOD_BWD_SM90_VARIANTS(X) \
   X(__half, kFloat16, 64, 0) \
-  X(__half, kFloat16, 128, 1) \
-  X(__half, kFloat16, 256, 2) \
+  X(__half, kFloat16, 64, 1) \
+  X(__half, kFloat16, 128, 2) \
   X(__half, kFloat16, 256, 3) \
-  X(__half, kFloat16, 64, 4) \
+  X(__half, kFloat16, 256, 4) \
   X(__half, kFloat16, 64, 5) \
   X(__half, kFloat16, 64, 6) \
   X(__half, kFloat16, 64, 7) \
   X(__half, kFloat16, 64, 8) \
   X(__half, kFloat16, 64, 9) \
-  X(__half, kFloat16, 64, 10) \
-  X(__half, kFloat16, 64, 11) \
   X(__nv_bfloat16, kBFloat16, 64, 0) \
-  X(__nv_bfloat16, kBFloat16, 128, 1) \
-  X(__nv_bfloat16, kBFloat16, 256, 2) \
+  X(__nv_bfloat16, kBFloat16, 64, 1) \
+  X(__nv_bfloat16, kBFloat16, 128, 2) \
   X(__nv_bfloat16, kBFloat16, 256, 3) \
-  X(__nv_bfloat16, kBFloat16, 64, 4) \
+  X(__nv_bfloat16, kBFloat16, 256, 4) \
   X(__nv_bfloat16, kBFloat16, 64, 5) \
   X(__nv_bfloat16, kBFloat16, 64, 6) \
   X(__nv_bfloat16, kBFloat16, 64, 7) \
   X(__nv_bfloat16, kBFloat16, 64, 8) \
-  X(__nv_bfloat16, kBFloat16, 64, 9) \
-  X(__nv_bfloat16, kBFloat16, 64, 10) \
-  X(__nv_bfloat16, kBFloat16, 64, 11)
+  X(__nv_bfloat16, kBFloat16, 64, 9)
 // clang-format on
 
 }  // namespace flashmod::cuda_kernels
