@@ -53,37 +53,38 @@ class Tile:
 
 # Measurements behind the defaults: benchmarks/results/design/cuda-backward.md ("Hopper v4").
 BWD_SM90_TILES = (
-    # Defaults measured with tools/bwd_sm90_tiles.py on an H100 (bf16, B * N = 16k, H * D = 2048,
-    # N = 1k/4k/16k, causal and not; fwd+bwd vs SDPA FLASH in one process); losers kept where
-    # they exercise a parameter (benchmarks/results/design/cuda-backward.md, "Hopper v4").
-    # D = 64: three CTAs per SM (dK/dV 164-168 registers of 170, no spill): dK/dV -7 to -12%
-    # against base (N = 4k 4.04 -> 3.76 ms, 16k 15.8 -> 14.9), dQ even; step 0.85-1.06x FLASH ->
-    # 0.87-1.13x.
-    Tile("cta3", (64,), kv=(64, 3, 2, 0), q=(64, 3, 2, 0), default=True),
-    # 64 keys x 64-query steps, 64 queries x 64-key blocks, two CTAs per SM, double-buffered. D = 128:
-    # 1.00-1.18x FLASH; its dK/dV (252 registers) and dQ (smem 97 KB) allow no third CTA.
+    # Defaults measured with tools/bwd_sm90_tiles.py on an H100 (fwd+bwd vs SDPA FLASH in one
+    # process, B * N = 16k, H * D = 2048, N = 1k/4k/16k, causal and not; runs 1 and 2 in
+    # benchmarks/results/2026-11-24-h100-bwd-sm90-tiles-run*.txt, the design log's "Hopper v4").
+    # D = 64: dK/dV at three CTAs per SM (164-168 registers of 170), dQ at four (127 of 128):
+    # bf16 1.28-1.51x FLASH (cta3, dQ at three: 1.25-1.43x; base, two and two: 1.13-1.34x);
+    # dQ 7.23 -> 6.18 ms at N = 16k.
+    Tile("cta3_q4", (64,), kv=(64, 3, 2, 0), q=(64, 4, 2, 0), default=True),
+    # 64 keys x 64-query steps, 64 queries x 64-key blocks, two CTAs per SM, double-buffered.
+    # D = 128: bf16 1.32-1.39x, fp16 1.32-1.40x FLASH; its dK/dV (250 registers) and dQ (97 KB of
+    # shared memory) leave no room for a third CTA.
     Tile("base", (64,), kv=(64, 2, 2, 0), q=(64, 2, 2, 0)),
     Tile("base", (128,), kv=(64, 2, 2, 0), q=(64, 2, 2, 0), default=True),
     # D = 256: dV and dK by the two warpgroups of one CTA (8 warps an SM, one load of Q_i, dO_i per
-    # step): dK/dV -10 to -16% against a launch each (N = 16k 18.8 -> 16.7 ms), step 0.84-0.95x
-    # FLASH -> 0.90-1.02x.
+    # step): dK/dV 14.8 -> 10.3 ms at N = 16k against a launch each; bf16 1.23-1.33x FLASH (a
+    # launch each: 0.98-1.13x).
     Tile("pair", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), default=True, split=2),
     # D = 256, one launch per gradient, one CTA per SM (the tiles take ~194 KB).
     Tile("base", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), split=1),
-    # D = 64, lost against base (dK/dV, dQ ms at N = 16k; base 15.8, 9.45): wgmma N = 128 score
-    # products (kv128: dK/dV 17.1; q128: dQ 11.2), a third stage (even), the gradient wgmma in
-    # flight across the next step's barrier (overlap: dK/dV 15.5, dQ 11.5).
+    # D = 64, both kernels at three CTAs per SM (the default before cta3_q4).
+    Tile("cta3", (64,), kv=(64, 3, 2, 0), q=(64, 3, 2, 0)),
+    # D = 64, lost against base in run 1 (dK/dV, dQ ms at N = 16k; base 15.8, 9.45): wgmma N = 128
+    # score products (kv128: dK/dV 17.1; q128: dQ 11.2), a third stage (even), the gradient wgmma
+    # in flight across the next step's barrier (overlap: dK/dV 15.5, dQ 11.5).
     Tile("kv128", (64,), kv=(128, 2, 2, 0), q=(64, 2, 2, 0)),
     Tile("q128", (64,), kv=(64, 2, 2, 0), q=(128, 2, 2, 0)),
     Tile("stage3", (64,), kv=(64, 2, 3, 0), q=(64, 2, 3, 0)),
     Tile("overlap", (64,), kv=(64, 2, 3, 1), q=(64, 2, 3, 1)),
-    # D = 64, dQ at four CTAs per SM (127 registers, no spill).
-    Tile("cta3_q4", (64,), kv=(64, 3, 2, 0), q=(64, 4, 2, 0)),
     # D = 64, the dK/dV score products with K_j (kreg_k) or K_j and V_j (kreg) as register A
     # operands: a third less shared-memory reading per step, 16-32 more registers (two CTAs; at
     # three, 168 registers, ptxas serializes the wgmma: C7512).
-    Tile("kreg_k", (64,), kv=(64, 2, 2, 0), q=(64, 3, 2, 0), kreg=1),
-    Tile("kreg", (64,), kv=(64, 2, 2, 0), q=(64, 3, 2, 0), kreg=2),
+    Tile("kreg_k", (64,), kv=(64, 2, 2, 0), q=(64, 4, 2, 0), kreg=1),
+    Tile("kreg", (64,), kv=(64, 2, 2, 0), q=(64, 4, 2, 0), kreg=2),
 )
 
 

@@ -115,18 +115,18 @@ constexpr int kBwdSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 constexpr int kBwdSm90HeadDims[] = {64, 128, 256};
 // clang-format off
 constexpr KernelTile kBwdSm90Tiles[] = {
-  {"cta3", 64, 64, 3, 2, 0, 64, 3, 2, 0, 0, 0, true},
+  {"cta3_q4", 64, 64, 3, 2, 0, 64, 4, 2, 0, 0, 0, true},
   {"base", 64, 64, 2, 2, 0, 64, 2, 2, 0, 0, 0, false},
   {"base", 128, 64, 2, 2, 0, 64, 2, 2, 0, 0, 0, true},
   {"pair", 256, 64, 1, 2, 0, 64, 1, 2, 0, 2, 0, true},
   {"base", 256, 64, 1, 2, 0, 64, 1, 2, 0, 1, 0, false},
+  {"cta3", 64, 64, 3, 2, 0, 64, 3, 2, 0, 0, 0, false},
   {"kv128", 64, 128, 2, 2, 0, 64, 2, 2, 0, 0, 0, false},
   {"q128", 64, 64, 2, 2, 0, 128, 2, 2, 0, 0, 0, false},
   {"stage3", 64, 64, 2, 3, 0, 64, 2, 3, 0, 0, 0, false},
   {"overlap", 64, 64, 2, 3, 1, 64, 2, 3, 1, 0, 0, false},
-  {"cta3_q4", 64, 64, 3, 2, 0, 64, 4, 2, 0, 0, 0, false},
-  {"kreg_k", 64, 64, 2, 2, 0, 64, 3, 2, 0, 0, 1, false},
-  {"kreg", 64, 64, 2, 2, 0, 64, 3, 2, 0, 0, 2, false},
+  {"kreg_k", 64, 64, 2, 2, 0, 64, 4, 2, 0, 0, 1, false},
+  {"kreg", 64, 64, 2, 2, 0, 64, 4, 2, 0, 0, 2, false},
 };
 #define FLASHMOD_BWD_SM90_VARIANTS(X) \
   X(__half, kFloat16, 64, 0) \
