@@ -62,6 +62,6 @@ def test_tile_table_rules():
         (base, gen.Tile("a", (64,), kv=(128, 2, 2, 0), q=(64, 2, 2, 0))),
         (base, gen.Tile("c", (48,), kv=(64, 2, 2, 0), q=(64, 2, 2, 0))),
     ):
-        bad = gen.Family("x", "x.h", (64,), (), tiles)
+        bad = gen.Family("x", "x.h", (64,), (), tiles=tiles)
         with pytest.raises(ValueError):
             gen.check_tiles(bad)

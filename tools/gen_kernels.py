@@ -26,6 +26,7 @@ OUT = Path(__file__).resolve().parents[1] / "csrc" / "attention" / "cuda" / "gen
 
 # (file-name tag, CUDA element type, ScalarKind enumerator)
 DTYPES = (("fp16", "__half", "kFloat16"), ("bf16", "__nv_bfloat16", "kBFloat16"))
+FP32 = (("fp32", "float", "kFloat32"),)
 
 # Padded head dims: a call runs the variant of the smallest one >= its head_dim.
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -91,13 +92,14 @@ BWD_SM90_TILES = (
 @dataclass(frozen=True)
 class Family:
     """One kernel family: its name (file prefix, macro name), the launch header that defines its
-    entry point templates, the head dims it is built for, and its entry points as
-    "name(parameter types)", each instantiated as cudaError_t name<Elem, D>(...)."""
+    entry point templates, the head dims it is built for, its entry points as
+    "name(parameter types)", each instantiated as cudaError_t name<Elem, D>(...), and its dtypes."""
 
     name: str
     header: str
     head_dims: tuple[int, ...]
     entry_points: tuple[str, ...]
+    dtypes: tuple[tuple[str, str, str], ...] = DTYPES
     tiles: tuple[Tile, ...] = ()  # entry points then take a third template argument, the tile index
 
     def tile_entries(self) -> list[tuple[int, Tile, int]]:
@@ -118,12 +120,18 @@ FAMILIES = (
     Family("fwd_sm90", "fwd_sm90_launch.h", (64, 128, 256), (
         "run_attention_fwd_sm90(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
     )),
+    Family("fwd_sm90_ws", "fwd_sm90_ws_launch.h", (64, 128), (
+        "run_attention_fwd_sm90_ws(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
+    )),
     Family("bwd_sm80", "bwd_sm80_launch.h", HEAD_DIMS, (
         "run_attention_bwd(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
     )),
     Family("bwd_sm90", "bwd_sm90_launch.h", (64, 128, 256), (
         "run_attention_bwd_sm90(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
-    ), BWD_SM90_TILES),
+    ), tiles=BWD_SM90_TILES),
+    Family("bwd_tf32", "bwd_tf32_launch.h", HEAD_DIMS, (
+        "run_attention_bwd_tf32(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
+    ), FP32),
 )  # fmt: skip
 
 HEADER = "kernel_variants.h"
@@ -246,9 +254,11 @@ def variants_header() -> str:
             out.append("};\n")
         out.append(f"#define FLASHMOD_{family.name.upper()}_VARIANTS(X) \\\n")
         if family.tiles:
-            items = [f"  X({elem}, {kind}, {d}, {i})" for _, elem, kind in DTYPES for i, _, d in family.tile_entries()]
+            items = [
+                f"  X({elem}, {kind}, {d}, {i})" for _, elem, kind in family.dtypes for i, _, d in family.tile_entries()
+            ]
         else:
-            items = [f"  X({elem}, {kind}, {d})" for _, elem, kind in DTYPES for d in family.head_dims]
+            items = [f"  X({elem}, {kind}, {d})" for _, elem, kind in family.dtypes for d in family.head_dims]
         out.append(" \\\n".join(items) + "\n")
         out.append("// clang-format on\n")
     out += ["\n", "}  // namespace flashmod::cuda_kernels\n"]
@@ -259,7 +269,7 @@ def generated_files() -> dict[str, str]:
     """Every file of generated/, name -> text."""
     files = {HEADER: variants_header()}
     for family in FAMILIES:
-        for tag, elem, _ in DTYPES:
+        for tag, elem, _ in family.dtypes:
             if family.tiles:
                 for i, t, d in family.tile_entries():
                     files[unit_name(family, tag, d, t.name)] = instantiation_unit(family, elem, d, i)

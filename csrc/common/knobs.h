@@ -9,8 +9,11 @@
 //                                     name that is unknown or that this CPU lacks is an error
 //   FLASHMOD_CPU_DECODE=0             CPU decode shapes run the prefill kernel
 //   FLASHMOD_DISABLE_SM90=1           the portable mma.sync kernel on an H100/H200
+//   FLASHMOD_SM90_WS=0                the sm_90 forward without warp specialization/TMA (the
+//                                     FlashAttention-2-style wgmma kernel)
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
-//                                     BWD_SM90_TILES); a name not built for the head dim is an error
+//                                     BWD_SM90_TILES); a name not built for the head dim is an
+//                                     error
 //   FLASHMOD_FP32_FFMA=1              fp32 on the CUDA-core (FFMA) kernel, not 3xTF32
 //   FLASHMOD_DECODE=0                 CUDA decode shapes run the prefill kernel
 //   FLASHMOD_DECODE_PACK=0            no GQA row packing in the CUDA decode kernel
