@@ -11,6 +11,9 @@
 //   FLASHMOD_DISABLE_SM90=1           the portable mma.sync kernel on an H100/H200
 //   FLASHMOD_SM90_WS=0                the sm_90 forward without warp specialization/TMA (the
 //                                     FlashAttention-2-style wgmma kernel)
+//   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
+//                                     BWD_SM90_TILES); a name not built for the head dim is an
+//                                     error
 //   FLASHMOD_FP32_FFMA=1              fp32 on the CUDA-core (FFMA) kernel, not 3xTF32
 //   FLASHMOD_DECODE=0                 CUDA decode shapes run the prefill kernel
 //   FLASHMOD_DECODE_PACK=0            no GQA row packing in the CUDA decode kernel
@@ -32,7 +35,8 @@ bool env_flag(const char* name, bool fallback);
 // A decimal integer; unset or empty -> fallback, anything that is not a whole integer -> error.
 int64_t env_int(const char* name, int64_t fallback);
 
-// The raw text; unset -> empty. For knobs whose values are names (FLASHMOD_CPU_ISA).
+// The raw text; unset -> empty. For knobs whose values are names (FLASHMOD_CPU_ISA,
+// FLASHMOD_BWD_SM90_TILE).
 std::string env_text(const char* name);
 
 }  // namespace flashmod

@@ -109,9 +109,9 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
                                    cudaStream_t stream);
 
-// The Hopper variant (wgmma, sm_90a machine code only) for kHeadDim = 64, 128 and 256; same
-// contract.
-template <typename Elem, int kHeadDim>
+// The Hopper variant (wgmma, sm_90a machine code only) for kHeadDim = 64, 128 and 256, with the
+// tile shapes of row kTile of kBwdSm90Tiles (generated/kernel_variants.h); same contract.
+template <typename Elem, int kHeadDim, int kTile>
 cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStats& st,
                                    cudaStream_t stream);
 
