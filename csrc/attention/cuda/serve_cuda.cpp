@@ -3,7 +3,8 @@
 // per-sequence variants (fwd_sm80_kernel.h: KvAddressing). No host sync: the extents stay on
 // the device and the grid comes from the caller's upper bounds. The sm90 kernel has no
 // per-sequence variant yet, so these ops run the mma.sync kernel on every GPU; decode-shaped
-// KV-cache calls (seqlen_q <= 64) take the decode kernel (GQA packing, split-KV).
+// KV-cache calls (seqlen_q <= 64) take the decode kernel (GQA packing, split-KV, the append of
+// the new keys/values inside it).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
