@@ -70,15 +70,18 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int r0 = tile.m_block * Br;
   // The fused KV-cache append (decode only): keys from new_from on are read from k_new / v_new,
   // never from the cache slots they go to, so one CTA per (batch row, kv head) can write those
-  // slots while every CTA reads. The writer is split 0 of query block 0 of the kv head's first
-  // query head, before any early exit.
+  // slots while every CTA reads. The writer is split 0 of query block 0 (r0 = 0: it passes the
+  // exit below) of the kv head's first query head; it writes once its first loads are in flight,
+  // or before it exits without keys.
   const bool new_rows = kDecode && kExtents && p.k_new != nullptr;
   const int new_from = new_rows ? Nk - static_cast<int>(p.seqlen_new) : Nk;
-  if constexpr (kDecode && kExtents) {
-    if (new_rows && tile.split == 0 && tile.m_block == 0 &&
-        tile.h % (params.heads_q / params.heads_kv) == 0)
-      append_new_rows<Elem, kThreads>(p, tile.hk, tid);
-  }
+  auto append_if_writer = [&]() {
+    if constexpr (kDecode && kExtents) {
+      if (new_rows && tile.split == 0 && tile.m_block == 0 &&
+          tile.h % (params.heads_q / params.heads_kv) == 0)
+        append_new_rows<Elem, kThreads>(p, tile.hk, tid);
+    }
+  };
   if constexpr (kExtents) {
     if (r0 >= Nq) return;  // past this sequence's queries (varlen): nothing of it to write
   }
@@ -134,6 +137,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     }
   };
   if (range.lo >= range.hi) {
+    append_if_writer();
     if constexpr (kDecode) {
       if (splits > 1) {
         // This split sees no key: its partial is empty (lse = -inf; the combine skips O).
@@ -190,6 +194,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     if (range.lo + s < range.hi) load_kv(range.lo + s, s);
     cp_async_commit();
   }
+  append_if_writer();
 
   // Per-lane ldmatrix coordinates: lanes 8i..8i+7 address the rows of 8x8 matrix i.
   const int lm_mat = lane >> 3, lm_row = lane & 7;
