@@ -15,6 +15,7 @@
 //   FLASHMOD_DECODE_SPLITS=n          exactly n split-KV splits (0: the heuristic)
 //   FLASHMOD_DECODE_FUSED_COMBINE=0   split-KV partials merged by the combine kernel, not by each
 //                                     tile's last CTA
+//   FLASHMOD_DECODE_STAGES3=1         3 K/V pipeline stages in the CUDA decode kernel (D <= 128)
 //   FLASHMOD_KVCACHE_FUSED_APPEND=0   decode-shaped KV-cache calls append with the append kernel
 //                                     before the attention, not inside it
 //   FLASHMOD_SOFTMAX_TRACE=1          prints the softmax launch path

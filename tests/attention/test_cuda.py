@@ -320,15 +320,23 @@ DECODE_MODES = {
     "packed_5splits": {"FLASHMOD_DECODE_SPLITS": "5"},
     "unpacked_3splits": {"FLASHMOD_DECODE_PACK": "0", "FLASHMOD_DECODE_SPLITS": "3"},
     "packed_64splits": {"FLASHMOD_DECODE_SPLITS": "64"},  # many empty splits at small Nk
-    # The split-KV combine as its own kernel instead of each tile's last CTA: bitwise the same.
+    # The split-KV combine as its own kernel instead of each tile's last CTA, and 3 K/V stages:
+    # bitwise the same as packed_5splits / unpacked_3splits.
     "packed_5splits_kernel": {"FLASHMOD_DECODE_SPLITS": "5", "FLASHMOD_DECODE_FUSED_COMBINE": "0"},
+    "packed_5splits_3stages": {"FLASHMOD_DECODE_SPLITS": "5", "FLASHMOD_DECODE_STAGES3": "1"},
     "unpacked_3splits_kernel": {
         "FLASHMOD_DECODE_PACK": "0",
         "FLASHMOD_DECODE_SPLITS": "3",
         "FLASHMOD_DECODE_FUSED_COMBINE": "0",
     },
 }
-DECODE_KNOBS = ("FLASHMOD_DECODE", "FLASHMOD_DECODE_PACK", "FLASHMOD_DECODE_SPLITS", "FLASHMOD_DECODE_FUSED_COMBINE")
+DECODE_KNOBS = (
+    "FLASHMOD_DECODE",
+    "FLASHMOD_DECODE_PACK",
+    "FLASHMOD_DECODE_SPLITS",
+    "FLASHMOD_DECODE_FUSED_COMBINE",
+    "FLASHMOD_DECODE_STAGES3",
+)
 
 
 def use_decode_mode(monkeypatch, mode):
@@ -351,9 +359,14 @@ def check_all_decode_modes(monkeypatch, q, k, v, mask=None, **opts):
         assert_within_rule(out, truth_o, plain_o, 2.0, dtype, f"out [{mode}]")
         assert_within_rule(lse, truth_l, plain_l.float(), 2.0, dtype, f"lse [{mode}]")
         results[mode] = (out, lse)
-    for fused, kernel in (("packed_5splits", "packed_5splits_kernel"), ("unpacked_3splits", "unpacked_3splits_kernel")):
+    same = (
+        ("packed_5splits", "packed_5splits_kernel"),
+        ("unpacked_3splits", "unpacked_3splits_kernel"),
+        ("packed_5splits", "packed_5splits_3stages"),
+    )
+    for fused, kernel in same:
         for a, b in zip(results[fused], results[kernel]):  # bitwise, NaN rows included
-            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=f"{fused}: fused combine != kernel")
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=f"{fused} != {kernel}")
     return results
 
 

@@ -390,14 +390,14 @@ def paged_copy(k_cont, v_cont, page_size, spare=3):
 @pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [0, 16, 8, 48, 256])
 @pytest.mark.parametrize("s_new", [1, 5, 70])
-@pytest.mark.parametrize("splits", ["0", "3"])
-def test_kvcache_fused_append_equals_append_kernel(monkeypatch, page_size, s_new, splits):
+@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=3", "FLASHMOD_DECODE_STAGES3=1"])
+def test_kvcache_fused_append_equals_append_kernel(monkeypatch, page_size, s_new, knobs):
     """Decode-shaped calls append inside the attention kernel (new rows read from k/v, written by one
     CTA per kv head); the result and the caches are bitwise those of the separate append kernel,
     with new rows across key-block (64) and page boundaries, more new rows than a key block, split-KV
-    (the heuristic's and 3 forced), GQA 32/8 packed and (Sq = 2, causal) unpacked, contiguous (0) and
-    paged caches; no slot outside the appended ones changes."""
-    monkeypatch.setenv("FLASHMOD_DECODE_SPLITS", splits)
+    (the heuristic's and 3 forced; 3 K/V stages), GQA 32/8 packed and (Sq = 2, causal) unpacked,
+    contiguous (0) and paged caches; no slot outside the appended ones changes."""
+    monkeypatch.setenv(*knobs.split("="))
     dtype, B, hq, hkv, d = torch.bfloat16, 5, 32, 8, 128
     S = 768
     k_cont, v_cont = make_cache(B, S, hkv, d, dtype, "cuda")
@@ -444,12 +444,12 @@ def test_kvcache_fused_append_equals_append_kernel(monkeypatch, page_size, s_new
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [1, 8, 16, 32, 48, 100])
-@pytest.mark.parametrize("splits", ["0", "5"])
-def test_kvcache_small_pages_equal_contiguous_on_long_caches(monkeypatch, page_size, splits):
+@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=5", "FLASHMOD_DECODE_STAGES3=1"])
+def test_kvcache_small_pages_equal_contiguous_on_long_caches(monkeypatch, page_size, knobs):
     """Pages smaller than (or misaligned with) a 64-key block load row by row, each thread stepping
     through its rows' pages: bitwise the contiguous result over caches of a few thousand keys with
-    uneven lengths, split-KV, windows and softcap, with and without an append."""
-    monkeypatch.setenv("FLASHMOD_DECODE_SPLITS", splits)
+    uneven lengths, split-KV, 3 K/V stages, windows and softcap, with and without an append."""
+    monkeypatch.setenv(*knobs.split("="))
     dtype, B, hq, hkv, d = torch.bfloat16, 3, 32, 8, 128
     S = (2100 // page_size) * page_size
     k_cont, v_cont = make_cache(B, S, hkv, d, dtype, "cuda")

@@ -52,8 +52,9 @@ struct DecodeWorkspace {
 
 struct DecodeOptions {
   int num_sms = 1;
-  int forced_splits = 0;      // > 0: use exactly this many splits (tests, tuning); 0: heuristic
-  bool fused_combine = true;  // split-KV partials merged by each tile's last CTA, not a kernel
+  int forced_splits = 0;       // > 0: use exactly this many splits (tests, tuning); 0: heuristic
+  bool fused_combine = true;   // split-KV partials merged by each tile's last CTA, not a kernel
+  bool deep_pipeline = false;  // 3 K/V stages instead of 2 (head dims <= 128)
 };
 
 // The decode path: query rows per head <= kDecodeMaxNq (one 64-row tile when GQA-packed rows fit).

@@ -84,10 +84,13 @@ cudaError_t run_attention_fwd(const AttentionParams& p, const FwdLaunchFlags& fl
 // mostly padding, and its mma work (Br x Bc x D per 2 Bc D bytes of K/V) would approach the
 // memory roofline's budget. With MT = 1 registers are plentiful, so Q stays in registers up to
 // D = 128. Shared memory: 64 D (Q) + 2 stages x 2 x 64 D (K, V) elements = 80 KB at D = 128,
-// two CTAs per SM on sm80 and sm90.
-template <typename Elem, int kHeadDim>
+// two CTAs per SM on sm80 and sm90. kDeepPipeline (DecodeOptions::deep_pipeline, D <= 128): 3
+// stages, 112 KB, still two CTAs per SM on sm90 (one on sm80): two key blocks in flight per CTA
+// instead of one while it computes, for HBM latency under full load.
+template <typename Elem, int kHeadDim, bool kDeepPipeline = false>
 struct DecodeConfig {
-  using Traits = FwdTraits<Elem, kHeadDim, 64, 64, 4, 2, (kHeadDim <= 128)>;
+  using Traits = FwdTraits<Elem, kHeadDim, 64, 64, 4, (kDeepPipeline && kHeadDim <= 128) ? 3 : 2,
+                           (kHeadDim <= 128)>;
 };
 
 constexpr int kMaxCachedDevices = 64;
@@ -108,11 +111,12 @@ int decode_ctas_per_sm(Kernel kernel, int threads, int smem, std::atomic<int>* c
   return n;
 }
 
-template <typename Elem, int kHeadDim>
-cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
-                                     const DecodeOptions& opt, const DecodeWorkspace& ws,
-                                     cudaStream_t stream) {
-  using Tr = typename DecodeConfig<Elem, kHeadDim>::Traits;
+template <class Tr>
+cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
+                          const DecodeOptions& opt, const DecodeWorkspace& ws,
+                          cudaStream_t stream) {
+  using Elem = typename Tr::Elem;
+  constexpr int kHeadDim = Tr::kHeadDim;
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
   const KvAddressing addr = kv_addressing(p, Tr::Bc);
   auto kernel = pick_fwd_kernel<Tr, true>(general, addr);
@@ -149,6 +153,16 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
                                               stream, p, flags, sk);
   if (err != cudaSuccess || splits == 1 || sk.tile_counters != nullptr) return err;
   return launch_split_combine<Elem, kHeadDim>(p, sk, stream);
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
+                                     const DecodeOptions& opt, const DecodeWorkspace& ws,
+                                     cudaStream_t stream) {
+  if (opt.deep_pipeline && kHeadDim <= 128)
+    return launch_decode<typename DecodeConfig<Elem, kHeadDim, true>::Traits>(p, flags, opt, ws,
+                                                                              stream);
+  return launch_decode<typename DecodeConfig<Elem, kHeadDim>::Traits>(p, flags, opt, ws, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

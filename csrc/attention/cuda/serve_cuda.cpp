@@ -79,6 +79,7 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
     opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
     opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
+    opt.deep_pipeline = env_flag("FLASHMOD_DECODE_STAGES3", false);
     // The split-KV workspace depends on shapes only (batch, heads, seqlen_q, the cache's
     // capacity), never on values, so a captured graph replays with the same allocation.
     at::Tensor workspace;
