@@ -443,6 +443,28 @@ def test_kvcache_fused_append_equals_append_kernel(monkeypatch, page_size, s_new
 
 
 @pytest.mark.cuda
+def test_kvcache_fused_append_with_cache_batch_idx(monkeypatch):
+    """The fused append writes through cache_batch_idx (rows of a larger cache, out of order): the
+    same caches and result as the append kernel, other cache rows untouched."""
+    dtype, B, hq, hkv, d, s_new = torch.bfloat16, 3, 8, 2, 64, 3
+    k_cache, v_cache = make_cache(6, 300, hkv, d, dtype, "cuda")
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor([10, 297, 128], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, 1, hq, d, dtype=dtype, device="cuda")
+    kn, vn = (torch.randn(B, s_new, hkv, d, dtype=dtype, device="cuda") for _ in range(2))
+    results = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("FLASHMOD_KVCACHE_FUSED_APPEND", fused)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = flashmod.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, cache_batch_idx=idx)
+        results[fused] = (out, kc, vc)
+    for a, b in zip(results["1"], results["0"]):
+        assert torch.equal(a, b), "fused append with cache_batch_idx differs from the append kernel"
+    untouched = [r for r in range(6) if r not in idx.tolist()]
+    assert torch.equal(results["1"][1][untouched], k_cache[untouched]), "a cache row outside cache_batch_idx changed"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [1, 8, 16, 32, 48, 100])
 @pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=5", "FLASHMOD_DECODE_STAGES3=1"])
 def test_kvcache_small_pages_equal_contiguous_on_long_caches(monkeypatch, page_size, knobs):
