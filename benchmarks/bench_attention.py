@@ -230,6 +230,11 @@ def main() -> None:
         action="store_true",
         help="also time flashmod's portable mma.sync kernels (FLASHMOD_DISABLE_SM90=1, forward and backward)",
     )
+    ap.add_argument(
+        "--fa2-sm90",
+        action="store_true",
+        help="also time the sm_90 forward without warp specialization (FLASHMOD_SM90_WS=0)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU; the CPU benchmark is benchmarks/bench_cpu.py")
@@ -246,6 +251,8 @@ def main() -> None:
     contenders: dict[str, Attend] = {"flashmod": flashmod_attend}
     if args.portable:
         contenders["flashmod-mma"] = flashmod_attend
+    if args.fa2_sm90:
+        contenders["flashmod-fa2"] = flashmod_attend
     for name in filter(None, args.backends.split(",")):
         contenders[name] = sdpa_attend(SDPA_BACKENDS[name])
 
@@ -259,7 +266,7 @@ def main() -> None:
         f"device: {name}; torch {torch.__version__}; mode {args.mode}; {len(shapes)} shapes; "
         f"contenders: {', '.join(contenders)}"
     )
-    env = {"flashmod-mma": "FLASHMOD_DISABLE_SM90=1"}
+    env = {"flashmod-mma": "FLASHMOD_DISABLE_SM90=1", "flashmod-fa2": "FLASHMOD_SM90_WS=0"}
     rows = run(shapes, contenders, "cuda", args.mode, args.warmup, args.reps, skip, env=env)
     tag = args.tag or f"{datetime.date.today().isoformat()}-cuda-{args.mode}"
     report(rows, list(contenders), "cuda", args.mode, args.out_dir, tag, dict(device=name, torch=torch.__version__))

@@ -186,8 +186,7 @@ def _attention_backward_reference(
     compute_grad_mask: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``flashmod::attention_backward_reference``: the chunked reference math with
-    attention_backward's checks. CUDA's attention_backward runs it for float32 (no fused kernel
-    yet, with a warning); tests use it as the oracle."""
+    attention_backward's checks; tests use it as the oracle."""
     _attention_backward_fake(
         grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale,
         is_causal, bottom_right, window_left, window_right, softcap, compute_grad_mask,

@@ -3,9 +3,8 @@
 ``torch.ops.flashmod.attention_varlen`` / ``attention_varlen_backward`` / ``attention_kvcache`` are
 declared in ``csrc/flashmod.cpp`` and prepared by ``csrc/attention/serve_host.cpp``. Here they get
 their fake implementations (the C++ checks mirrored as ``torch._check``, same order and messages),
-autograd for ``attention_varlen``, the interim CUDA kernel of ``attention_varlen_backward``, and
-the flash-attn-compatible functions :func:`flash_attn_varlen_func` and
-:func:`flash_attn_with_kvcache`.
+autograd for ``attention_varlen``, fp32's padded CUDA path, and the flash-attn-compatible
+functions :func:`flash_attn_varlen_func` and :func:`flash_attn_with_kvcache`.
 """
 
 from __future__ import annotations
@@ -211,10 +210,11 @@ def varlen_forward_padded(
     window_right: int = -1,
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """``attention_varlen``'s result through the dense attention op on a padded batch (the layout of
-    :func:`varlen_backward_padded`), differentiable through the dense op's autograd. Serves fp32 on CUDA,
-    which has no per-sequence kernel (a warning says so); exact, no host sync, the padding costs compute
-    and memory."""
+    """``attention_varlen``'s result through the dense attention op on a padded batch (each sequence
+    right-aligned in ``max_seqlen`` rows, so the dense op's bottom-right diagonal is every sequence's
+    own; a key-padding mask hides the padding keys), differentiable through the dense op's autograd.
+    Serves fp32 on CUDA, which has no per-sequence kernel (a warning says so); exact, no host sync, the
+    padding costs compute and memory."""
     _warn_fp32_varlen_once()
     B = cu_seqlens_q.numel() - 1
     sq, pq = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
@@ -228,55 +228,6 @@ def varlen_forward_padded(
     return out.transpose(1, 2)[sq, pq], lse.transpose(1, 2)[sq, pq].t()
 
 
-def varlen_backward_padded(
-    grad_out: Tensor,
-    grad_lse: Tensor | None,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float | None = None,
-    is_causal: bool = False,
-    window_left: int = -1,
-    window_right: int = -1,
-    softcap: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``attention_varlen_backward`` through the dense ``attention_backward`` on a padded batch.
-
-    Each sequence is right-aligned in ``max_seqlen`` rows (queries and keys), so the dense op's
-    bottom-right diagonal (offset ``max_seqlen_k - max_seqlen_q``) is every sequence's own; a bool
-    key-padding mask ``(B, 1, 1, max_seqlen_k)`` hides the padding keys, and padding query rows get
-    ``lse = +inf`` (probabilities 0) and zero output gradients, so they add nothing. Exact, with
-    no host sync (index ops from ``cu_seqlens``); the padding costs compute and memory in
-    proportion to ``batch * max_seqlen`` instead of the packed total.
-    """
-    B, Hq = cu_seqlens_q.numel() - 1, q.shape[1]
-    sq, pq = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
-    sk, pk = _left_pad_index(cu_seqlens_k, k.shape[0], max_seqlen_k)
-
-    qp, op, gop = (_pad_to(t, sq, pq, B, max_seqlen_q) for t in (q, out, grad_out))
-    kp, vp = (_pad_to(t, sk, pk, B, max_seqlen_k) for t in (k, v))
-    lsep = lse.new_full((B, max_seqlen_q, Hq), float("inf"))
-    lsep[sq, pq] = lse.t()
-    glp = None
-    if grad_lse is not None:
-        glp = grad_lse.new_zeros((B, max_seqlen_q, Hq))
-        glp[sq, pq] = grad_lse.t()
-        glp = glp.transpose(1, 2)
-    key_ok = torch.zeros((B, max_seqlen_k), dtype=torch.bool, device=q.device)
-    key_ok[sk, pk] = True
-    dq, dk, dv, _ = torch.ops.flashmod.attention_backward(
-        gop, glp, qp, kp, vp, op, lsep.transpose(1, 2), key_ok[:, None, None, :], scale,
-        is_causal, True, window_left, window_right, softcap,
-    )  # fmt: skip
-    return dq.transpose(1, 2)[sq, pq], dk.transpose(1, 2)[sk, pk], dv.transpose(1, 2)[sk, pk]
-
-
 @functools.cache
 def _warn_fp32_varlen_once() -> None:
     warnings.warn(
@@ -284,23 +235,6 @@ def _warn_fp32_varlen_once() -> None:
         "has none either); it runs the dense kernels on a padded copy of the batch",
         stacklevel=3,
     )
-
-
-@functools.cache
-def _warn_padded_backward_once() -> None:
-    warnings.warn(
-        "flashmod.attention_varlen_backward: CUDA has no variable-length backward kernel yet; "
-        "gradients run the dense attention_backward on a padded copy of the batch (each sequence "
-        "padded to max_seqlen): exact, but the padding costs compute and memory",
-        stacklevel=3,
-    )
-
-
-@torch.library.impl("flashmod::attention_varlen_backward", "CUDA")
-def _attention_varlen_backward_cuda(*args) -> tuple[Tensor, Tensor, Tensor]:
-    _warn_padded_backward_once()
-    _attention_varlen_backward_fake(*args)
-    return varlen_backward_padded(*args)
 
 
 def _varlen_setup_context(ctx, inputs, output) -> None:

@@ -3,6 +3,7 @@ fresh random seeds and NaN-poisoned allocations."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -38,8 +39,10 @@ def repo_root() -> Path:
 
 @pytest.fixture(autouse=True)
 def fresh_seed(request):
-    """A new seed every run (inputs are never the same twice); printed so a failure can be replayed."""
-    seed = random.SystemRandom().randrange(2**31)
+    """A new seed every run (inputs are never the same twice); printed so a failure can be replayed
+    with FLASHMOD_TEST_SEED=<seed>."""
+    replay = os.environ.get("FLASHMOD_TEST_SEED")
+    seed = int(replay) if replay else random.SystemRandom().randrange(2**31)
     torch.manual_seed(seed)
     print(f"seed={seed}")
     yield seed

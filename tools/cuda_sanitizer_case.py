@@ -32,7 +32,8 @@ DECODE_MODES = {
 def main() -> None:
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for nq, nk, d in [(17, 113, 64), (130, 77, 128), (5, 33, 256), (70, 70, 40)]:
+        # (200, 600, 128): the sm_90 warp-specialized kernel's buffer ring wraps around.
+        for nq, nk, d in [(17, 113, 64), (130, 77, 128), (5, 33, 256), (70, 70, 40), (200, 600, 128)]:
             q, k, v = (torch.randn(1, 2, n, d, device="cuda", dtype=dtype) for n in (nq, nk, nk))
             mask = torch.rand(nq, nk, device="cuda") > 0.3
             attention_op(q, k, v)

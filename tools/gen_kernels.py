@@ -23,6 +23,7 @@ OUT = Path(__file__).resolve().parents[1] / "csrc" / "attention" / "cuda" / "gen
 
 # (file-name tag, CUDA element type, ScalarKind enumerator)
 DTYPES = (("fp16", "__half", "kFloat16"), ("bf16", "__nv_bfloat16", "kBFloat16"))
+FP32 = (("fp32", "float", "kFloat32"),)
 
 # Padded head dims: a call runs the variant of the smallest one >= its head_dim.
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -31,13 +32,14 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 @dataclass(frozen=True)
 class Family:
     """One kernel family: its name (file prefix, macro name), the launch header that defines its
-    entry point templates, the head dims it is built for, and its entry points as
-    "name(parameter types)", each instantiated as cudaError_t name<Elem, D>(...)."""
+    entry point templates, the head dims it is built for, its entry points as
+    "name(parameter types)", each instantiated as cudaError_t name<Elem, D>(...), and its dtypes."""
 
     name: str
     header: str
     head_dims: tuple[int, ...]
     entry_points: tuple[str, ...]
+    dtypes: tuple[tuple[str, str, str], ...] = DTYPES
 
 
 # A family is one line, e.g. a backward whose launch header defines run_attention_bwd<Elem, D>:
@@ -52,12 +54,18 @@ FAMILIES = (
     Family("fwd_sm90", "fwd_sm90_launch.h", (64, 128, 256), (
         "run_attention_fwd_sm90(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
     )),
+    Family("fwd_sm90_ws", "fwd_sm90_ws_launch.h", (64, 128), (
+        "run_attention_fwd_sm90_ws(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
+    )),
     Family("bwd_sm80", "bwd_sm80_launch.h", HEAD_DIMS, (
         "run_attention_bwd(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
     )),
     Family("bwd_sm90", "bwd_sm90_launch.h", (64, 128, 256), (
         "run_attention_bwd_sm90(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
     )),
+    Family("bwd_tf32", "bwd_tf32_launch.h", HEAD_DIMS, (
+        "run_attention_bwd_tf32(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
+    ), FP32),
 )  # fmt: skip
 
 HEADER = "kernel_variants.h"
@@ -126,7 +134,7 @@ def variants_header() -> str:
         out += ["\n", f"constexpr int k{camel}HeadDims[] = {{{dims}}};\n"]
         out.append("// clang-format off\n")
         out.append(f"#define FLASHMOD_{family.name.upper()}_VARIANTS(X) \\\n")
-        items = [f"  X({elem}, {kind}, {d})" for _, elem, kind in DTYPES for d in family.head_dims]
+        items = [f"  X({elem}, {kind}, {d})" for _, elem, kind in family.dtypes for d in family.head_dims]
         out.append(" \\\n".join(items) + "\n")
         out.append("// clang-format on\n")
     out += ["\n", "}  // namespace flashmod::cuda_kernels\n"]
@@ -137,7 +145,7 @@ def generated_files() -> dict[str, str]:
     """Every file of generated/, name -> text."""
     files = {HEADER: variants_header()}
     for family in FAMILIES:
-        for tag, elem, _ in DTYPES:
+        for tag, elem, _ in family.dtypes:
             for d in family.head_dims:
                 files[unit_name(family, tag, d)] = instantiation_unit(family, elem, d)
     return files

@@ -79,6 +79,29 @@ FLASHMOD_HD AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
   return s;
 }
 
+// The backward's view of batch row b of a variable-length call: sequence_view for the forward's
+// fields, and the gradients placed like the tensors they belong to (grad_out and grad_q like q,
+// grad_k and grad_v like k, grad_lse like lse).
+FLASHMOD_HD AttentionBwdParams sequence_view_bwd(const AttentionBwdParams& p, int64_t b) {
+  AttentionBwdParams s = p;
+  static_cast<AttentionParams&>(s) = sequence_view(p, b);
+  const int64_t bytes = scalar_bytes(p.dtype);
+  if (p.cu_seqlens_q != nullptr) {
+    const int64_t start = p.cu_seqlens_q[b];
+    s.grad_out = static_cast<const char*>(p.grad_out) + start * p.grad_out_row_stride * bytes;
+    s.grad_q = static_cast<char*>(p.grad_q) + start * p.grad_q_row_stride * bytes;
+    if (p.grad_lse != nullptr) s.grad_lse = p.grad_lse + start;
+    s.grad_out_batch_stride = s.grad_q_batch_stride = 0;
+  }
+  if (p.cu_seqlens_k != nullptr) {
+    const int64_t start = p.cu_seqlens_k[b];
+    s.grad_k = static_cast<char*>(p.grad_k) + start * p.grad_k_row_stride * bytes;
+    s.grad_v = static_cast<char*>(p.grad_v) + start * p.grad_v_row_stride * bytes;
+    s.grad_k_batch_stride = s.grad_v_batch_stride = 0;
+  }
+  return s;
+}
+
 // Element offset of key row j (kv head 0) from k of a view from sequence_view, paged or not,
 // with k's strides (k_page_stride, k_row_stride); v: the same with v's.
 FLASHMOD_HD int64_t kv_row_offset(const AttentionParams& s, int64_t j, int64_t page_stride,

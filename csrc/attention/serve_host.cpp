@@ -76,7 +76,7 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q_in, const at::Tensor&
                                        const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                        int64_t max_seqlen_k, std::optional<double> scale,
                                        bool is_causal, int64_t window_left, int64_t window_right,
-                                       double softcap) {
+                                       double softcap, bool allocate_outputs) {
   constexpr const char* prefix = "flashmod.attention_varlen: ";
   for (auto [name, t] : {std::pair{"q", &q_in}, std::pair{"k", &k_in}, std::pair{"v", &v_in}}) {
     TORCH_CHECK(
@@ -119,8 +119,10 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q_in, const at::Tensor&
   r.q = rows_contiguous(q_in);
   r.k = rows_contiguous(k_in);
   r.v = rows_contiguous(v_in);
-  r.out = at::empty_like(r.q);
-  r.lse = at::empty({r.q.size(1), r.q.size(0)}, r.q.options().dtype(at::kFloat));
+  if (allocate_outputs) {
+    r.out = at::empty_like(r.q);
+    r.lse = at::empty({r.q.size(1), r.q.size(0)}, r.q.options().dtype(at::kFloat));
+  }
 
   AttentionParams& p = r.params;
   p.batch = r.cu_seqlens_q.numel() - 1;
@@ -132,12 +134,14 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q_in, const at::Tensor&
   p.q = r.q.data_ptr();
   p.k = r.k.data_ptr();
   p.v = r.v.data_ptr();
-  p.out = r.out.data_ptr();
-  p.lse = r.lse.data_ptr<float>();
+  if (allocate_outputs) {
+    p.out = r.out.data_ptr();
+    p.lse = r.lse.data_ptr<float>();
+    p.out_head_stride = r.out.stride(1), p.out_row_stride = r.out.stride(0);
+  }
   p.q_head_stride = r.q.stride(1), p.q_row_stride = r.q.stride(0);
   p.k_head_stride = r.k.stride(1), p.k_row_stride = r.k.stride(0);
   p.v_head_stride = r.v.stride(1), p.v_row_stride = r.v.stride(0);
-  p.out_head_stride = r.out.stride(1), p.out_row_stride = r.out.stride(0);
   p.lse_batch_stride = 0, p.lse_head_stride = r.q.size(0);
   p.cu_seqlens_q = r.cu_seqlens_q.data_ptr<int32_t>();
   p.cu_seqlens_k = r.cu_seqlens_k.data_ptr<int32_t>();
@@ -148,6 +152,23 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q_in, const at::Tensor&
   p.softcap = softcap;
   p.dtype = scalar_kind_of(r.q.scalar_type());
   return r;
+}
+
+void check_varlen_backward_inputs(const at::Tensor& grad_out,
+                                  const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+                                  const at::Tensor& out, const at::Tensor& lse) {
+  constexpr const char* prefix = "flashmod.attention_varlen_backward: ";
+  TORCH_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes(),
+              error_message(prefix, "out and grad_out must have q's shape ", q.sizes(),
+                            ", got out ", out.sizes(), " and grad_out ", grad_out.sizes()));
+  const std::vector<int64_t> lse_shape{q.size(1), q.size(0)};
+  TORCH_CHECK(
+      lse.sizes() == c10::IntArrayRef(lse_shape) && lse.scalar_type() == at::kFloat,
+      error_message(prefix, "lse must be float32 of shape (heads, total_q) = ",
+                    c10::IntArrayRef(lse_shape), ", got ", lse.scalar_type(), " ", lse.sizes()));
+  TORCH_CHECK(!grad_lse.has_value() || grad_lse->sizes() == lse.sizes(),
+              error_message(prefix, "grad_lse must have lse's shape ", lse.sizes(), ", got ",
+                            grad_lse.has_value() ? grad_lse->sizes() : lse.sizes()));
 }
 
 PreparedServe prepare_attention_kvcache(

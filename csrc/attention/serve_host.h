@@ -29,7 +29,14 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                        int64_t max_seqlen_k, std::optional<double> scale,
                                        bool is_causal, int64_t window_left, int64_t window_right,
-                                       double softcap);
+                                       double softcap, bool allocate_outputs = true);
+
+// attention_varlen_backward's checks beyond the forward's (prepare_attention_varlen, called with
+// allocate_outputs = false): out and grad_out shaped like q, lse fp32 (Hq, total_q), grad_lse
+// shaped like lse. Shared by the CPU and CUDA registrations.
+void check_varlen_backward_inputs(const at::Tensor& grad_out,
+                                  const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+                                  const at::Tensor& out, const at::Tensor& lse);
 
 // q (B, Sq, Hq, D); caches (B_cache, S_cache, Hkv, D), or (pages, page_size, Hkv, D) with
 // block_table (B, max_pages) int32; k/v (B, S_new, Hkv, D) optional new tokens, written into the

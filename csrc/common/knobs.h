@@ -9,13 +9,14 @@
 //                                     name that is unknown or that this CPU lacks is an error
 //   FLASHMOD_CPU_DECODE=0             CPU decode shapes run the prefill kernel
 //   FLASHMOD_DISABLE_SM90=1           the portable mma.sync kernel on an H100/H200
+//   FLASHMOD_SM90_WS=0                the sm_90 forward without warp specialization/TMA (the
+//                                     FlashAttention-2-style wgmma kernel)
 //   FLASHMOD_FP32_FFMA=1              fp32 on the CUDA-core (FFMA) kernel, not 3xTF32
 //   FLASHMOD_DECODE=0                 CUDA decode shapes run the prefill kernel
 //   FLASHMOD_DECODE_PACK=0            no GQA row packing in the CUDA decode kernel
 //   FLASHMOD_DECODE_SPLITS=n          exactly n split-KV splits (0: the heuristic)
 //   FLASHMOD_DECODE_FUSED_COMBINE=0   split-KV partials merged by the combine kernel, not by each
 //                                     tile's last CTA
-//   FLASHMOD_DECODE_STAGES3=1         3 K/V pipeline stages in the CUDA decode kernel (D <= 128)
 //   FLASHMOD_KVCACHE_FUSED_APPEND=0   decode-shaped KV-cache calls append with the append kernel
 //                                     before the attention, not inside it
 //   FLASHMOD_SOFTMAX_TRACE=1          prints the softmax launch path

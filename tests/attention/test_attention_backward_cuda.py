@@ -1,13 +1,15 @@
-"""The fused CUDA backward (csrc/attention/cuda/bwd_sm80_kernel.h) in fp16/bf16, against fp64
-autograd through the reference, by the low-precision rule (gradients within 3x plain torch's error).
-Every padded head dim and tile-shape branch (split dK/dV launches past D = 128), both kernels' masking
-paths (plain and general), GQA, layouts, determinism and stream/graph behaviour."""
+"""The fused CUDA backward against fp64 autograd through the reference: fp16/bf16
+(csrc/attention/cuda/bwd_sm80_kernel.h, bwd_sm90_kernel.h) and fp32 (bwd_tf32_kernel.h, the tests
+named fp32), all by the rule that gradients stay within 3x the error of plain torch in the same
+dtype. Every padded head dim and tile-shape branch (split dK/dV launches past D = 128), both
+kernels' masking paths (plain and general), GQA, layouts, determinism and stream/graph behaviour."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_attention_backward import check_grads, fused_grads, make_inputs
+from test_attention_backward import check_grads, fused_grads, make_inputs, reference_grads
+from tolerance import assert_within_rule
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -123,17 +125,6 @@ def test_side_stream_and_cuda_graph():
         assert torch.equal(a, b)
 
 
-def test_fp32_runs_the_reference():
-    """fp32 has no fused CUDA kernel yet: attention_backward redispatches to the reference op."""
-    q, k, v = make_inputs(DEV, torch.float32, 1, 2, 2, 33, 40, 64)
-    ours = check_grads(q, k, v)
-    out, lse = torch.ops.flashmod.attention(q, k, v)
-    grad_out = torch.randn_like(out)
-    fused = torch.ops.flashmod.attention_backward(grad_out, None, q, k, v, out, lse)
-    reference = torch.ops.flashmod.attention_backward_reference(grad_out, None, q, k, v, out, lse)
-    assert len(ours) == 3 and all(torch.equal(a, b) for a, b in zip(fused, reference))
-
-
 def test_training_step_matches_reference():
     """autograd through flashmod.attention reaches the fused kernel (a bf16 training step)."""
     import flashmod
@@ -171,3 +162,119 @@ def test_portable_kernel_where_the_hopper_one_runs(monkeypatch, d, options):
     check_grads(q, k, v, **options)
     mask = torch.randn(203, 317, device=DEV)
     check_grads(q, k, v, attn_mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# fp32 (3xTF32 tensor-core products): the same rule as fp16/bf16, against plain fp32 torch.
+
+
+def check_grads_fp32(q, k, v, attn_mask=None, use_grad_lse=True, **options):
+    """Fused fp32 gradients within 3x plain fp32 torch's error against fp64 (autograd through the
+    reference in both); returns (dq, dk, dv)."""
+    b, hq, nq, _ = q.shape
+    grad_out = torch.randn_like(q)
+    grad_lse = torch.randn(b, hq, nq, device=DEV) if use_grad_lse else None
+    opts = dict(options, attn_mask=attn_mask) if attn_mask is not None else options
+    ours = fused_grads(q, k, v, grad_out, grad_lse, **opts)
+    truth = reference_grads(q, k, v, grad_out, grad_lse, torch.float64, **opts)
+    plain = reference_grads(q, k, v, grad_out, grad_lse, torch.float32, **opts)
+    for name, x, t, pl, ref in zip(("dq", "dk", "dv"), ours, truth, plain, (q, k, v)):
+        assert x.shape == ref.shape and x.dtype == torch.float32, name
+        assert_within_rule(x, t, pl, 3.0, torch.float32, f"fp32 {name}")
+    return ours
+
+
+@pytest.mark.parametrize("d", [16, 40, 59, 64, 96, 111, 128, 160, 200, 256])
+@pytest.mark.parametrize(("nq", "nk"), [(1, 1), (17, 203), (203, 113), (257, 300)])
+def test_fp32_head_dims_and_sizes(d, nq, nk):
+    check_grads_fp32(*make_inputs(DEV, torch.float32, 2, 2, 2, nq, nk, d))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("bottom_right", [True, False])
+@pytest.mark.parametrize(("nq", "nk"), [(113, 203), (203, 113), (1023, 1023), (1, 300)])
+def test_fp32_causal(d, bottom_right, nq, nk):
+    q, k, v = make_inputs(DEV, torch.float32, 1, 2, 1, nq, nk, d)
+    check_grads_fp32(q, k, v, is_causal=True, bottom_right=bottom_right)
+
+
+@pytest.mark.parametrize(("window_left", "window_right"), [(0, 0), (7, 3), (40, -1), (-1, 129), (200, 0)])
+@pytest.mark.parametrize("d", [40, 160])
+def test_fp32_window(window_left, window_right, d):
+    q, k, v = make_inputs(DEV, torch.float32, 1, 2, 2, 203, 260, d)
+    check_grads_fp32(q, k, v, window_left=window_left, window_right=window_right, bottom_right=False)
+
+
+@pytest.mark.parametrize("d", [64, 192])
+def test_fp32_softcap_and_scale(d):
+    q, k, v = make_inputs(DEV, torch.float32, 1, 2, 2, 113, 150, d)
+    check_grads_fp32(q * 3, k * 3, v, softcap=5.0, is_causal=True)
+    check_grads_fp32(q, k, v, scale=-0.3)
+
+
+@pytest.mark.parametrize("shape", [(113, 150), (1, 2, 1, 150), (2, 1, 113, 1)])
+def test_fp32_masks(shape):
+    q, k, v = make_inputs(DEV, torch.float32, 2, 2, 2, 113, 150, 59)
+    check_grads_fp32(q, k, v, attn_mask=torch.rand(shape, device=DEV) > 0.3)
+    check_grads_fp32(q, k, v, attn_mask=torch.randn(shape, device=DEV), is_causal=True)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (8, 1), (6, 3)])
+@pytest.mark.parametrize("d", [64, 256])
+def test_fp32_gqa_mqa(hq, hkv, d):
+    check_grads_fp32(*make_inputs(DEV, torch.float32, 2, hq, hkv, 113, 150, d), is_causal=True)
+
+
+@pytest.mark.parametrize("use_grad_lse", [False, True])
+def test_fp32_grad_lse(use_grad_lse):
+    check_grads_fp32(*make_inputs(DEV, torch.float32, 1, 2, 2, 113, 130, 64), use_grad_lse=use_grad_lse)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_fp32_fully_masked_rows_give_zero_gradients(d):
+    q, k, v = make_inputs(DEV, torch.float32, 1, 2, 2, 70, 90, d)
+    mask = torch.rand(70, 90, device=DEV) > 0.5
+    mask[5] = False
+    mask[40:] = False
+    dq, dk, dv = check_grads_fp32(q, k, v, attn_mask=mask)
+    assert torch.all(dq[:, :, 5] == 0) and torch.all(dq[:, :, 40:] == 0)
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+def test_fp32_strided_unaligned_and_empty_inputs():
+    """(B, S, H, D) views, a row-strided slice at an odd offset (copied for alignment), odd D, and
+    tensors with no rows."""
+    q = torch.randn(2, 113, 4, 59, device=DEV).transpose(1, 2)
+    k = torch.randn(2, 150, 2, 59, device=DEV).transpose(1, 2)
+    v = torch.randn(2, 2, 150, 80, device=DEV)[..., 3:62]
+    dq, dk, dv = check_grads_fp32(q, k, v, is_causal=True)
+    assert dq.stride() == q.stride() and dk.stride() == k.stride()
+    for nq, nk in ((0, 5), (5, 0)):
+        q, k, v = make_inputs(DEV, torch.float32, 1, 2, 2, nq, nk, 64)
+        grads = fused_grads(q, k, v, torch.randn_like(q), None)
+        assert all(g.shape == t.shape and not g.isnan().any() for g, t in zip(grads, (q, k, v)))
+        assert all(torch.all(g == 0) for g in grads)
+
+
+def test_fp32_deterministic():
+    q, k, v = make_inputs(DEV, torch.float32, 2, 8, 2, 1023, 1100, 128)
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 8, 1023, device=DEV)
+    first = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
+    for _ in range(20):
+        again = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def test_fp32_cuda_graph():
+    q, k, v = make_inputs(DEV, torch.float32, 2, 4, 2, 300, 300, 64)
+    out, lse = torch.ops.flashmod.attention(q, k, v)
+    grad_out = torch.randn_like(out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.flashmod.attention_backward(grad_out, None, q, k, v, out, lse)
+    grad_out.copy_(torch.randn_like(grad_out))
+    graph.replay()
+    fresh = torch.ops.flashmod.attention_backward(grad_out, None, q, k, v, out, lse)
+    for a, b in zip(fresh, captured):
+        assert torch.equal(a, b)

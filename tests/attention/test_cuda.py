@@ -81,6 +81,43 @@ def test_portable_kernel_where_sm90_exists(monkeypatch, dtype, d, nq, nk, opts):
     run_and_check(q, k, v, **opts)
 
 
+# On an H100/H200 plain-score calls at head dims 33..64 and 97..128 run the warp-specialized TMA
+# kernel (fwd_sm90_ws_kernel.h); FLASHMOD_SM90_WS=0 sends them to the FlashAttention-2-style wgmma
+# kernel. Both on the same shapes: lengths that end mid-tile (TMA's zero fill past a head's rows
+# must never bring in the next head's), both causal alignments, windows, GQA; FLASHMOD_DECODE=0 so
+# short query lengths reach these kernels rather than the decode one.
+@pytest.mark.parametrize("ws", ["1", "0"])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("d", [40, 64, 111, 128])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (17, 1023), (113, 113), (1023, 1023), (1023, 17), (203, 4099)])
+@pytest.mark.parametrize(
+    "opts",
+    [{}, {"is_causal": True}, {"is_causal": True, "bottom_right": False}, {"window_left": 77, "window_right": 20}],
+    ids=str,
+)
+def test_sm90_ws_kernel_and_fallback(monkeypatch, ws, dtype, d, nq, nk, opts):
+    monkeypatch.setenv("FLASHMOD_SM90_WS", ws)
+    monkeypatch.setenv("FLASHMOD_DECODE", "0")
+    q, k, v = rand(2, 8, nq, d, dtype=dtype), rand(2, 2, nk, d, dtype=dtype), rand(2, 2, nk, d, dtype=dtype)
+    run_and_check(q, k, v, **opts)
+
+
+# Layouts the tensor maps must follow: (B, S, H, D) storage and k/v interleaved in one tensor (TMA
+# takes these), and heads broadcast with stride 0 (TMA cannot: the kernel hands the call over).
+@pytest.mark.parametrize("ws", ["1", "0"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_ws_layouts(monkeypatch, ws, d):
+    monkeypatch.setenv("FLASHMOD_SM90_WS", ws)
+    b, nq, nk, h = 3, 300, 519, 6
+    q = rand(b, nq, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    kv = rand(b, nk, 2, 3, d, dtype=torch.bfloat16)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    run_and_check(q, k, v, is_causal=True)
+    k1 = rand(b, 1, nk, d, dtype=torch.bfloat16).expand(b, h, nk, d)
+    v1 = rand(b, 1, nk, d, dtype=torch.bfloat16).expand(b, h, nk, d)
+    run_and_check(q, k1, v1)
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize(
@@ -320,10 +357,9 @@ DECODE_MODES = {
     "packed_5splits": {"FLASHMOD_DECODE_SPLITS": "5"},
     "unpacked_3splits": {"FLASHMOD_DECODE_PACK": "0", "FLASHMOD_DECODE_SPLITS": "3"},
     "packed_64splits": {"FLASHMOD_DECODE_SPLITS": "64"},  # many empty splits at small Nk
-    # The split-KV combine as its own kernel instead of each tile's last CTA, and 3 K/V stages:
-    # bitwise the same as packed_5splits / unpacked_3splits.
+    # The split-KV combine as its own kernel instead of each tile's last CTA: bitwise the same as
+    # packed_5splits / unpacked_3splits.
     "packed_5splits_kernel": {"FLASHMOD_DECODE_SPLITS": "5", "FLASHMOD_DECODE_FUSED_COMBINE": "0"},
-    "packed_5splits_3stages": {"FLASHMOD_DECODE_SPLITS": "5", "FLASHMOD_DECODE_STAGES3": "1"},
     "unpacked_3splits_kernel": {
         "FLASHMOD_DECODE_PACK": "0",
         "FLASHMOD_DECODE_SPLITS": "3",
@@ -335,7 +371,6 @@ DECODE_KNOBS = (
     "FLASHMOD_DECODE_PACK",
     "FLASHMOD_DECODE_SPLITS",
     "FLASHMOD_DECODE_FUSED_COMBINE",
-    "FLASHMOD_DECODE_STAGES3",
 )
 
 
@@ -362,7 +397,6 @@ def check_all_decode_modes(monkeypatch, q, k, v, mask=None, **opts):
     same = (
         ("packed_5splits", "packed_5splits_kernel"),
         ("unpacked_3splits", "unpacked_3splits_kernel"),
-        ("packed_5splits", "packed_5splits_3stages"),
     )
     for fused, kernel in same:
         for a, b in zip(results[fused], results[kernel]):  # bitwise, NaN rows included
@@ -460,7 +494,7 @@ def test_decode_split_deterministic(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 def test_compute_sanitizer(tool, repo_root):
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not os.path.exists(exe):

@@ -10,8 +10,9 @@ import torch
 from tolerance import assert_within_rule
 
 import flashmod
+from flashmod import serve_ops
 from flashmod.reference import attention_reference
-from flashmod.serve_ops import varlen_backward_padded, varlen_forward_padded
+from flashmod.serve_ops import varlen_forward_padded
 
 VARIANTS = {
     "plain": {},
@@ -114,12 +115,12 @@ def ref_grads(leaves, grad_out, opts, dtype):
     return torch.autograd.grad(ref_out, xs, grad_out.to(dtype), allow_unused=True)
 
 
-def test_padded_paths_agree_with_the_varlen_op():
-    """The interim CUDA paths (the dense op on a right-aligned padded batch: fp32's forward, every
-    dtype's backward) equal the CPU's per-sequence forward and backward, lse and its gradient included
-    (fp64, to rounding)."""
+def test_padded_path_agrees_with_the_varlen_op():
+    """fp32's CUDA path (the dense op on a right-aligned padded batch) equals the CPU's per-sequence
+    forward, and its gradients through the dense op's autograd equal the per-sequence backward, lse
+    and its gradient included (fp64, to rounding)."""
     lq, lk = LENGTHS["cross"]
-    q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 40, torch.float64, "cpu")
+    q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 40, torch.float64, "cpu", requires_grad=True)
     for opts in (opts_of("causal"), opts_of("window"), opts_of("plain")):
         wl, wr = opts["window_size"]
         args = (None, opts["causal"], wl, wr, opts["softcap"])
@@ -130,7 +131,7 @@ def test_padded_paths_agree_with_the_varlen_op():
         fused = torch.ops.flashmod.attention_varlen_backward(
             grad_out, grad_lse, q, k, v, out, lse, cq, ck, max(lq), max(lk), *args
         )
-        padded = varlen_backward_padded(grad_out, grad_lse, q, k, v, out, lse, cq, ck, max(lq), max(lk), *args)
+        padded = torch.autograd.grad((out_p, lse_p), (q, k, v), (grad_out, grad_lse))
         for name, a, b in zip("qkv", fused, padded):
             assert torch.allclose(a, b, rtol=0, atol=1e-12), f"d{name}: {(a - b).abs().max().item():.3e}"
 
@@ -327,6 +328,7 @@ def test_varlen_cuda_fp32_runs_padded_with_a_warning():
     """The CUDA varlen kernels take fp16/bf16 (as flash-attn's); flash_attn_varlen_func serves fp32
     through the dense kernels on a padded copy, saying so, and the op itself refuses it."""
     q, k, v, cq, ck = make_varlen([3, 0, 9], [5, 2, 9], 2, 2, 16, torch.float32, "cuda", requires_grad=True)
+    serve_ops._warn_fp32_varlen_once.cache_clear()  # warned once per process: another test may have been first
     with pytest.warns(UserWarning, match="float32 on CUDA has no variable-length kernel"):
         out = flashmod.flash_attn_varlen_func(q, k, v, cq, ck, 9, 9, causal=True)
     cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
@@ -337,6 +339,68 @@ def test_varlen_cuda_fp32_runs_padded_with_a_warning():
         torch.testing.assert_close(ours.cpu(), theirs, rtol=1e-4, atol=1e-5)
     with pytest.raises(RuntimeError, match="q must be float16 or bfloat16 on CUDA, got torch.float32"):
         torch.ops.flashmod.attention_varlen(q, k, v, cq, ck, 9, 9)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["default", "portable"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("variant", ["plain", "causal", "softcap_causal"])
+def test_cuda_serving_prefill_kernels(monkeypatch, kernel, d, variant):
+    """Prefill-shaped serving calls (varlen forward and its fused backward; a KV cache with more than
+    64 new queries, contiguous, in whole-block pages and in small pages) on the wgmma kernel's
+    per-sequence variants (the default on an H100/H200 for these head dims) and on the portable
+    kernel: each sequence within the rule against fp64, gradients deterministic, paged equal to
+    contiguous."""
+    if kernel == "portable":
+        monkeypatch.setenv("FLASHMOD_DISABLE_SM90", "1")
+    opts, dtype = opts_of(variant), torch.bfloat16
+    lq, lk = [0, 1, 130, 77, 300], [5, 1, 130, 200, 300]
+    q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, d, dtype, "cuda", requires_grad=True)
+    out = flashmod.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), **opts)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    out_again = flashmod.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), **opts)
+    again = torch.autograd.grad(out_again, (q, k, v), grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again)), "the varlen backward is not deterministic"
+    for b in range(len(lq)):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        leaves = [t[r].detach() for t, r in ((q, rq), (k, rk), (v, rk))]
+        truth, _ = reference(*leaves, opts, torch.float64)
+        plain, _ = reference(*leaves, opts, dtype)
+        assert_within_rule(out[rq], truth, plain, 2, dtype, f"varlen sequence {b}")
+        truth_g, plain_g = (ref_grads(leaves, grad_out[rq], opts, c) for c in (torch.float64, dtype))
+        for name, ours, t, p_, r in zip("qkv", grads, truth_g, plain_g, (rq, rk, rk)):
+            t = torch.zeros_like(ours[r], dtype=torch.float64) if t is None else t
+            p_ = torch.zeros_like(ours[r]) if p_ is None else p_
+            assert_within_rule(ours[r], t, p_, 3, dtype, f"varlen d{name} of sequence {b}")
+
+    B, S, sq, hq, hkv = 3, 512, 100, 4, 2
+    k_cont, v_cont = make_cache(B, S, hkv, d, dtype, "cuda")
+    q = torch.randn(B, sq, hq, d, dtype=dtype, device="cuda")
+    seqlens = torch.tensor([0, 37, S - sq], dtype=torch.int32, device="cuda")
+    k_new, v_new = (torch.randn(B, sq, hkv, d, dtype=dtype, device="cuda") for _ in range(2))
+    results = {}
+    for page_size in (None, 16, 256):
+        if page_size is None:
+            kc, vc, table = k_cont.clone(), v_cont.clone(), None
+        else:
+            per_row = S // page_size
+            table = torch.randperm(B * per_row, device="cuda").to(torch.int32).reshape(B, per_row)
+            kc = torch.empty(B * per_row, page_size, hkv, d, dtype=dtype, device="cuda")
+            vc = torch.empty_like(kc)
+            kc[table.long()] = k_cont.reshape(B, per_row, page_size, hkv, d)
+            vc[table.long()] = v_cont.reshape(B, per_row, page_size, hkv, d)
+        results[page_size] = flashmod.flash_attn_with_kvcache(
+            q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table, **opts
+        )
+    for page_size in (16, 256):
+        assert torch.equal(results[page_size], results[None]), f"pages of {page_size} differ from contiguous"
+    for b in range(B):
+        n = int(seqlens[b])
+        ks, vs = torch.cat([k_cont[b, :n], k_new[b]]), torch.cat([v_cont[b, :n], v_new[b]])
+        truth, _ = reference(q[b], ks, vs, opts, torch.float64)
+        plain, _ = reference(q[b], ks, vs, opts, dtype)
+        assert_within_rule(results[None][b], truth, plain, 2, dtype, f"kvcache row {b}")
 
 
 @pytest.mark.cuda
@@ -390,12 +454,12 @@ def paged_copy(k_cont, v_cont, page_size, spare=3):
 @pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [0, 16, 8, 48, 256])
 @pytest.mark.parametrize("s_new", [1, 5, 70])
-@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=3", "FLASHMOD_DECODE_STAGES3=1"])
+@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=3"])
 def test_kvcache_fused_append_equals_append_kernel(monkeypatch, page_size, s_new, knobs):
     """Decode-shaped calls append inside the attention kernel (new rows read from k/v, written by one
     CTA per kv head); the result and the caches are bitwise those of the separate append kernel,
     with new rows across key-block (64) and page boundaries, more new rows than a key block, split-KV
-    (the heuristic's and 3 forced; 3 K/V stages), GQA 32/8 packed and (Sq = 2, causal) unpacked,
+    (the heuristic's and 3 forced), GQA 32/8 packed and (Sq = 2, causal) unpacked,
     contiguous (0) and paged caches; no slot outside the appended ones changes."""
     monkeypatch.setenv(*knobs.split("="))
     dtype, B, hq, hkv, d = torch.bfloat16, 5, 32, 8, 128
@@ -466,11 +530,11 @@ def test_kvcache_fused_append_with_cache_batch_idx(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [1, 8, 16, 32, 48, 100])
-@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=5", "FLASHMOD_DECODE_STAGES3=1"])
+@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=5"])
 def test_kvcache_small_pages_equal_contiguous_on_long_caches(monkeypatch, page_size, knobs):
     """Pages smaller than (or misaligned with) a 64-key block load row by row, each thread stepping
     through its rows' pages: bitwise the contiguous result over caches of a few thousand keys with
-    uneven lengths, split-KV, 3 K/V stages, windows and softcap, with and without an append."""
+    uneven lengths, split-KV, windows and softcap, with and without an append."""
     monkeypatch.setenv(*knobs.split("="))
     dtype, B, hq, hkv, d = torch.bfloat16, 3, 32, 8, 128
     S = (2100 // page_size) * page_size

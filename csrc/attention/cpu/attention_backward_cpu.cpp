@@ -364,6 +364,7 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
       const int64_t h = hk * group + g;
       for (int64_t r0 = i_begin; r0 < i_end; r0 += Br) {
         const int64_t rows = std::min(Br, i_end - r0), r_last = r0 + rows - 1;
+        if (cpu::bool_mask_hides_tile(p, b, h, r0, rows, c0, cols)) continue;
         const acc_t* Qi = Q[g] + r0 * q_ld;
         const acc_t* dOi = dO[g] + r0 * do_ld;
         matmul_rows<acc_t>(false, true, rows, cols, D, acc_t(1), Qi, q_ld, K + c0 * k_ld, k_ld,

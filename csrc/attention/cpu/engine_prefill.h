@@ -371,6 +371,7 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
   const int64_t hi = p.window_right >= 0 ? min64(Nk, diag_last + p.window_right + 1) : Nk;
   for (int64_t c0 = lo; c0 < hi; c0 += kBc) {
     const int64_t cols = min64(kBc, hi - c0);
+    if (bool_mask_hides_tile(p, b, h, r0, rows, c0, cols)) continue;
     Engine<Tag>::scores(K + c0 * p.k_row_stride, p.k_row_stride, cols, D, rows, scale, ws);
     const bool interior = (p.window_left < 0 || c0 >= diag_last - p.window_left) &&
                           (p.window_right < 0 || c0 + cols - 1 <= diag_first + p.window_right);

@@ -119,22 +119,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cpu(
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, std::optional<double> scale, bool is_causal, int64_t window_left,
     int64_t window_right, double softcap) {
-  // The forward's checks (shapes, cu_seqlens values); its outputs are not used.
+  // The forward's checks (shapes, cu_seqlens values), then the backward's own.
   const PreparedServe r =
       prepare_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               scale, is_causal, window_left, window_right, softcap);
-  constexpr const char* prefix = "flashmod.attention_varlen_backward: ";
-  TORCH_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes(),
-              error_message(prefix, "out and grad_out must have q's shape ", q.sizes(),
-                            ", got out ", out.sizes(), " and grad_out ", grad_out.sizes()));
-  const std::vector<int64_t> lse_shape{q.size(1), q.size(0)};
-  TORCH_CHECK(
-      lse.sizes() == c10::IntArrayRef(lse_shape) && lse.scalar_type() == at::kFloat,
-      error_message(prefix, "lse must be float32 of shape (heads, total_q) = ",
-                    c10::IntArrayRef(lse_shape), ", got ", lse.scalar_type(), " ", lse.sizes()));
-  TORCH_CHECK(!grad_lse.has_value() || grad_lse->sizes() == lse.sizes(),
-              error_message(prefix, "grad_lse must have lse's shape ", lse.sizes(), ", got ",
-                            grad_lse.has_value() ? grad_lse->sizes() : lse.sizes()));
+                               scale, is_causal, window_left, window_right, softcap,
+                               /*allocate_outputs=*/false);
+  check_varlen_backward_inputs(grad_out, grad_lse, q, out, lse);
   static const auto backward =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("flashmod::attention_backward", "")

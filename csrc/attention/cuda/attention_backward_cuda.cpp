@@ -1,9 +1,7 @@
 // CUDA registration of flashmod::attention_backward: the shared checks
 // (prepare_attention_backward), the CUDA-only ones, alignment fix-ups, the row statistics
-// workspace, and the dispatch to the fused kernels by dtype and padded head dim. fp32 has no fused
-// kernel yet: it runs flashmod::attention_backward_reference (the chunked math of
-// flashmod/reference.py), with a warning.
-#include <ATen/core/dispatch/Dispatcher.h>
+// workspace, and the dispatch to the fused kernels by dtype and padded head dim: fp32 to the 3xTF32
+// kernels (bwd_tf32_kernel.h), fp16/bf16 to the wgmma ones on sm_90 where built, else mma.sync.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,15 +21,11 @@ namespace flashmod {
 namespace {
 
 using Gradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using BackwardFn = Gradients(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const std::optional<at::Tensor>&,
-                             std::optional<double>, bool, bool, int64_t, int64_t, double, bool);
 
-// grad_q/k/v rows start 4-byte aligned: the kernels store element pairs as one word.
-bool rows_aligned4(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0 && t.stride(0) % 2 == 0 &&
-         t.stride(1) % 2 == 0 && t.stride(2) % 2 == 0;
+// grad_q/k/v rows start at even elements: the kernels store element pairs as one word.
+bool rows_aligned_pairs(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % (2 * t.element_size()) == 0 &&
+         t.stride(0) % 2 == 0 && t.stride(1) % 2 == 0 && t.stride(2) % 2 == 0;
 }
 
 Gradients attention_backward_cuda(const at::Tensor& grad_out,
@@ -42,19 +36,6 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
                                   int64_t window_left, int64_t window_right, double softcap,
                                   bool compute_grad_mask) {
   const c10::cuda::CUDAGuard guard(q.device());
-  if (q.scalar_type() == at::kFloat) {
-    TORCH_WARN_ONCE(
-        "flashmod.attention_backward: float32 on CUDA has no fused backward kernel yet; it runs "
-        "the "
-        "chunked reference math (flashmod/reference.py), slower and with more memory. fp16/bf16 "
-        "use the fused kernels.");
-    static const auto reference =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("flashmod::attention_backward_reference", "")
-            .typed<BackwardFn>();
-    return reference.call(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
-                          bottom_right, window_left, window_right, softcap, compute_grad_mask);
-  }
   PreparedAttentionBackward r = prepare_attention_backward(
       grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal, bottom_right, window_left,
       window_right, softcap, compute_grad_mask);
@@ -74,14 +55,10 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
   align_rows16(r.grad_out, p.grad_out, p.grad_out_batch_stride, p.grad_out_head_stride,
                p.grad_out_row_stride);
 
-  cuda_kernels::BwdRowStats st;
-  st.rows_padded = (p.seqlen_q + cuda_kernels::kBwdRowPad - 1) / cuda_kernels::kBwdRowPad *
-                   cuda_kernels::kBwdRowPad;
-  at::Tensor stats =
-      at::empty({2, p.batch * p.heads_q * st.rows_padded}, q.options().dtype(at::kFloat));
-  st.lse2 = stats[0].data_ptr<float>();
-  st.delta = stats[1].data_ptr<float>();
-  st.vec_store = rows_aligned4(r.grad_q) && rows_aligned4(r.grad_k) && rows_aligned4(r.grad_v);
+  at::Tensor stats;
+  cuda_kernels::BwdRowStats st = allocate_bwd_row_stats(p, q.options(), stats);
+  st.vec_store =
+      rows_aligned_pairs(r.grad_q) && rows_aligned_pairs(r.grad_k) && rows_aligned_pairs(r.grad_v);
   st.vec_rows = rows_aligned16(r.out) && rows_aligned16(r.grad_out) && p.head_dim % 8 == 0;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -90,6 +67,19 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
   const int key = cuda_kernels::variant_key(p.dtype, padded);
   if (err != cudaSuccess) {
     // the row statistics failed to launch; reported below
+  } else if (p.dtype == ScalarKind::kFloat32) {
+    const int padded32 = cuda_kernels::padded_head_dim(cuda_kernels::kBwdTf32HeadDims, p.head_dim);
+    switch (cuda_kernels::variant_key(p.dtype, padded32)) {
+#define FLASHMOD_BWD_TF32_CASE(Elem, kind, D)                           \
+  case cuda_kernels::variant_key(ScalarKind::kind, D):                  \
+    err = cuda_kernels::run_attention_bwd_tf32<Elem, D>(p, st, stream); \
+    break;
+      FLASHMOD_BWD_TF32_VARIANTS(FLASHMOD_BWD_TF32_CASE)
+#undef FLASHMOD_BWD_TF32_CASE
+      default:
+        TORCH_CHECK(false, flashmod::error_message(
+                               "flashmod.attention_backward: unsupported head_dim ", p.head_dim));
+    }
   } else if (sm90_kernels_usable() &&
              cuda_kernels::has_head_dim(cuda_kernels::kBwdSm90HeadDims, padded)) {
     switch (key) {

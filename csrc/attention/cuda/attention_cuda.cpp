@@ -28,6 +28,16 @@ bool use_sm90_kernel(int padded_head_dim) {
          cuda_kernels::has_head_dim(cuda_kernels::kFwdSm90HeadDims, padded_head_dim);
 }
 
+// The warp-specialized TMA kernels (fwd_sm90_ws_kernel.h) where they exist for this head dim;
+// they hand what they cannot take (masks, soft cap, strides TMA cannot address) to the kernel
+// above themselves. FLASHMOD_SM90_WS=0 sends everything to that one (tests and benchmarks compare
+// the two).
+bool use_sm90_ws_kernel(int padded_head_dim) {
+  return use_sm90_kernel(padded_head_dim) &&
+         cuda_kernels::has_head_dim(cuda_kernels::kFwdSm90WsHeadDims, padded_head_dim) &&
+         env_flag("FLASHMOD_SM90_WS", true);
+}
+
 // Decode-shaped calls (seqlen_q <= kDecodeMaxNq): the decode kernel, with GQA packing and
 // split-KV chosen from the shapes (decode_heuristics.h: pack_gqa_rows, choose_splits). Returns
 // false when the shape is not decode-shaped; err is then untouched. Test/tuning knobs, read per
@@ -42,7 +52,6 @@ bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, in
   opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
   opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
-  opt.deep_pipeline = env_flag("FLASHMOD_DECODE_STAGES3", false);
   // The split-KV workspace comes from torch's caching allocator on the current stream; freeing
   // it when this function returns is stream-ordered, so the kernels still queued keep it.
   at::Tensor workspace;
@@ -95,6 +104,15 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
     const int key = cuda_kernels::variant_key(p.dtype, padded);
     if (run_decode(p, flags, padded, q.options(), stream, err)) {
       // run_decode launched it
+    } else if (use_sm90_ws_kernel(padded)) {
+      switch (key) {
+#define FLASHMOD_SM90_WS_CASE(Elem, kind, D)                                  \
+  case cuda_kernels::variant_key(ScalarKind::kind, D):                        \
+    err = cuda_kernels::run_attention_fwd_sm90_ws<Elem, D>(p, flags, stream); \
+    break;
+        FLASHMOD_FWD_SM90_WS_VARIANTS(FLASHMOD_SM90_WS_CASE)
+#undef FLASHMOD_SM90_WS_CASE
+      }
     } else if (use_sm90_kernel(padded)) {
       switch (key) {
 #define FLASHMOD_SM90_CASE(Elem, kind, D)                                  \

@@ -47,8 +47,9 @@ __device__ __forceinline__ float grad_score(float prob, float dp, float delta) {
 }
 
 // Stores a warp's m16 x kHeadDim accumulator rows (scaled by `mul`) to global memory: lane rows
-// g and g + 8 of the tile, element pairs of each n8 tile; rows >= valid_rows and columns >=
-// head_dim are not written.
+// g and g + 8 of the tile, element pairs of each n8 tile (one store of 2 elements where `vec`:
+// the rows start at multiples of 2 elements); rows >= valid_rows and columns >= head_dim are not
+// written.
 template <typename Elem, int kDTiles>
 __device__ __forceinline__ void store_rows(Elem* dst, int64_t row_stride,
                                            const float (&acc)[kDTiles][4], float mul, int row0,
@@ -65,7 +66,10 @@ __device__ __forceinline__ void store_rows(Elem* dst, int64_t row_stride,
       if (col >= head_dim) continue;
       const float lo = acc[di][2 * hh] * mul, hi = acc[di][2 * hh + 1] * mul;
       if (vec && col + 1 < head_dim) {
-        *reinterpret_cast<uint32_t*>(out + col) = Mma16816<Elem>::pack(lo, hi);
+        if constexpr (sizeof(Elem) == 4)
+          *reinterpret_cast<float2*>(out + col) = make_float2(lo, hi);
+        else
+          *reinterpret_cast<uint32_t*>(out + col) = Mma16816<Elem>::pack(lo, hi);
       } else {
         out[col] = from_float<Elem>(lo);
         if (col + 1 < head_dim) out[col + 1] = from_float<Elem>(hi);

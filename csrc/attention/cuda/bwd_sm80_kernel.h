@@ -24,6 +24,7 @@
 #include "../../common/cuda/ptx_ops.h"
 #include "../../common/cuda/smem_tile.h"
 #include "../attention_params.h"
+#include "../sequence_view.h"
 #include "bwd_common.h"
 #include "entry_points.h"
 #include "kernel_traits.h"
@@ -70,9 +71,12 @@ __device__ __forceinline__ void mma_ab(float (&acc)[kHeadDim / 8][4],
   }
 }
 
-template <class Tr, bool kGeneral, int kWhich>
+// kExtents (both kernels): a variable-length call. The grid is sized from the upper bounds in
+// params, each CTA works on sequence_view_bwd(params, b), and a CTA whose block lies past its
+// sequence's end exits without writing.
+template <class Tr, bool kGeneral, int kWhich, bool kExtents>
 __global__ void __launch_bounds__(Tr::kNThreads)
-    attention_bwd_dkdv_kernel(const AttentionBwdParams p, const BwdRowStats st) {
+    attention_bwd_dkdv_kernel(const AttentionBwdParams params, const BwdRowStats st) {
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
@@ -88,14 +92,20 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
-  const int Nk = static_cast<int>(p.seqlen_k), head_dim = static_cast<int>(p.head_dim);
-  const int num_n_blocks = (Nk + Bc - 1) / Bc;
+  const int head_dim = static_cast<int>(params.head_dim);
+  const int num_n_blocks = static_cast<int>((params.seqlen_k + Bc - 1) / Bc);
   int64_t bid = blockIdx.x;
   const int n_block = static_cast<int>(bid % num_n_blocks);
   bid /= num_n_blocks;
-  const int64_t hk = bid % p.heads_kv, b = bid / p.heads_kv;
-  const int64_t group = p.heads_q / p.heads_kv;
-  const int k0 = n_block * Bc, rows_k = min(Bc, Nk - k0);
+  const int64_t hk = bid % params.heads_kv, b = bid / params.heads_kv;
+  const int64_t group = params.heads_q / params.heads_kv;
+  const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
+  const int Nk = static_cast<int>(p.seqlen_k);
+  const int k0 = n_block * Bc;
+  if constexpr (kExtents) {
+    if (k0 >= Nk) return;  // past this sequence's keys: no rows of it to write
+  }
+  const int rows_k = min(Bc, Nk - k0);
 
   const QueryRange qr = visible_queries(p, k0, k0 + rows_k - 1);
   const int m_lo = qr.lo <= qr.hi ? static_cast<int>(qr.lo / Br) : 0;
@@ -202,9 +212,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   }
 }
 
-template <class Tr, bool kGeneral>
+template <class Tr, bool kGeneral, bool kExtents>
 __global__ void __launch_bounds__(Tr::kNThreads)
-    attention_bwd_dq_kernel(const AttentionBwdParams p, const BwdRowStats st) {
+    attention_bwd_dq_kernel(const AttentionBwdParams params, const BwdRowStats st) {
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
@@ -217,17 +227,22 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
-  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
-  const int head_dim = static_cast<int>(p.head_dim);
-  const int num_m_blocks = (Nq + Br - 1) / Br;
+  const int head_dim = static_cast<int>(params.head_dim);
+  const int num_m_blocks = static_cast<int>((params.seqlen_q + Br - 1) / Br);
   int64_t bid = blockIdx.x;
   int m_block = static_cast<int>(bid % num_m_blocks);
   bid /= num_m_blocks;
-  const int64_t h = bid % p.heads_q, b = bid / p.heads_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  const int64_t h = bid % params.heads_q, b = bid / params.heads_q;
+  const int64_t hk = h / (params.heads_q / params.heads_kv);
   // With a right window bound (causal) the last query blocks see the most keys: start them first.
-  if (p.window_right >= 0) m_block = num_m_blocks - 1 - m_block;
-  const int r0 = m_block * Br, rows_q = min(Br, Nq - r0);
+  if (params.window_right >= 0) m_block = num_m_blocks - 1 - m_block;
+  const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
+  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+  const int r0 = m_block * Br;
+  if constexpr (kExtents) {
+    if (r0 >= Nq) return;  // past this sequence's queries: no rows of it to write
+  }
+  const int rows_q = min(Br, Nq - r0);
 
   const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
 

@@ -22,38 +22,44 @@ struct BwdConfig {
   using Q = BwdQTraits<Elem, kHeadDim, 4, kHeadDim <= 128 ? 64 : 32>;
 };
 
-template <class Tr, bool kGeneral, int kWhich>
+template <class Tr, bool kGeneral, int kWhich, bool kExtents>
 cudaError_t launch_bwd_dkdv(const AttentionBwdParams& p, const BwdRowStats& st,
                             cudaStream_t stream) {
   const int64_t blocks = (p.seqlen_k + Tr::Bc - 1) / Tr::Bc * p.heads_kv * p.batch;
-  return cuda::launch_kernel(attention_bwd_dkdv_kernel<Tr, kGeneral, kWhich>, blocks, Tr::kNThreads,
-                             Tr::kSmemBytes, stream, p, st);
+  return cuda::launch_kernel(attention_bwd_dkdv_kernel<Tr, kGeneral, kWhich, kExtents>, blocks,
+                             Tr::kNThreads, Tr::kSmemBytes, stream, p, st);
 }
 
-template <typename Elem, int kHeadDim, bool kGeneral>
+template <typename Elem, int kHeadDim, bool kGeneral, bool kExtents>
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   using Cfg = BwdConfig<Elem, kHeadDim>;
   cudaError_t err;
   if constexpr (Cfg::kSplit) {
-    err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdOnlyDV>(p, st, stream);
+    err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdOnlyDV, kExtents>(p, st, stream);
     if (err == cudaSuccess)
-      err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdOnlyDK>(p, st, stream);
+      err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdOnlyDK, kExtents>(p, st, stream);
   } else {
-    err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdBoth>(p, st, stream);
+    err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdBoth, kExtents>(p, st, stream);
   }
   if (err != cudaSuccess) return err;
   using TrQ = typename Cfg::Q;
   const int64_t blocks = (p.seqlen_q + TrQ::Br - 1) / TrQ::Br * p.heads_q * p.batch;
-  return cuda::launch_kernel(attention_bwd_dq_kernel<TrQ, kGeneral>, blocks, TrQ::kNThreads,
-                             TrQ::kSmemBytes, stream, p, st);
+  return cuda::launch_kernel(attention_bwd_dq_kernel<TrQ, kGeneral, kExtents>, blocks,
+                             TrQ::kNThreads, TrQ::kSmemBytes, stream, p, st);
 }
 
+// Variable-length calls (per-sequence extents: sequence_view_bwd) take their own variants; they
+// carry no mask tensor, so only the soft cap and the scale make them general.
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st,
                               cudaStream_t stream) {
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
-  return general ? launch_bwd<Elem, kHeadDim, true>(p, st, stream)
-                 : launch_bwd<Elem, kHeadDim, false>(p, st, stream);
+  if (has_sequence_extents(p)) {
+    return general ? launch_bwd<Elem, kHeadDim, true, true>(p, st, stream)
+                   : launch_bwd<Elem, kHeadDim, false, true>(p, st, stream);
+  }
+  return general ? launch_bwd<Elem, kHeadDim, true, false>(p, st, stream)
+                 : launch_bwd<Elem, kHeadDim, false, false>(p, st, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

@@ -30,6 +30,14 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_sm90(const AttentionParams& p, const FwdLaunchFlags& flags,
                                    cudaStream_t stream);
 
+// The warp-specialized Hopper variant (TMA loads, ping-ponged consumer warpgroups; sm_90a machine
+// code only) for kHeadDim = 64 and 128: plain scores (causal and windows included, GQA) on tensors
+// TMA can address (16-byte aligned base, strides multiples of 16 bytes). Any other call it hands
+// to run_attention_fwd_sm90 itself, so the contract is run_attention_fwd_sm90's.
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
+                                      cudaStream_t stream);
+
 // Split-KV workspace of the decode kernel. rows = batch * heads_q * seqlen_q of the params the
 // kernel gets (GQA-packed or not: same count), row id = the lse index.
 struct SplitKvArgs {
@@ -54,7 +62,6 @@ struct DecodeOptions {
   int num_sms = 1;
   int forced_splits = 0;       // > 0: use exactly this many splits (tests, tuning); 0: heuristic
   bool fused_combine = true;   // split-KV partials merged by each tile's last CTA, not a kernel
-  bool deep_pipeline = false;  // 3 K/V stages instead of 2 (head dims <= 128)
 };
 
 // The decode path: query rows per head <= kDecodeMaxNq (one 64-row tile when GQA-packed rows fit).
@@ -85,11 +92,12 @@ struct BwdRowStats {
   float* lse2 = nullptr;   // lse * log2(e); +inf where lse = -inf
   float* delta = nullptr;  // rowsum(dO * O) - grad_lse
   int64_t rows_padded = 0;
-  int vec_store = 0;  // grad_q/k/v rows are 4-byte aligned: store element pairs as one word
+  int vec_store = 0;  // grad_q/k/v rows start at even elements: store element pairs as one word
   int vec_rows = 0;   // out and grad_out rows are 16-byte aligned and head_dim % 8 == 0
 };
 
-// Fills st.lse2 and st.delta from p's lse, out, grad_out and grad_lse (bwd_rowstats.cu).
+// Fills st.lse2 and st.delta from p's lse, out, grad_out and grad_lse (bwd_rowstats.cu); any of
+// the three dtypes.
 cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdRowStats& st,
                                        cudaStream_t stream);
 
@@ -99,6 +107,12 @@ cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdRow
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st,
                               cudaStream_t stream);
+
+// dK/dV and dQ of fp32 attention on the tensor cores with 3xTF32 products (bwd_tf32_kernel.h),
+// Elem = float, head_dim <= kHeadDim; same contract as run_attention_bwd.
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
+                                   cudaStream_t stream);
 
 // The Hopper variant (wgmma, sm_90a machine code only) for kHeadDim = 64, 128 and 256; same
 // contract.

@@ -25,6 +25,7 @@
 #include "cta_tile.h"
 #include "entry_points.h"
 #include "online_softmax.h"
+#include "tf32_tile.h"
 #include "visibility.h"
 
 namespace flashmod::cuda_kernels {
@@ -41,9 +42,8 @@ static_assert(kBr == 16 * kWarps, "each warp owns one m16 row tile");
 // two CTAs per SM; S's registers halve too.
 template <int kHeadDim>
 struct Tf32Tile {
-  static_assert(kHeadDim % 32 == 0, "the bank-conflict-free pitch needs kHeadDim % 32 == 0");
   static constexpr int kBc = kHeadDim <= 64 ? 64 : 32;
-  static constexpr int kLd = kHeadDim + 4;
+  static constexpr int kLd = tf32_tile_pitch<kHeadDim>();
   static constexpr int kBytes = (kBr + 4 * kBc) * kLd * 4;
 };
 
@@ -72,23 +72,6 @@ __device__ __forceinline__ void load_tile_async(float* s, const float* g, int64_
       const bool in = r < valid_rows && c < head_dim;
       cp_async_4(smem_addr(s + r * kLd + c), in ? g + r * row_stride + c : g, in ? 4 : 0);
     }
-  }
-}
-
-// Replaces a landed fp32 tile by its tf32 hi halves and writes the lo halves to `lo`.
-template <int kRows, int kHeadDim>
-__device__ __forceinline__ void split_tile(float* hi, float* lo, int tid) {
-  constexpr int kLd = Tf32Tile<kHeadDim>::kLd, kChunks = kHeadDim / 4;
-  for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
-    const int off = idx / kChunks * kLd + idx % kChunks * 4;
-    float4 x = *reinterpret_cast<float4*>(hi + off), y;
-    uint32_t h, l;
-    split_tf32(__float_as_uint(x.x), h, l), x.x = __uint_as_float(h), y.x = __uint_as_float(l);
-    split_tf32(__float_as_uint(x.y), h, l), x.y = __uint_as_float(h), y.y = __uint_as_float(l);
-    split_tf32(__float_as_uint(x.z), h, l), x.z = __uint_as_float(h), y.z = __uint_as_float(l);
-    split_tf32(__float_as_uint(x.w), h, l), x.w = __uint_as_float(h), y.w = __uint_as_float(l);
-    *reinterpret_cast<float4*>(hi + off) = x;
-    *reinterpret_cast<float4*>(lo + off) = y;
   }
 }
 
@@ -157,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int n = range.lo; n < range.hi; ++n) {
     cp_async_wait<1>();  // this thread's Q_i and K_j copies have landed (V_j may be in flight)
     __syncthreads();     // ... and every thread's
-    split_tile<kBc, kHeadDim>(sK, sKlo, tid);
+    split_tf32_tile<kBc, kHeadDim, kThreads>(sK, sKlo, tid);
     __syncthreads();  // K_j's halves are in place
 
     // S = Q_i K_j^T for this warp's 16 rows, 3xTF32 (Q split on the fly: each warp owns its rows),
@@ -243,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
     cp_async_wait<1>();  // this thread's V_j copies have landed (K_{j+1} may be in flight)
     __syncthreads();     // ... and every thread's
-    split_tile<kBc, kHeadDim>(sV, sVlo, tid);
+    split_tf32_tile<kBc, kHeadDim, kThreads>(sV, sVlo, tid);
     __syncthreads();  // V_j's halves are in place
 
     // O = alpha O + P V_j. The block's product goes into a fresh accumulator and joins O with an

@@ -84,13 +84,11 @@ cudaError_t run_attention_fwd(const AttentionParams& p, const FwdLaunchFlags& fl
 // mostly padding, and its mma work (Br x Bc x D per 2 Bc D bytes of K/V) would approach the
 // memory roofline's budget. With MT = 1 registers are plentiful, so Q stays in registers up to
 // D = 128. Shared memory: 64 D (Q) + 2 stages x 2 x 64 D (K, V) elements = 80 KB at D = 128,
-// two CTAs per SM on sm80 and sm90. kDeepPipeline (DecodeOptions::deep_pipeline, D <= 128): 3
-// stages, 112 KB, still two CTAs per SM on sm90 (one on sm80): two key blocks in flight per CTA
-// instead of one while it computes, for HBM latency under full load.
-template <typename Elem, int kHeadDim, bool kDeepPipeline = false>
+// two CTAs per SM on sm80 and sm90. (3 stages, 112 KB, still two CTAs per SM on sm90, measured
+// 2-5 % slower at every cache length: benchmarks/results/design/cuda-serving.md.)
+template <typename Elem, int kHeadDim>
 struct DecodeConfig {
-  using Traits = FwdTraits<Elem, kHeadDim, 64, 64, 4, (kDeepPipeline && kHeadDim <= 128) ? 3 : 2,
-                           (kHeadDim <= 128)>;
+  using Traits = FwdTraits<Elem, kHeadDim, 64, 64, 4, 2, (kHeadDim <= 128)>;
 };
 
 constexpr int kMaxCachedDevices = 64;
@@ -159,9 +157,6 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
                                      const DecodeOptions& opt, const DecodeWorkspace& ws,
                                      cudaStream_t stream) {
-  if (opt.deep_pipeline && kHeadDim <= 128)
-    return launch_decode<typename DecodeConfig<Elem, kHeadDim, true>::Traits>(p, flags, opt, ws,
-                                                                              stream);
   return launch_decode<typename DecodeConfig<Elem, kHeadDim>::Traits>(p, flags, opt, ws, stream);
 }
 

@@ -24,6 +24,7 @@
 #include "entry_points.h"
 #include "fwd_epilogue.h"
 #include "online_softmax.h"
+#include "paged_kv.h"
 #include "score_mask.h"
 #include "visibility.h"
 
@@ -64,9 +65,13 @@ struct FwdTraitsSm90 {
 // kGeneral: an additive mask, a soft cap or a non-positive scale: every score is transformed
 // (score_mask.h). kBoolMask (only without kGeneral): a bool mask tensor, prefetched as bits per
 // key block; scores stay raw as on the plain path.
-template <class Tr, bool kGeneral, bool kBoolMask>
+// kAddr != kDense: per-sequence extents (varlen, KV-cache lengths, paged K/V), as in the portable
+// kernel: the grid is sized from the upper bounds, each CTA works on sequence_view(params, b),
+// K/V blocks load through the block table when paged (paged_kv.h), and a CTA whose query block
+// lies past its sequence's end exits without writing.
+template <class Tr, bool kGeneral, bool kBoolMask, KvAddressing kAddr = kDense>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
-    attention_fwd_sm90_kernel(const AttentionParams p, const FwdLaunchFlags flags) {
+    attention_fwd_sm90_kernel(const AttentionParams params, const FwdLaunchFlags flags) {
   static_assert(!(kGeneral && kBoolMask), "the general path applies bool masks itself");
 #ifdef FLASHMOD_SM90A
   using Elem = typename Tr::Elem;
@@ -83,12 +88,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int warpgroup = warp / 4;
-  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
-  const int head_dim = static_cast<int>(p.head_dim);
+  const int head_dim = static_cast<int>(params.head_dim);
 
-  const int num_m_blocks = (Nq + Br - 1) / Br;
-  const CtaTile tile = cta_tile(p, num_m_blocks, 1);
+  const int num_m_blocks = static_cast<int>((params.seqlen_q + Br - 1) / Br);
+  const CtaTile tile = cta_tile(params, num_m_blocks, 1);
+  constexpr bool kExtents = kAddr != kDense;
+  const AttentionParams p = kExtents ? sequence_view(params, tile.b) : params;
+  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
   const int r0 = tile.m_block * Br;
+  if constexpr (kExtents) {
+    if (r0 >= Nq) return;  // past this sequence's queries (varlen): nothing of it to write
+  }
   const int rows_q = min(Br, Nq - r0);
   const TilePointers<Elem> gp = tile_pointers<Elem>(p, tile, r0);
   const Elem *gQ = gp.q, *gK = gp.k, *gV = gp.v;
@@ -108,8 +118,21 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   auto load_kv = [&](int n, int stage) {
     const int valid = min(Bc, Nk - n * Bc);
     const int64_t row0 = static_cast<int64_t>(n) * Bc;
-    kv_copy.load(sK_addr0 + stage * kStageBytes, gK + row0 * p.k_row_stride, p.k_row_stride, valid);
-    kv_copy.load(sV_addr0 + stage * kStageBytes, gV + row0 * p.v_row_stride, p.v_row_stride, valid);
+    if constexpr (kAddr == kRowPages) {
+      load_kv_rows<kAddr, false>(
+          kv_copy, sK_addr0 + stage * kStageBytes, sV_addr0 + stage * kStageBytes,
+          KvRowSources<Elem>{gK, gV, nullptr, nullptr, Nk}, p, n * Bc, valid);
+    } else if constexpr (kExtents) {
+      load_kv_block<kAddr>(kv_copy, sK_addr0 + stage * kStageBytes, gK, p, row0, p.k_page_stride,
+                           p.k_row_stride, valid);
+      load_kv_block<kAddr>(kv_copy, sV_addr0 + stage * kStageBytes, gV, p, row0, p.v_page_stride,
+                           p.v_row_stride, valid);
+    } else {
+      kv_copy.load(sK_addr0 + stage * kStageBytes, gK + row0 * p.k_row_stride, p.k_row_stride,
+                   valid);
+      kv_copy.load(sV_addr0 + stage * kStageBytes, gV + row0 * p.v_row_stride, p.v_row_stride,
+                   valid);
+    }
   };
 
   // Prologue: Q_i, then the first kStages-1 key blocks, one commit group each (empty groups past

@@ -43,6 +43,14 @@ struct FwdConfigSm90<Elem, 256> {
   using Traits = FwdTraitsSm90<Elem, 256, 64, 2, 2>;
 };
 
+// The variant for K/V addressing kAddr (paged_kv.h). Variable-length and KV-cache calls take no
+// mask tensor (flash-attn's APIs have none), so they have no bool-mask variant.
+template <class Tr, KvAddressing kAddr>
+auto pick_fwd_kernel_sm90(bool general) {
+  return general ? attention_fwd_sm90_kernel<Tr, true, false, kAddr>
+                 : attention_fwd_sm90_kernel<Tr, false, false, kAddr>;
+}
+
 template <class Tr>
 cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cudaStream_t stream) {
   // Plain: raw scores, scale folded into exp2. Bool mask alone: the same plus prefetched mask bits.
@@ -53,6 +61,13 @@ cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cu
   auto kernel = general     ? attention_fwd_sm90_kernel<Tr, true, false>
                 : bool_mask ? attention_fwd_sm90_kernel<Tr, false, true>
                             : attention_fwd_sm90_kernel<Tr, false, false>;
+  switch (kv_addressing(p, Tr::Bc)) {
+    case kSequences: kernel = pick_fwd_kernel_sm90<Tr, kSequences>(general); break;
+    case kBlockPages: kernel = pick_fwd_kernel_sm90<Tr, kBlockPages>(general); break;
+    case kRowPages: kernel = pick_fwd_kernel_sm90<Tr, kRowPages>(general); break;
+    default: break;
+  }
+  if (has_sequence_extents(p) && p.mask_kind != MaskKind::kNone) return cudaErrorInvalidValue;
   return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads, Tr::kSmemBytes, stream, p,
                              flags);
 }

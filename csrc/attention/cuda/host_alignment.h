@@ -11,6 +11,7 @@
 #include "../../common/alignment.h"
 #include "../../common/error_message.h"
 #include "../../common/knobs.h"
+#include "entry_points.h"
 
 namespace flashmod {
 
@@ -65,6 +66,21 @@ inline void align_rows16(at::Tensor& t, const void*& ptr, int64_t& batch_stride,
   t = aligned_copy(t);
   ptr = t.data_ptr();
   batch_stride = t.stride(0), head_stride = t.stride(1), row_stride = t.stride(2);
+}
+
+// The backward's row-statistics workspace (lse in log2 units and delta per query row, each
+// (batch, head) padded to whole blocks), held by `storage`; the caller sets vec_store and vec_rows.
+// Shared by the dense and the variable-length backward.
+inline cuda_kernels::BwdRowStats allocate_bwd_row_stats(const AttentionBwdParams& p,
+                                                        const at::TensorOptions& options,
+                                                        at::Tensor& storage) {
+  cuda_kernels::BwdRowStats st;
+  constexpr int64_t pad = cuda_kernels::kBwdRowPad;
+  st.rows_padded = (p.seqlen_q + pad - 1) / pad * pad;
+  storage = at::empty({2, p.batch * p.heads_q * st.rows_padded}, options.dtype(at::kFloat));
+  st.lse2 = storage[0].data_ptr<float>();
+  st.delta = storage[1].data_ptr<float>();
+  return st;
 }
 
 }  // namespace flashmod

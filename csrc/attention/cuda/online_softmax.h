@@ -99,24 +99,7 @@ struct OnlineSoftmax {
     for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float block_max = -CUDART_INF_F;
-#pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni)
-          block_max = fmaxf(block_max, fmaxf(S[mi][ni][2 * h], S[mi][ni][2 * h + 1]));
-        float cm;
-        const float alpha =
-            online_softmax_rescale<float>(m[mi][h], quad_max(block_max), c, c * m[mi][h], cm);
-        float sum = 0.f;
-#pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pij = exp2f(fmaf(c, S[mi][ni][2 * h + e], -cm));
-            S[mi][ni][2 * h + e] = pij;
-            sum += pij;
-          }
-        }
-        l[mi][h] = l[mi][h] * alpha + sum;
+        const float alpha = row_to_p(S, mi, h, c);
 #pragma unroll
         for (int di = 0; di < kDTiles; ++di) {
           O[mi][di][2 * h] *= alpha;
@@ -124,6 +107,56 @@ struct OnlineSoftmax {
         }
       }
     }
+  }
+
+  // update's two halves, for kernels whose O is still being accumulated by an asynchronous matmul
+  // while the next block's softmax runs: S -> P (and m, l) now, O *= alpha once that matmul is
+  // done.
+  template <int kNTiles>
+  __device__ __forceinline__ void scores_to_p(float (&S)[kMTiles][kNTiles][4], float c,
+                                              float (&alpha)[kMTiles][2]) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) alpha[mi][h] = row_to_p(S, mi, h, c);
+  }
+  template <int kDTiles>
+  __device__ __forceinline__ static void rescale(float (&O)[kMTiles][kDTiles][4],
+                                                 const float (&alpha)[kMTiles][2]) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int di = 0; di < kDTiles; ++di) {
+          O[mi][di][2 * h] *= alpha[mi][h];
+          O[mi][di][2 * h + 1] *= alpha[mi][h];
+        }
+  }
+
+  // One row (m16 tile mi, half h) of S -> P, its m and l updated; returns its alpha.
+  template <int kNTiles>
+  __device__ __forceinline__ float row_to_p(float (&S)[kMTiles][kNTiles][4], int mi, int h,
+                                            float c) {
+    float block_max = -CUDART_INF_F;
+#pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni)
+      block_max = fmaxf(block_max, fmaxf(S[mi][ni][2 * h], S[mi][ni][2 * h + 1]));
+    float cm;
+    const float alpha =
+        online_softmax_rescale<float>(m[mi][h], quad_max(block_max), c, c * m[mi][h], cm);
+    float sum = 0.f;
+#pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pij = exp2f(fmaf(c, S[mi][ni][2 * h + e], -cm));
+        S[mi][ni][2 * h + e] = pij;
+        sum += pij;
+      }
+    }
+    l[mi][h] = l[mi][h] * alpha + sum;
+    return alpha;
   }
 
   // Row normalizer 1/l (0 for a row that never saw a visible key, so its output is 0) and the

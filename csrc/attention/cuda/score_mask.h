@@ -21,6 +21,30 @@ struct ScoreTransform {
         inv_softcap(p.softcap > 0.0 ? static_cast<float>(1.0 / p.softcap) : 0.f) {}
 };
 
+// mask_scores' plain-path test with the lane's row windows computed by the caller: hides the
+// columns of each of its rows outside win[mi][hh]; key0 is the lane's first column
+// (key_block * Bc + 2 * (lane % 4)). For kernels short of registers, which compute the windows
+// once outside their key loop (the warp-specialized one: the per-block int64 window arithmetic
+// spilled at Bc = 176). mask_scores keeps its own loop: routing it through here changed the
+// other kernels' register allocation (sm_90 D = 64: 109 -> 125).
+template <int MT, int NT>
+__device__ __forceinline__ void mask_outside_windows(float (&S)[MT][NT][4],
+                                                     const RowWindow (&win)[MT][2], int key0) {
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      // Columns relative to key0: both bounds stay in int range (windows are clamped to
+      // [-1, seqlen_k]).
+      const int lo = win[mi][hh].lo - key0, hi = win[mi][hh].hi - key0;
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (ni * 8 + e < lo || ni * 8 + e > hi) S[mi][ni][2 * hh + e] = -CUDART_INF_F;
+    }
+}
+
 // kGeneral (a mask tensor, a soft cap or a non-positive scale): every score is scaled, capped
 // and masked. Otherwise scores stay raw q.k (the scale is folded into the softmax's exp2) and
 // only key blocks that straddle the window or seqlen_k pay for per-element checks.

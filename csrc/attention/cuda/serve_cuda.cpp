@@ -1,10 +1,9 @@
 // CUDA registration of the serving ops (attention_varlen, attention_kvcache): the shared host
-// preparation (serve_host.cpp), the CUDA-only checks, and the launch of the sm80 kernel's
-// per-sequence variants (fwd_sm80_kernel.h: KvAddressing). No host sync: the extents stay on
-// the device and the grid comes from the caller's upper bounds. The sm90 kernel has no
-// per-sequence variant yet, so these ops run the mma.sync kernel on every GPU; decode-shaped
-// KV-cache calls (seqlen_q <= 64) take the decode kernel (GQA packing, split-KV, the append of
-// the new keys/values inside it).
+// preparation (serve_host.cpp), the CUDA-only checks, and the launch of the kernels'
+// per-sequence variants (KvAddressing: the wgmma kernel on sm_90 for head dims 64/128/256, the
+// mma.sync kernel elsewhere). No host sync: the extents stay on the device and the grid comes
+// from the caller's upper bounds. Decode-shaped KV-cache calls (seqlen_q <= 64) take the decode
+// kernel (GQA packing, split-KV, the append of the new keys/values inside it).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -24,25 +23,10 @@
 #include "generated/kernel_variants.h"
 #include "host_alignment.h"
 #include "kvcache_append.h"
+#include "serve_cuda_checks.h"
 
 namespace flashmod {
 namespace {
-
-constexpr int64_t kMaxHeadDim = 256;
-
-// fp16/bf16 only (flash-attn's dtypes; the fp32 kernels have no per-sequence variant) and
-// head_dim <= 256, checked first. Same order and wording as flashmod/serve_ops.py's
-// _check_cuda.
-void check_cuda_inputs(const char* op, const at::Tensor& q) {
-  TORCH_CHECK(
-      q.scalar_type() != at::kDouble,
-      error_message(op, ": q's dtype float64 is supported on CPU only, got it on ", q.device()));
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              error_message(op, ": q must be float16 or bfloat16 on CUDA, got ", q.scalar_type()));
-  TORCH_CHECK(
-      q.size(-1) <= kMaxHeadDim,
-      error_message(op, ": q's head_dim must be <= ", kMaxHeadDim, " on CUDA, got ", q.size(-1)));
-}
 
 // cp.async needs 16-byte aligned row starts: pointer and every stride a multiple of 8 elements.
 bool rows_aligned16_any(const at::Tensor& t) {
@@ -79,7 +63,6 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
     opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
     opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
-    opt.deep_pipeline = env_flag("FLASHMOD_DECODE_STAGES3", false);
     // The split-KV workspace depends on shapes only (batch, heads, seqlen_q, the cache's
     // capacity), never on values, so a captured graph replays with the same allocation.
     at::Tensor workspace;
@@ -97,6 +80,15 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
     return cuda_kernels::run_attention_fwd_decode<E, D>(p, flags, opt, ws, stream);
       FLASHMOD_FWD_SM80_VARIANTS(FLASHMOD_SERVE_DECODE)
 #undef FLASHMOD_SERVE_DECODE
+    }
+  }
+  if (sm90_kernels_usable()) {
+    switch (key) {
+#define FLASHMOD_SERVE_PREFILL_SM90(E, kind, D)        \
+  case cuda_kernels::variant_key(ScalarKind::kind, D): \
+    return cuda_kernels::run_attention_fwd_sm90<E, D>(p, flags, stream);
+      FLASHMOD_FWD_SM90_VARIANTS(FLASHMOD_SERVE_PREFILL_SM90)
+#undef FLASHMOD_SERVE_PREFILL_SM90
     }
   }
   switch (key) {

@@ -23,6 +23,8 @@ struct Sw128TileCopy {
   static_assert(8 % kRowStep == 0 || kRowStep % 8 == 0, "the swizzle period divides the steps");
   static_assert(kIters % kPeriod == 0, "whole swizzle periods");
 
+  // Every thread takes part (paged_kv.h's per-row loads ask).
+  static constexpr bool active = true;
   int row0, col, src_bytes;
   uint32_t soff[kPeriod];
 
@@ -36,6 +38,11 @@ struct Sw128TileCopy {
       soff[it] = sw128_offset<kRows>(row0 + it * kRowStep, chunk) - it * kRowStep * 128;
   }
 
+  // Shared-memory offset (from the tile's base) of this thread's chunk in copy step it.
+  __device__ __forceinline__ uint32_t chunk_offset(int it) const {
+    return soff[it % kPeriod] + it * kRowStep * 128;
+  }
+
   // Rows [0, valid_rows) x columns [0, head_dim) from gmem; the rest of the tile is zero-filled
   // (zero keys/values past seqlen_k keep NaN-free products; their scores are masked anyway).
   template <typename Elem>
@@ -45,8 +52,7 @@ struct Sw128TileCopy {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const bool valid = row0 + it * kRowStep < valid_rows && src_bytes > 0;
-      cp_async_16(smem_base + soff[it % kPeriod] + it * kRowStep * 128, valid ? src : gmem,
-                  valid ? src_bytes : 0);
+      cp_async_16(smem_base + chunk_offset(it), valid ? src : gmem, valid ? src_bytes : 0);
       src += kRowStep * row_stride;
     }
   }

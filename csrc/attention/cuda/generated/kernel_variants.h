@@ -63,6 +63,15 @@ constexpr int kFwdSm90HeadDims[] = {64, 128, 256};
   X(__nv_bfloat16, kBFloat16, 256)
 // clang-format on
 
+constexpr int kFwdSm90WsHeadDims[] = {64, 128};
+// clang-format off
+#define FLASHMOD_FWD_SM90_WS_VARIANTS(X) \
+  X(__half, kFloat16, 64) \
+  X(__half, kFloat16, 128) \
+  X(__nv_bfloat16, kBFloat16, 64) \
+  X(__nv_bfloat16, kBFloat16, 128)
+// clang-format on
+
 constexpr int kBwdSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 // clang-format off
 #define FLASHMOD_BWD_SM80_VARIANTS(X) \
@@ -93,6 +102,19 @@ constexpr int kBwdSm90HeadDims[] = {64, 128, 256};
   X(__nv_bfloat16, kBFloat16, 64) \
   X(__nv_bfloat16, kBFloat16, 128) \
   X(__nv_bfloat16, kBFloat16, 256)
+// clang-format on
+
+constexpr int kBwdTf32HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
+// clang-format off
+#define FLASHMOD_BWD_TF32_VARIANTS(X) \
+  X(float, kFloat32, 32) \
+  X(float, kFloat32, 64) \
+  X(float, kFloat32, 96) \
+  X(float, kFloat32, 128) \
+  X(float, kFloat32, 160) \
+  X(float, kFloat32, 192) \
+  X(float, kFloat32, 224) \
+  X(float, kFloat32, 256)
 // clang-format on
 
 }  // namespace flashmod::cuda_kernels

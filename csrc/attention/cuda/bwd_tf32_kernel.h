@@ -1,0 +1,371 @@
+// The fp32 backward on the tensor cores with 3xTF32 products (sm_80+): the portable backward's
+// structure (bwd_sm80_kernel.h: a dK/dV kernel per key block over every visible query block of
+// the GQA group, a separate dQ kernel per query block, no atomics, so every gradient is bitwise
+// reproducible) and its per-element math (bwd_common.h), with the products of the fp32 forward
+// (fwd_fp32_3xtf32.cu): every operand split into tf32 halves hi + lo and a * b computed as
+// a_lo * b_hi + a_hi * b_lo (one accumulator) + a_hi * b_hi (another), ~22 of 24 mantissa bits.
+//
+// Accuracy: the tensor cores' accumulation truncates, so no long chain of mma's accumulates in
+// place: the products over the head dim (S = Q K^T, dP = dO V^T) add each k8 step's big terms to
+// the sum in fp32 (the small terms, 2^-11 smaller, keep one accumulator of their own), and the
+// products over the streamed rows (dV += P^T dO, dK += dS^T Q, dQ += dS K) run into a fresh
+// accumulator per step that joins the gradient with an fp32 add, as the forward's O does.
+//
+// Layout: each warp owns 16 rows (the mma's m16) of the CTA's "own" tile (K_j and V_j in the dK/dV
+// kernel, Q_i and dO_i in the dQ kernel) and every CTA streams Bs rows of the other pair per step.
+// Own tiles sit in shared memory as tf32 hi and lo halves (split once, by every thread, after they
+// landed): their A fragments are read at every step. Streamed tiles stay fp32, double-buffered
+// (cp.async of step s + 1 runs under step s's products), and their B fragments are split as they
+// are read: a split pass per step and its two barriers cost more than the splits (H100 run 1 of the
+// split-per-tile version: 0.45x EFFICIENT at D = 128). Rows are padded to kHeadDim + 4 floats: with
+// a pitch of 4 (mod 32) words the fragment reads (8 rows x 4 columns, or 4 row pairs x 8 columns)
+// hit 32 different banks. P and dS go from the accumulator straight into the A operand of the next
+// product, with the forward's relabelling of the k index (position t <-> row 2t, t + 4 <-> 2t + 1
+// of each k8 slice) and the B^T fragment reading rows 2t and 2t + 1 to match.
+#pragma once
+
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "../../common/cuda/ptx_ops.h"
+#include "../attention_params.h"
+#include "bwd_common.h"
+#include "entry_points.h"
+#include "tf32_tile.h"
+#include "visibility.h"
+
+namespace flashmod::cuda_kernels {
+
+// kWarps warps own 16 rows each (Bo rows); Bs rows stream per step.
+template <int kHeadDim_, int kWarps, int kBs>
+struct Tf32BwdTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kLd = tf32_tile_pitch<kHeadDim>();
+  static constexpr int Bo = 16 * kWarps;
+  static constexpr int Bs = kBs;
+  static constexpr int kNWarps = kWarps;
+  static constexpr int kNThreads = 32 * kWarps;
+  static constexpr int kNTiles = Bs / 8;  // n8 tiles of S per warp = k8 steps of the 2nd product
+  static constexpr int kDTiles = kHeadDim / 8;  // k8 steps of the 1st product = its n8 tiles
+  static constexpr int kOwnTile = Bo * kLd;     // floats of one half of one own tile
+  static constexpr int kStreamTile = Bs * kLd;  // floats of one stage of one streamed tile
+  // Two own tiles as hi and lo, two streamed tiles (fp32) in two stages; the dK/dV kernel adds
+  // two stages of Bs lse2 and delta.
+  static constexpr int kSmemBytes = 4 * (4 * kOwnTile + 4 * kStreamTile + 4 * Bs);
+  static_assert(Bs % 8 == 0 && Bs / 2 <= kNThreads, "one 16-byte lse2/delta chunk per thread");
+  static_assert(kBwdRowPad % Bs == 0 && kBwdRowPad % Bo == 0, "row statistics cover whole blocks");
+  static_assert(kSmemBytes <= 163 * 1024, "must also fit an A100");
+};
+
+namespace tf32_bwd {
+
+// Starts copying rows [0, valid_rows) x [0, head_dim) of a global fp32 tile (row starts 16-byte
+// aligned: the host's align_rows16) into a kRows x kLd shared tile, zeros elsewhere.
+template <int kRows, int kHeadDim, int kThreads>
+__device__ __forceinline__ void load_tile(float* s, const float* g, int64_t row_stride,
+                                          int valid_rows, int head_dim, int tid) {
+  constexpr int kLd = tf32_tile_pitch<kHeadDim>(), kChunks = kHeadDim / 4;
+  static_assert(kRows * kChunks % kThreads == 0, "even split");
+#pragma unroll 4
+  for (int it = 0; it < kRows * kChunks / kThreads; ++it) {
+    const int idx = tid + it * kThreads;
+    const int r = idx / kChunks, c = idx % kChunks * 4;
+    const int left = head_dim - c;
+    const int bytes = r < valid_rows && left > 0 ? 4 * (left < 4 ? left : 4) : 0;
+    cp_async_16(smem_addr(s + r * kLd + c), bytes > 0 ? g + r * row_stride + c : g, bytes);
+  }
+}
+
+__device__ __forceinline__ uint32_t lds(const float* p) {
+  return __float_as_uint(*p);
+}
+
+// c[16 x 8 kNT] = A B^T over the head dim: A = 16 rows of an own tile (a: its first row, hi; lo
+// kA floats on), B = the kNT * 8 rows of a streamed fp32 tile, split into tf32 halves as its
+// fragments are read. 3xTF32 with the small terms in an accumulator of their own. The big terms of
+// each k8 step go into a fresh accumulator that joins c with an fp32 add: the tensor cores truncate
+// when they accumulate, and a chain over the whole head dim biased dP by tens of ulps at D >= 160
+// (dQ failed the 3x rule there, H100 run 1); per step, the truncation is that of one 8-term sum.
+template <int kHeadDim, int kNT, int kA>
+__device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, const float* b,
+                                            int g, int t) {
+  constexpr int kLd = tf32_tile_pitch<kHeadDim>();
+  float small[kNT][4];
+  zero(c);
+  zero(small);
+  const float* a_lane = a + g * kLd + t;
+  const float* b_lane = b + g * kLd + t;
+#pragma unroll 2
+  for (int ks = 0; ks < kHeadDim / 8; ++ks) {
+    uint32_t a_hi[4], a_lo[4];
+    const float* ap = a_lane + 8 * ks;
+    a_hi[0] = lds(ap), a_hi[1] = lds(ap + 8 * kLd), a_hi[2] = lds(ap + 4),
+    a_hi[3] = lds(ap + 8 * kLd + 4);
+    a_lo[0] = lds(ap + kA), a_lo[1] = lds(ap + kA + 8 * kLd), a_lo[2] = lds(ap + kA + 4),
+    a_lo[3] = lds(ap + kA + 8 * kLd + 4);
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      const float* bp = b_lane + nt * 8 * kLd + 8 * ks;
+      uint32_t b_hi[2], b_lo[2];
+      split_tf32(lds(bp), b_hi[0], b_lo[0]);
+      split_tf32(lds(bp + 4), b_hi[1], b_lo[1]);
+      float big[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_3xtf32_apart(big, small[nt], a_hi, a_lo, b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[nt][e] += big[e];
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[nt][e] = add_small_terms(c[nt][e], small[nt][e]);
+}
+
+// acc[16 x kHeadDim] += A B, A = an accumulator (P^T, dS^T or dS: 16 x 8 kNT), B = the kNT * 8
+// rows of a streamed fp32 tile, read transposed and split as its fragments are read.
+template <int kHeadDim, int kNT>
+__device__ __forceinline__ void product_ab(float (&acc)[kHeadDim / 8][4],
+                                           const float (&a_acc)[kNT][4], const float* b, int g,
+                                           int t) {
+  constexpr int kLd = tf32_tile_pitch<kHeadDim>();
+  uint32_t a_hi[kNT][4], a_lo[kNT][4];
+#pragma unroll
+  for (int kt = 0; kt < kNT; ++kt) {
+    // Accumulator (row, column 2t + c) -> A fragment position (row, t + 4c).
+    split_tf32(__float_as_uint(a_acc[kt][0]), a_hi[kt][0], a_lo[kt][0]);
+    split_tf32(__float_as_uint(a_acc[kt][2]), a_hi[kt][1], a_lo[kt][1]);
+    split_tf32(__float_as_uint(a_acc[kt][1]), a_hi[kt][2], a_lo[kt][2]);
+    split_tf32(__float_as_uint(a_acc[kt][3]), a_hi[kt][3], a_lo[kt][3]);
+  }
+  const float* b_lane = b + 2 * t * kLd + g;
+#pragma unroll
+  for (int dt = 0; dt < kHeadDim / 8; ++dt) {
+    float big[4] = {0.f, 0.f, 0.f, 0.f}, small[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kt = 0; kt < kNT; ++kt) {
+      const float* bp = b_lane + kt * 8 * kLd + 8 * dt;
+      uint32_t b_hi[2], b_lo[2];
+      split_tf32(lds(bp), b_hi[0], b_lo[0]);
+      split_tf32(lds(bp + kLd), b_hi[1], b_lo[1]);
+      mma_3xtf32_apart(big, small, a_hi[kt], a_lo[kt], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[dt][e] += add_small_terms(big[e], small[e]);
+  }
+}
+
+}  // namespace tf32_bwd
+
+template <class Tr, bool kGeneral, int kWhich>
+__global__ void __launch_bounds__(Tr::kNThreads)
+    attention_bwd_tf32_dkdv_kernel(const AttentionBwdParams p, const BwdRowStats st) {
+  constexpr int D = Tr::kHeadDim, Br = Tr::Bs, Bc = Tr::Bo, kThreads = Tr::kNThreads;
+  constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles, kLd = Tr::kLd;
+  constexpr int kOwn = Tr::kOwnTile, kStream = Tr::kStreamTile;
+  constexpr bool kDV = kWhich != kBwdOnlyDK, kDK = kWhich != kBwdOnlyDV;
+
+  extern __shared__ __align__(16) float smem[];
+  float* sK = smem;  // hi; lo at + kOwn
+  float* sV = sK + 2 * kOwn;
+  float* sQ = sV + 2 * kOwn;  // fp32, stage 1 at + kStream
+  float* sdO = sQ + 2 * kStream;
+  float* sL = sdO + 2 * kStream;  // stage 1 at + Br
+  float* sDelta = sL + 2 * Br;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int Nk = static_cast<int>(p.seqlen_k), head_dim = static_cast<int>(p.head_dim);
+  const int num_n_blocks = (Nk + Bc - 1) / Bc;
+  int64_t bid = blockIdx.x;
+  const int n_block = static_cast<int>(bid % num_n_blocks);
+  bid /= num_n_blocks;
+  const int64_t hk = bid % p.heads_kv, b = bid / p.heads_kv;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int k0 = n_block * Bc, rows_k = min(Bc, Nk - k0);
+
+  const QueryRange qr = visible_queries(p, k0, k0 + rows_k - 1);
+  const int m_lo = qr.lo <= qr.hi ? static_cast<int>(qr.lo / Br) : 0;
+  const int m_count = qr.lo <= qr.hi ? static_cast<int>(qr.hi / Br) + 1 - m_lo : 0;
+  const int steps = static_cast<int>(group) * m_count;
+
+  const float* gK = static_cast<const float*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
+                    static_cast<int64_t>(k0) * p.k_row_stride;
+  const float* gV = static_cast<const float*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride +
+                    static_cast<int64_t>(k0) * p.v_row_stride;
+  // Step s = (head of the group, query block): head-major, so each head's rows stream in order.
+  auto load_step = [&](int s, int stage) {
+    const int64_t h = hk * group + s / m_count;
+    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+    const int valid = p.seqlen_q - r0 < Br ? static_cast<int>(p.seqlen_q - r0) : Br;
+    const float* q = static_cast<const float*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                     r0 * p.q_row_stride;
+    const float* dout = static_cast<const float*>(p.grad_out) + b * p.grad_out_batch_stride +
+                        h * p.grad_out_head_stride + r0 * p.grad_out_row_stride;
+    tf32_bwd::load_tile<Br, D, kThreads>(sQ + stage * kStream, q, p.q_row_stride, valid, head_dim,
+                                         tid);
+    tf32_bwd::load_tile<Br, D, kThreads>(sdO + stage * kStream, dout, p.grad_out_row_stride, valid,
+                                         head_dim, tid);
+    // The row statistics are padded to whole blocks: Br / 4 chunks of each, no bounds.
+    const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
+    if (tid < Br / 4) {
+      cp_async_16(smem_addr(sL + stage * Br + 4 * tid), st.lse2 + stat + 4 * tid, 16);
+    } else if (tid < Br / 2) {
+      const int c = tid - Br / 4;
+      cp_async_16(smem_addr(sDelta + stage * Br + 4 * c), st.delta + stat + 4 * c, 16);
+    }
+  };
+
+  tf32_bwd::load_tile<Bc, D, kThreads>(sK, gK, p.k_row_stride, rows_k, head_dim, tid);
+  // dV alone needs no V (dP^T only feeds dS^T, hence dK).
+  if constexpr (kDK)
+    tf32_bwd::load_tile<Bc, D, kThreads>(sV, gV, p.v_row_stride, rows_k, head_dim, tid);
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  split_tf32_tile<Bc, D, kThreads>(sK, sK + kOwn, tid);
+  if constexpr (kDK) split_tf32_tile<Bc, D, kThreads>(sV, sV + kOwn, tid);
+
+  const ScoreTransform tf(p);
+  const float scale_log2 = tf.scale * 1.4426950408889634f;
+  const int warp_row0 = warp * 16;
+  const int key_row[2] = {k0 + warp_row0 + g, k0 + warp_row0 + g + 8};
+  const float* sK_warp = sK + warp_row0 * kLd;
+  const float* sV_warp = sV + warp_row0 * kLd;
+
+  float dV[kDV ? DT : 1][4], dK[kDK ? DT : 1][4];
+  zero(dV);
+  zero(dK);
+
+  for (int s = 0; s < steps; ++s) {
+    const int stage = s & 1;
+    cp_async_wait<0>();
+    // Publishes step s's tiles (and at s = 0 K_j/V_j's halves), and every warp is done with step
+    // s - 1, whose buffers the prefetch below overwrites.
+    __syncthreads();
+    if (s + 1 < steps) load_step(s + 1, stage ^ 1);
+    cp_async_commit();
+
+    const int64_t h = hk * group + s / m_count;
+    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+    const float* sQ_s = sQ + stage * kStream;
+    const float* sdO_s = sdO + stage * kStream;
+
+    float St[NT][4];
+    tf32_bwd::product_abt<D, NT, kOwn>(St, sK_warp, sQ_s, g, t);
+    float dPt[kDK ? NT : 1][4];
+    if constexpr (kDK) tf32_bwd::product_abt<D, NT, kOwn>(dPt, sV_warp, sdO_s, g, t);
+
+    transposed_probs_and_grads<float, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
+                                                     n_block, Bc, key_row, sL + stage * Br,
+                                                     sDelta + stage * Br, t);
+
+    if constexpr (kDV) tf32_bwd::product_ab<D, NT>(dV, St, sdO_s, g, t);
+    if constexpr (kDK) tf32_bwd::product_ab<D, NT>(dK, dPt, sQ_s, g, t);
+  }
+  cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
+
+  const bool vec = st.vec_store != 0;
+  if constexpr (kDV) {
+    float* gdV = static_cast<float*>(p.grad_v) + b * p.grad_v_batch_stride +
+                 hk * p.grad_v_head_stride + static_cast<int64_t>(k0) * p.grad_v_row_stride;
+    store_rows<float, DT>(gdV, p.grad_v_row_stride, dV, 1.f, warp_row0, rows_k, head_dim, lane,
+                          vec);
+  }
+  if constexpr (kDK) {
+    float* gdK = static_cast<float*>(p.grad_k) + b * p.grad_k_batch_stride +
+                 hk * p.grad_k_head_stride + static_cast<int64_t>(k0) * p.grad_k_row_stride;
+    store_rows<float, DT>(gdK, p.grad_k_row_stride, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
+                          vec);
+  }
+}
+
+template <class Tr, bool kGeneral>
+__global__ void __launch_bounds__(Tr::kNThreads)
+    attention_bwd_tf32_dq_kernel(const AttentionBwdParams p, const BwdRowStats st) {
+  constexpr int D = Tr::kHeadDim, Br = Tr::Bo, Bc = Tr::Bs, kThreads = Tr::kNThreads;
+  constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles, kLd = Tr::kLd;
+  constexpr int kOwn = Tr::kOwnTile, kStream = Tr::kStreamTile;
+
+  extern __shared__ __align__(16) float smem[];
+  float* sQ = smem;  // hi; lo at + kOwn
+  float* sdO = sQ + 2 * kOwn;
+  float* sK = sdO + 2 * kOwn;  // fp32, stage 1 at + kStream
+  float* sV = sK + 2 * kStream;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int num_m_blocks = (Nq + Br - 1) / Br;
+  int64_t bid = blockIdx.x;
+  int m_block = static_cast<int>(bid % num_m_blocks);
+  bid /= num_m_blocks;
+  const int64_t h = bid % p.heads_q, b = bid / p.heads_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  // With a right window bound (causal) the last query blocks see the most keys: start them first.
+  if (p.window_right >= 0) m_block = num_m_blocks - 1 - m_block;
+  const int r0 = m_block * Br, rows_q = min(Br, Nq - r0);
+
+  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+
+  const float* gQ = static_cast<const float*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                    static_cast<int64_t>(r0) * p.q_row_stride;
+  const float* gdO = static_cast<const float*>(p.grad_out) + b * p.grad_out_batch_stride +
+                     h * p.grad_out_head_stride + static_cast<int64_t>(r0) * p.grad_out_row_stride;
+  const float* gK = static_cast<const float*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const float* gV = static_cast<const float*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+
+  tf32_bwd::load_tile<Br, D, kThreads>(sQ, gQ, p.q_row_stride, rows_q, head_dim, tid);
+  tf32_bwd::load_tile<Br, D, kThreads>(sdO, gdO, p.grad_out_row_stride, rows_q, head_dim, tid);
+  auto load_kv = [&](int n, int stage) {
+    const int valid = min(Bc, Nk - n * Bc);
+    const int64_t row0 = static_cast<int64_t>(n) * Bc;
+    tf32_bwd::load_tile<Bc, D, kThreads>(sK + stage * kStream, gK + row0 * p.k_row_stride,
+                                         p.k_row_stride, valid, head_dim, tid);
+    tf32_bwd::load_tile<Bc, D, kThreads>(sV + stage * kStream, gV + row0 * p.v_row_stride,
+                                         p.v_row_stride, valid, head_dim, tid);
+  };
+  if (range.lo < range.hi) load_kv(range.lo, 0);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  split_tf32_tile<Br, D, kThreads>(sQ, sQ + kOwn, tid);
+  split_tf32_tile<Br, D, kThreads>(sdO, sdO + kOwn, tid);
+
+  const ScoreTransform tf(p);
+  const float scale_log2 = tf.scale * 1.4426950408889634f;
+  const int warp_row0 = warp * 16;
+  // This lane's two query rows and their statistics (padded: rows past Nq read lse2 = +inf).
+  const LaneRows rows = lane_rows(p, st, b, h, r0 + warp_row0 + g);
+  const float* sQ_warp = sQ + warp_row0 * kLd;
+  const float* sdO_warp = sdO + warp_row0 * kLd;
+  float dQ[DT][4];
+  zero(dQ);
+
+  for (int n = range.lo; n < range.hi; ++n) {
+    const int stage = (n - range.lo) & 1;
+    cp_async_wait<0>();
+    // Publishes K_j/V_j (and at the first block Q_i/dO_i's halves), and every warp is done with
+    // block n - 1, whose buffers the prefetch below overwrites.
+    __syncthreads();
+    if (n + 1 < range.hi) load_kv(n + 1, stage ^ 1);
+    cp_async_commit();
+
+    const float* sK_s = sK + stage * kStream;
+    float S[NT][4], dP[NT][4];
+    tf32_bwd::product_abt<D, NT, kOwn>(S, sQ_warp, sK_s, g, t);
+    tf32_bwd::product_abt<D, NT, kOwn>(dP, sdO_warp, sV + stage * kStream, g, t);
+    probs_and_grads<float, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t);
+    tf32_bwd::product_ab<D, NT>(dQ, S, sK_s, g, t);
+  }
+  cp_async_wait<0>();
+
+  float* gdQ = static_cast<float*>(p.grad_q) + b * p.grad_q_batch_stride +
+               h * p.grad_q_head_stride + static_cast<int64_t>(r0) * p.grad_q_row_stride;
+  store_rows<float, DT>(gdQ, p.grad_q_row_stride, dQ, tf.scale, warp_row0, rows_q, head_dim, lane,
+                        st.vec_store != 0);
+}
+
+}  // namespace flashmod::cuda_kernels

@@ -1,0 +1,62 @@
+// Tile choices per head dim and the (torch-free) launches of the fp32 (3xTF32) backward. Each
+// generated bwd_tf32_fp32_hd<D>.cu instantiates one run_attention_bwd_tf32.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../../common/cuda/kernel_launch.h"
+#include "bwd_tf32_kernel.h"
+#include "entry_points.h"
+
+namespace flashmod::cuda_kernels {
+
+// (warps, streamed rows per step) of both kernels: each warp owns 16 rows. Shared memory holds
+// the two own tiles twice (tf32 halves) and the two streamed ones in two stages, (kHeadDim + 4)
+// floats per row: 105 KB at D = 64 with 4 warps and Bs = 32, 102 KB at D = 128 with 2 warps and
+// Bs = 16, 133 KB at D = 256 with one warp, so two CTAs fit an H100's SM up to D = 128.
+// Registers: dK and dV take D floats per thread together, S^T and dP^T (big and small terms)
+// 2 Bs; past D = 128 dV and dK get a launch each (S^T is then computed twice; dP^T and V only in
+// the dK launch), as in the fp16/bf16 backward.
+template <int kHeadDim>
+struct Tf32BwdConfig {
+  static constexpr bool kSplit = kHeadDim > 128;
+  static constexpr int kWarps = kHeadDim <= 64 ? 4 : kHeadDim <= 128 ? 2 : 1;
+  using Tr = Tf32BwdTraits<kHeadDim, kWarps, kHeadDim <= 96 ? 32 : 16>;
+};
+
+template <class Tr, bool kGeneral, int kWhich>
+cudaError_t launch_bwd_tf32_dkdv(const AttentionBwdParams& p, const BwdRowStats& st,
+                                 cudaStream_t stream) {
+  const int64_t blocks = (p.seqlen_k + Tr::Bo - 1) / Tr::Bo * p.heads_kv * p.batch;
+  return cuda::launch_kernel(attention_bwd_tf32_dkdv_kernel<Tr, kGeneral, kWhich>, blocks,
+                             Tr::kNThreads, Tr::kSmemBytes, stream, p, st);
+}
+
+template <int kHeadDim, bool kGeneral>
+cudaError_t launch_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
+                            cudaStream_t stream) {
+  using Cfg = Tf32BwdConfig<kHeadDim>;
+  using Tr = typename Cfg::Tr;
+  cudaError_t err;
+  if constexpr (Cfg::kSplit) {
+    err = launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdOnlyDV>(p, st, stream);
+    if (err == cudaSuccess) err = launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdOnlyDK>(p, st, stream);
+  } else {
+    err = launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdBoth>(p, st, stream);
+  }
+  if (err != cudaSuccess) return err;
+  const int64_t blocks = (p.seqlen_q + Tr::Bo - 1) / Tr::Bo * p.heads_q * p.batch;
+  return cuda::launch_kernel(attention_bwd_tf32_dq_kernel<Tr, kGeneral>, blocks, Tr::kNThreads,
+                             Tr::kSmemBytes, stream, p, st);
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
+                                   cudaStream_t stream) {
+  static_assert(sizeof(Elem) == 4, "the 3xTF32 backward is for fp32");
+  const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
+  return general ? launch_bwd_tf32<kHeadDim, true>(p, st, stream)
+                 : launch_bwd_tf32<kHeadDim, false>(p, st, stream);
+}
+
+}  // namespace flashmod::cuda_kernels

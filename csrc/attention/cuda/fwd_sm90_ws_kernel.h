@@ -1,0 +1,302 @@
+// The warp-specialized Hopper (sm_90a) forward kernel: TMA loads, a producer warp, consumer
+// warpgroups that ping-pong their matmuls and overlap each block's softmax with their own PV
+// matmul.
+//
+// A CTA owns Br = 64 * kConsumers query rows Q_i and has kConsumers + 1 warpgroups:
+//   warpgroup 0, the producer: gives its registers away (setmaxnreg.dec); one thread issues the
+//     TMA loads of Q_i once and of K_j, V_j into a kStages-deep ring of 128-byte-swizzled buffers,
+//     each buffer with a "full" mbarrier (the copy engine completes it with the bytes) and an
+//     "empty" one (every consumer warp arrives once it no longer reads the buffer);
+//   warpgroups 1..kConsumers, the consumers: take the registers (setmaxnreg.inc); consumer c owns
+//     rows 64c..64c+63 and runs, per key block j, in this order
+//       issue S_j = Q K_j^T,  O *= alpha_{j-1},  issue O += P_{j-1} V_{j-1}    (one turn)
+//       wait S_j; release K_j; mask and softmax S_j -> P_j, alpha_j (PV still running)
+//       wait PV; release V_{j-1}
+//     The "turn" is serialized across consumers through named barriers (consumer c waits on its
+//     own, then signals c + 1's), so one consumer's softmax runs while the next one's matmuls
+//     occupy the tensor cores.
+// Nothing in the key loop waits on the whole CTA. Rows past seqlen_q and keys past seqlen_k arrive
+// as zeros (the tensor maps bound each (batch, head)'s rows) and are masked as in the
+// FlashAttention-2-style kernel (fwd_sm90_kernel.h), whose masking, softmax and epilogue code this
+// one shares. Plain scores only (no mask tensor, soft cap or scale <= 0); windows and causal are
+// in.
+#pragma once
+
+#include <cuda.h>
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "../../common/cuda/bulk_copy_ops.h"
+#include "../../common/cuda/ptx_ops.h"
+#include "../../common/cuda/tma_ops.h"
+#include "../../common/cuda/wgmma_ops.h"
+#include "../attention_params.h"
+#include "cta_tile.h"
+#include "entry_points.h"
+#include "fwd_epilogue.h"
+#include "online_softmax.h"
+#include "score_mask.h"
+#include "visibility.h"
+
+namespace flashmod::cuda_kernels::sm90 {
+
+template <typename Elem_, int kHeadDim_, int kBc, int kConsumers_, int kStages_>
+struct FwdWsTraits {
+  using Elem = Elem_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumers = kConsumers_;
+  static constexpr int Br = 64 * kConsumers;  // wgmma's M is 64 rows per consumer warpgroup
+  static constexpr int Bc = kBc;
+  static constexpr int kNThreads = 128 * (kConsumers + 1);
+  static constexpr int kStages = kStages_;
+  static constexpr int kNTiles = Bc / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kKSteps = kHeadDim / 16;
+  static constexpr int kColBlocks = kHeadDim / 64;  // TMA boxes per tile: 64 columns each
+  static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;
+  static constexpr int kSmemQ = Br * kHeadDim * 2;   // bytes
+  static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of one K_j or one V_j
+  static constexpr int kSmemTiles = kSmemQ + 2 * kStages * kSmemKV;
+  // Barriers after the tiles: full Q, then full K, full V, empty K, empty V per stage.
+  static constexpr int kNBarriers = 1 + 4 * kStages;
+  // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
+  static constexpr int kSmemBytes = kSmemTiles + 8 * kNBarriers + 1024;
+  // Per-thread registers after reallocation; the sum over warpgroups stays within the 64K file
+  // (128 * (producer + kConsumers * consumer) <= 65536), each a multiple of 8.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  // Named barriers: 0 is __syncthreads; 1 the consumers' epilogue; 2 + c consumer c's turn.
+  static constexpr int kBarEpilogue = 1;
+  static constexpr int kBarTurn0 = 2;
+
+  static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "whole 64-column boxes, one PV chunk");
+  static_assert(Bc == 64 || Bc == 128 || Bc == 176,
+                "a wgmma N of S (wgmma_ops.h); box rows <= 256");
+  static_assert(kConsumers == 2 || kConsumers == 3, "Br <= 256: one TMA box of Q rows");
+  static_assert(kStages >= 2, "the turn order needs a buffer of slack (no deadlock at 1)");
+  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
+  static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
+};
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kNThreads, 1)
+    attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tm_q,
+                                 const __grid_constant__ CUtensorMap tm_k,
+                                 const __grid_constant__ CUtensorMap tm_v, const AttentionParams p,
+                                 const FwdLaunchFlags flags) {
+#ifdef FLASHMOD_SM90A
+  using Elem = typename Tr::Elem;
+  using Mma = Mma16816<Elem>;
+  constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kStages = Tr::kStages;
+  constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles, kConsumers = Tr::kConsumers;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int warpgroup = warp / 4;
+  const int Nq = static_cast<int>(p.seqlen_q);
+  const int num_m_blocks = (Nq + Br - 1) / Br;
+  const CtaTile tile = cta_tile(p, num_m_blocks, 1);
+  const int r0 = tile.m_block * Br;
+  const int rows_q = min(Br, Nq - r0);
+  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+  if (range.lo >= range.hi) {
+    const TilePointers<Elem> gp = tile_pointers<Elem>(p, tile, r0);
+    write_rows_without_keys<Tr::kNThreads>(p, gp.out, gp.lse, rows_q, tid);
+    return;
+  }
+
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_addr = smem_addr(smem_raw);
+  const uint32_t sQ_addr = (raw_addr + 1023) & ~1023u;
+  const uint32_t sK_addr0 = sQ_addr + Tr::kSmemQ;              // kStages buffers of K_j
+  const uint32_t sV_addr0 = sK_addr0 + kStages * Tr::kSmemKV;  // kStages buffers of V_j
+  const uint32_t bar0 = sQ_addr + Tr::kSmemTiles;
+  const uint32_t full_q = bar0;
+  auto full_k = [&](int s) { return bar0 + 8 * (1 + s); };
+  auto full_v = [&](int s) { return bar0 + 8 * (1 + kStages + s); };
+  auto empty_k = [&](int s) { return bar0 + 8 * (1 + 2 * kStages + s); };
+  auto empty_v = [&](int s) { return bar0 + 8 * (1 + 3 * kStages + s); };
+
+  if (tid == 0) {
+    mbarrier_init(full_q, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(full_k(s), 1);
+      mbarrier_init(full_v(s), 1);
+      mbarrier_init(empty_k(s), 4 * kConsumers);  // one arrival per consumer warp
+      mbarrier_init(empty_v(s), 4 * kConsumers);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // Producer. The other 127 threads leave at once; their registers go to the consumers.
+    setmaxnreg_dec<Tr::kProducerRegs>();
+    if (tid != 0) return;
+    prefetch_tensor_map(&tm_q);
+    prefetch_tensor_map(&tm_k);
+    prefetch_tensor_map(&tm_v);
+    const int b = static_cast<int>(tile.b), h = static_cast<int>(tile.h);
+    const int hk = static_cast<int>(tile.hk);
+    mbarrier_arrive_expect_tx(full_q, Tr::kSmemQ);
+#pragma unroll
+    for (int cb = 0; cb < Tr::kColBlocks; ++cb)
+      tma_load_4d(sQ_addr + cb * Br * 128, &tm_q, cb * 64, r0, h, b, full_q);
+    for (int n = range.lo; n < range.hi; ++n) {
+      const int i = n - range.lo, s = i % kStages;
+      // Round r of a buffer waits for the consumers' release of round r - 1: parity (r & 1) ^ 1,
+      // which a fresh barrier reports as complete for round 0.
+      const uint32_t parity = ((i / kStages) & 1) ^ 1;
+      mbarrier_wait(empty_k(s), parity);
+      mbarrier_arrive_expect_tx(full_k(s), Tr::kSmemKV);
+#pragma unroll
+      for (int cb = 0; cb < Tr::kColBlocks; ++cb)
+        tma_load_4d(sK_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_k, cb * 64, n * Bc, hk, b,
+                    full_k(s));
+      mbarrier_wait(empty_v(s), parity);
+      mbarrier_arrive_expect_tx(full_v(s), Tr::kSmemKV);
+#pragma unroll
+      for (int cb = 0; cb < Tr::kColBlocks; ++cb)
+        tma_load_4d(sV_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_v, cb * 64, n * Bc, hk, b,
+                    full_v(s));
+    }
+  } else {
+    setmaxnreg_inc<Tr::kConsumerRegs>();
+    const int consumer = warpgroup - 1;
+    const int warp_row0 = 16 * (warp - 4);  // row of this warp's first row within Q_i
+    const TilePointers<Elem> gp = tile_pointers<Elem>(p, tile, r0);
+
+    // Descriptors as in fwd_sm90_kernel.h: Q (this consumer's 64 rows) and K_j K-major, V_j
+    // MN-major with its 64-wide column blocks Bc * 128 bytes apart.
+    const uint64_t q_desc = sw128_desc(sQ_addr + consumer * 64 * 128, 16, 1024);
+    const uint64_t k_desc0 = sw128_desc(sK_addr0, 16, 1024);
+    const uint64_t v_desc0 = sw128_desc(sV_addr0, Bc * 128, 1024);
+    auto k_step = [](int ks, int rows) {
+      return static_cast<uint32_t>((ks / 4) * rows * 128 + (ks % 4) * 32);
+    };
+
+    // The turn: wait for this consumer's barrier, issue, signal the next consumer's. The last
+    // consumer signals consumer 0 once up front, and skips its signal after its last turn so
+    // every barrier phase completes exactly (nothing left half-arrived at exit).
+    const uint32_t bar_mine = Tr::kBarTurn0 + consumer;
+    const uint32_t bar_next = Tr::kBarTurn0 + (consumer + 1) % kConsumers;
+    const bool last_consumer = consumer == kConsumers - 1;
+    if (last_consumer) named_barrier_arrive(Tr::kBarTurn0, 256);
+
+    const float c = static_cast<float>(p.scale) * 1.4426950408889634f;  // exp2 units
+    // The lane's two row windows, computed once: per block they would cost registers that the
+    // wide key blocks do not have.
+    RowWindow win[1][2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) win[0][hh] = row_window(p, r0 + warp_row0 + lane / 4 + 8 * hh);
+
+    float O[1][DT][4];
+#pragma unroll
+    for (int di = 0; di < DT; ++di)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) O[0][di][e] = 0.f;
+    OnlineSoftmax<1> softmax;
+    softmax.init();
+    float alpha[1][2];
+    float S[1][NT][4];
+    uint32_t pa[Bc / 16][4];
+
+    auto issue_scores = [&](int s) {
+      const uint64_t k_desc = desc_advance(k_desc0, s * Tr::kSmemKV);
+      wgmma_fence();  // S's registers were last touched by ordinary instructions
+#pragma unroll
+      for (int ks = 0; ks < Tr::kKSteps; ++ks)
+        Wgmma<Elem, Bc>::ss(S[0], desc_advance(q_desc, k_step(ks, Br)),
+                            desc_advance(k_desc, k_step(ks, Bc)), ks > 0);
+      wgmma_commit();
+    };
+    auto issue_pv = [&](int s) {
+      const uint64_t v_desc = desc_advance(v_desc0, s * Tr::kSmemKV);
+      // O (rescaled) and P were written by ordinary instructions: pinned first so those writes
+      // stay ahead of the fence.
+      pin_registers(O[0]);
+      pin_registers(pa);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Bc / 16; ++kk)
+        Wgmma<Elem, Tr::kOChunk>::rs_accumulate(O[0], pa[kk], desc_advance(v_desc, kk * 2048));
+      wgmma_commit();
+    };
+    auto release = [&](uint32_t bar) {
+      if (lane == 0) mbarrier_arrive(bar);
+    };
+    // Mask and softmax of block n's scores: S -> P in place, alpha for O. Only blocks that
+    // straddle a row's window or seqlen_k test elements.
+    auto mask_and_softmax = [&](int n) {
+      if (!key_block_unmasked(p, r0, r0 + Br - 1, n, Bc))
+        mask_outside_windows(S, win, n * Bc + 2 * (lane % 4));
+      softmax.scores_to_p(S, c, alpha);
+    };
+    // P packed to 16 bits: the register A operand of the next PV.
+    auto pack_p = [&]() {
+#pragma unroll
+      for (int kk = 0; kk < Bc / 16; ++kk) {
+        pa[kk][0] = Mma::pack(S[0][2 * kk][0], S[0][2 * kk][1]);
+        pa[kk][1] = Mma::pack(S[0][2 * kk][2], S[0][2 * kk][3]);
+        pa[kk][2] = Mma::pack(S[0][2 * kk + 1][0], S[0][2 * kk + 1][1]);
+        pa[kk][3] = Mma::pack(S[0][2 * kk + 1][2], S[0][2 * kk + 1][3]);
+      }
+    };
+
+    mbarrier_wait(full_q, 0);
+    // First block: S only.
+    mbarrier_wait(full_k(0), 0);
+    named_barrier(bar_mine, 256);
+    issue_scores(0);
+    if (!(last_consumer && range.hi - range.lo == 1)) named_barrier_arrive(bar_next, 256);
+    wgmma_wait<0>();
+    pin_registers(S[0]);
+    release(empty_k(0));
+    mask_and_softmax(range.lo);
+    pack_p();
+
+    for (int n = range.lo + 1; n < range.hi; ++n) {
+      const int i = n - range.lo, s = i % kStages, sp = (i - 1) % kStages;
+      mbarrier_wait(full_k(s), (i / kStages) & 1);
+      named_barrier(bar_mine, 256);
+      issue_scores(s);
+      // PV_{j-1} finished last iteration, so O is free to rescale while S_j runs.
+      OnlineSoftmax<1>::rescale(O, alpha);
+      mbarrier_wait(full_v(sp), ((i - 1) / kStages) & 1);
+      issue_pv(sp);
+      if (!(last_consumer && n == range.hi - 1)) named_barrier_arrive(bar_next, 256);
+      wgmma_wait<1>();  // S_j done (groups retire in order); PV_{j-1} may still run
+      pin_registers(S[0]);
+      release(empty_k(s));
+      // Softmax of S_j in S's own registers; pa still feeds PV_{j-1}, so packing waits for it.
+      mask_and_softmax(n);
+      wgmma_wait<0>();
+      pin_registers(O[0]);
+      pin_registers(pa);
+      release(empty_v(sp));
+      pack_p();
+    }
+    // Last block's PV, outside the turn order (nothing of this consumer's follows it).
+    {
+      const int i = range.hi - 1 - range.lo, s = i % kStages;
+      OnlineSoftmax<1>::rescale(O, alpha);
+      mbarrier_wait(full_v(s), (i / kStages) & 1);
+      issue_pv(s);
+      wgmma_wait<0>();
+      pin_registers(O[0]);
+      pin_registers(pa);
+    }
+
+    // Epilogue (fwd_epilogue.h): each warp stages its 16 rows over Q's shared memory, which the
+    // other consumers' last matmuls may still read: wait for all of them first.
+    named_barrier(Tr::kBarEpilogue, 128 * kConsumers);
+    Elem* sQ = reinterpret_cast<Elem*>(smem_raw + (sQ_addr - raw_addr));
+    store_out_rows<D, 16>(softmax, O, c, sQ, p, flags, gp.out, gp.lse, warp_row0, rows_q, lane);
+  }
+#else
+  __trap();  // launched only where the sm_90a binary runs (see run_attention_fwd_sm90_ws)
+#endif
+}
+
+}  // namespace flashmod::cuda_kernels::sm90

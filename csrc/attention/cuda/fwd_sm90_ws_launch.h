@@ -1,0 +1,76 @@
+// Tile choices, tensor maps and the (torch-free) launch of the warp-specialized Hopper kernel
+// (fwd_sm90_ws_kernel.h). Each generated/fwd_sm90_ws_<dtype>_hd<D>.cu (tools/gen_kernels.py)
+// instantiates one run_attention_fwd_sm90_ws.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "../../common/cuda/kernel_launch.h"
+#include "../../common/cuda/tma_ops.h"
+#include "cta_tile.h"
+#include "entry_points.h"
+#include "fwd_sm90_ws_kernel.h"
+
+namespace flashmod::cuda_kernels {
+namespace sm90 {
+
+// (Bc, consumer warpgroups, stages) per head dim; Br = 64 * consumers.
+// benchmarks/results/design/cuda-hopper-forward.md has the measurements behind them.
+template <typename Elem, int kHeadDim>
+struct FwdWsConfig;
+template <typename Elem>
+struct FwdWsConfig<Elem, 64> {
+  using Traits = FwdWsTraits<Elem, 64, 128, 2, 2>;
+};
+template <typename Elem>
+struct FwdWsConfig<Elem, 128> {
+  using Traits = FwdWsTraits<Elem, 128, 128, 2, 2>;
+};
+
+// What the kernel does not take: anything but plain scores (a mask tensor, a soft cap, a scale
+// <= 0), and packed or paged rows (never set on the dense op; checked so the contract is local).
+inline bool ws_takes_options(const AttentionParams& p) {
+  return p.mask_kind == MaskKind::kNone && !(p.softcap > 0.0) && p.scale > 0.0 &&
+         p.pos_period == 0 && p.cu_seqlens_q == nullptr && p.cu_seqlens_k == nullptr &&
+         p.seqused_k == nullptr && p.kv_batch_idx == nullptr && p.block_table == nullptr;
+}
+
+template <class Tr>
+cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
+                          cudaStream_t stream, bool& launched) {
+  launched = false;
+  constexpr bool kBf16 = std::is_same_v<typename Tr::Elem, __nv_bfloat16>;
+  CUtensorMap tm_q, tm_k, tm_v;
+  if (!encode_rows_tensor_map(&tm_q, kBf16, p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim,
+                              p.q_batch_stride, p.q_head_stride, p.q_row_stride, Tr::Br) ||
+      !encode_rows_tensor_map(&tm_k, kBf16, p.k, p.batch, p.heads_kv, p.seqlen_k, p.head_dim,
+                              p.k_batch_stride, p.k_head_stride, p.k_row_stride, Tr::Bc) ||
+      !encode_rows_tensor_map(&tm_v, kBf16, p.v, p.batch, p.heads_kv, p.seqlen_k, p.head_dim,
+                              p.v_batch_stride, p.v_head_stride, p.v_row_stride, Tr::Bc))
+    return cudaSuccess;
+  launched = true;
+  return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr>, cta_count(p, Tr::Br), Tr::kNThreads,
+                             Tr::kSmemBytes, stream, tm_q, tm_k, tm_v, p, flags);
+}
+
+}  // namespace sm90
+
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
+                                      cudaStream_t stream) {
+  if (sm90::ws_takes_options(p) && p.seqlen_q < (int64_t{1} << 31) &&
+      p.seqlen_k < (int64_t{1} << 31) && p.batch < (int64_t{1} << 31) &&
+      p.heads_q < (int64_t{1} << 31)) {
+    bool launched = false;
+    const cudaError_t err = sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Elem, kHeadDim>::Traits>(
+        p, flags, stream, launched);
+    if (launched) return err;
+  }
+  // The tensors or options TMA or this kernel cannot take: the FlashAttention-2-style kernel.
+  return run_attention_fwd_sm90<Elem, kHeadDim>(p, flags, stream);
+}
+
+}  // namespace flashmod::cuda_kernels

@@ -1,0 +1,39 @@
+// Shared-memory fp32 tiles of the 3xTF32 kernels (fwd_fp32_3xtf32.cu, bwd_tf32_kernel.h): rows
+// padded to kHeadDim + 4 floats, a pitch of 4 (mod 32) words for kHeadDim % 32 == 0, so that the
+// mma fragment reads (8 rows x 4 columns, or 4 row pairs x 8 columns) hit 32 different banks; and
+// their split into tf32 halves.
+#pragma once
+
+#include <cstdint>
+
+#include "../../common/cuda/ptx_ops.h"
+
+namespace flashmod::cuda_kernels {
+
+template <int kHeadDim>
+constexpr int tf32_tile_pitch() {
+  static_assert(kHeadDim % 32 == 0, "the bank-conflict-free pitch needs kHeadDim % 32 == 0");
+  return kHeadDim + 4;
+}
+
+// Replaces a landed kRows x kHeadDim fp32 tile by its tf32 hi halves and writes the lo halves to
+// `lo` (same pitch), all kThreads threads of the CTA sharing the work. Splitting once per tile
+// replaces every warp splitting every fragment again (counted per warp and block in the forward,
+// the splits' cvt/fsub outnumbered the mma instructions 2:1 that way).
+template <int kRows, int kHeadDim, int kThreads>
+__device__ __forceinline__ void split_tf32_tile(float* hi, float* lo, int tid) {
+  constexpr int kLd = tf32_tile_pitch<kHeadDim>(), kChunks = kHeadDim / 4;
+  for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
+    const int off = idx / kChunks * kLd + idx % kChunks * 4;
+    float4 x = *reinterpret_cast<float4*>(hi + off), y;
+    uint32_t h, l;
+    split_tf32(__float_as_uint(x.x), h, l), x.x = __uint_as_float(h), y.x = __uint_as_float(l);
+    split_tf32(__float_as_uint(x.y), h, l), x.y = __uint_as_float(h), y.y = __uint_as_float(l);
+    split_tf32(__float_as_uint(x.z), h, l), x.z = __uint_as_float(h), y.z = __uint_as_float(l);
+    split_tf32(__float_as_uint(x.w), h, l), x.w = __uint_as_float(h), y.w = __uint_as_float(l);
+    *reinterpret_cast<float4*>(hi + off) = x;
+    *reinterpret_cast<float4*>(lo + off) = y;
+  }
+}
+
+}  // namespace flashmod::cuda_kernels
