@@ -18,6 +18,10 @@
 //   FLASHMOD_DECODE=0                 CUDA decode shapes run the prefill kernel
 //   FLASHMOD_DECODE_PACK=0            no GQA row packing in the CUDA decode kernel
 //   FLASHMOD_DECODE_SPLITS=n          exactly n split-KV splits (0: the heuristic)
+//   FLASHMOD_DECODE_FUSED_COMBINE=0   split-KV partials merged by the combine kernel, not by each
+//                                     tile's last CTA
+//   FLASHMOD_KVCACHE_FUSED_APPEND=0   decode-shaped KV-cache calls append with the append kernel
+//                                     before the attention, not inside it
 //   FLASHMOD_SOFTMAX_TRACE=1          prints the softmax launch path
 //   FLASHMOD_SOFTMAX_STREAM=0         the sm_90 softmax stream path off
 //   FLASHMOD_SOFTMAX_STREAM_CLUSTER=c forces the stream path's cluster size
