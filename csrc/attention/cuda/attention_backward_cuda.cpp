@@ -62,7 +62,7 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
   AttentionBwdParams& p = r.params;
   if (r.grad_q.numel() == 0 && r.grad_k.numel() == 0)
     return {r.grad_q, r.grad_k, r.grad_v, r.grad_mask};
-  if (p.seqlen_q == 0 || p.seqlen_k == 0) {
+  if (p.seqlen_q == 0 || p.seqlen_k == 0 || p.heads_q == 0) {
     // No (query, key) pair: every gradient is 0.
     return {r.grad_q.zero_(), r.grad_k.zero_(), r.grad_v.zero_(), r.grad_mask};
   }

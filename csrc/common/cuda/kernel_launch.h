@@ -37,11 +37,14 @@ cudaError_t launch_kernel(Kernel kernel, dim3 grid, int threads, int64_t smem_by
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
-// The usual case: a 1-D grid of `blocks` CTAs, checked against gridDim.x's limit.
+// The usual case: a 1-D grid of `blocks` CTAs, checked against gridDim.x's limit. An empty grid
+// (a dimension of size 0, e.g. no query heads) has nothing to run: success, not CUDA's "invalid
+// argument".
 template <typename Kernel, typename... Args>
 cudaError_t launch_kernel(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes,
                           cudaStream_t stream, Args... args) {
   if (blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
+  if (blocks == 0) return cudaSuccess;
   return launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), threads, smem_bytes, stream,
                        args...);
 }
