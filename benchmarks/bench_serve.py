@@ -60,25 +60,40 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> bool
     return True
 
 
-def varlen_case(lengths: list[int], h: int, d: int, causal: bool, dtype, dev: str, reps: int) -> dict:
+def with_backward(fn: Callable[[], torch.Tensor], leaves: tuple[torch.Tensor, ...]) -> Callable[[], torch.Tensor]:
+    """fn's forward and the gradients of its output with respect to leaves (a fixed random grad_out)."""
+    grad_out = torch.randn_like(fn())
+
+    def step() -> torch.Tensor:
+        out = fn()
+        torch.autograd.grad(out, leaves, grad_out)
+        return out.detach()
+
+    return step
+
+
+def varlen_case(
+    lengths: list[int], h: int, d: int, causal: bool, dtype, dev: str, reps: int, backward: bool = False
+) -> dict:
     total, longest, b = sum(lengths), max(lengths), len(lengths)
-    q, k, v = (torch.randn(total, h, d, dtype=dtype, device=dev) for _ in range(3))
+    q, k, v = (torch.randn(total, h, d, dtype=dtype, device=dev, requires_grad=backward) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
-    flops = 4 * pairs * h * d
+    # forward + backward counts 3.5x the forward's FLOPs, as bench_attention.py does.
+    flops = 4 * pairs * h * d * (3.5 if backward else 1)
 
     def ours():
         return flashmod.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)
 
-    ref = ours()
+    ref = ours().detach()
     # Right-padded (B, H, N, D) copies and the index of every packed row in them.
     seq = torch.repeat_interleave(torch.arange(b, device=dev), torch.tensor(lengths, device=dev))
     pos = torch.arange(total, device=dev) - cu[:-1].long()[seq]
 
     def pad(t):
-        p = t.new_zeros(b, longest, h, d)
-        p[seq, pos] = t
-        return p.transpose(1, 2)
+        p = t.detach().new_zeros(b, longest, h, d)
+        p[seq, pos] = t.detach()
+        return p.transpose(1, 2).requires_grad_(backward)  # leaves: the padding copy is not timed
 
     qp, kp, vp = pad(q), pad(k), pad(v)
     key_ok = torch.zeros(b, longest, dtype=torch.bool, device=dev)
@@ -94,7 +109,7 @@ def varlen_case(lengths: list[int], h: int, d: int, causal: bool, dtype, dev: st
                 return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=causal)
 
         try:
-            got = sdpa().transpose(1, 2)[seq, pos]
+            got = sdpa().detach().transpose(1, 2)[seq, pos]
         except RuntimeError as err:
             print(f"  SDPA {name}: {str(err).splitlines()[0][:100]}")
             continue
@@ -105,8 +120,9 @@ def varlen_case(lengths: list[int], h: int, d: int, causal: bool, dtype, dev: st
         def sdpa_cpu():
             return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=causal)
 
-        if check("SDPA", sdpa_cpu().transpose(1, 2)[seq, pos], ref, 2e-2):
+        if check("SDPA", sdpa_cpu().detach().transpose(1, 2)[seq, pos], ref, 2e-2):
             fns["SDPA"] = sdpa_cpu
+    flex_leaves = None
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -118,15 +134,18 @@ def varlen_case(lengths: list[int], h: int, d: int, causal: bool, dtype, dev: st
 
         block_mask = create_block_mask(document, None, None, total, total, device=dev)
         flex = torch.compile(flex_attention)
-        qf, kf, vf = (t.transpose(0, 1)[None] for t in (q, k, v))
+        qf, kf, vf = flex_leaves = tuple(t.detach().transpose(0, 1)[None].requires_grad_(backward) for t in (q, k, v))
 
         def flex_doc():
             return flex(qf, kf, vf, block_mask=block_mask)
 
-        if check("FlexAttention", flex_doc()[0].transpose(0, 1), ref, 2e-2):
+        if check("FlexAttention", flex_doc().detach()[0].transpose(0, 1), ref, 2e-2):
             fns["FlexAttention"] = flex_doc
     except Exception as err:  # noqa: BLE001 (reported, not hidden: the row says why flex is missing)
         print(f"  FlexAttention: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
+    if backward:
+        leaves = {"flashmod": (q, k, v), "FlexAttention": flex_leaves}
+        fns = {name: with_backward(fn, leaves.get(name, (qp, kp, vp))) for name, fn in fns.items()}
     times = harness.median_times(fns, dev, warmup=3, reps=reps)
     return {name: {"status": "ok", "ms": t * 1e3, "tflops": flops / t / 1e12} for name, t in times.items()}
 
@@ -238,6 +257,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--group", default="all", choices=["varlen", "kvcache", "all"])
+    parser.add_argument(
+        "--varlen-backward", action="store_true", help="varlen: forward + backward (training) instead of the forward"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs")
     parser.add_argument("--reps", type=int, default=20, help="timed rounds (the median is reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sequence lengths")
@@ -269,14 +291,15 @@ def main() -> None:
                 label = f"varlen B={b} H={h} D={d} N={min(lengths)}..{max(lengths)} mean {sum(lengths) // b}" + (
                     " causal" if causal else ""
                 )
+                label += " fwd+bwd" if args.varlen_backward else ""
                 print(label)
-                res = varlen_case(lengths, h, d, causal, dtype, dev, 3 if args.smoke else args.reps)
+                reps = 3 if args.smoke else args.reps
+                res = varlen_case(lengths, h, d, causal, dtype, dev, reps, args.varlen_backward)
                 rows.append({"label": label, "lengths": lengths, "causal": causal, "results": res})
         contenders = sorted({c for r in rows for c in r["results"]}, key=lambda c: c != "flashmod")
         harness.print_table(rows, contenders)
-        harness.write_json(
-            os.path.join(out_dir, "serve_varlen.json"), {"device": harness.device_name(dev), "rows": rows}
-        )
+        name = "serve_varlen_fwdbwd.json" if args.varlen_backward else "serve_varlen.json"
+        harness.write_json(os.path.join(out_dir, name), {"device": harness.device_name(dev), "rows": rows})
     if args.group in ("kvcache", "all"):
         rows = []
         sizes = [256, 1024] if args.smoke else [1024, 4096, 16384, 65536, 131072]
