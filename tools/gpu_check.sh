@@ -60,6 +60,7 @@ if [[ $what == session ]]; then
       --dtypes bf16,fp16 --dims 64,128,256 --min-n 1024 --out-dir "$OUT" --tag "cuda-$mode" 2>/dev/null | grep geomean
   done
   timeout 200 python benchmarks/bench_serve.py --reps 10 >"$OUT/bench-serve.log" 2>&1
+  timeout 120 python benchmarks/bench_serve.py --group varlen --varlen-backward --reps 10 >>"$OUT/bench-serve.log" 2>&1
   grep -E "geomean|fraction|: flashmod" "$OUT/bench-serve.log" | tail -30
   timeout 150 python examples/hf_train.py --device cuda >"$OUT/hf-train.log" 2>&1
   tail -4 "$OUT/hf-train.log"
