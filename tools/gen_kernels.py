@@ -56,8 +56,8 @@ BWD_SM90_TILES = (
     # process, B * N = 16k, H * D = 2048, N = 1k/4k/16k, causal and not; runs 1 and 2 in
     # benchmarks/results/2026-11-24-h100-bwd-sm90-tiles-run*.txt, the design log's "Hopper v4").
     # D = 64: dK/dV at three CTAs per SM (164-168 registers of 170), dQ at four (127 of 128):
-    # bf16 1.28-1.51x FLASH (cta3, dQ at three: 1.25-1.43x; base, two and two: 1.13-1.34x);
-    # dQ 7.23 -> 6.18 ms at N = 16k.
+    # bf16 1.28-1.51x FLASH in run 2, 1.34-1.47x in run 3 (fp16 1.29-1.48x); cta3, dQ at three:
+    # 1.21-1.42x; base, two and two: 1.11-1.35x; dQ 7.32 -> 6.30 ms at N = 16k.
     Tile("cta3_q4", (64,), kv=(64, 3, 2, 0), q=(64, 4, 2, 0), default=True),
     # 64 keys x 64-query steps, 64 queries x 64-key blocks, two CTAs per SM, double-buffered.
     # D = 128: bf16 1.32-1.39x, fp16 1.32-1.40x FLASH; its dK/dV (250 registers) and dQ (97 KB of
