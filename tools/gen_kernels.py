@@ -40,8 +40,7 @@ class Tile:
     the next step's barrier); q: the dQ kernel's (key columns per block, CTAs per SM, stages of
     K_j/V_j, overlap); default: the tile that runs when the knob is unset (one per head dim);
     split: how dK and dV share out (0: one warpgroup accumulates both, 1: a launch each, 2: a
-    warpgroup each in one CTA); kreg: the dK/dV score products' A operand from registers (0: none,
-    1: K_j, 2: K_j and V_j)."""
+    warpgroup each in one CTA)."""
 
     name: str
     head_dims: tuple[int, ...]
@@ -49,7 +48,6 @@ class Tile:
     q: tuple[int, int, int, int]
     default: bool = False
     split: int = 0
-    kreg: int = 0
 
 
 # Measurements behind the defaults: benchmarks/results/design/cuda-backward.md ("Hopper v4").
@@ -58,8 +56,8 @@ BWD_SM90_TILES = (
     # process, B * N = 16k, H * D = 2048, N = 1k/4k/16k, causal and not; runs 1 and 2 in
     # benchmarks/results/2026-11-24-h100-bwd-sm90-tiles-run*.txt, the design log's "Hopper v4").
     # D = 64: dK/dV at three CTAs per SM (164-168 registers of 170), dQ at four (127 of 128):
-    # bf16 1.28-1.51x FLASH (cta3, dQ at three: 1.25-1.43x; base, two and two: 1.13-1.34x);
-    # dQ 7.23 -> 6.18 ms at N = 16k.
+    # bf16 1.28-1.51x FLASH in run 2, 1.34-1.47x in run 3 (fp16 1.29-1.48x); cta3, dQ at three:
+    # 1.21-1.42x; base, two and two: 1.11-1.35x; dQ 7.32 -> 6.30 ms at N = 16k.
     Tile("cta3_q4", (64,), kv=(64, 3, 2, 0), q=(64, 4, 2, 0), default=True),
     # 64 keys x 64-query steps, 64 queries x 64-key blocks, two CTAs per SM, double-buffered.
     # D = 128: bf16 1.32-1.39x, fp16 1.32-1.40x FLASH; its dK/dV (250 registers) and dQ (97 KB of
@@ -81,11 +79,6 @@ BWD_SM90_TILES = (
     Tile("q128", (64,), kv=(64, 2, 2, 0), q=(128, 2, 2, 0)),
     Tile("stage3", (64,), kv=(64, 2, 3, 0), q=(64, 2, 3, 0)),
     Tile("overlap", (64,), kv=(64, 2, 3, 1), q=(64, 2, 3, 1)),
-    # D = 64, the dK/dV score products with K_j (kreg_k) or K_j and V_j (kreg) as register A
-    # operands: a third less shared-memory reading per step, 16-32 more registers (two CTAs; at
-    # three, 168 registers, ptxas serializes the wgmma: C7512).
-    Tile("kreg_k", (64,), kv=(64, 2, 2, 0), q=(64, 4, 2, 0), kreg=1),
-    Tile("kreg", (64,), kv=(64, 2, 2, 0), q=(64, 4, 2, 0), kreg=2),
 )
 
 
@@ -220,7 +213,6 @@ def variants_header() -> str:
         "  int kv_rows, kv_ctas, kv_stages, kv_overlap;\n",
         "  int q_cols, q_ctas, q_stages, q_overlap;\n",
         "  int kv_split;  // dK and dV: 0 one warpgroup, 1 a launch each, 2 a warpgroup each\n",
-        "  int kv_kreg;   // score products' A from registers: 0 none, 1 K_j, 2 K_j and V_j\n",
         "  bool is_default;\n",
         "};\n",
         "\n",
@@ -249,7 +241,7 @@ def variants_header() -> str:
             check_tiles(family)
             out.append(f"constexpr KernelTile k{camel}Tiles[] = {{\n")
             for _, t, d in family.tile_entries():
-                fields = ", ".join(str(x) for x in (d, *t.kv, *t.q, t.split, t.kreg))
+                fields = ", ".join(str(x) for x in (d, *t.kv, *t.q, t.split))
                 out.append(f'  {{"{t.name}", {fields}, {str(t.default).lower()}}},\n')
             out.append("};\n")
         out.append(f"#define FLASHMOD_{family.name.upper()}_VARIANTS(X) \\\n")

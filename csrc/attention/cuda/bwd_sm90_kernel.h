@@ -39,12 +39,9 @@ struct BwdStagesSm90 {
 // dK/dV: Bc = 64 key rows per warpgroup; each step takes Br query rows (wgmma's N of S^T).
 // kPair: two warpgroups over the same 64 keys (kBwdPair: one accumulates dV, the other dK).
 template <typename Elem_, int kHeadDim_, int kWarpgroups, int kBr, int kMinBlocks_ = 1,
-          int kStages_ = 2, bool kOverlap_ = false, bool kPair = false, int kKReg_ = 0>
+          int kStages_ = 2, bool kOverlap_ = false, bool kPair = false>
 struct BwdKVTraitsSm90 : BwdStagesSm90<kStages_, kOverlap_> {
   using Elem = Elem_;
-  // The score products' A operand from registers, loaded once per CTA: 1 K_j, 2 K_j and V_j
-  // (kKSteps x 4 registers each); the products then read only Q_i / dO_i from shared memory.
-  static constexpr int kKReg = kKReg_;
   static constexpr int kMinBlocks = kMinBlocks_;  // CTAs per SM the registers must allow
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int Bc = kPair ? 64 : 64 * kWarpgroups;
@@ -63,7 +60,6 @@ struct BwdKVTraitsSm90 : BwdStagesSm90<kStages_, kOverlap_> {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole 64-column blocks");
   static_assert(Br == 64 || Br == 128, "wgmma N of S^T");
   static_assert(Br <= kBwdRowPad, "the row statistics are padded to whole steps");
-  static_assert(kKReg == 0 || (!kOverlap_ && !kPair), "register K/V: plain steps only");
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
   static_assert(kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024, "kMinBlocks CTAs fit an SM");
 };
@@ -217,7 +213,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // that a step's group is always kAhead - 1 groups behind the newest.
   kv_copy.load(sK_addr, gK, p.k_row_stride, rows_k);
   kv_copy.load(sV_addr, gV, p.v_row_stride, rows_k);
-  if constexpr (Tr::kKReg > 0) cp_async_commit();  // K_j, V_j first: read into registers below
 #pragma unroll
   for (int a = 0; a < kAhead; ++a) {
     if (a < steps) load_step({a / m_count, a % m_count}, a);
@@ -238,21 +233,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const float scale_log2 = tf.scale * 1.4426950408889634f;
   const int warp_row0 = row_block * 64 + (warp % 4) * 16;  // the warp's 16 key rows
   const int key_row[2] = {k0 + warp_row0 + g, k0 + warp_row0 + g + 8};
-
-  // Register K_j / V_j (kKReg): this warp's 16 key rows as the A fragments of every k16 step,
-  // read with ldmatrix once K_j, V_j (their own cp.async group) have landed.
-  uint32_t ka[Tr::kKReg >= 1 ? Tr::kKSteps : 1][4], va[Tr::kKReg >= 2 ? Tr::kKSteps : 1][4];
-  if constexpr (Tr::kKReg > 0) {
-    cp_async_wait<kAhead>();
-    __syncthreads();
-    const int row = warp_row0 + lane % 16;
-#pragma unroll
-    for (int ks = 0; ks < Tr::kKSteps; ++ks) {
-      const uint32_t off = sw128_offset<Bc>(row, 2 * ks + lane / 16);
-      ldmatrix_x4(ka[ks], sK_addr + off);
-      if constexpr (Tr::kKReg >= 2) ldmatrix_x4(va[ks], sV_addr + off);
-    }
-  }
 
   // The step loop for one gradient set (a warpgroup's accumulators): kBwdPair runs it for dV on
   // warpgroup 0 and for dK on warpgroup 1, both over the same tiles and barriers.
@@ -292,24 +272,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
       float St[NT][4], dPt[kDK ? NT : 1][4];
       wgmma_fence();
-      if constexpr (Tr::kKReg >= 1) {
+      wgmma_ss_first<Elem, Br, Tr::kOverlap>(St, k_desc, desc_advance(q_desc0, stage_bytes));
 #pragma unroll
-        for (int ks = 0; ks < Tr::kKSteps; ++ks)
-          Wgmma<Elem, Br>::rs_kmajor(St, ka[ks],
-                                     desc_advance(q_desc0, stage_bytes + k_step(ks, Br)), ks > 0);
-      } else {
-        wgmma_ss_first<Elem, Br, Tr::kOverlap>(St, k_desc, desc_advance(q_desc0, stage_bytes));
-#pragma unroll
-        for (int ks = 1; ks < Tr::kKSteps; ++ks)
-          Wgmma<Elem, Br>::ss(St, desc_advance(k_desc, k_step(ks, Bc)),
-                              desc_advance(q_desc0, stage_bytes + k_step(ks, Br)), 1);
-      }
-      if constexpr (kDK && Tr::kKReg >= 2) {
-#pragma unroll
-        for (int ks = 0; ks < Tr::kKSteps; ++ks)
-          Wgmma<Elem, Br>::rs_kmajor(dPt, va[ks],
-                                     desc_advance(do_desc0, stage_bytes + k_step(ks, Br)), ks > 0);
-      } else if constexpr (kDK) {
+      for (int ks = 1; ks < Tr::kKSteps; ++ks)
+        Wgmma<Elem, Br>::ss(St, desc_advance(k_desc, k_step(ks, Bc)),
+                            desc_advance(q_desc0, stage_bytes + k_step(ks, Br)), 1);
+      if constexpr (kDK) {
         wgmma_ss_first<Elem, Br, Tr::kOverlap>(dPt, v_desc, desc_advance(do_desc0, stage_bytes));
 #pragma unroll
         for (int ks = 1; ks < Tr::kKSteps; ++ks)

@@ -32,7 +32,7 @@ struct BwdConfigSm90 {
   static constexpr int kSplit = kT.kv_split;
   static_assert(kSplit != 0 || kHeadDim <= 128, "D = 256: dK and dV do not fit one warpgroup");
   using KV = BwdKVTraitsSm90<Elem, kHeadDim, 1, kT.kv_rows, kT.kv_ctas, kT.kv_stages,
-                             kT.kv_overlap != 0, kSplit == 2, kT.kv_kreg>;
+                             kT.kv_overlap != 0, kSplit == 2>;
   using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, kT.q_cols, kT.q_ctas, kT.q_stages, kT.q_overlap != 0>;
 };
 

@@ -39,7 +39,6 @@ struct KernelTile {
   int kv_rows, kv_ctas, kv_stages, kv_overlap;
   int q_cols, q_ctas, q_stages, q_overlap;
   int kv_split;  // dK and dV: 0 one warpgroup, 1 a launch each, 2 a warpgroup each
-  int kv_kreg;   // score products' A from registers: 0 none, 1 K_j, 2 K_j and V_j
   bool is_default;
 };
 
@@ -124,18 +123,16 @@ constexpr int kBwdSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 constexpr int kBwdSm90HeadDims[] = {64, 128, 256};
 // clang-format off
 constexpr KernelTile kBwdSm90Tiles[] = {
-  {"cta3_q4", 64, 64, 3, 2, 0, 64, 4, 2, 0, 0, 0, true},
-  {"base", 64, 64, 2, 2, 0, 64, 2, 2, 0, 0, 0, false},
-  {"base", 128, 64, 2, 2, 0, 64, 2, 2, 0, 0, 0, true},
-  {"pair", 256, 64, 1, 2, 0, 64, 1, 2, 0, 2, 0, true},
-  {"base", 256, 64, 1, 2, 0, 64, 1, 2, 0, 1, 0, false},
-  {"cta3", 64, 64, 3, 2, 0, 64, 3, 2, 0, 0, 0, false},
-  {"kv128", 64, 128, 2, 2, 0, 64, 2, 2, 0, 0, 0, false},
-  {"q128", 64, 64, 2, 2, 0, 128, 2, 2, 0, 0, 0, false},
-  {"stage3", 64, 64, 2, 3, 0, 64, 2, 3, 0, 0, 0, false},
-  {"overlap", 64, 64, 2, 3, 1, 64, 2, 3, 1, 0, 0, false},
-  {"kreg_k", 64, 64, 2, 2, 0, 64, 4, 2, 0, 0, 1, false},
-  {"kreg", 64, 64, 2, 2, 0, 64, 4, 2, 0, 0, 2, false},
+  {"cta3_q4", 64, 64, 3, 2, 0, 64, 4, 2, 0, 0, true},
+  {"base", 64, 64, 2, 2, 0, 64, 2, 2, 0, 0, false},
+  {"base", 128, 64, 2, 2, 0, 64, 2, 2, 0, 0, true},
+  {"pair", 256, 64, 1, 2, 0, 64, 1, 2, 0, 2, true},
+  {"base", 256, 64, 1, 2, 0, 64, 1, 2, 0, 1, false},
+  {"cta3", 64, 64, 3, 2, 0, 64, 3, 2, 0, 0, false},
+  {"kv128", 64, 128, 2, 2, 0, 64, 2, 2, 0, 0, false},
+  {"q128", 64, 64, 2, 2, 0, 128, 2, 2, 0, 0, false},
+  {"stage3", 64, 64, 2, 3, 0, 64, 2, 3, 0, 0, false},
+  {"overlap", 64, 64, 2, 3, 1, 64, 2, 3, 1, 0, false},
 };
 #define FLASHMOD_BWD_SM90_VARIANTS(X) \
   X(__half, kFloat16, 64, 0) \
@@ -148,8 +145,6 @@ constexpr KernelTile kBwdSm90Tiles[] = {
   X(__half, kFloat16, 64, 7) \
   X(__half, kFloat16, 64, 8) \
   X(__half, kFloat16, 64, 9) \
-  X(__half, kFloat16, 64, 10) \
-  X(__half, kFloat16, 64, 11) \
   X(__nv_bfloat16, kBFloat16, 64, 0) \
   X(__nv_bfloat16, kBFloat16, 64, 1) \
   X(__nv_bfloat16, kBFloat16, 128, 2) \
@@ -159,9 +154,7 @@ constexpr KernelTile kBwdSm90Tiles[] = {
   X(__nv_bfloat16, kBFloat16, 64, 6) \
   X(__nv_bfloat16, kBFloat16, 64, 7) \
   X(__nv_bfloat16, kBFloat16, 64, 8) \
-  X(__nv_bfloat16, kBFloat16, 64, 9) \
-  X(__nv_bfloat16, kBFloat16, 64, 10) \
-  X(__nv_bfloat16, kBFloat16, 64, 11)
+  X(__nv_bfloat16, kBFloat16, 64, 9)
 // clang-format on
 
 constexpr int kBwdTf32HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
