@@ -185,9 +185,6 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     }
   };
 
-  if constexpr (kAddr == kRowPages)
-    prefetch_page_entries<kThreads>(p, range.lo * Bc, min(range.hi * Bc, Nk), tid);
-
   // Pipeline prologue: Q_i, then the first kStages-1 key blocks, one commit group each (empty
   // groups past the range keep the group count, and so cp_async_wait's argument, uniform).
   q_copy.load(sQ_addr, gQ, p.q_row_stride, rows_q);

@@ -118,21 +118,6 @@ __device__ __forceinline__ void load_kv_rows(const Plan& plan, uint32_t sk, uint
   }
 }
 
-// kRowPages: the block-table entries of keys [first_key, end_key) pulled toward this SM (L1, and
-// L2 on the way) before the key loop, one prefetch per 128-byte line. load_kv_rows reads them on
-// the way to every tile's copies, and a line of 32 entries spans 8 tiles of 16-token pages: read
-// cold, each new line held the tile's loads back by a trip to HBM.
-template <int kThreads>
-__device__ __forceinline__ void prefetch_page_entries(const AttentionParams& s, int first_key,
-                                                      int end_key, int tid) {
-  if (end_key <= first_key) return;
-  const auto line = [](const int32_t* a) { return reinterpret_cast<uintptr_t>(a) >> 7; };
-  const uintptr_t first = line(s.block_table + first_key / s.page_size);
-  const uintptr_t last = line(s.block_table + (end_key - 1) / s.page_size);
-  for (uintptr_t l = first + tid; l <= last; l += kThreads)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(l << 7));
-}
-
 // The fused append's writes: the seqlen_new new rows of kv head hk (of the view s) into the
 // cache slots [seqlen_k - seqlen_new, seqlen_k) of its row, through the block table when paged.
 // One CTA per (batch row, kv head) calls it; 16-byte copies (cache and new rows are 16-byte
