@@ -11,6 +11,7 @@
 //   FLASHMOD_DISABLE_SM90=1           the portable mma.sync kernel on an H100/H200
 //   FLASHMOD_SM90_WS=0                the sm_90 forward without warp specialization/TMA (the
 //                                     FlashAttention-2-style wgmma kernel)
+//   FLASHMOD_SM90_WS_PERSISTENT=0     the warp-specialized kernel on one CTA per tile
 //   FLASHMOD_FP32_FFMA=1              fp32 on the CUDA-core (FFMA) kernel, not 3xTF32
 //   FLASHMOD_DECODE=0                 CUDA decode shapes run the prefill kernel
 //   FLASHMOD_DECODE_PACK=0            no GQA row packing in the CUDA decode kernel

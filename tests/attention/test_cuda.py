@@ -104,12 +104,18 @@ def test_sm90_ws_kernel_and_fallback(monkeypatch, ws, dtype, d, nq, nk, opts):
 
 # More tiles than SMs, so each persistent CTA walks several: the buffer ring and the barrier
 # phases run on across tiles, and tiles whose rows see no key (bottom-right causal with Nq > Nk,
-# the first 323 rows) are skipped by the producer and written as empty by the consumers.
-@pytest.mark.parametrize("ws", ["1", "0"])
+# the first 323 rows) are skipped by the producer and written as empty by the consumers. Also on
+# one CTA per tile, and on the FlashAttention-2-style kernel.
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"FLASHMOD_SM90_WS_PERSISTENT": "0"}, {"FLASHMOD_SM90_WS": "0"}],
+    ids=["persistent", "one_tile_per_cta", "fa2_style"],
+)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"window_left": 100, "window_right": 0}], ids=str)
-def test_sm90_ws_many_tiles(monkeypatch, ws, d, opts):
-    monkeypatch.setenv("FLASHMOD_SM90_WS", ws)
+def test_sm90_ws_many_tiles(monkeypatch, knobs, d, opts):
+    for name, value in knobs.items():
+        monkeypatch.setenv(name, value)
     q = rand(3, 16, 1023, d, dtype=torch.bfloat16)
     k, v = rand(3, 4, 700, d, dtype=torch.bfloat16), rand(3, 4, 700, d, dtype=torch.bfloat16)
     out, lse = run_and_check(q, k, v, **opts)

@@ -14,6 +14,9 @@ namespace flashmod::cuda_kernels {
 
 struct FwdLaunchFlags {
   int out_vec16;  // out's row starts are 16-byte aligned and head_dim % 8 == 0: 16-byte stores
+  // run_attention_fwd_sm90_ws: one CTA per tile instead of the persistent grid
+  // (FLASHMOD_SM90_WS_PERSISTENT=0; tests and benchmarks compare the two).
+  int one_tile_per_cta = 0;
 };
 
 // fp16/bf16 (Elem = __half or __nv_bfloat16) on tensor cores, head_dim <= kHeadDim. Requires

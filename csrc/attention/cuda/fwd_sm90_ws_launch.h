@@ -52,15 +52,20 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
                               p.v_batch_stride, p.v_head_stride, p.v_row_stride, Tr::Bc))
     return cudaSuccess;
   launched = true;
-  // Persistent: one CTA per SM, or per tile where there are fewer tiles.
-  int device = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
+  // Persistent: one CTA per SM, or per tile where there are fewer tiles (or where asked: the
+  // kernel then runs one tile per CTA).
   const int64_t tiles = cta_count(p, Tr::Br);
-  return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr>, tiles < sms ? tiles : sms,
-                             Tr::kNThreads, Tr::kSmemBytes, stream, tm_q, tm_k, tm_v, p, flags);
+  int64_t grid = tiles;
+  if (!flags.one_tile_per_cta) {
+    int device = 0, sms = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess)
+      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    grid = tiles < sms ? tiles : sms;
+  }
+  return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr>, grid, Tr::kNThreads, Tr::kSmemBytes,
+                             stream, tm_q, tm_k, tm_v, p, flags);
 }
 
 }  // namespace sm90
