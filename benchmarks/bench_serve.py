@@ -14,7 +14,16 @@ kvcache: B = 8, 32 query heads / 8 kv heads, D = 128, one new token per step app
 caches of 1k ... 128k tokens, contiguous and paged (pages of 256 and 16 tokens); SDPA FLASH / CUDNN /
 EFFICIENT (and flashmod.attention) read a contiguous cache of the same length without appending. Reported
 as TFLOP/s and as a fraction of the device's copy rate, measured in the same run on as many bytes (read +
-written) as the K/V bytes each step reads.
+written) as the K/V bytes each step reads. Every call starts from a cold L2 and the contenders' order
+rotates per round (harness.median_times, isolate): caches of 1k-4k tokens (34-134 MB) otherwise stay
+partly in the 50 MB L2 from one contender to the next that reads the same cache.
+
+    python benchmarks/bench_serve.py --group kvcache --sizes 1024,4096 --pages 16 --graphs --wall \
+        --variant "append kernel:FLASHMOD_KVCACHE_FUSED_APPEND=0"
+
+--graphs adds each flashmod / SDPA contender captured in a CUDA graph ("[graph]": what a serving engine
+replays per decode step, no host work per call); --wall the wall time per call of eager calls back to
+back (where the host, not the GPU, sets the pace); --variant the contiguous call under FLASHMOD_* knobs.
 
 Every contender's output is checked against flashmod's before it is timed. Results (JSON) go to
 build/bench/serve_<group>.json (or --out-dir).
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +131,29 @@ def varlen_case(lengths: list[int], h: int, d: int, causal: bool, dtype, dev: st
     return {name: {"status": "ok", "ms": t * 1e3, "tflops": flops / t / 1e12} for name, t in times.items()}
 
 
-def kvcache_case(s: int, bsz: int, hq: int, hkv: int, d: int, dtype, dev: str, reps: int, pages: list[int]) -> dict:
+def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """fn captured in a CUDA graph (after a warm-up call on a side stream), replayed per call: what a
+    serving engine launches for a decode step, without the per-call host work."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay
+
+
+def kvcache_case(
+    s: int, bsz: int, hq: int, hkv: int, d: int, dtype, dev: str, reps: int, pages: list[int],
+    variants: dict[str, str], graphs: bool, wall: bool,
+) -> dict:  # fmt: skip
     k_cache, v_cache = (torch.randn(bsz, s, hkv, d, dtype=dtype, device=dev) for _ in range(2))
     q = torch.randn(bsz, 1, hq, d, dtype=dtype, device=dev)
     kn, vn = (torch.randn(bsz, 1, hkv, d, dtype=dtype, device=dev) for _ in range(2))
@@ -134,6 +166,10 @@ def kvcache_case(s: int, bsz: int, hq: int, hkv: int, d: int, dtype, dev: str, r
 
     ref = contiguous()
     fns = {"flashmod": contiguous}
+    for label, settings in variants.items():
+        fn = harness.with_env(settings, contiguous)
+        if check(label, fn(), ref, 2e-2):
+            fns[label] = fn
     for page in pages:
         if s % page:
             continue
@@ -170,10 +206,21 @@ def kvcache_case(s: int, bsz: int, hq: int, hkv: int, d: int, dtype, dev: str, r
             continue
         if check(f"SDPA {name}", got, ref, 2e-2):
             fns[f"SDPA {name}"] = sdpa
+    if graphs and dev == "cuda":
+        for name in [n for n in fns if n == "flashmod" or n.startswith(("paged", "SDPA"))]:
+            try:
+                fns[f"{name} [graph]"] = graphed(fns[name])
+            except RuntimeError as err:
+                print(f"  {name} [graph]: {str(err).splitlines()[0][:100]}")
+    walls = {}
+    if wall:
+        # Back-to-back calls without graphs, one synchronize: the host's cost per call where it is
+        # larger than the device's (a decode step of one layer, eager).
+        walls = {name: harness.host_seconds_per_call(fn, dev, calls=300) for name, fn in fns.items()}
     src = torch.empty(kv_bytes // 2, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     fns["copy"] = lambda: dst.copy_(src)  # moves kv_bytes (read + written)
-    times = harness.median_times(fns, dev, warmup=3, reps=reps)
+    times = harness.median_times(fns, dev, warmup=3, reps=reps, isolate=dev == "cuda")
     copy_rate = kv_bytes / times.pop("copy")
     return {
         name: {
@@ -181,6 +228,7 @@ def kvcache_case(s: int, bsz: int, hq: int, hkv: int, d: int, dtype, dev: str, r
             "ms": t * 1e3,
             "tflops": flops / t / 1e12,
             "of_copy": kv_bytes / t / copy_rate,
+            **({"wall_us": walls[name] * 1e6} if name in walls else {}),
         }
         for name, t in times.items()
     }
@@ -194,6 +242,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20, help="timed rounds (the median is reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sequence lengths")
     parser.add_argument("--out-dir", default=None, help="where the JSON files go (default: build/bench)")
+    parser.add_argument("--sizes", default=None, help="kvcache: cache lengths, comma-separated (default 1k..128k)")
+    parser.add_argument("--pages", default="256,16", help="kvcache: page sizes of the paged contenders")
+    parser.add_argument("--graphs", action="store_true", help="kvcache: also each contender captured in a CUDA graph")
+    parser.add_argument("--wall", action="store_true", help="kvcache: also wall time per call, back to back, eager")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL:NAME=VALUE[,NAME=VALUE]",
+        help="kvcache: also the contiguous call under these FLASHMOD_* knobs (repeatable)",
+    )
     args = parser.parse_args()
     dev, dtype = args.device, torch.bfloat16
     default_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "bench")
@@ -221,17 +280,30 @@ def main() -> None:
     if args.group in ("kvcache", "all"):
         rows = []
         sizes = [256, 1024] if args.smoke else [1024, 4096, 16384, 65536, 131072]
+        if args.sizes:
+            sizes = [int(x) for x in args.sizes.split(",")]
         bsz, hq, hkv, d = (2, 4, 2, 64) if args.smoke else (8, 32, 8, 128)
+        pages = [int(x) for x in args.pages.split(",") if x]
+        variants = dict(v.split(":", 1) for v in args.variant)
         for s in sizes:
             label = f"kvcache B={bsz} Hq={hq} Hkv={hkv} D={d} cache={s}"
             print(label)
-            res = kvcache_case(s, bsz, hq, hkv, d, dtype, dev, 3 if args.smoke else args.reps, [256, 16])
+            res = kvcache_case(
+                s, bsz, hq, hkv, d, dtype, dev, 3 if args.smoke else args.reps, pages, variants,
+                args.graphs, args.wall,
+            )  # fmt: skip
             rows.append({"label": label, "cache": s, "results": res})
         contenders = sorted({c for r in rows for c in r["results"]}, key=lambda c: c != "flashmod")
         harness.print_table(rows, contenders)
-        print("fraction of the copy rate (bytes read + written, same run):")
+        cold = "; every call from a cold L2" if dev == "cuda" else ""
+        print(f"fraction of the copy rate (bytes read + written, same run{cold}):")
         for r in rows:
             print(f"  {r['label']}: " + ", ".join(f"{c} {x['of_copy']:.2f}" for c, x in r["results"].items()))
+        if args.wall:
+            print("wall time per call, back to back, eager (us):")
+            for r in rows:
+                walls = ", ".join(f"{c} {x['wall_us']:.1f}" for c, x in r["results"].items() if "wall_us" in x)
+                print(f"  {r['label']}: {walls}")
         harness.write_json(
             os.path.join(out_dir, "serve_kvcache.json"), {"device": harness.device_name(dev), "rows": rows}
         )

@@ -7,7 +7,11 @@ Timing rules, the same for every contender of a run:
 * warm-up calls first, then timed rounds in which every contender runs once, in turn, so clock and
   thermal drift weigh on all alike; the result is the median per contender;
 * CUDA: device time between events around each call, each round queued behind a ~1 ms spin kernel
-  so the events time the kernels and not the host's launch overhead;
+  so the events time the kernels and not the host's launch overhead; with ``isolate`` every call
+  also starts from an L2 cache holding none of its data (a read of twice the L2 size before it,
+  outside the events) and the order of the contenders rotates from round to round, so no contender
+  reads what the one before it left in L2 (contenders that share inputs, such as decode caches of a
+  few tens of MB, otherwise do) or profits from its place in the round;
 * CPU: wall time with ``time.perf_counter``.
 """
 
@@ -48,18 +52,31 @@ def device_name(device: str) -> str:
     return f"{cpu_name()} ({torch.get_num_threads()} threads)"
 
 
-def median_times(fns: dict[str, Callable[[], Any]], device: str, warmup: int, reps: int) -> dict[str, float]:
-    """Median seconds per call of each fn, over ``reps`` interleaved rounds after ``warmup`` calls each."""
+def median_times(
+    fns: dict[str, Callable[[], Any]], device: str, warmup: int, reps: int, isolate: bool = False
+) -> dict[str, float]:
+    """Median seconds per call of each fn, over ``reps`` interleaved rounds after ``warmup`` calls each
+    (``isolate``: cold L2 before every call and a rotating order, see the module docstring)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     if device == "cuda":
+        flush = None
+        if isolate:
+            l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
+            flush = torch.empty(max(2 * l2, 64 << 20) // 4, dtype=torch.float32, device="cuda").fill_(1.0)
+        names = list(fns)
         torch.cuda.synchronize()
-        for _ in range(reps):
-            torch.cuda._sleep(2_000_000)  # cycles, ~1 ms: the host queues the whole round meanwhile
+        for rep in range(reps):
+            # Spin (cycles; ~1 ms, more for long rounds) while the host queues the whole round.
+            torch.cuda._sleep(2_000_000 + (500_000 * len(fns) if isolate else 0))
             events = []
-            for name, fn in fns.items():
+            order = names[rep % len(names) :] + names[: rep % len(names)] if isolate else names
+            for name in order:
+                fn = fns[name]
+                if flush is not None:
+                    flush.sum()  # reads (clean lines: nothing to write back while fn runs)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()

@@ -8,6 +8,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -47,3 +49,19 @@ def test_every_family_has_its_header_and_entry_points():
             name = entry.split("(", 1)[0]
             assert re.search(rf"cudaError_t {name}\(", header), f"{family.header} defines no {name}"
         assert list(family.head_dims) == sorted(set(family.head_dims)), family.name
+
+
+def test_tile_table_rules():
+    """One default tile per head dim, names unique per head dim, only head dims the family builds."""
+    gen = load_generator()
+    family = next(f for f in gen.FAMILIES if f.tiles)
+    gen.check_tiles(family)
+    base = gen.Tile("a", (64,), kv=(64, 2, 2, 0), q=(64, 2, 2, 0), default=True)
+    for tiles in (
+        (base, gen.Tile("b", (64,), kv=(64, 2, 2, 0), q=(64, 2, 2, 0), default=True)),
+        (base, gen.Tile("a", (64,), kv=(128, 2, 2, 0), q=(64, 2, 2, 0))),
+        (base, gen.Tile("c", (48,), kv=(64, 2, 2, 0), q=(64, 2, 2, 0))),
+    ):
+        bad = gen.Family("x", "x.h", (64,), (), tiles=tiles)
+        with pytest.raises(ValueError):
+            gen.check_tiles(bad)

@@ -25,6 +25,7 @@ DECODE_MODES = {
     "heuristic": {},
     "packed_5splits": {"FLASHMOD_DECODE_SPLITS": "5"},
     "unpacked_3splits": {"FLASHMOD_DECODE_PACK": "0", "FLASHMOD_DECODE_SPLITS": "3"},
+    "combine_kernel": {"FLASHMOD_DECODE_SPLITS": "5", "FLASHMOD_DECODE_FUSED_COMBINE": "0"},
 }
 
 
@@ -50,11 +51,13 @@ def main() -> None:
             )
             for knobs in DECODE_MODES.values():
                 # This process is the sanitizer's child and ends here: setting its environment is harmless.
-                for name in ("FLASHMOD_DECODE_PACK", "FLASHMOD_DECODE_SPLITS"):
+                for name in ("FLASHMOD_DECODE_PACK", "FLASHMOD_DECODE_SPLITS", "FLASHMOD_DECODE_FUSED_COMBINE"):
                     os.environ.pop(name, None)
                 os.environ.update(knobs)
                 attention_op(q, k, k, is_causal=True)
                 attention_op(q, k, k, torch.rand(3, 700, device="cuda") > 0.5, softcap=3.0)
+    for name in ("FLASHMOD_DECODE_PACK", "FLASHMOD_DECODE_SPLITS", "FLASHMOD_DECODE_FUSED_COMBINE"):
+        os.environ.pop(name, None)
     serving_ops()
     torch.cuda.synchronize()
     print("sanitizer case done")
@@ -62,7 +65,8 @@ def main() -> None:
 
 def serving_ops() -> None:
     """The per-sequence kernel variants: varlen (empty and odd sequences), contiguous and paged caches
-    (pages of 16 rows per row lookup, 64 per block lookup) with the append kernel."""
+    (pages of 16 rows per row lookup, 64 per block lookup) with the append inside the decode kernel
+    (1 new row, and 70 across key blocks with 3 splits) and with the append kernel."""
     import flashmod
 
     for dtype in (torch.bfloat16, torch.float16):
@@ -81,6 +85,13 @@ def serving_ops() -> None:
             flashmod.flash_attn_with_kvcache(qd, k_pool, v_pool, kn, vn, seqlens, block_table=table, causal=True)
             k_cache, v_cache = (t.reshape(3, 256, 2, 128) for t in (k_pool.clone(), v_pool.clone()))
             flashmod.flash_attn_with_kvcache(qd, k_cache, v_cache, kn, vn, seqlens, causal=True)
+            kn70, vn70 = (torch.randn(3, 70, 2, 128, device="cuda", dtype=dtype) for _ in range(2))
+            seqlens70 = torch.tensor([0, 100, 186], dtype=torch.int32, device="cuda")
+            for knobs in ({"FLASHMOD_DECODE_SPLITS": "3"}, {"FLASHMOD_KVCACHE_FUSED_APPEND": "0"}):
+                os.environ.update(knobs)
+                flashmod.flash_attn_with_kvcache(qd, k_pool, v_pool, kn70, vn70, seqlens70, block_table=table)
+                for name in knobs:
+                    os.environ.pop(name)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@
 A variant is (family, dtype, padded head dim). Each one gets its own translation unit, so ninja
 compiles them in parallel, holding the explicit instantiations of its family's entry points; and
 kernel_variants.h gets, per family, the list of head dims and an X-macro of (Elem, ScalarKind, D)
-that attention_cuda.cpp expands into its dispatch switches. Adding a family is one line of
+that attention_cuda.cpp expands into its dispatch switches. A family with tile variants (TILES:
+the Hopper backward) gets a translation unit per (dtype, tile), X(Elem, ScalarKind, D, tile index)
+and the tile table itself (kBwdSm90Tiles), which the launch header reads its tile shapes from and
+the host picks from by name (FLASHMOD_BWD_SM90_TILE) or by the default flag. Adding a family is one line of
 FAMILIES (its launch header defines the entry point templates); adding a head dim is one entry of
 a head-dim tuple (plus the tile choice in the family's launch header). The output is checked in;
 tests/test_generated_kernels.py fails when it no longer matches this table.
@@ -30,6 +33,63 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
 
 @dataclass(frozen=True)
+class Tile:
+    """A tile variant of the Hopper backward for some head dims. name: its FLASHMOD_BWD_SM90_TILE
+    value; kv: the dK/dV kernel's (query rows per step, CTAs per SM its registers must allow,
+    shared-memory stages of Q_i/dO_i, overlap: 1 leaves a step's gradient wgmma in flight across
+    the next step's barrier); q: the dQ kernel's (key columns per block, CTAs per SM, stages of
+    K_j/V_j, overlap); default: the tile that runs when the knob is unset (one per head dim);
+    split: how dK and dV share out (0: one warpgroup accumulates both, 1: a launch each, 2: a
+    warpgroup each in one CTA); kreg: the dK/dV score products' A operand from registers (0: none,
+    1: K_j, 2: K_j and V_j)."""
+
+    name: str
+    head_dims: tuple[int, ...]
+    kv: tuple[int, int, int, int]
+    q: tuple[int, int, int, int]
+    default: bool = False
+    split: int = 0
+    kreg: int = 0
+
+
+# Measurements behind the defaults: benchmarks/results/design/cuda-backward.md ("Hopper v4").
+BWD_SM90_TILES = (
+    # Defaults measured with tools/bwd_sm90_tiles.py on an H100 (fwd+bwd vs SDPA FLASH in one
+    # process, B * N = 16k, H * D = 2048, N = 1k/4k/16k, causal and not; runs 1 and 2 in
+    # benchmarks/results/2026-11-24-h100-bwd-sm90-tiles-run*.txt, the design log's "Hopper v4").
+    # D = 64: dK/dV at three CTAs per SM (164-168 registers of 170), dQ at four (127 of 128):
+    # bf16 1.28-1.51x FLASH (cta3, dQ at three: 1.25-1.43x; base, two and two: 1.13-1.34x);
+    # dQ 7.23 -> 6.18 ms at N = 16k.
+    Tile("cta3_q4", (64,), kv=(64, 3, 2, 0), q=(64, 4, 2, 0), default=True),
+    # 64 keys x 64-query steps, 64 queries x 64-key blocks, two CTAs per SM, double-buffered.
+    # D = 128: bf16 1.32-1.39x, fp16 1.32-1.40x FLASH; its dK/dV (250 registers) and dQ (97 KB of
+    # shared memory) leave no room for a third CTA.
+    Tile("base", (64,), kv=(64, 2, 2, 0), q=(64, 2, 2, 0)),
+    Tile("base", (128,), kv=(64, 2, 2, 0), q=(64, 2, 2, 0), default=True),
+    # D = 256: dV and dK by the two warpgroups of one CTA (8 warps an SM, one load of Q_i, dO_i per
+    # step): dK/dV 14.8 -> 10.3 ms at N = 16k against a launch each; bf16 1.23-1.33x FLASH (a
+    # launch each: 0.98-1.13x).
+    Tile("pair", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), default=True, split=2),
+    # D = 256, one launch per gradient, one CTA per SM (the tiles take ~194 KB).
+    Tile("base", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), split=1),
+    # D = 64, both kernels at three CTAs per SM (the default before cta3_q4).
+    Tile("cta3", (64,), kv=(64, 3, 2, 0), q=(64, 3, 2, 0)),
+    # D = 64, lost against base in run 1 (dK/dV, dQ ms at N = 16k; base 15.8, 9.45): wgmma N = 128
+    # score products (kv128: dK/dV 17.1; q128: dQ 11.2), a third stage (even), the gradient wgmma
+    # in flight across the next step's barrier (overlap: dK/dV 15.5, dQ 11.5).
+    Tile("kv128", (64,), kv=(128, 2, 2, 0), q=(64, 2, 2, 0)),
+    Tile("q128", (64,), kv=(64, 2, 2, 0), q=(128, 2, 2, 0)),
+    Tile("stage3", (64,), kv=(64, 2, 3, 0), q=(64, 2, 3, 0)),
+    Tile("overlap", (64,), kv=(64, 2, 3, 1), q=(64, 2, 3, 1)),
+    # D = 64, the dK/dV score products with K_j (kreg_k) or K_j and V_j (kreg) as register A
+    # operands: a third less shared-memory reading per step, 16-32 more registers (two CTAs; at
+    # three, 168 registers, ptxas serializes the wgmma: C7512).
+    Tile("kreg_k", (64,), kv=(64, 2, 2, 0), q=(64, 4, 2, 0), kreg=1),
+    Tile("kreg", (64,), kv=(64, 2, 2, 0), q=(64, 4, 2, 0), kreg=2),
+)
+
+
+@dataclass(frozen=True)
 class Family:
     """One kernel family: its name (file prefix, macro name), the launch header that defines its
     entry point templates, the head dims it is built for, its entry points as
@@ -40,6 +100,12 @@ class Family:
     head_dims: tuple[int, ...]
     entry_points: tuple[str, ...]
     dtypes: tuple[tuple[str, str, str], ...] = DTYPES
+    tiles: tuple[Tile, ...] = ()  # entry points then take a third template argument, the tile index
+
+    def tile_entries(self) -> list[tuple[int, Tile, int]]:
+        """(index, tile, head dim) per built tile: the index is the tile's row in the table."""
+        rows = [(t, d) for t in self.tiles for d in t.head_dims]
+        return [(i, t, d) for i, (t, d) in enumerate(rows)]
 
 
 # A family is one line, e.g. a backward whose launch header defines run_attention_bwd<Elem, D>:
@@ -62,7 +128,7 @@ FAMILIES = (
     )),
     Family("bwd_sm90", "bwd_sm90_launch.h", (64, 128, 256), (
         "run_attention_bwd_sm90(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
-    )),
+    ), tiles=BWD_SM90_TILES),
     Family("bwd_tf32", "bwd_tf32_launch.h", HEAD_DIMS, (
         "run_attention_bwd_tf32(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
     ), FP32),
@@ -72,12 +138,29 @@ HEADER = "kernel_variants.h"
 BANNER = "// Generated by tools/gen_kernels.py from its variant table: edit the table, not this file.\n"
 
 
-def unit_name(family: Family, tag: str, head_dim: int) -> str:
-    return f"{family.name}_{tag}_hd{head_dim}.cu"
+def unit_name(family: Family, tag: str, head_dim: int, tile: str = "") -> str:
+    return f"{family.name}_{tag}_hd{head_dim}{'_' + tile if tile else ''}.cu"
 
 
-def instantiation_unit(family: Family, elem: str, head_dim: int) -> str:
-    """The translation unit of one variant: its family's entry points for (elem, head_dim)."""
+def check_tiles(family: Family) -> None:
+    """Every tile is for head dims of the family, names are unique per head dim, and each head
+    dim has exactly one default."""
+    entries = family.tile_entries()
+    if len(entries) > 64:
+        raise ValueError(f"{family.name}: the dispatch key leaves room for 64 tiles")
+    for d in family.head_dims:
+        names = [t.name for _, t, td in entries if td == d]
+        defaults = [t.name for _, t, td in entries if td == d and t.default]
+        if len(names) != len(set(names)) or len(defaults) != 1:
+            raise ValueError(f"{family.name}, head dim {d}: tiles {names}, defaults {defaults}")
+    for _, t, d in entries:
+        if d not in family.head_dims:
+            raise ValueError(f"{family.name}: tile {t.name} for head dim {d}, not built")
+
+
+def instantiation_unit(family: Family, elem: str, head_dim: int, tile: int | None = None) -> str:
+    """The translation unit of one variant: its family's entry points for (elem, head_dim) and,
+    in a family with tiles, the tile of that index."""
     lines = [
         BANNER,
         f'#include "../{family.header}"\n',
@@ -87,7 +170,8 @@ def instantiation_unit(family: Family, elem: str, head_dim: int) -> str:
     ]
     for entry in family.entry_points:
         name, params = entry.split("(", 1)
-        lines.append(f"template cudaError_t {name}<{elem}, {head_dim}>({params};\n")
+        args = f"{elem}, {head_dim}" + ("" if tile is None else f", {tile}")
+        lines.append(f"template cudaError_t {name}<{args}>({params};\n")
     lines += ["}  // namespace flashmod::cuda_kernels\n", "// clang-format on\n"]
     return "".join(lines)
 
@@ -127,14 +211,54 @@ def variants_header() -> str:
         "    if (d <= pd) return pd;\n",
         "  return -1;\n",
         "}\n",
+        "\n",
+        "// A tile variant (tools/gen_kernels.py, Tile): the dK/dV kernel's query rows per step, CTAs\n",
+        "// per SM, stages and overlap flag; the dQ kernel's key columns per block and the same.\n",
+        "struct KernelTile {\n",
+        "  const char* name;\n",
+        "  int head_dim;\n",
+        "  int kv_rows, kv_ctas, kv_stages, kv_overlap;\n",
+        "  int q_cols, q_ctas, q_stages, q_overlap;\n",
+        "  int kv_split;  // dK and dV: 0 one warpgroup, 1 a launch each, 2 a warpgroup each\n",
+        "  int kv_kreg;   // score products' A from registers: 0 none, 1 K_j, 2 K_j and V_j\n",
+        "  bool is_default;\n",
+        "};\n",
+        "\n",
+        "constexpr bool same_name(const char* a, const char* b) {\n",
+        "  while (*a != 0 && *a == *b) ++a, ++b;\n",
+        "  return *a == *b;\n",
+        "}\n",
+        "\n",
+        "// The index of the tile called `name` built for head_dim (an empty name: the default one),\n",
+        "// or -1.\n",
+        "template <int N>\n",
+        "constexpr int find_tile(const KernelTile (&tiles)[N], const char* name, int head_dim) {\n",
+        "  for (int i = 0; i < N; ++i)\n",
+        "    if (tiles[i].head_dim == head_dim && (*name == 0 ? tiles[i].is_default\n",
+        "                                                    : same_name(tiles[i].name, name)))\n",
+        "      return i;\n",
+        "  return -1;\n",
+        "}\n",
     ]
     for family in FAMILIES:
         camel = "".join(part.capitalize() for part in family.name.split("_"))
         dims = ", ".join(str(d) for d in family.head_dims)
         out += ["\n", f"constexpr int k{camel}HeadDims[] = {{{dims}}};\n"]
         out.append("// clang-format off\n")
+        if family.tiles:
+            check_tiles(family)
+            out.append(f"constexpr KernelTile k{camel}Tiles[] = {{\n")
+            for _, t, d in family.tile_entries():
+                fields = ", ".join(str(x) for x in (d, *t.kv, *t.q, t.split, t.kreg))
+                out.append(f'  {{"{t.name}", {fields}, {str(t.default).lower()}}},\n')
+            out.append("};\n")
         out.append(f"#define FLASHMOD_{family.name.upper()}_VARIANTS(X) \\\n")
-        items = [f"  X({elem}, {kind}, {d})" for _, elem, kind in family.dtypes for d in family.head_dims]
+        if family.tiles:
+            items = [
+                f"  X({elem}, {kind}, {d}, {i})" for _, elem, kind in family.dtypes for i, _, d in family.tile_entries()
+            ]
+        else:
+            items = [f"  X({elem}, {kind}, {d})" for _, elem, kind in family.dtypes for d in family.head_dims]
         out.append(" \\\n".join(items) + "\n")
         out.append("// clang-format on\n")
     out += ["\n", "}  // namespace flashmod::cuda_kernels\n"]
@@ -146,6 +270,10 @@ def generated_files() -> dict[str, str]:
     files = {HEADER: variants_header()}
     for family in FAMILIES:
         for tag, elem, _ in family.dtypes:
+            if family.tiles:
+                for i, t, d in family.tile_entries():
+                    files[unit_name(family, tag, d, t.name)] = instantiation_unit(family, elem, d, i)
+                continue
             for d in family.head_dims:
                 files[unit_name(family, tag, d)] = instantiation_unit(family, elem, d)
     return files

@@ -68,7 +68,8 @@ struct AttentionParams {
   // of the row when bottom_right (flash-attn's alignment), else 0.
   //   cu_seqlens_q / cu_seqlens_k (batch + 1): packed rows. Row b's queries (keys) are rows
   //     [cu[b], cu[b+1]) of q/out (k/v); the batch strides of packed tensors are 0.
-  //   seqused_k (batch): only keys [0, seqused_k[b]) of row b exist (a KV cache's valid length).
+  //   seqused_k (batch): only keys [0, seqused_k[b]) of row b exist (a KV cache's valid length;
+  //     plus seqlen_new appended keys with k_new, below).
   //   kv_batch_idx (batch): row b reads the K/V of cache row kv_batch_idx[b] (default b).
   //   block_table (batch, block_table_batch_stride): paged K/V. k/v are then (pages, page_size,
   //     Hkv, D) pools stepping k_page_stride / v_page_stride elements per page (their batch
@@ -82,6 +83,15 @@ struct AttentionParams {
   int64_t block_table_batch_stride = 0;
   int64_t page_size = 0;
   int64_t k_page_stride = 0, v_page_stride = 0;
+  // The KV-cache append fused into the CUDA decode kernel: with k_new set (seqused_k is then the
+  // cache's old lengths), row b has seqused_k[b] + seqlen_new keys, and keys from seqused_k[b] on
+  // are rows of k_new / v_new (B, seqlen_new, Hkv, D; element strides below), which the kernel
+  // reads from there and also writes into the cache slots they belong to.
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  int64_t kn_batch_stride = 0, kn_head_stride = 0, kn_row_stride = 0;
+  int64_t vn_batch_stride = 0, vn_head_stride = 0, vn_row_stride = 0;
+  int64_t seqlen_new = 0;
   bool bottom_right = true;
 };
 

@@ -62,7 +62,12 @@ FLASHMOD_HD AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
     s.k = static_cast<const char*>(p.k) + kb * p.k_batch_stride * scalar_bytes(p.dtype);
     s.v = static_cast<const char*>(p.v) + kb * p.v_batch_stride * scalar_bytes(p.dtype);
   }
-  if (p.seqused_k != nullptr) s.seqlen_k = p.seqused_k[b];
+  if (p.seqused_k != nullptr) s.seqlen_k = p.seqused_k[b] + p.seqlen_new;
+  if (p.k_new != nullptr) {
+    s.k_new = static_cast<const char*>(p.k_new) + b * p.kn_batch_stride * scalar_bytes(p.dtype);
+    s.v_new = static_cast<const char*>(p.v_new) + b * p.vn_batch_stride * scalar_bytes(p.dtype);
+    s.kn_batch_stride = s.vn_batch_stride = 0;
+  }
   if (p.mask != nullptr) {
     s.mask = static_cast<const char*>(p.mask) + b * p.mask_batch_stride * mask_bytes(p);
   }

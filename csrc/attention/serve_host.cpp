@@ -323,7 +323,7 @@ PreparedServe prepare_attention_kvcache(
   r.lse = at::empty({B, Hq, Sq}, r.q.options().dtype(at::kFloat));
   if (cache_seqlens.has_value()) {
     r.seqused_k = append_here ? (*cache_seqlens + s_new).to(at::kInt).contiguous()
-                              : at::empty({B}, cache_seqlens->options());
+                              : cache_seqlens->contiguous();
   }
   if (cache_batch_idx.has_value()) r.kv_batch_idx = cache_batch_idx->contiguous();
   if (paged) r.block_table = block_table->contiguous();

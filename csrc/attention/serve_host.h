@@ -44,8 +44,9 @@ void check_varlen_backward_inputs(const at::Tensor& grad_out,
 // cache_seqlens + S_new keys per row (all S_cache / max_pages * page_size without
 // cache_seqlens). cache_batch_idx (int32 (B)) picks each row's cache row (contiguous caches).
 // append_here: the append and seqused_k (cache_seqlens + S_new) are done here with index ops (no
-// host sync); otherwise seqused_k is allocated unfilled and the caller appends and fills it (CUDA:
-// one kernel) before the attention runs.
+// host sync); otherwise nothing is written and seqused_k is cache_seqlens itself (the old lengths):
+// the caller appends (CUDA: inside the decode kernel, or one append kernel that also writes the
+// new lengths) before or while the attention runs.
 PreparedServe prepare_attention_kvcache(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,

@@ -12,10 +12,17 @@
 //   FLASHMOD_SM90_WS=0                the sm_90 forward without warp specialization/TMA (the
 //                                     FlashAttention-2-style wgmma kernel)
 //   FLASHMOD_SM90_WS_PERSISTENT=0     the warp-specialized kernel on one CTA per tile
+//   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
+//                                     BWD_SM90_TILES); a name not built for the head dim is an
+//                                     error
 //   FLASHMOD_FP32_FFMA=1              fp32 on the CUDA-core (FFMA) kernel, not 3xTF32
 //   FLASHMOD_DECODE=0                 CUDA decode shapes run the prefill kernel
 //   FLASHMOD_DECODE_PACK=0            no GQA row packing in the CUDA decode kernel
 //   FLASHMOD_DECODE_SPLITS=n          exactly n split-KV splits (0: the heuristic)
+//   FLASHMOD_DECODE_FUSED_COMBINE=0   split-KV partials merged by the combine kernel, not by each
+//                                     tile's last CTA
+//   FLASHMOD_KVCACHE_FUSED_APPEND=0   decode-shaped KV-cache calls append with the append kernel
+//                                     before the attention, not inside it
 //   FLASHMOD_SOFTMAX_TRACE=1          prints the softmax launch path
 //   FLASHMOD_SOFTMAX_STREAM=0         the sm_90 softmax stream path off
 //   FLASHMOD_SOFTMAX_STREAM_CLUSTER=c forces the stream path's cluster size
@@ -33,7 +40,8 @@ bool env_flag(const char* name, bool fallback);
 // A decimal integer; unset or empty -> fallback, anything that is not a whole integer -> error.
 int64_t env_int(const char* name, int64_t fallback);
 
-// The raw text; unset -> empty. For knobs whose values are names (FLASHMOD_CPU_ISA).
+// The raw text; unset -> empty. For knobs whose values are names (FLASHMOD_CPU_ISA,
+// FLASHMOD_BWD_SM90_TILE).
 std::string env_text(const char* name);
 
 }  // namespace flashmod

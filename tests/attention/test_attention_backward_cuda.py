@@ -2,9 +2,14 @@
 (csrc/attention/cuda/bwd_sm80_kernel.h, bwd_sm90_kernel.h) and fp32 (bwd_tf32_kernel.h, the tests
 named fp32), all by the rule that gradients stay within 3x the error of plain torch in the same
 dtype. Every padded head dim and tile-shape branch (split dK/dV launches past D = 128), both
-kernels' masking paths (plain and general), GQA, layouts, determinism and stream/graph behaviour."""
+kernels' masking paths (plain and general), GQA, layouts, determinism and stream/graph behaviour;
+on an H100/H200 every tile variant of the Hopper backward (FLASHMOD_BWD_SM90_TILE)."""
 
 from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,7 +265,7 @@ def test_fp32_deterministic():
     q, k, v = make_inputs(DEV, torch.float32, 2, 8, 2, 1023, 1100, 128)
     grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 8, 1023, device=DEV)
     first = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
-    for _ in range(20):
+    for _ in range(100):
         again = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
@@ -278,3 +283,55 @@ def test_fp32_cuda_graph():
     fresh = torch.ops.flashmod.attention_backward(grad_out, None, q, k, v, out, lse)
     for a, b in zip(fresh, captured):
         assert torch.equal(a, b)
+
+
+def hopper_tiles() -> list[tuple[str, int]]:
+    """(name, head dim) of every tile the Hopper backward is built with (tools/gen_kernels.py)."""
+    path = Path(__file__).resolve().parents[2] / "tools" / "gen_kernels.py"
+    spec = importlib.util.spec_from_file_location("gen_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    family = next(f for f in module.FAMILIES if f.name == "bwd_sm90")
+    return [(t.name, d) for _, t, d in family.tile_entries()]
+
+
+def needs_hopper():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FLASHMOD_BWD_SM90_TILE picks among the Hopper (sm_90a) kernels only")
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize(("tile", "d"), hopper_tiles(), ids=[f"{n}-d{d}" for n, d in hopper_tiles()])
+def test_hopper_tile(monkeypatch, tile, d, dtype):
+    """Each tile variant alone: odd and unequal sizes (partial blocks, a single row), both causal
+    alignments (whole-step skipping, diagonal blocks), a window, GQA, the general path (soft cap,
+    bool mask), keys no query sees, and run-to-run bitwise equality."""
+    needs_hopper()
+    monkeypatch.setenv("FLASHMOD_BWD_SM90_TILE", tile)
+    for nq, nk in [(1, 1), (17, 203), (203, 113), (257, 300)]:
+        check_grads(*make_inputs(DEV, dtype, 2, 4, 2, nq, nk, d))
+    for bottom_right in (True, False):
+        check_grads(*make_inputs(DEV, dtype, 1, 2, 1, 300, 457, d), is_causal=True, bottom_right=bottom_right)
+    check_grads(*make_inputs(DEV, dtype, 1, 2, 1, 1023, 1023, d), is_causal=True)
+    q, k, v = make_inputs(DEV, dtype, 1, 2, 2, 203, 260, d)
+    check_grads(q, k, v, window_left=40, window_right=3, bottom_right=False)
+    check_grads(q * 3, k * 3, v, softcap=5.0, is_causal=True)
+    check_grads(q, k, v, attn_mask=torch.rand(203, 260, device=DEV) > 0.3)
+    _, dk, dv = check_grads(*make_inputs(DEV, dtype, 1, 2, 2, 70, 300, d), is_causal=True, bottom_right=False)
+    assert torch.all(dk[:, :, 70:] == 0) and torch.all(dv[:, :, 70:] == 0)
+    q, k, v = make_inputs(DEV, dtype, 2, 8, 2, 1100, 1023, d)
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 8, 1100, device=DEV)
+    first = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
+    for _ in range(5):
+        for a, b in zip(first, fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)):
+            assert torch.equal(a, b)
+
+
+def test_hopper_tile_knob_names_what_is_built(monkeypatch):
+    needs_hopper()
+    q, k, v = make_inputs(DEV, torch.bfloat16, 1, 2, 2, 64, 64, 64)
+    out, lse = torch.ops.flashmod.attention(q, k, v)
+    monkeypatch.setenv("FLASHMOD_BWD_SM90_TILE", "no-such-tile")
+    with pytest.raises(RuntimeError, match=r"FLASHMOD_BWD_SM90_TILE=no-such-tile .*head dim 64.*base"):
+        torch.ops.flashmod.attention_backward(torch.randn_like(out), None, q, k, v, out, lse)

@@ -378,8 +378,21 @@ DECODE_MODES = {
     "packed_5splits": {"FLASHMOD_DECODE_SPLITS": "5"},
     "unpacked_3splits": {"FLASHMOD_DECODE_PACK": "0", "FLASHMOD_DECODE_SPLITS": "3"},
     "packed_64splits": {"FLASHMOD_DECODE_SPLITS": "64"},  # many empty splits at small Nk
+    # The split-KV combine as its own kernel instead of each tile's last CTA: bitwise the same as
+    # packed_5splits / unpacked_3splits.
+    "packed_5splits_kernel": {"FLASHMOD_DECODE_SPLITS": "5", "FLASHMOD_DECODE_FUSED_COMBINE": "0"},
+    "unpacked_3splits_kernel": {
+        "FLASHMOD_DECODE_PACK": "0",
+        "FLASHMOD_DECODE_SPLITS": "3",
+        "FLASHMOD_DECODE_FUSED_COMBINE": "0",
+    },
 }
-DECODE_KNOBS = ("FLASHMOD_DECODE", "FLASHMOD_DECODE_PACK", "FLASHMOD_DECODE_SPLITS")
+DECODE_KNOBS = (
+    "FLASHMOD_DECODE",
+    "FLASHMOD_DECODE_PACK",
+    "FLASHMOD_DECODE_SPLITS",
+    "FLASHMOD_DECODE_FUSED_COMBINE",
+)
 
 
 def use_decode_mode(monkeypatch, mode):
@@ -402,6 +415,13 @@ def check_all_decode_modes(monkeypatch, q, k, v, mask=None, **opts):
         assert_within_rule(out, truth_o, plain_o, 2.0, dtype, f"out [{mode}]")
         assert_within_rule(lse, truth_l, plain_l.float(), 2.0, dtype, f"lse [{mode}]")
         results[mode] = (out, lse)
+    same = (
+        ("packed_5splits", "packed_5splits_kernel"),
+        ("unpacked_3splits", "unpacked_3splits_kernel"),
+    )
+    for fused, kernel in same:
+        for a, b in zip(results[fused], results[kernel]):  # bitwise, NaN rows included
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=f"{fused} != {kernel}")
     return results
 
 

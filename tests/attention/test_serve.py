@@ -435,6 +435,125 @@ def test_kvcache_cuda_graph_capture():
         assert_within_rule(out[b], truth, plain, 2, dtype, f"replayed row {b}")
 
 
+def paged_copy(k_cont, v_cont, page_size, spare=3):
+    """The caches (B, S, Hkv, D) as a shuffled pool of pages with spare pages nobody owns: (k_pool,
+    v_pool, block_table, the pool's spare-page mask)."""
+    B, S, hkv, d = k_cont.shape
+    n = S // page_size
+    perm = torch.randperm(B * n + spare, device=k_cont.device)[: B * n].to(torch.int32)
+    table = perm.reshape(B, n)
+    k_pool = torch.randn(B * n + spare, page_size, hkv, d, dtype=k_cont.dtype, device=k_cont.device)
+    v_pool = torch.randn_like(k_pool)
+    k_pool[table.long()] = k_cont.reshape(B, n, page_size, hkv, d)
+    v_pool[table.long()] = v_cont.reshape(B, n, page_size, hkv, d)
+    unowned = torch.ones(B * n + spare, dtype=torch.bool, device=k_cont.device)
+    unowned[table.long().flatten()] = False
+    return k_pool, v_pool, table, unowned
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [0, 16, 8, 48, 256])
+@pytest.mark.parametrize("s_new", [1, 5, 70])
+@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=3"])
+def test_kvcache_fused_append_equals_append_kernel(monkeypatch, page_size, s_new, knobs):
+    """Decode-shaped calls append inside the attention kernel (new rows read from k/v, written by one
+    CTA per kv head); the result and the caches are bitwise those of the separate append kernel,
+    with new rows across key-block (64) and page boundaries, more new rows than a key block, split-KV
+    (the heuristic's and 3 forced), GQA 32/8 packed and (Sq = 2, causal) unpacked,
+    contiguous (0) and paged caches; no slot outside the appended ones changes."""
+    monkeypatch.setenv(*knobs.split("="))
+    dtype, B, hq, hkv, d = torch.bfloat16, 5, 32, 8, 128
+    S = 768
+    k_cont, v_cont = make_cache(B, S, hkv, d, dtype, "cuda")
+    seqlens = torch.tensor([0, 63, 64 - s_new % 64, 250, S - s_new], dtype=torch.int32, device="cuda")
+    k_new, v_new = (torch.randn(B, s_new, hkv, d, dtype=dtype, device="cuda") for _ in range(2))
+    for sq, causal in ((1, False), (2, True)):
+        q = torch.randn(B, sq, hq, d, dtype=dtype, device="cuda")
+        results = {}
+        for fused in ("1", "0"):
+            monkeypatch.setenv("FLASHMOD_KVCACHE_FUSED_APPEND", fused)
+            if page_size:
+                k_pool, v_pool, table, unowned = paged_copy(k_cont, v_cont, page_size)
+                caches, kw = (k_pool, v_pool), {"block_table": table}
+            else:
+                caches, kw = (k_cont.clone(), v_cont.clone()), {}
+            before = [c.clone() for c in caches]
+            out, lse = flashmod.flash_attn_with_kvcache(
+                q, *caches, k_new, v_new, cache_seqlens=seqlens, causal=causal, return_lse=True, **kw
+            )
+            if page_size:
+                # Back to the contiguous layout; pages outside the table must be untouched.
+                for c, c0 in zip(caches, before):
+                    assert torch.equal(c[unowned], c0[unowned]), "a page outside the table changed"
+                caches = [c[table.long()].reshape(B, S, hkv, d) for c in caches]
+                before = [c[table.long()].reshape(B, S, hkv, d) for c in before]
+            written = torch.zeros(B, S, dtype=torch.bool, device="cuda")
+            for b in range(B):
+                n = int(seqlens[b])
+                written[b, n : n + s_new] = True
+                assert torch.equal(caches[0][b, n : n + s_new], k_new[b]), f"fused={fused}: row {b} k not appended"
+                assert torch.equal(caches[1][b, n : n + s_new], v_new[b]), f"fused={fused}: row {b} v not appended"
+            for c, c0 in zip(caches, before):
+                assert torch.equal(c[~written], c0[~written]), f"fused={fused}: an untouched cache slot changed"
+            results[fused] = (out, lse)
+        assert torch.equal(results["1"][0], results["0"][0]), "fused append: out differs from the append kernel's"
+        assert torch.equal(results["1"][1], results["0"][1]), "fused append: lse differs from the append kernel's"
+        for b in (0, 3):
+            ks = torch.cat([k_cont[b, : int(seqlens[b])], k_new[b]])
+            vs = torch.cat([v_cont[b, : int(seqlens[b])], v_new[b]])
+            truth, _ = reference(q[b], ks, vs, opts_of("causal" if causal else "plain"), torch.float64)
+            plain, _ = reference(q[b], ks, vs, opts_of("causal" if causal else "plain"), dtype)
+            assert_within_rule(results["1"][0][b], truth, plain, 2, dtype, f"row {b}")
+
+
+@pytest.mark.cuda
+def test_kvcache_fused_append_with_cache_batch_idx(monkeypatch):
+    """The fused append writes through cache_batch_idx (rows of a larger cache, out of order): the
+    same caches and result as the append kernel, other cache rows untouched."""
+    dtype, B, hq, hkv, d, s_new = torch.bfloat16, 3, 8, 2, 64, 3
+    k_cache, v_cache = make_cache(6, 300, hkv, d, dtype, "cuda")
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor([10, 297, 128], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, 1, hq, d, dtype=dtype, device="cuda")
+    kn, vn = (torch.randn(B, s_new, hkv, d, dtype=dtype, device="cuda") for _ in range(2))
+    results = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("FLASHMOD_KVCACHE_FUSED_APPEND", fused)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = flashmod.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, cache_batch_idx=idx)
+        results[fused] = (out, kc, vc)
+    for a, b in zip(results["1"], results["0"]):
+        assert torch.equal(a, b), "fused append with cache_batch_idx differs from the append kernel"
+    untouched = [r for r in range(6) if r not in idx.tolist()]
+    assert torch.equal(results["1"][1][untouched], k_cache[untouched]), "a cache row outside cache_batch_idx changed"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [1, 8, 16, 32, 48, 100])
+@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=5"])
+def test_kvcache_small_pages_equal_contiguous_on_long_caches(monkeypatch, page_size, knobs):
+    """Pages smaller than (or misaligned with) a 64-key block load row by row, each thread stepping
+    through its rows' pages: bitwise the contiguous result over caches of a few thousand keys with
+    uneven lengths, split-KV, windows and softcap, with and without an append."""
+    monkeypatch.setenv(*knobs.split("="))
+    dtype, B, hq, hkv, d = torch.bfloat16, 3, 32, 8, 128
+    S = (2100 // page_size) * page_size
+    k_cont, v_cont = make_cache(B, S, hkv, d, dtype, "cuda")
+    seqlens = torch.tensor([S - 1, 1, 1000 + page_size // 2], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, 1, hq, d, dtype=dtype, device="cuda")
+    kn, vn = (torch.randn(B, 1, hkv, d, dtype=dtype, device="cuda") for _ in range(2))
+    for opts in ({}, {"window_size": (300, 0), "softcap": 20.0}):
+        k_pool, v_pool, table, _ = paged_copy(k_cont, v_cont, page_size)
+        for new in ((), (kn, vn)):
+            kc, vc = k_cont.clone(), v_cont.clone()
+            cont = flashmod.flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=seqlens, **opts)
+            paged = flashmod.flash_attn_with_kvcache(
+                q, k_pool, v_pool, *new, cache_seqlens=seqlens, block_table=table, **opts
+            )
+            assert torch.equal(paged, cont), f"page_size {page_size}, {opts}, append {bool(new)}: paged != contiguous"
+            assert torch.equal(k_pool[table.long()].reshape(B, S, hkv, d), kc), "paged append differs"
+
+
 def test_serving_functions_validate_like_flash_attn_func(device):
     """window_size must be a pair of ints, tensors must be tensors, and a window side reaching over
     max_seqlen_k (varlen) or the cache's capacity (kvcache) is unbounded, as in flash-attn."""

@@ -10,8 +10,10 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <string>
 
 #include "../../common/error_message.h"
+#include "../../common/knobs.h"
 #include "../attention_host.h"
 #include "entry_points.h"
 #include "generated/kernel_variants.h"
@@ -26,6 +28,23 @@ using Gradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 bool rows_aligned_pairs(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % (2 * t.element_size()) == 0 &&
          t.stride(0) % 2 == 0 && t.stride(1) % 2 == 0 && t.stride(2) % 2 == 0;
+}
+
+// The row of kBwdSm90Tiles to run for padded head dim d: the one FLASHMOD_BWD_SM90_TILE names, or
+// the default tile when it is unset. A name with no build for d is an error listing those built.
+int bwd_sm90_tile(int d) {
+  const std::string name = env_text("FLASHMOD_BWD_SM90_TILE");
+  const int tile = cuda_kernels::find_tile(cuda_kernels::kBwdSm90Tiles, name.c_str(), d);
+  if (tile < 0) {
+    std::string built;
+    for (const cuda_kernels::KernelTile& t : cuda_kernels::kBwdSm90Tiles)
+      if (t.head_dim == d) built += (built.empty() ? "" : ", ") + std::string(t.name);
+    TORCH_CHECK(
+        false, flashmod::error_message("flashmod.attention_backward: FLASHMOD_BWD_SM90_TILE=", name,
+                                       " names no Hopper backward tile for head dim ", d,
+                                       "; expected one of: ", built));
+  }
+  return tile;
 }
 
 Gradients attention_backward_cuda(const at::Tensor& grad_out,
@@ -82,10 +101,11 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
     }
   } else if (sm90_kernels_usable() &&
              cuda_kernels::has_head_dim(cuda_kernels::kBwdSm90HeadDims, padded)) {
-    switch (key) {
-#define FLASHMOD_BWD_SM90_CASE(Elem, kind, D)                           \
-  case cuda_kernels::variant_key(ScalarKind::kind, D):                  \
-    err = cuda_kernels::run_attention_bwd_sm90<Elem, D>(p, st, stream); \
+    // Tile indices are below 64 (tools/gen_kernels.py checks).
+    switch (key * 64 + bwd_sm90_tile(padded)) {
+#define FLASHMOD_BWD_SM90_CASE(Elem, kind, D, T)                           \
+  case cuda_kernels::variant_key(ScalarKind::kind, D) * 64 + T:            \
+    err = cuda_kernels::run_attention_bwd_sm90<Elem, D, T>(p, st, stream); \
     break;
       FLASHMOD_BWD_SM90_VARIANTS(FLASHMOD_BWD_SM90_CASE)
 #undef FLASHMOD_BWD_SM90_CASE

@@ -51,6 +51,7 @@ bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, in
   // torch caches the properties per device (one cudaGetDeviceProperties each).
   opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
+  opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
   // The split-KV workspace comes from torch's caching allocator on the current stream; freeing
   // it when this function returns is stream-ordered, so the kernels still queued keep it.
   at::Tensor workspace;

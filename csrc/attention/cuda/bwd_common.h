@@ -17,8 +17,9 @@
 namespace flashmod::cuda_kernels {
 
 // kWhich: both dK and dV (head dims <= 128), or one of them per launch (larger head dims, whose
-// two accumulators would not fit the registers together).
-enum BwdWhich : int { kBwdBoth = 0, kBwdOnlyDV = 1, kBwdOnlyDK = 2 };
+// two accumulators would not fit the registers together), or (Hopper) dV by one warpgroup and dK
+// by the other of one CTA, sharing its tiles.
+enum BwdWhich : int { kBwdBoth = 0, kBwdOnlyDV = 1, kBwdOnlyDK = 2, kBwdPair = 3 };
 
 // The score transform of one (query i, key j) pair of the general path (a mask tensor, a soft cap
 // or a non-positive scale): returns P = exp(s - lse) (0 where hidden) and leaves in dcap the
@@ -126,6 +127,25 @@ __device__ __forceinline__ void transposed_probs_and_grads(
   const int k0 = n_block * Bc;
   const bool all_visible =
       !kGeneral && key_block_unmasked(p, r0, r0 + Br - 1, n_block, Bc) && k0 + Bc <= Nk;
+  if (all_visible) {
+    // Every (query, key) pair of the block is visible and its keys are real: no window compares
+    // and no guard for hidden keys (grad_score), only the transform; at D = 64 the elementwise
+    // work is as long as the step's wgmma.
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni) {
+      // Columns 2t and 2t + 1: one 8-byte load each (the rows are cp.async 16-byte destinations).
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * ni + 2 * t);
+      const float2 dl =
+          kDK ? *reinterpret_cast<const float2*>(delta + 8 * ni + 2 * t) : make_float2(0.f, 0.f);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float prob = exp2f(fmaf(St[ni][e], scale_log2, -(e & 1 ? l2.y : l2.x)));
+        St[ni][e] = prob;
+        if constexpr (kDK) dPt[ni][e] = prob * (dPt[ni][e] - (e & 1 ? dl.y : dl.x));
+      }
+    }
+    return;
+  }
   const int64_t mask_head = b * p.mask_batch_stride + h * p.mask_head_stride;
   float* gmask =
       p.grad_mask ? p.grad_mask + ((b * p.heads_q + h) * p.seqlen_q) * p.seqlen_k : nullptr;
@@ -153,7 +173,9 @@ __device__ __forceinline__ void transposed_probs_and_grads(
         St[ni][e] = prob;
         if constexpr (kDK) {
           const float ds = grad_score(prob, dPt[ni][e], dl);
-          if (gmask != nullptr && i < p.seqlen_q && j < Nk) gmask[i * p.seqlen_k + j] = ds;
+          // grad_mask comes only with an additive mask: the general path.
+          if (kGeneral && gmask != nullptr && i < p.seqlen_q && j < Nk)
+            gmask[i * p.seqlen_k + j] = ds;
           dPt[ni][e] = ds * dcap;
         }
       }
@@ -192,6 +214,17 @@ __device__ __forceinline__ void probs_and_grads(float (&S)[NT][4], const float (
                                                 int Bc, int t) {
   const bool all_visible = !kGeneral && key_block_unmasked(p, r0, r0 + Br - 1, n, Bc);
   const int key0 = n * Bc + 2 * t;
+  if (all_visible) {  // as in transposed_probs_and_grads: only the transform
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = e >> 1;
+        const float prob = exp2f(fmaf(S[ni][e], scale_log2, -rows.lse2[hh]));
+        S[ni][e] = prob * (dP[ni][e] - rows.delta[hh]);
+      }
+    return;
+  }
 #pragma unroll
   for (int ni = 0; ni < NT; ++ni)
 #pragma unroll

@@ -11,6 +11,7 @@
 #include <math_constants.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/cuda/ptx_ops.h"
 #include "../../common/cuda/sw128_tile_copy.h"
@@ -22,33 +23,55 @@
 
 namespace flashmod::cuda_kernels::sm90 {
 
+// Shared-memory stages of the tiles a kernel streams (Q_i/dO_i in dK/dV, K_j/V_j in dQ), and how
+// far ahead cp.async runs. kOverlap: a step's gradient wgmma (dV/dK += ..., dQ += ...) is left in
+// flight while the next step waits for its tiles, passes the barrier and issues its score wgmma;
+// it is waited for after those. Its operand tiles are then still being read one step later, so
+// the prefetch runs one stage less ahead than the stages allow.
+template <int kStages_, bool kOverlap_>
+struct BwdStagesSm90 {
+  static constexpr int kStages = kStages_;
+  static constexpr bool kOverlap = kOverlap_;
+  static constexpr int kAhead = kOverlap ? kStages - 2 : kStages - 1;  // steps prefetched
+  static_assert(kAhead >= 1, "at least one step in flight: 2 stages, 3 with kOverlap");
+};
+
 // dK/dV: Bc = 64 key rows per warpgroup; each step takes Br query rows (wgmma's N of S^T).
-template <typename Elem_, int kHeadDim_, int kWarpgroups, int kBr, int kMinBlocks_ = 1>
-struct BwdKVTraitsSm90 {
+// kPair: two warpgroups over the same 64 keys (kBwdPair: one accumulates dV, the other dK).
+template <typename Elem_, int kHeadDim_, int kWarpgroups, int kBr, int kMinBlocks_ = 1,
+          int kStages_ = 2, bool kOverlap_ = false, bool kPair = false, int kKReg_ = 0>
+struct BwdKVTraitsSm90 : BwdStagesSm90<kStages_, kOverlap_> {
   using Elem = Elem_;
+  // The score products' A operand from registers, loaded once per CTA: 1 K_j, 2 K_j and V_j
+  // (kKSteps x 4 registers each); the products then read only Q_i / dO_i from shared memory.
+  static constexpr int kKReg = kKReg_;
   static constexpr int kMinBlocks = kMinBlocks_;  // CTAs per SM the registers must allow
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int Bc = 64 * kWarpgroups;
+  static constexpr int Bc = kPair ? 64 : 64 * kWarpgroups;
   static constexpr int Br = kBr;
-  static constexpr int kNThreads = 128 * kWarpgroups;
+  static constexpr int kNThreads = 128 * (kPair ? 2 : kWarpgroups);
   static constexpr int kNTiles = Br / 8;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
   static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;  // wgmma N of dK, dV chunks
   static constexpr int kSmemKV = Bc * kHeadDim * 2;                // bytes of K_j or V_j
   static constexpr int kSmemQ = Br * kHeadDim * 2;                 // bytes of one Q_i or dO_i
-  // K_j, V_j; two stages of Q_i, dO_i and their rows' lse2/delta; +1024 to align the base to the
-  // swizzle atom.
-  static constexpr int kSmemBytes = 2 * kSmemKV + 2 * 2 * kSmemQ + 2 * 2 * Br * 4 + 1024;
+  // K_j, V_j; kStages stages of Q_i, dO_i and their rows' lse2/delta; +1024 to align the base to
+  // the swizzle atom.
+  static constexpr int kSmemBytes = 2 * kSmemKV + kStages_ * (2 * kSmemQ + 2 * Br * 4) + 1024;
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole 64-column blocks");
   static_assert(Br == 64 || Br == 128, "wgmma N of S^T");
+  static_assert(Br <= kBwdRowPad, "the row statistics are padded to whole steps");
+  static_assert(kKReg == 0 || (!kOverlap_ && !kPair), "register K/V: plain steps only");
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
+  static_assert(kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024, "kMinBlocks CTAs fit an SM");
 };
 
 // dQ: Br = 64 query rows per warpgroup, key blocks of Bc (wgmma's N of S).
-template <typename Elem_, int kHeadDim_, int kWarpgroups, int kBc, int kMinBlocks_ = 1>
-struct BwdQTraitsSm90 {
+template <typename Elem_, int kHeadDim_, int kWarpgroups, int kBc, int kMinBlocks_ = 1,
+          int kStages_ = 2, bool kOverlap_ = false>
+struct BwdQTraitsSm90 : BwdStagesSm90<kStages_, kOverlap_> {
   using Elem = Elem_;
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -61,13 +84,30 @@ struct BwdQTraitsSm90 {
   static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;
   static constexpr int kSmemQ = Br * kHeadDim * 2;
   static constexpr int kSmemKV = Bc * kHeadDim * 2;
-  // Q_i, dO_i; two stages of K_j, V_j.
-  static constexpr int kSmemBytes = 2 * kSmemQ + 2 * 2 * kSmemKV + 1024;
+  // Q_i, dO_i; kStages stages of K_j, V_j.
+  static constexpr int kSmemBytes = 2 * kSmemQ + kStages_ * 2 * kSmemKV + 1024;
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole 64-column blocks");
   static_assert(Bc == 64 || Bc == 128, "wgmma N of S");
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
+  static_assert(kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024, "kMinBlocks CTAs fit an SM");
 };
+
+// d = A B, the first k16 step of a score product. With kOverlap the previous step's gradient wgmma
+// is in flight: d is then an output only (ss_overwrite), so no ordinary instruction has to define
+// its registers meanwhile. Without, the read-write form: ss_overwrite costs the D = 64 kv128
+// tile 152 bytes of spill.
+template <typename Elem, int N, bool kOverlap>
+__device__ __forceinline__ void wgmma_ss_first(float (&d)[N / 8][4], uint64_t desc_a,
+                                               uint64_t desc_b) {
+#ifdef FLASHMOD_SM90A
+  if constexpr (kOverlap) {
+    Wgmma<Elem, N>::ss_overwrite(d, desc_a, desc_b);
+  } else {
+    Wgmma<Elem, N>::ss(d, desc_a, desc_b, 0);
+  }
+#endif
+}
 
 // Byte offset of k16 step ks in a K-major swizzled tile of `rows` rows: 64-column blocks are
 // rows * 128 bytes apart, and a k16 step is 32 bytes into its block.
@@ -75,13 +115,18 @@ __device__ __forceinline__ uint32_t k_step(int ks, int rows) {
   return static_cast<uint32_t>((ks / 4) * rows * 128 + (ks % 4) * 32);
 }
 
-// acc (64 rows x D per warpgroup) += A B with A from registers (a[k16 slice]) and B the
+// acc (64 rows x D per warpgroup) (+)= A B with A from registers (a[k16 slice]) and B the
 // MN-major (k rows x D) tile at desc: k16 slice kk is 16 rows (2048 bytes) down, column chunk oc
 // of kOChunk columns starts kOChunk / 64 column blocks of tile_rows * 128 bytes to the right.
+// first: the first product into acc, which overwrites it. With the gradient product in flight
+// across the loop's back edge (kOverlap) the accumulators must not be zeroed by ordinary
+// instructions: that definition reaching the loop head makes ptxas serialize every wgmma (C7515).
+// Without kOverlap they are zeroed ahead of the loop: fewer registers (the D = 64 kv128 tile
+// spills 148 bytes with the predicate).
 template <typename Elem, int kHeadDim, int kOChunk, int kKSlices>
 __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
                                               const uint32_t (&a)[kKSlices][4], uint64_t desc,
-                                              int tile_rows) {
+                                              int tile_rows, bool first) {
 #ifdef FLASHMOD_SM90A
 #pragma unroll
   for (int kk = 0; kk < kKSlices; ++kk)
@@ -89,13 +134,14 @@ __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
     for (int oc = 0; oc < kHeadDim / kOChunk; ++oc) {
       auto& chunk = *reinterpret_cast<float (*)[kOChunk / 8][4]>(&acc[oc * kOChunk / 8]);
       Wgmma<Elem, kOChunk>::rs_accumulate(
-          chunk, a[kk], desc_advance(desc, kk * 2048 + (oc * kOChunk / 64) * tile_rows * 128));
+          chunk, a[kk], desc_advance(desc, kk * 2048 + (oc * kOChunk / 64) * tile_rows * 128),
+          !(first && kk == 0));
     }
 #endif
 }
 
-// kWhich (bwd_common.h): dK and dV together, or one of them per launch where the two D-wide
-// accumulators do not fit one warpgroup's registers (D = 256).
+// kWhich (bwd_common.h): dK and dV together, or, where the two D-wide accumulators do not fit one
+// warpgroup's registers (D = 256), one of them per launch or one per warpgroup of the CTA.
 template <class Tr, bool kGeneral, int kWhich>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams p, const BwdRowStats st) {
@@ -103,16 +149,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
-  constexpr bool kDV = kWhich != kBwdOnlyDK, kDK = kWhich != kBwdOnlyDV;
+  static_assert((kWhich == kBwdPair) == (kThreads == 256 && Bc == 64),
+                "kBwdPair: two warpgroups over the same 64 keys");
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
   const uint32_t sK_addr = (raw_addr + 1023) & ~1023u;
   const uint32_t sV_addr = sK_addr + Tr::kSmemKV;
-  const uint32_t sQ_addr0 = sV_addr + Tr::kSmemKV;       // 2 stages
-  const uint32_t sdO_addr0 = sQ_addr0 + 2 * Tr::kSmemQ;  // 2 stages
-  float* sL = reinterpret_cast<float*>(smem_raw + (sdO_addr0 + 2 * Tr::kSmemQ - raw_addr));
-  float* sDelta = sL + 2 * Br;
+  constexpr int kStages = Tr::kStages, kAhead = Tr::kAhead;
+  const uint32_t sQ_addr0 = sV_addr + Tr::kSmemKV;             // kStages stages
+  const uint32_t sdO_addr0 = sQ_addr0 + kStages * Tr::kSmemQ;  // kStages stages
+  float* sL = reinterpret_cast<float*>(smem_raw + (sdO_addr0 + kStages * Tr::kSmemQ - raw_addr));
+  float* sDelta = sL + kStages * Br;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
   const int g = lane >> 2, t = lane & 3;
@@ -138,9 +186,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const Sw128TileCopy<Br, D, kThreads> q_copy(tid, head_dim);
 
   // Step s = (head of the group, query block), head-major as in the portable kernel.
-  auto load_step = [&](int s, int stage) {
-    const int64_t h = hk * group + s / m_count;
-    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+  // Steps are walked with a (head, block) cursor rather than divided out of s: at D = 64 the
+  // per-step integer work is a large share of the step's instructions.
+  struct StepCursor {
+    int head, block;  // head of the group, query block from m_lo
+    __device__ __forceinline__ void next(int m_count) {
+      if (++block == m_count) block = 0, ++head;
+    }
+  };
+  auto load_step = [&](StepCursor c, int stage) {
+    const int64_t h = hk * group + c.head;
+    const int64_t r0 = static_cast<int64_t>(m_lo + c.block) * Br;
     const int valid = p.seqlen_q - r0 < Br ? static_cast<int>(p.seqlen_q - r0) : Br;
     const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
                     r0 * p.q_row_stride;
@@ -157,15 +213,22 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     }
   };
 
+  // One cp.async group per step (the first also holds K_j, V_j), committed even when empty so
+  // that a step's group is always kAhead - 1 groups behind the newest.
   kv_copy.load(sK_addr, gK, p.k_row_stride, rows_k);
   kv_copy.load(sV_addr, gV, p.v_row_stride, rows_k);
-  if (steps > 0) load_step(0, 0);
-  cp_async_commit();
+  if constexpr (Tr::kKReg > 0) cp_async_commit();  // K_j, V_j first: read into registers below
+#pragma unroll
+  for (int a = 0; a < kAhead; ++a) {
+    if (a < steps) load_step({a / m_count, a % m_count}, a);
+    cp_async_commit();
+  }
 
   // A: this warpgroup's 64 rows of K_j / V_j (K-major). B of the score products: Q_i / dO_i
   // (K-major). B of the gradient products: the same Q_i / dO_i tiles read MN-major.
-  const uint64_t k_desc = sw128_desc(sK_addr + warpgroup * 64 * 128, 16, 1024);
-  const uint64_t v_desc = sw128_desc(sV_addr + warpgroup * 64 * 128, 16, 1024);
+  const int row_block = kWhich == kBwdPair ? 0 : warpgroup;  // this warpgroup's 64 keys
+  const uint64_t k_desc = sw128_desc(sK_addr + row_block * 64 * 128, 16, 1024);
+  const uint64_t v_desc = sw128_desc(sV_addr + row_block * 64 * 128, 16, 1024);
   const uint64_t q_desc0 = sw128_desc(sQ_addr0, 16, 1024);
   const uint64_t do_desc0 = sw128_desc(sdO_addr0, 16, 1024);
   const uint64_t q_mn_desc0 = sw128_desc(sQ_addr0, Br * 128, 1024);
@@ -173,85 +236,163 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
   const ScoreTransform tf(p);
   const float scale_log2 = tf.scale * 1.4426950408889634f;
-  const int warp_row0 = warp * 16;  // warp w of warpgroup wg owns key rows 64 wg + 16 (w % 4)
+  const int warp_row0 = row_block * 64 + (warp % 4) * 16;  // the warp's 16 key rows
   const int key_row[2] = {k0 + warp_row0 + g, k0 + warp_row0 + g + 8};
 
-  float dV[kDV ? DT : 1][4], dK[kDK ? DT : 1][4];
-  zero(dV);
-  zero(dK);
-
-  for (int s = 0; s < steps; ++s) {
-    const int stage = s & 1;
-    cp_async_wait<0>();
-    fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
-    // Publishes step s's tiles copied by every thread, and every warpgroup is done with step
-    // s - 1, whose buffers the prefetch below overwrites.
+  // Register K_j / V_j (kKReg): this warp's 16 key rows as the A fragments of every k16 step,
+  // read with ldmatrix once K_j, V_j (their own cp.async group) have landed.
+  uint32_t ka[Tr::kKReg >= 1 ? Tr::kKSteps : 1][4], va[Tr::kKReg >= 2 ? Tr::kKSteps : 1][4];
+  if constexpr (Tr::kKReg > 0) {
+    cp_async_wait<kAhead>();
     __syncthreads();
-    if (s + 1 < steps) load_step(s + 1, stage ^ 1);
-    cp_async_commit();
-
-    const int64_t h = hk * group + s / m_count;
-    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
-    const uint32_t stage_bytes = stage * Tr::kSmemQ;
-
-    float St[NT][4], dPt[kDK ? NT : 1][4];
-    wgmma_fence();
+    const int row = warp_row0 + lane % 16;
 #pragma unroll
-    for (int ks = 0; ks < Tr::kKSteps; ++ks)
-      Wgmma<Elem, Br>::ss(St, desc_advance(k_desc, k_step(ks, Bc)),
-                          desc_advance(q_desc0, stage_bytes + k_step(ks, Br)), ks > 0);
-    if constexpr (kDK) {
-#pragma unroll
-      for (int ks = 0; ks < Tr::kKSteps; ++ks)
-        Wgmma<Elem, Br>::ss(dPt, desc_advance(v_desc, k_step(ks, Bc)),
-                            desc_advance(do_desc0, stage_bytes + k_step(ks, Br)), ks > 0);
+    for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+      const uint32_t off = sw128_offset<Bc>(row, 2 * ks + lane / 16);
+      ldmatrix_x4(ka[ks], sK_addr + off);
+      if constexpr (Tr::kKReg >= 2) ldmatrix_x4(va[ks], sV_addr + off);
     }
-    wgmma_commit();
-    wgmma_wait<0>();
-    pin_registers(St);
-    pin_registers(dPt);
+  }
 
-    transposed_probs_and_grads<Elem, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
-                                                    n_block, Bc, key_row, sL + stage * Br,
-                                                    sDelta + stage * Br, t);
-    // The gradient products take P^T / dS^T packed from the score registers. Those and the
-    // accumulators were written by ordinary instructions: pinned ahead of the fence that orders
-    // them before the wgmma reads.
+  // The step loop for one gradient set (a warpgroup's accumulators): kBwdPair runs it for dV on
+  // warpgroup 0 and for dK on warpgroup 1, both over the same tiles and barriers.
+  auto mainloop = [&](auto which) {
+    constexpr int kW = decltype(which)::value;
+    constexpr bool kDV = kW != kBwdOnlyDK, kDK = kW != kBwdOnlyDV;
+    float dV[kDV ? DT : 1][4], dK[kDK ? DT : 1][4];
+    if constexpr (!Tr::kOverlap) {  // kOverlap: written first by step 0's products
+      zero(dV);
+      zero(dK);
+    }
+    // P^T / dS^T packed for the gradient products; with kOverlap they stay live (read by the wgmma
+    // in flight) until the next step's wait.
     uint32_t pa[kDV ? Br / 16 : 1][4], da[kDK ? Br / 16 : 1][4];
-#pragma unroll
-    for (int kk = 0; kk < Br / 16; ++kk) {
-      if constexpr (kDV) pack_a<Elem>(pa[kk], St, kk);
-      if constexpr (kDK) pack_a<Elem>(da[kk], dPt, kk);
-    }
-    pin_registers(dV);
-    pin_registers(dK);
-    pin_registers(pa);
-    pin_registers(da);
-    wgmma_fence();
-    if constexpr (kDV)
-      wgmma_rs_tile<Elem, D, Tr::kOChunk>(dV, pa, desc_advance(do_mn_desc0, stage_bytes), Br);
-    if constexpr (kDK)
-      wgmma_rs_tile<Elem, D, Tr::kOChunk>(dK, da, desc_advance(q_mn_desc0, stage_bytes), Br);
-    wgmma_commit();
-    wgmma_wait<0>();
-    pin_registers(dV);
-    pin_registers(dK);
-    pin_registers(pa);
-    pin_registers(da);
-  }
-  cp_async_wait<0>();
 
-  const bool vec = st.vec_store != 0;
-  if constexpr (kDV) {
-    Elem* gdV = static_cast<Elem*>(p.grad_v) + b * p.grad_v_batch_stride +
-                hk * p.grad_v_head_stride + static_cast<int64_t>(k0) * p.grad_v_row_stride;
-    store_rows<Elem, DT>(gdV, p.grad_v_row_stride, dV, 1.f, warp_row0, rows_k, head_dim, lane, vec);
-  }
-  if constexpr (kDK) {
-    Elem* gdK = static_cast<Elem*>(p.grad_k) + b * p.grad_k_batch_stride +
-                hk * p.grad_k_head_stride + static_cast<int64_t>(k0) * p.grad_k_row_stride;
-    store_rows<Elem, DT>(gdK, p.grad_k_row_stride, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
-                         vec);
+    StepCursor step{0, 0};  // the step s, and the step the prefetch loads next (s + kAhead)
+    StepCursor ahead_step{0, 0};
+    if (steps > kAhead) ahead_step = {kAhead / m_count, kAhead % m_count};
+    for (int s = 0, stage = 0; s < steps; ++s, stage = stage + 1 < kStages ? stage + 1 : 0) {
+      cp_async_wait<kAhead - 1>();
+      fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
+      // Publishes step s's tiles copied by every thread, and every warp is done with the stage
+      // the prefetch below overwrites: step s - 1's (s - 2's with kOverlap, whose gradient wgmma
+      // each warp waited for during step s - 1).
+      __syncthreads();
+      if (s + kAhead < steps) {
+        const int ahead = stage + kAhead;
+        load_step(ahead_step, ahead < kStages ? ahead : ahead - kStages);
+        ahead_step.next(m_count);
+      }
+      cp_async_commit();
+
+      const int64_t h = hk * group + step.head;
+      const int64_t r0 = static_cast<int64_t>(m_lo + step.block) * Br;
+      step.next(m_count);
+      const uint32_t stage_bytes = stage * Tr::kSmemQ;
+
+      float St[NT][4], dPt[kDK ? NT : 1][4];
+      wgmma_fence();
+      if constexpr (Tr::kKReg >= 1) {
+#pragma unroll
+        for (int ks = 0; ks < Tr::kKSteps; ++ks)
+          Wgmma<Elem, Br>::rs_kmajor(St, ka[ks],
+                                     desc_advance(q_desc0, stage_bytes + k_step(ks, Br)), ks > 0);
+      } else {
+        wgmma_ss_first<Elem, Br, Tr::kOverlap>(St, k_desc, desc_advance(q_desc0, stage_bytes));
+#pragma unroll
+        for (int ks = 1; ks < Tr::kKSteps; ++ks)
+          Wgmma<Elem, Br>::ss(St, desc_advance(k_desc, k_step(ks, Bc)),
+                              desc_advance(q_desc0, stage_bytes + k_step(ks, Br)), 1);
+      }
+      if constexpr (kDK && Tr::kKReg >= 2) {
+#pragma unroll
+        for (int ks = 0; ks < Tr::kKSteps; ++ks)
+          Wgmma<Elem, Br>::rs_kmajor(dPt, va[ks],
+                                     desc_advance(do_desc0, stage_bytes + k_step(ks, Br)), ks > 0);
+      } else if constexpr (kDK) {
+        wgmma_ss_first<Elem, Br, Tr::kOverlap>(dPt, v_desc, desc_advance(do_desc0, stage_bytes));
+#pragma unroll
+        for (int ks = 1; ks < Tr::kKSteps; ++ks)
+          Wgmma<Elem, Br>::ss(dPt, desc_advance(v_desc, k_step(ks, Bc)),
+                              desc_advance(do_desc0, stage_bytes + k_step(ks, Br)), 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();  // with kOverlap, also step s - 1's gradient products
+      pin_registers(St);
+      pin_registers(dPt);
+      if constexpr (Tr::kOverlap) {
+        pin_registers(dV);
+        pin_registers(dK);
+        pin_registers(pa);
+        pin_registers(da);
+      }
+
+      transposed_probs_and_grads<Elem, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
+                                                      n_block, Bc, key_row, sL + stage * Br,
+                                                      sDelta + stage * Br, t);
+      // The gradient products take P^T / dS^T packed from the score registers. Those and the
+      // accumulators were written by ordinary instructions: pinned ahead of the fence that orders
+      // them before the wgmma reads.
+#pragma unroll
+      for (int kk = 0; kk < Br / 16; ++kk) {
+        if constexpr (kDV) pack_a<Elem>(pa[kk], St, kk);
+        if constexpr (kDK) pack_a<Elem>(da[kk], dPt, kk);
+      }
+      pin_registers(dV);
+      pin_registers(dK);
+      pin_registers(pa);
+      pin_registers(da);
+      wgmma_fence();
+      if constexpr (kDV)
+        wgmma_rs_tile<Elem, D, Tr::kOChunk>(dV, pa, desc_advance(do_mn_desc0, stage_bytes), Br,
+                                            Tr::kOverlap && s == 0);
+      if constexpr (kDK)
+        wgmma_rs_tile<Elem, D, Tr::kOChunk>(dK, da, desc_advance(q_mn_desc0, stage_bytes), Br,
+                                            Tr::kOverlap && s == 0);
+      wgmma_commit();
+      if constexpr (!Tr::kOverlap) {
+        wgmma_wait<0>();
+        pin_registers(dV);
+        pin_registers(dK);
+        pin_registers(pa);
+        pin_registers(da);
+      }
+    }
+    if constexpr (Tr::kOverlap) {
+      wgmma_wait<0>();
+      pin_registers(dV);
+      pin_registers(dK);
+      pin_registers(pa);
+      pin_registers(da);
+    }
+    cp_async_wait<0>();
+    if (Tr::kOverlap && steps == 0) {  // no query sees these keys
+      zero(dV);
+      zero(dK);
+    }
+
+    const bool vec = st.vec_store != 0;
+    if constexpr (kDV) {
+      Elem* gdV = static_cast<Elem*>(p.grad_v) + b * p.grad_v_batch_stride +
+                  hk * p.grad_v_head_stride + static_cast<int64_t>(k0) * p.grad_v_row_stride;
+      store_rows<Elem, DT>(gdV, p.grad_v_row_stride, dV, 1.f, warp_row0, rows_k, head_dim, lane,
+                           vec);
+    }
+    if constexpr (kDK) {
+      Elem* gdK = static_cast<Elem*>(p.grad_k) + b * p.grad_k_batch_stride +
+                  hk * p.grad_k_head_stride + static_cast<int64_t>(k0) * p.grad_k_row_stride;
+      store_rows<Elem, DT>(gdK, p.grad_k_row_stride, dK, tf.scale, warp_row0, rows_k, head_dim,
+                           lane, vec);
+    }
+  };
+  if constexpr (kWhich == kBwdPair) {
+    if (warpgroup == 0) {
+      mainloop(std::integral_constant<int, kBwdOnlyDV>{});
+    } else {
+      mainloop(std::integral_constant<int, kBwdOnlyDK>{});
+    }
+  } else {
+    mainloop(std::integral_constant<int, kWhich>{});
   }
 #else
   __trap();  // launched only where the sm_90a binary runs (see attention_backward_cuda.cpp)
@@ -270,8 +411,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const uint32_t raw_addr = smem_addr(smem_raw);
   const uint32_t sQ_addr = (raw_addr + 1023) & ~1023u;
   const uint32_t sdO_addr = sQ_addr + Tr::kSmemQ;
-  const uint32_t sK_addr0 = sdO_addr + Tr::kSmemQ;       // 2 stages
-  const uint32_t sV_addr0 = sK_addr0 + 2 * Tr::kSmemKV;  // 2 stages
+  constexpr int kStages = Tr::kStages, kAhead = Tr::kAhead;
+  const uint32_t sK_addr0 = sdO_addr + Tr::kSmemQ;             // kStages stages
+  const uint32_t sV_addr0 = sK_addr0 + kStages * Tr::kSmemKV;  // kStages stages
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
   const int g = lane >> 2, t = lane & 3;
@@ -303,10 +445,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     kv_copy.load(sV_addr0 + stage * Tr::kSmemKV, gV + row0 * p.v_row_stride, p.v_row_stride, valid);
   };
 
+  // One cp.async group per key block (the first also holds Q_i, dO_i), committed even when empty.
   q_copy.load(sQ_addr, gQ, p.q_row_stride, rows_q);
   q_copy.load(sdO_addr, gdO, p.grad_out_row_stride, rows_q);
-  if (range.lo < range.hi) load_kv(range.lo, 0);
-  cp_async_commit();
+#pragma unroll
+  for (int a = 0; a < kAhead; ++a) {
+    if (range.lo + a < range.hi) load_kv(range.lo + a, a);
+    cp_async_commit();
+  }
 
   // A: this warpgroup's 64 rows of Q_i / dO_i (K-major). B of the score products: K_j / V_j
   // (K-major); B of dQ += dS K_j: K_j read MN-major.
@@ -322,48 +468,67 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const LaneRows rows = lane_rows(p, st, b, h, r0 + warp_row0 + g);
 
   float dQ[DT][4];
-  zero(dQ);
+  if constexpr (!Tr::kOverlap) zero(dQ);  // kOverlap: written first by the first block's product
+  uint32_t da[Bc / 16][4];  // dS packed; with kOverlap live until the next block's wait
 
-  for (int n = range.lo; n < range.hi; ++n) {
-    const int stage = (n - range.lo) & 1;
-    cp_async_wait<0>();
+  for (int n = range.lo, stage = 0; n < range.hi;
+       ++n, stage = stage + 1 < kStages ? stage + 1 : 0) {
+    cp_async_wait<kAhead - 1>();
     fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
     // Publishes K_j/V_j (and Q_i, dO_i at the first block) copied by every thread, and every
-    // warpgroup is done with block n - 1, whose buffers the prefetch below overwrites.
+    // warp is done with the stage the prefetch below overwrites (block n - 1's; n - 2's with
+    // kOverlap, whose dQ wgmma each warp waited for during block n - 1).
     __syncthreads();
-    if (n + 1 < range.hi) load_kv(n + 1, stage ^ 1);
+    if (n + kAhead < range.hi) {
+      const int ahead = stage + kAhead;
+      load_kv(n + kAhead, ahead < kStages ? ahead : ahead - kStages);
+    }
     cp_async_commit();
 
     const uint32_t stage_bytes = stage * Tr::kSmemKV;
     float S[NT][4], dP[NT][4];
     wgmma_fence();
+    wgmma_ss_first<Elem, Bc, Tr::kOverlap>(S, q_desc, desc_advance(k_desc0, stage_bytes));
 #pragma unroll
-    for (int ks = 0; ks < Tr::kKSteps; ++ks)
+    for (int ks = 1; ks < Tr::kKSteps; ++ks)
       Wgmma<Elem, Bc>::ss(S, desc_advance(q_desc, k_step(ks, Br)),
-                          desc_advance(k_desc0, stage_bytes + k_step(ks, Bc)), ks > 0);
+                          desc_advance(k_desc0, stage_bytes + k_step(ks, Bc)), 1);
+    wgmma_ss_first<Elem, Bc, Tr::kOverlap>(dP, do_desc, desc_advance(v_desc0, stage_bytes));
 #pragma unroll
-    for (int ks = 0; ks < Tr::kKSteps; ++ks)
+    for (int ks = 1; ks < Tr::kKSteps; ++ks)
       Wgmma<Elem, Bc>::ss(dP, desc_advance(do_desc, k_step(ks, Br)),
-                          desc_advance(v_desc0, stage_bytes + k_step(ks, Bc)), ks > 0);
+                          desc_advance(v_desc0, stage_bytes + k_step(ks, Bc)), 1);
     wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<0>();  // with kOverlap, also block n - 1's dQ product
     pin_registers(S);
     pin_registers(dP);
+    if constexpr (Tr::kOverlap) {
+      pin_registers(dQ);
+      pin_registers(da);
+    }
 
     probs_and_grads<Elem, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t);
-    uint32_t da[Bc / 16][4];
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) pack_a<Elem>(da[kk], S, kk);
     pin_registers(dQ);
     pin_registers(da);
     wgmma_fence();
-    wgmma_rs_tile<Elem, D, Tr::kOChunk>(dQ, da, desc_advance(k_mn_desc0, stage_bytes), Bc);
+    wgmma_rs_tile<Elem, D, Tr::kOChunk>(dQ, da, desc_advance(k_mn_desc0, stage_bytes), Bc,
+                                        Tr::kOverlap && n == range.lo);
     wgmma_commit();
+    if constexpr (!Tr::kOverlap) {
+      wgmma_wait<0>();
+      pin_registers(dQ);
+      pin_registers(da);
+    }
+  }
+  if constexpr (Tr::kOverlap) {
     wgmma_wait<0>();
     pin_registers(dQ);
     pin_registers(da);
   }
   cp_async_wait<0>();
+  if (Tr::kOverlap && range.lo >= range.hi) zero(dQ);  // the rows see no key
 
   Elem* gdQ = static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride + h * p.grad_q_head_stride +
               static_cast<int64_t>(r0) * p.grad_q_row_stride;

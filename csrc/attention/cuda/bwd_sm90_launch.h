@@ -1,5 +1,5 @@
-// Tile choices and the (torch-free) launches of the Hopper backward. Each
-// generated/bwd_sm90_<dtype>_hd<D>.cu (tools/gen_kernels.py) instantiates one
+// Tile shapes and the (torch-free) launches of the Hopper backward. Each
+// generated/bwd_sm90_<dtype>_hd<D>_<tile>.cu (tools/gen_kernels.py) instantiates one
 // run_attention_bwd_sm90.
 #pragma once
 
@@ -8,25 +8,32 @@
 #include "../../common/cuda/kernel_launch.h"
 #include "bwd_sm90_kernel.h"
 #include "entry_points.h"
+#include "generated/kernel_variants.h"
 
 namespace flashmod::cuda_kernels {
 namespace sm90 {
 
-// One warpgroup per CTA and two CTAs per SM for both kernels: dK/dV 64 keys x 64-query steps, dQ
-// 64 queries x 64-key blocks. Independent CTAs overlap one's elementwise work with the other's
-// wgmma. Measured on an H100 against two warpgroups per CTA (128 rows) and one CTA per SM, which
-// run in lockstep through the per-block barrier (tools/bwd_kernel_times.py, bf16, B * N = 16k,
-// H * D = 2048; benchmarks/results/design/cuda-backward.md): D = 64 step 8.92 -> 7.79 ms at
-// N = 4k (dQ 3.10 -> 2.30 ms, dK/dV 4.37 -> 4.05), D = 128 6.30 -> 6.19 ms. Registers: dK/dV
-// 216-255 (D = 128 general path spills 40 bytes), dQ 146-194.
+// The tile shapes come from the variant table (tools/gen_kernels.py, BWD_SM90_TILES; one
+// translation unit per dtype and tile): its default per head dim runs unless
+// FLASHMOD_BWD_SM90_TILE names another (attention_backward_cuda.cpp). One warpgroup per CTA in
+// both kernels: independent CTAs overlap one's elementwise work with the other's wgmma; measured
+// on an H100 against two warpgroups per CTA, which run in lockstep through the per-block barrier
+// (tools/bwd_kernel_times.py, bf16, B * N = 16k, H * D = 2048;
+// benchmarks/results/design/cuda-backward.md): D = 64 step 8.92 -> 7.79 ms at N = 4k (dQ 3.10 ->
+// 2.30 ms, dK/dV 4.37 -> 4.05), D = 128 6.30 -> 6.19 ms. The measurements of the other tiles
+// and the registers of each are in the design log ("Hopper v4").
 // D = 256: dK and dV (128 accumulator floats per thread each) get a launch each, and the tiles
 // (K_j, V_j 64 KB; two stages of Q_i, dO_i 128 KB) leave room for one CTA per SM.
-template <typename Elem, int kHeadDim>
+template <typename Elem, int kHeadDim, int kTile>
 struct BwdConfigSm90 {
-  static constexpr bool kSplit = kHeadDim > 128;
-  static constexpr int kMinBlocks = kSplit ? 1 : 2;
-  using KV = BwdKVTraitsSm90<Elem, kHeadDim, 1, 64, kMinBlocks>;
-  using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, 64, kMinBlocks>;
+  static constexpr KernelTile kT = kBwdSm90Tiles[kTile];
+  static_assert(kT.head_dim == kHeadDim, "a tile of the table is built for its own head dim");
+  // kv_split: 0 dK and dV by one warpgroup, 1 one launch each, 2 one warpgroup each (kBwdPair).
+  static constexpr int kSplit = kT.kv_split;
+  static_assert(kSplit != 0 || kHeadDim <= 128, "D = 256: dK and dV do not fit one warpgroup");
+  using KV = BwdKVTraitsSm90<Elem, kHeadDim, 1, kT.kv_rows, kT.kv_ctas, kT.kv_stages,
+                             kT.kv_overlap != 0, kSplit == 2, kT.kv_kreg>;
+  using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, kT.q_cols, kT.q_ctas, kT.q_stages, kT.q_overlap != 0>;
 };
 
 template <class KV, bool kGeneral, int kWhich>
@@ -36,15 +43,17 @@ cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cuda
                              KV::kNThreads, KV::kSmemBytes, stream, p, st);
 }
 
-template <typename Elem, int kHeadDim, bool kGeneral>
+template <typename Elem, int kHeadDim, int kTile, bool kGeneral>
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
-  using Cfg = BwdConfigSm90<Elem, kHeadDim>;
+  using Cfg = BwdConfigSm90<Elem, kHeadDim, kTile>;
   using KV = typename Cfg::KV;
   using Q = typename Cfg::Q;
   cudaError_t err;
-  if constexpr (Cfg::kSplit) {
+  if constexpr (Cfg::kSplit == 1) {
     err = launch_dkdv<KV, kGeneral, kBwdOnlyDV>(p, st, stream);
     if (err == cudaSuccess) err = launch_dkdv<KV, kGeneral, kBwdOnlyDK>(p, st, stream);
+  } else if constexpr (Cfg::kSplit == 2) {
+    err = launch_dkdv<KV, kGeneral, kBwdPair>(p, st, stream);
   } else {
     err = launch_dkdv<KV, kGeneral, kBwdBoth>(p, st, stream);
   }
@@ -56,12 +65,12 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
 
 }  // namespace sm90
 
-template <typename Elem, int kHeadDim>
+template <typename Elem, int kHeadDim, int kTile>
 cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStats& st,
                                    cudaStream_t stream) {
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
-  return general ? sm90::launch_bwd<Elem, kHeadDim, true>(p, st, stream)
-                 : sm90::launch_bwd<Elem, kHeadDim, false>(p, st, stream);
+  return general ? sm90::launch_bwd<Elem, kHeadDim, kTile, true>(p, st, stream)
+                 : sm90::launch_bwd<Elem, kHeadDim, kTile, false>(p, st, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

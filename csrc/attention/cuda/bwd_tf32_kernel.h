@@ -12,13 +12,12 @@
 // accumulator per step that joins the gradient with an fp32 add, as the forward's O does.
 //
 // Layout: each warp owns 16 rows (the mma's m16) of the CTA's "own" tile (K_j and V_j in the dK/dV
-// kernel, Q_i and dO_i in the dQ kernel) and every CTA streams Bs rows of the other pair per step.
-// Own tiles sit in shared memory as tf32 hi and lo halves (split once, by every thread, after they
-// landed): their A fragments are read at every step. Streamed tiles stay fp32, double-buffered
-// (cp.async of step s + 1 runs under step s's products), and their B fragments are split as they
-// are read: a split pass per step and its two barriers cost more than the splits (H100 run 1 of the
-// split-per-tile version: 0.45x EFFICIENT at D = 128). Rows are padded to kHeadDim + 4 floats: with
-// a pitch of 4 (mod 32) words the fragment reads (8 rows x 4 columns, or 4 row pairs x 8 columns)
+// kernel, Q_i and dO_i in the dQ kernel) and every CTA streams Bs rows of the other pair per step,
+// double-buffered (cp.async of step s + 1 runs under step s's products). Every tile stays fp32 in
+// shared memory and fragments are split into tf32 halves as they are read: splitting tiles in place
+// (a hi and a lo copy) doubled the shared memory, held D = 128 to two CTAs of two warps per SM and
+// ran at 0.43x SDPA EFFICIENT there (H100, run 2). Rows are padded to kHeadDim + 4 floats: with a
+// pitch of 4 (mod 32) words the fragment reads (8 rows x 4 columns, or 4 row pairs x 8 columns)
 // hit 32 different banks. P and dS go from the accumulator straight into the A operand of the next
 // product, with the forward's relabelling of the k index (position t <-> row 2t, t + 4 <-> 2t + 1
 // of each k8 slice) and the B^T fragment reading rows 2t and 2t + 1 to match.
@@ -48,11 +47,11 @@ struct Tf32BwdTraits {
   static constexpr int kNThreads = 32 * kWarps;
   static constexpr int kNTiles = Bs / 8;  // n8 tiles of S per warp = k8 steps of the 2nd product
   static constexpr int kDTiles = kHeadDim / 8;  // k8 steps of the 1st product = its n8 tiles
-  static constexpr int kOwnTile = Bo * kLd;     // floats of one half of one own tile
+  static constexpr int kOwnTile = Bo * kLd;     // floats of one own tile
   static constexpr int kStreamTile = Bs * kLd;  // floats of one stage of one streamed tile
-  // Two own tiles as hi and lo, two streamed tiles (fp32) in two stages; the dK/dV kernel adds
-  // two stages of Bs lse2 and delta.
-  static constexpr int kSmemBytes = 4 * (4 * kOwnTile + 4 * kStreamTile + 4 * Bs);
+  // Two own tiles, two streamed tiles in two stages; the dK/dV kernel adds two stages of Bs lse2
+  // and delta.
+  static constexpr int kSmemBytes = 4 * (2 * kOwnTile + 4 * kStreamTile + 4 * Bs);
   static_assert(Bs % 8 == 0 && Bs / 2 <= kNThreads, "one 16-byte lse2/delta chunk per thread");
   static_assert(kBwdRowPad % Bs == 0 && kBwdRowPad % Bo == 0, "row statistics cover whole blocks");
   static_assert(kSmemBytes <= 163 * 1024, "must also fit an A100");
@@ -81,13 +80,13 @@ __device__ __forceinline__ uint32_t lds(const float* p) {
   return __float_as_uint(*p);
 }
 
-// c[16 x 8 kNT] = A B^T over the head dim: A = 16 rows of an own tile (a: its first row, hi; lo
-// kA floats on), B = the kNT * 8 rows of a streamed fp32 tile, split into tf32 halves as its
-// fragments are read. 3xTF32 with the small terms in an accumulator of their own. The big terms of
-// each k8 step go into a fresh accumulator that joins c with an fp32 add: the tensor cores truncate
-// when they accumulate, and a chain over the whole head dim biased dP by tens of ulps at D >= 160
-// (dQ failed the 3x rule there, H100 run 1); per step, the truncation is that of one 8-term sum.
-template <int kHeadDim, int kNT, int kA>
+// c[16 x 8 kNT] = A B^T over the head dim: A = 16 rows of an own tile (a: its first row), B = the
+// kNT * 8 rows of a streamed tile, both split into tf32 halves as their fragments are read. 3xTF32
+// with the small terms in an accumulator of their own. The big terms of each k8 step go into a
+// fresh accumulator that joins c with an fp32 add: the tensor cores truncate when they accumulate,
+// and a chain over the whole head dim biased dP by tens of ulps at D >= 160 (dQ failed the 3x rule
+// there, H100 run 1); per step, the truncation is that of one 8-term sum.
+template <int kHeadDim, int kNT>
 __device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, const float* b,
                                             int g, int t) {
   constexpr int kLd = tf32_tile_pitch<kHeadDim>();
@@ -100,10 +99,10 @@ __device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, 
   for (int ks = 0; ks < kHeadDim / 8; ++ks) {
     uint32_t a_hi[4], a_lo[4];
     const float* ap = a_lane + 8 * ks;
-    a_hi[0] = lds(ap), a_hi[1] = lds(ap + 8 * kLd), a_hi[2] = lds(ap + 4),
-    a_hi[3] = lds(ap + 8 * kLd + 4);
-    a_lo[0] = lds(ap + kA), a_lo[1] = lds(ap + kA + 8 * kLd), a_lo[2] = lds(ap + kA + 4),
-    a_lo[3] = lds(ap + kA + 8 * kLd + 4);
+    split_tf32(lds(ap), a_hi[0], a_lo[0]);
+    split_tf32(lds(ap + 8 * kLd), a_hi[1], a_lo[1]);
+    split_tf32(lds(ap + 4), a_hi[2], a_lo[2]);
+    split_tf32(lds(ap + 8 * kLd + 4), a_hi[3], a_lo[3]);
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
       const float* bp = b_lane + nt * 8 * kLd + 8 * ks;
@@ -166,9 +165,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   constexpr bool kDV = kWhich != kBwdOnlyDK, kDK = kWhich != kBwdOnlyDV;
 
   extern __shared__ __align__(16) float smem[];
-  float* sK = smem;  // hi; lo at + kOwn
-  float* sV = sK + 2 * kOwn;
-  float* sQ = sV + 2 * kOwn;  // fp32, stage 1 at + kStream
+  float* sK = smem;
+  float* sV = sK + kOwn;
+  float* sQ = sV + kOwn;  // stage 1 at + kStream
   float* sdO = sQ + 2 * kStream;
   float* sL = sdO + 2 * kStream;  // stage 1 at + Br
   float* sDelta = sL + 2 * Br;
@@ -222,10 +221,6 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     tf32_bwd::load_tile<Bc, D, kThreads>(sV, gV, p.v_row_stride, rows_k, head_dim, tid);
   if (steps > 0) load_step(0, 0);
   cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
-  split_tf32_tile<Bc, D, kThreads>(sK, sK + kOwn, tid);
-  if constexpr (kDK) split_tf32_tile<Bc, D, kThreads>(sV, sV + kOwn, tid);
 
   const ScoreTransform tf(p);
   const float scale_log2 = tf.scale * 1.4426950408889634f;
@@ -241,8 +236,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   for (int s = 0; s < steps; ++s) {
     const int stage = s & 1;
     cp_async_wait<0>();
-    // Publishes step s's tiles (and at s = 0 K_j/V_j's halves), and every warp is done with step
-    // s - 1, whose buffers the prefetch below overwrites.
+    // Publishes step s's tiles (and at s = 0 K_j/V_j), and every warp is done with step s - 1,
+    // whose buffers the prefetch below overwrites.
     __syncthreads();
     if (s + 1 < steps) load_step(s + 1, stage ^ 1);
     cp_async_commit();
@@ -253,9 +248,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     const float* sdO_s = sdO + stage * kStream;
 
     float St[NT][4];
-    tf32_bwd::product_abt<D, NT, kOwn>(St, sK_warp, sQ_s, g, t);
+    tf32_bwd::product_abt<D, NT>(St, sK_warp, sQ_s, g, t);
     float dPt[kDK ? NT : 1][4];
-    if constexpr (kDK) tf32_bwd::product_abt<D, NT, kOwn>(dPt, sV_warp, sdO_s, g, t);
+    if constexpr (kDK) tf32_bwd::product_abt<D, NT>(dPt, sV_warp, sdO_s, g, t);
 
     transposed_probs_and_grads<float, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
                                                      n_block, Bc, key_row, sL + stage * Br,
@@ -289,9 +284,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   constexpr int kOwn = Tr::kOwnTile, kStream = Tr::kStreamTile;
 
   extern __shared__ __align__(16) float smem[];
-  float* sQ = smem;  // hi; lo at + kOwn
-  float* sdO = sQ + 2 * kOwn;
-  float* sK = sdO + 2 * kOwn;  // fp32, stage 1 at + kStream
+  float* sQ = smem;
+  float* sdO = sQ + kOwn;
+  float* sK = sdO + kOwn;  // stage 1 at + kStream
   float* sV = sK + 2 * kStream;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -329,10 +324,6 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   };
   if (range.lo < range.hi) load_kv(range.lo, 0);
   cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
-  split_tf32_tile<Br, D, kThreads>(sQ, sQ + kOwn, tid);
-  split_tf32_tile<Br, D, kThreads>(sdO, sdO + kOwn, tid);
 
   const ScoreTransform tf(p);
   const float scale_log2 = tf.scale * 1.4426950408889634f;
@@ -347,16 +338,16 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   for (int n = range.lo; n < range.hi; ++n) {
     const int stage = (n - range.lo) & 1;
     cp_async_wait<0>();
-    // Publishes K_j/V_j (and at the first block Q_i/dO_i's halves), and every warp is done with
-    // block n - 1, whose buffers the prefetch below overwrites.
+    // Publishes K_j/V_j (and at the first block Q_i/dO_i), and every warp is done with block
+    // n - 1, whose buffers the prefetch below overwrites.
     __syncthreads();
     if (n + 1 < range.hi) load_kv(n + 1, stage ^ 1);
     cp_async_commit();
 
     const float* sK_s = sK + stage * kStream;
     float S[NT][4], dP[NT][4];
-    tf32_bwd::product_abt<D, NT, kOwn>(S, sQ_warp, sK_s, g, t);
-    tf32_bwd::product_abt<D, NT, kOwn>(dP, sdO_warp, sV + stage * kStream, g, t);
+    tf32_bwd::product_abt<D, NT>(S, sQ_warp, sK_s, g, t);
+    tf32_bwd::product_abt<D, NT>(dP, sdO_warp, sV + stage * kStream, g, t);
     probs_and_grads<float, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t);
     tf32_bwd::product_ab<D, NT>(dQ, S, sK_s, g, t);
   }

@@ -10,18 +10,17 @@
 
 namespace flashmod::cuda_kernels {
 
-// (warps, streamed rows per step) of both kernels: each warp owns 16 rows. Shared memory holds
-// the two own tiles twice (tf32 halves) and the two streamed ones in two stages, (kHeadDim + 4)
-// floats per row: 105 KB at D = 64 with 4 warps and Bs = 32, 102 KB at D = 128 with 2 warps and
-// Bs = 16, 133 KB at D = 256 with one warp, so two CTAs fit an H100's SM up to D = 128.
-// Registers: dK and dV take D floats per thread together, S^T and dP^T (big and small terms)
-// 2 Bs; past D = 128 dV and dK get a launch each (S^T is then computed twice; dP^T and V only in
-// the dK launch), as in the fp16/bf16 backward.
+// (warps, streamed rows per step) of both kernels: each warp owns 16 rows. Shared memory holds the
+// two own tiles and the two streamed ones in two stages, (kHeadDim + 4) floats per row: 70 KB at
+// D = 64 (4 warps, Bs = 32: three CTAs per H100 SM), 102 KB at D = 96 and 128 (4 warps, Bs = 32 and
+// 16: two), 84-133 KB at D = 160-256 (2 warps, Bs = 16). Registers: dK and dV take D floats per
+// thread together, S^T and dP^T (big and small terms) 2 Bs; past D = 128 dV and dK get a launch
+// each (S^T is then computed twice; dP^T and V only in the dK launch), as in the fp16/bf16
+// backward.
 template <int kHeadDim>
 struct Tf32BwdConfig {
   static constexpr bool kSplit = kHeadDim > 128;
-  static constexpr int kWarps = kHeadDim <= 64 ? 4 : kHeadDim <= 128 ? 2 : 1;
-  using Tr = Tf32BwdTraits<kHeadDim, kWarps, kHeadDim <= 96 ? 32 : 16>;
+  using Tr = Tf32BwdTraits<kHeadDim, kHeadDim <= 128 ? 4 : 2, kHeadDim <= 96 ? 32 : 16>;
 };
 
 template <class Tr, bool kGeneral, int kWhich>

@@ -47,6 +47,10 @@ struct SplitKvArgs {
   int splits = 1;        // > 1: CTAs write partials here; the combine kernel writes out and lse
   float* o = nullptr;    // (splits, rows, kHeadDim): each split's normalized O (padding cols 0)
   float* lse = nullptr;  // (splits, rows): each split's lse, -inf where it saw no visible key
+  // Zeroed, one per CTA tile without its split index (cta_count(p, Br)): the fused combine. Each
+  // split's CTA counts itself in after writing its partial, and the last one merges the tile's
+  // rows (split_combine.h: combine_split_row), so no combine kernel runs. nullptr: the kernel.
+  int* tile_counters = nullptr;
 };
 
 // Host memory hooks for the decode launch, so the kernel files stay torch-free: alloc returns
@@ -59,7 +63,8 @@ struct DecodeWorkspace {
 
 struct DecodeOptions {
   int num_sms = 1;
-  int forced_splits = 0;  // > 0: use exactly this many splits (tests, tuning); 0: heuristic
+  int forced_splits = 0;       // > 0: use exactly this many splits (tests, tuning); 0: heuristic
+  bool fused_combine = true;   // split-KV partials merged by each tile's last CTA, not a kernel
 };
 
 // The decode path: query rows per head <= kDecodeMaxNq (one 64-row tile when GQA-packed rows fit).
@@ -112,9 +117,9 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
                                    cudaStream_t stream);
 
-// The Hopper variant (wgmma, sm_90a machine code only) for kHeadDim = 64, 128 and 256; same
-// contract.
-template <typename Elem, int kHeadDim>
+// The Hopper variant (wgmma, sm_90a machine code only) for kHeadDim = 64, 128 and 256, with the
+// tile shapes of row kTile of kBwdSm90Tiles (generated/kernel_variants.h); same contract.
+template <typename Elem, int kHeadDim, int kTile>
 cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStats& st,
                                    cudaStream_t stream);
 

@@ -21,6 +21,7 @@
 #include "online_softmax.h"
 #include "paged_kv.h"
 #include "score_mask.h"
+#include "split_combine.h"
 #include "visibility.h"
 
 namespace flashmod::cuda_kernels {
@@ -67,6 +68,20 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const AttentionParams p = kExtents ? sequence_view(params, tile.b) : params;
   const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
   const int r0 = tile.m_block * Br;
+  // The fused KV-cache append (decode only): keys from new_from on are read from k_new / v_new,
+  // never from the cache slots they go to, so one CTA per (batch row, kv head) can write those
+  // slots while every CTA reads. The writer is split 0 of query block 0 (r0 = 0: it passes the
+  // exit below) of the kv head's first query head; it writes once its first loads are in flight,
+  // or before it exits without keys.
+  const bool new_rows = kDecode && kExtents && p.k_new != nullptr;
+  const int new_from = new_rows ? Nk - static_cast<int>(p.seqlen_new) : Nk;
+  auto append_if_writer = [&]() {
+    if constexpr (kDecode && kExtents) {
+      if (new_rows && tile.split == 0 && tile.m_block == 0 &&
+          tile.h % (params.heads_q / params.heads_kv) == 0)
+        append_new_rows<Elem, kThreads>(p, tile.hk, tid);
+    }
+  };
   if constexpr (kExtents) {
     if (r0 >= Nq) return;  // past this sequence's queries (varlen): nothing of it to write
   }
@@ -99,11 +114,35 @@ __global__ void __launch_bounds__(Tr::kNThreads)
       range.hi = min(range.hi, range.lo + per);
     }
   }
+  // Split-KV, after this CTA wrote its partial: with the fused combine, the tile's last CTA to
+  // finish merges its rows (in split order, so the result does not depend on which CTA it is).
+  // Partials are made visible device-wide before the count (the fence), and read through L2.
+  auto finish_split = [&]() {
+    if constexpr (kDecode) {
+      if (sk.tile_counters == nullptr) return;
+      __shared__ int last;
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) {
+        const int64_t tile_id = (b * p.heads_q + h) * num_m_blocks + tile.m_block;
+        last = atomicAdd(sk.tile_counters + tile_id, 1) == splits - 1;
+      }
+      __syncthreads();
+      if (!last) return;
+      __threadfence();
+      const int64_t rows_all = p.batch * p.heads_q * p.seqlen_q;
+      for (int r = warp; r < rows_q; r += Tr::kNWarps)
+        combine_split_row<Elem, D>(sk, rows_all, gp.row_id + r, gO + r * p.out_row_stride, gLse + r,
+                                   head_dim, lane);
+    }
+  };
   if (range.lo >= range.hi) {
+    append_if_writer();
     if constexpr (kDecode) {
       if (splits > 1) {
         // This split sees no key: its partial is empty (lse = -inf; the combine skips O).
         for (int r = tid; r < rows_q; r += kThreads) sk.lse[part_row0 + r] = -CUDART_INF_F;
+        finish_split();
         return;
       }
     }
@@ -115,14 +154,29 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const TileCopyPlan<Bc, D, kThreads> kv_copy(tid, head_dim);
   const uint32_t sQ_addr = smem_addr(sQ), sK_addr0 = smem_addr(sK), sV_addr0 = smem_addr(sV);
   constexpr uint32_t kStageBytes = 2 * Tr::kSmemKV;
+  KvRowSources<Elem> row_src{gK, gV, nullptr, nullptr, new_from};
+  if constexpr (kDecode && kExtents) {
+    if (new_rows) {
+      row_src.k_new = static_cast<const Elem*>(p.k_new) + tile.hk * p.kn_head_stride;
+      row_src.v_new = static_cast<const Elem*>(p.v_new) + tile.hk * p.vn_head_stride;
+    }
+  }
   auto load_kv = [&](int n, int stage) {
     const int valid = min(Bc, Nk - n * Bc);
     const int64_t row0 = static_cast<int64_t>(n) * Bc;
-    if constexpr (kExtents) {
-      load_kv_block<kAddr>(kv_copy, sK_addr0 + stage * kStageBytes, gK, p, row0, p.k_page_stride,
-                           p.k_row_stride, valid);
-      load_kv_block<kAddr>(kv_copy, sV_addr0 + stage * kStageBytes, gV, p, row0, p.v_page_stride,
-                           p.v_row_stride, valid);
+    const uint32_t sk_stage = sK_addr0 + stage * kStageBytes,
+                   sv_stage = sV_addr0 + stage * kStageBytes;
+    if constexpr (kAddr == kRowPages) {
+      load_kv_rows<kAddr, kDecode>(kv_copy, sk_stage, sv_stage, row_src, p, n * Bc, valid);
+    } else if constexpr (kExtents) {
+      if (kDecode && n * Bc + valid > new_from) {
+        load_kv_rows<kAddr, true>(kv_copy, sk_stage, sv_stage, row_src, p, n * Bc, valid);
+      } else {
+        load_kv_block<kAddr>(kv_copy, sk_stage, gK, p, row0, p.k_page_stride, p.k_row_stride,
+                             valid);
+        load_kv_block<kAddr>(kv_copy, sv_stage, gV, p, row0, p.v_page_stride, p.v_row_stride,
+                             valid);
+      }
     } else {
       kv_copy.load(sK_addr0 + stage * kStageBytes, gK + row0 * p.k_row_stride, p.k_row_stride,
                    valid);
@@ -130,6 +184,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
                    valid);
     }
   };
+
+  if constexpr (kAddr == kRowPages)
+    prefetch_page_entries<kThreads>(p, range.lo * Bc, min(range.hi * Bc, Nk), tid);
 
   // Pipeline prologue: Q_i, then the first kStages-1 key blocks, one commit group each (empty
   // groups past the range keep the group count, and so cp_async_wait's argument, uniform).
@@ -140,6 +197,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     if (range.lo + s < range.hi) load_kv(range.lo + s, s);
     cp_async_commit();
   }
+  append_if_writer();
 
   // Per-lane ldmatrix coordinates: lanes 8i..8i+7 address the rows of 8x8 matrix i.
   const int lm_mat = lane >> 3, lm_row = lane & 7;
@@ -287,6 +345,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
                 make_float2(O[mi][di][2 * hh] * inv_l, O[mi][di][2 * hh + 1] * inv_l);
           if (t == 0) sk.lse[part_row0 + row] = lse;
         }
+      finish_split();
       return;
     }
   }

@@ -84,7 +84,8 @@ cudaError_t run_attention_fwd(const AttentionParams& p, const FwdLaunchFlags& fl
 // mostly padding, and its mma work (Br x Bc x D per 2 Bc D bytes of K/V) would approach the
 // memory roofline's budget. With MT = 1 registers are plentiful, so Q stays in registers up to
 // D = 128. Shared memory: 64 D (Q) + 2 stages x 2 x 64 D (K, V) elements = 80 KB at D = 128,
-// two CTAs per SM on sm80 and sm90.
+// two CTAs per SM on sm80 and sm90. (3 stages, 112 KB, still two CTAs per SM on sm90, measured
+// 2-5 % slower at every cache length: benchmarks/results/design/cuda-serving.md.)
 template <typename Elem, int kHeadDim>
 struct DecodeConfig {
   using Traits = FwdTraits<Elem, kHeadDim, 64, 64, 4, 2, (kHeadDim <= 128)>;
@@ -108,11 +109,12 @@ int decode_ctas_per_sm(Kernel kernel, int threads, int smem, std::atomic<int>* c
   return n;
 }
 
-template <typename Elem, int kHeadDim>
-cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
-                                     const DecodeOptions& opt, const DecodeWorkspace& ws,
-                                     cudaStream_t stream) {
-  using Tr = typename DecodeConfig<Elem, kHeadDim>::Traits;
+template <class Tr>
+cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
+                          const DecodeOptions& opt, const DecodeWorkspace& ws,
+                          cudaStream_t stream) {
+  using Elem = typename Tr::Elem;
+  constexpr int kHeadDim = Tr::kHeadDim;
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
   const KvAddressing addr = kv_addressing(p, Tr::Bc);
   auto kernel = pick_fwd_kernel<Tr, true>(general, addr);
@@ -131,16 +133,31 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
   sk.splits = splits;
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
   if (splits > 1) {
+    // Partial O and lse (fp32), then with the fused combine one counter per tile, zeroed here (a
+    // memset node: cheaper than the combine kernel it replaces, which waits for the whole grid).
     const size_t floats = static_cast<size_t>(splits) * rows * (kHeadDim + 1);
-    float* w = ws.alloc ? static_cast<float*>(ws.alloc(ws.ctx, floats * sizeof(float))) : nullptr;
+    const size_t counters = opt.fused_combine ? static_cast<size_t>(ctas) : 0;
+    void* w = ws.alloc ? ws.alloc(ws.ctx, (floats + counters) * sizeof(float)) : nullptr;
     if (w == nullptr) return cudaErrorMemoryAllocation;
-    sk.o = w;
-    sk.lse = w + static_cast<size_t>(splits) * rows * kHeadDim;
+    sk.o = static_cast<float*>(w);
+    sk.lse = sk.o + static_cast<size_t>(splits) * rows * kHeadDim;
+    if (opt.fused_combine) {
+      sk.tile_counters = reinterpret_cast<int*>(sk.o + floats);
+      const cudaError_t err = cudaMemsetAsync(sk.tile_counters, 0, counters * sizeof(int), stream);
+      if (err != cudaSuccess) return err;
+    }
   }
   const cudaError_t err = cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads, Tr::kSmemBytes,
                                               stream, p, flags, sk);
-  if (err != cudaSuccess || splits == 1) return err;
+  if (err != cudaSuccess || splits == 1 || sk.tile_counters != nullptr) return err;
   return launch_split_combine<Elem, kHeadDim>(p, sk, stream);
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
+                                     const DecodeOptions& opt, const DecodeWorkspace& ws,
+                                     cudaStream_t stream) {
+  return launch_decode<typename DecodeConfig<Elem, kHeadDim>::Traits>(p, flags, opt, ws, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

@@ -118,7 +118,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   auto load_kv = [&](int n, int stage) {
     const int valid = min(Bc, Nk - n * Bc);
     const int64_t row0 = static_cast<int64_t>(n) * Bc;
-    if constexpr (kExtents) {
+    if constexpr (kAddr == kRowPages) {
+      load_kv_rows<kAddr, false>(
+          kv_copy, sK_addr0 + stage * kStageBytes, sV_addr0 + stage * kStageBytes,
+          KvRowSources<Elem>{gK, gV, nullptr, nullptr, Nk}, p, n * Bc, valid);
+    } else if constexpr (kExtents) {
       load_kv_block<kAddr>(kv_copy, sK_addr0 + stage * kStageBytes, gK, p, row0, p.k_page_stride,
                            p.k_row_stride, valid);
       load_kv_block<kAddr>(kv_copy, sV_addr0 + stage * kStageBytes, gV, p, row0, p.v_page_stride,

@@ -1,7 +1,8 @@
 // The KV-cache append of attention_kvcache on CUDA as one kernel (torch-free): new keys/values go
 // into the caches at cache_seqlens (through the block table when paged), and each row's valid
 // length cache_seqlens + s_new is written for the attention kernel that follows on the stream.
-// One launch instead of the half dozen index ops of the ATen append: a decode step's fixed cost.
+// For calls that run the prefill kernel; decode-shaped calls append inside the decode kernel
+// (paged_kv.h: append_new_rows), one launch fewer per decode step.
 #pragma once
 
 #include <cuda_runtime.h>

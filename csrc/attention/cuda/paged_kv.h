@@ -1,5 +1,6 @@
-// K/V tile loads through a block table (paged KV caches): the TileCopyPlan copy with each key
-// row's address resolved through its page (sequence_view.h: kv_row_offset).
+// K/V tile loads for per-sequence K/V (varlen, KV caches, paged caches): the TileCopyPlan copy
+// with each key row's address resolved through its page (sequence_view.h: kv_row_offset), and the
+// rows of the fused KV-cache append taken from the new keys/values.
 #pragma once
 
 #include <cstdint>
@@ -25,30 +26,133 @@ inline KvAddressing kv_addressing(const AttentionParams& p, int key_block) {
 
 // Copies key rows [first_key, first_key + valid_rows) of one kv head (base: the pool, or the
 // sequence's K/V, plus the head's offset) into the smem tile at smem_base, zero-filling the rest,
-// like Plan::load (kDense callers use Plan::load itself). kBlockPages: first_key starts a key
-// block, which lies in one page.
+// like Plan::load (kDense callers use Plan::load itself). kSequences and kBlockPages only: the
+// tile's rows are one run of rows (kBlockPages: first_key starts a key block, which lies in one
+// page); kRowPages tiles go through load_kv_rows.
 template <KvAddressing kAddr, class Plan, typename Elem>
 __device__ __forceinline__ void load_kv_block(const Plan& plan, uint32_t smem_base,
                                               const Elem* base, const AttentionParams& s,
                                               int64_t first_key, int64_t page_stride,
                                               int64_t row_stride, int valid_rows) {
+  static_assert(kAddr == kSequences || kAddr == kBlockPages, "one run of rows per tile");
   if constexpr (kAddr == kSequences) {
     plan.load(smem_base, base + first_key * row_stride, row_stride, valid_rows);
-  } else if constexpr (kAddr == kBlockPages) {
+  } else {
     plan.load(smem_base, base + kv_row_offset(s, first_key, page_stride, row_stride), row_stride,
               valid_rows);
-  } else {
-    if (!plan.active) return;
-#pragma unroll
-    for (int it = 0; it < Plan::kIters; ++it) {
-      const int row = plan.row0 + it * Plan::kRowStep;
-      const bool valid = row < valid_rows;
-      const Elem* src =
-          valid && plan.src_bytes > 0
-              ? base + kv_row_offset(s, first_key + row, page_stride, row_stride) + plan.col
-              : base;
-      cp_async_16(smem_base + plan.chunk_offset(it), src, valid ? plan.src_bytes : 0);
+  }
+}
+
+// Where the rows of a K/V tile come from when they are not one run of rows: the K and V bases of
+// the kv head (the pool's, when paged) and, for the fused append, the new rows' bases and the
+// key index where they start (keys >= new_from are rows key - new_from of k_new / v_new).
+template <typename Elem>
+struct KvRowSources {
+  const Elem* k;
+  const Elem* v;
+  const Elem* k_new;
+  const Elem* v_new;
+  int new_from;
+};
+
+// K and V rows [first_key, first_key + valid_rows) row by row into the smem tiles at sk / sv
+// (zero-filling the rest): pages smaller than a key block (kRowPages), and the tiles that hold
+// the fused append's new rows (kNewRows). Each thread walks its rows with one 32-bit division
+// per tile, stepping (page, row in page) by the plan's row step: a 64-bit divide and remainder
+// per row and per tensor, as kv_row_offset does, was most of the instructions of a 16-token-page
+// decode step. K and V share the row's block-table entry, read once through the read-only path
+// (the kernel never writes the table).
+template <KvAddressing kAddr, bool kNewRows, class Plan, typename Elem>
+__device__ __forceinline__ void load_kv_rows(const Plan& plan, uint32_t sk, uint32_t sv,
+                                             const KvRowSources<Elem>& src,
+                                             const AttentionParams& s, int first_key,
+                                             int valid_rows) {
+  if (!plan.active) return;
+  constexpr bool kRowwisePages = kAddr == kRowPages;
+  const uint32_t page_size = kRowwisePages ? static_cast<uint32_t>(s.page_size) : 1u;
+  uint32_t page_idx = 0, in_page = 0;  // block-table index and row in page of this thread's row
+  if constexpr (kRowwisePages) {
+    const uint32_t j0 = static_cast<uint32_t>(first_key + plan.row0);
+    page_idx = j0 / page_size;
+    in_page = j0 - page_idx * page_size;
+  }
+  // kBlockPages: the tile lies in one page, looked up once (only its rows before new_from are
+  // read from it).
+  int64_t k_tile = 0, v_tile = 0;
+  if constexpr (kAddr == kBlockPages) {
+    if (first_key < src.new_from) {
+      k_tile = kv_row_offset(s, first_key, s.k_page_stride, s.k_row_stride);
+      v_tile = kv_row_offset(s, first_key, s.v_page_stride, s.v_row_stride);
     }
+  }
+#pragma unroll
+  for (int it = 0; it < Plan::kIters; ++it) {
+    const int row = plan.row0 + it * Plan::kRowStep;
+    const int j = first_key + row;
+    const bool valid = row < valid_rows && plan.src_bytes > 0;
+    const Elem* ks = src.k;  // any address: a zero-byte copy reads nothing
+    const Elem* vs = src.v;
+    if (valid) {
+      if (kNewRows && j >= src.new_from) {
+        ks = src.k_new + (j - src.new_from) * s.kn_row_stride + plan.col;
+        vs = src.v_new + (j - src.new_from) * s.vn_row_stride + plan.col;
+      } else if constexpr (kRowwisePages) {
+        const int64_t page = __ldg(s.block_table + page_idx);
+        ks = src.k + page * s.k_page_stride + in_page * s.k_row_stride + plan.col;
+        vs = src.v + page * s.v_page_stride + in_page * s.v_row_stride + plan.col;
+      } else if constexpr (kAddr == kBlockPages) {
+        ks = src.k + k_tile + row * s.k_row_stride + plan.col;
+        vs = src.v + v_tile + row * s.v_row_stride + plan.col;
+      } else {
+        ks = src.k + static_cast<int64_t>(j) * s.k_row_stride + plan.col;
+        vs = src.v + static_cast<int64_t>(j) * s.v_row_stride + plan.col;
+      }
+    }
+    const int bytes = valid ? plan.src_bytes : 0;
+    cp_async_16(sk + plan.chunk_offset(it), ks, bytes);
+    cp_async_16(sv + plan.chunk_offset(it), vs, bytes);
+    if constexpr (kRowwisePages) {
+      in_page += Plan::kRowStep;
+      while (in_page >= page_size) in_page -= page_size, ++page_idx;
+    }
+  }
+}
+
+// kRowPages: the block-table entries of keys [first_key, end_key) pulled toward this SM (L1, and
+// L2 on the way) before the key loop, one prefetch per 128-byte line. load_kv_rows reads them on
+// the way to every tile's copies, and a line of 32 entries spans 8 tiles of 16-token pages: read
+// cold, each new line held the tile's loads back by a trip to HBM.
+template <int kThreads>
+__device__ __forceinline__ void prefetch_page_entries(const AttentionParams& s, int first_key,
+                                                      int end_key, int tid) {
+  if (end_key <= first_key) return;
+  const auto line = [](const int32_t* a) { return reinterpret_cast<uintptr_t>(a) >> 7; };
+  const uintptr_t first = line(s.block_table + first_key / s.page_size);
+  const uintptr_t last = line(s.block_table + (end_key - 1) / s.page_size);
+  for (uintptr_t l = first + tid; l <= last; l += kThreads)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(l << 7));
+}
+
+// The fused append's writes: the seqlen_new new rows of kv head hk (of the view s) into the
+// cache slots [seqlen_k - seqlen_new, seqlen_k) of its row, through the block table when paged.
+// One CTA per (batch row, kv head) calls it; 16-byte copies (cache and new rows are 16-byte
+// aligned and head_dim % 8 == 0: the host checks both).
+template <typename Elem, int kThreads>
+__device__ __forceinline__ void append_new_rows(const AttentionParams& s, int64_t hk, int tid) {
+  const int chunks = static_cast<int>(s.head_dim / 8);
+  const int64_t first = s.seqlen_k - s.seqlen_new;
+  // The cache is the op's in-place output; params carry it as the (read-only) K/V input.
+  auto* kc = const_cast<Elem*>(static_cast<const Elem*>(s.k)) + hk * s.k_head_stride;
+  auto* vc = const_cast<Elem*>(static_cast<const Elem*>(s.v)) + hk * s.v_head_stride;
+  const Elem* kn = static_cast<const Elem*>(s.k_new) + hk * s.kn_head_stride;
+  const Elem* vn = static_cast<const Elem*>(s.v_new) + hk * s.vn_head_stride;
+  for (int64_t i = tid; i < s.seqlen_new * chunks; i += kThreads) {
+    const int64_t t = i / chunks, c = 8 * (i % chunks);
+    const int64_t j = first + t;
+    *reinterpret_cast<uint4*>(kc + kv_row_offset(s, j, s.k_page_stride, s.k_row_stride) + c) =
+        *reinterpret_cast<const uint4*>(kn + t * s.kn_row_stride + c);
+    *reinterpret_cast<uint4*>(vc + kv_row_offset(s, j, s.v_page_stride, s.v_row_stride) + c) =
+        *reinterpret_cast<const uint4*>(vn + t * s.vn_row_stride + c);
   }
 }
 

@@ -3,7 +3,7 @@
 // per-sequence variants (KvAddressing: the wgmma kernel on sm_90 for head dims 64/128/256, the
 // mma.sync kernel elsewhere). No host sync: the extents stay on the device and the grid comes
 // from the caller's upper bounds. Decode-shaped KV-cache calls (seqlen_q <= 64) take the decode
-// kernel (GQA packing, split-KV).
+// kernel (GQA packing, split-KV, the append of the new keys/values inside it).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -46,17 +46,23 @@ at::Tensor aligned_rows_copy(const at::Tensor& t) {
   return view;
 }
 
+// Whether a call runs the decode kernel (GQA packing, split-KV, the fused append) rather than
+// the prefill kernel; FLASHMOD_DECODE=0 forces the prefill kernel (tests, tuning).
+bool decode_shaped(const AttentionParams& p) {
+  return p.cu_seqlens_q == nullptr && p.seqlen_q <= cuda_kernels::kDecodeMaxNq &&
+         env_flag("FLASHMOD_DECODE", true);
+}
+
 cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
                    const at::TensorOptions& options, cudaStream_t stream) {
   const int key = cuda_kernels::variant_key(
       p.dtype, cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim));
-  const bool decode = p.cu_seqlens_q == nullptr && p.seqlen_q <= cuda_kernels::kDecodeMaxNq &&
-                      env_flag("FLASHMOD_DECODE", true);
-  if (decode) {
+  if (decode_shaped(p)) {
     if (env_flag("FLASHMOD_DECODE_PACK", true)) cuda_kernels::pack_gqa_rows(p);
     cuda_kernels::DecodeOptions opt;
     opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
+    opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
     // The split-KV workspace depends on shapes only (batch, heads, seqlen_q, the cache's
     // capacity), never on values, so a captured graph replays with the same allocation.
     at::Tensor workspace;
@@ -160,33 +166,53 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_cuda(
                               t->strides()));
   }
   AttentionParams& p = r.params;
-  if (r.seqused_k.defined()) {
+  // The append. Decode-shaped calls fuse it into the attention kernel (fwd_sm80_kernel.h: the new
+  // rows are read from k/v and written into the cache by the kernel), so a decode step is one
+  // attention launch (two with split-KV's combine); other calls (or
+  // FLASHMOD_KVCACHE_FUSED_APPEND=0) run the append kernel first, which also writes each row's
+  // valid length.
+  const bool attends = r.out.numel() > 0 && p.batch > 0 && p.seqlen_q > 0;
+  // New rows as the kernels read them, and the old lengths: alive until the launches are queued.
+  at::Tensor kn, vn, old_lengths = r.seqused_k;
+  if (k.has_value()) {
+    kn = k->stride(-1) == 1 ? *k : k->contiguous();
+    vn = v->stride(-1) == 1 ? *v : v->contiguous();
+  }
+  const bool fused_append = k.has_value() && attends && p.head_dim % 8 == 0 && decode_shaped(p) &&
+                            env_flag("FLASHMOD_KVCACHE_FUSED_APPEND", true);
+  if (fused_append) {
+    // cp.async and the kernel's 16-byte writes need 16-byte aligned new rows.
+    if (!rows_aligned16_any(kn)) kn = aligned_rows_copy(kn);
+    if (!rows_aligned16_any(vn)) vn = aligned_rows_copy(vn);
+    p.k_new = kn.data_ptr(), p.v_new = vn.data_ptr();
+    p.kn_batch_stride = kn.stride(0), p.kn_row_stride = kn.stride(1),
+    p.kn_head_stride = kn.stride(2);
+    p.vn_batch_stride = vn.stride(0), p.vn_row_stride = vn.stride(1),
+    p.vn_head_stride = vn.stride(2);
+    p.seqlen_new = kn.size(1);  // p.seqused_k: the old lengths, from the shared preparation
+  } else if (k.has_value()) {
     // The append and the valid lengths in one kernel, queued before the attention.
+    r.seqused_k = at::empty({p.batch}, r.seqused_k.options());
     cuda_kernels::KvAppendArgs a;
-    const at::Tensor seqlens = cache_seqlens->contiguous();
-    a.cache_seqlens = seqlens.data_ptr<int32_t>();
+    a.cache_seqlens = p.seqused_k;  // the old lengths
     a.kv_batch_idx = p.kv_batch_idx;
     a.block_table = p.block_table;
     a.block_table_batch_stride = p.block_table_batch_stride;
     a.page_size = p.page_size;
     a.seqused_k = r.seqused_k.data_ptr<int32_t>();
+    p.seqused_k = a.seqused_k;
     a.batch = p.batch, a.heads_kv = p.heads_kv, a.head_dim = p.head_dim;
     a.k_cache = k_cache.data_ptr(), a.v_cache = v_cache.data_ptr();
     a.kc_batch_stride = k_cache.stride(0), a.kc_row_stride = k_cache.stride(1);
     a.kc_head_stride = k_cache.stride(2);
     a.vc_batch_stride = v_cache.stride(0), a.vc_row_stride = v_cache.stride(1);
     a.vc_head_stride = v_cache.stride(2);
-    at::Tensor kn, vn;  // rows read as contiguous vectors; kept alive until the launch is queued
-    if (k.has_value()) {
-      kn = k->stride(-1) == 1 ? *k : k->contiguous();
-      vn = v->stride(-1) == 1 ? *v : v->contiguous();
-      a.s_new = kn.size(1);
-      a.k_new = kn.data_ptr(), a.v_new = vn.data_ptr();
-      a.kn_batch_stride = kn.stride(0), a.kn_row_stride = kn.stride(1);
-      a.kn_head_stride = kn.stride(2);
-      a.vn_batch_stride = vn.stride(0), a.vn_row_stride = vn.stride(1);
-      a.vn_head_stride = vn.stride(2);
-    }
+    a.s_new = kn.size(1);
+    a.k_new = kn.data_ptr(), a.v_new = vn.data_ptr();
+    a.kn_batch_stride = kn.stride(0), a.kn_row_stride = kn.stride(1);
+    a.kn_head_stride = kn.stride(2);
+    a.vn_batch_stride = vn.stride(0), a.vn_row_stride = vn.stride(1);
+    a.vn_head_stride = vn.stride(2);
     const cudaError_t err = cuda_kernels::run_kvcache_append(a, at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err != cudaErrorInvalidConfiguration,
                 error_message(op,

@@ -1,7 +1,7 @@
 // Shared-memory fp32 tiles of the 3xTF32 kernels (fwd_fp32_3xtf32.cu, bwd_tf32_kernel.h): rows
 // padded to kHeadDim + 4 floats, a pitch of 4 (mod 32) words for kHeadDim % 32 == 0, so that the
 // mma fragment reads (8 rows x 4 columns, or 4 row pairs x 8 columns) hit 32 different banks; and
-// their split into tf32 halves.
+// the forward's split of a whole tile into tf32 halves.
 #pragma once
 
 #include <cstdint>

@@ -91,8 +91,12 @@ struct Wgmma;
 #ifdef FLASHMOD_SM90A
 // Wgmma<Elem, N>::ss(d, desc_a, desc_b, accumulate): d (+)= A B, A and B K-major in shared
 // memory (descriptors); accumulate = 0 overwrites d.
-// Wgmma<Elem, N>::rs_accumulate(d, a, desc_b): d += A B, A from registers (the accumulator layout
-// packed to 16 bits), B MN-major in shared memory (transposed read).
+// Wgmma<Elem, N>::ss_overwrite(d, desc_a, desc_b): d = A B, d an output only: its old registers
+// are not read, so nothing has to define them while an earlier wgmma is still in flight.
+// Wgmma<Elem, N>::rs_accumulate(d, a, desc_b, accumulate = 1): d (+)= A B, A from registers (the
+// accumulator layout packed to 16 bits), B MN-major in shared memory (transposed read);
+// accumulate = 0 overwrites d.
+// Wgmma<Elem, N>::rs_kmajor(d, a, desc_b, accumulate = 1): the same with B K-major (as in ss).
 // One macro per N (its operand lists); the element type only changes the instruction's type token.
 #define FLASHMOD_WGMMA_N64(ELEM, PTX)                                                              \
   template <>                                                                                      \
@@ -116,8 +120,27 @@ struct Wgmma;
             "+f"(d[7][2]), "+f"(d[7][3])                                                           \
           : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                            \
     }                                                                                              \
+    __device__ __forceinline__ static void ss_overwrite(float (&d)[8][4], uint64_t desc_a,         \
+                                                        uint64_t desc_b) {                         \
+      asm volatile(                                                                                \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                             \
+          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                                \
+          " "                                                                                      \
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, "  \
+          "0, "                                                                                    \
+          "0;\n}\n"                                                                                \
+          : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]),             \
+            "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]),             \
+            "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]),             \
+            "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]),             \
+            "=f"(d[5][0]), "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]),             \
+            "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]), "=f"(d[7][0]), "=f"(d[7][1]),             \
+            "=f"(d[7][2]), "=f"(d[7][3])                                                           \
+          : "l"(desc_a), "l"(desc_b), "r"(0));                                                     \
+    }                                                                                              \
     __device__ __forceinline__ static void rs_accumulate(float (&d)[8][4], const uint32_t (&a)[4], \
-                                                         uint64_t desc_b) {                        \
+                                                         uint64_t desc_b, int accumulate = 1) {    \
       asm volatile(                                                                                \
           "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                             \
           "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                                \
@@ -133,7 +156,26 @@ struct Wgmma;
             "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),             \
             "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
             "+f"(d[7][2]), "+f"(d[7][3])                                                           \
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));                      \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));             \
+    }                                                                                              \
+    __device__ __forceinline__ static void rs_kmajor(float (&d)[8][4], const uint32_t (&a)[4],     \
+                                                     uint64_t desc_b, int accumulate = 1) {        \
+      asm volatile(                                                                                \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                             \
+          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                                \
+          " "                                                                                      \
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, "     \
+          "%35}, "                                                                                 \
+          "%36, p, 1, 1, 0;\n}\n"                                                                  \
+          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),             \
+            "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),             \
+            "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),             \
+            "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),             \
+            "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),             \
+            "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
+            "+f"(d[7][2]), "+f"(d[7][3])                                                           \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));             \
     }                                                                                              \
   };
 
@@ -167,9 +209,36 @@ struct Wgmma;
             "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])                         \
           : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                            \
     }                                                                                              \
+    __device__ __forceinline__ static void ss_overwrite(float (&d)[16][4], uint64_t desc_a,        \
+                                                        uint64_t desc_b) {                         \
+      asm volatile(                                                                                \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                             \
+          "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX                               \
+          " "                                                                                      \
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
+          "%36, "                                                                                  \
+          "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, "  \
+          "%54, "                                                                                  \
+          "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"            \
+          : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]),             \
+            "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]),             \
+            "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]),             \
+            "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]),             \
+            "=f"(d[5][0]), "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]),             \
+            "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]), "=f"(d[7][0]), "=f"(d[7][1]),             \
+            "=f"(d[7][2]), "=f"(d[7][3]), "=f"(d[8][0]), "=f"(d[8][1]), "=f"(d[8][2]),             \
+            "=f"(d[8][3]), "=f"(d[9][0]), "=f"(d[9][1]), "=f"(d[9][2]), "=f"(d[9][3]),             \
+            "=f"(d[10][0]), "=f"(d[10][1]), "=f"(d[10][2]), "=f"(d[10][3]), "=f"(d[11][0]),        \
+            "=f"(d[11][1]), "=f"(d[11][2]), "=f"(d[11][3]), "=f"(d[12][0]), "=f"(d[12][1]),        \
+            "=f"(d[12][2]), "=f"(d[12][3]), "=f"(d[13][0]), "=f"(d[13][1]), "=f"(d[13][2]),        \
+            "=f"(d[13][3]), "=f"(d[14][0]), "=f"(d[14][1]), "=f"(d[14][2]), "=f"(d[14][3]),        \
+            "=f"(d[15][0]), "=f"(d[15][1]), "=f"(d[15][2]), "=f"(d[15][3])                         \
+          : "l"(desc_a), "l"(desc_b), "r"(0));                                                     \
+    }                                                                                              \
     __device__ __forceinline__ static void rs_accumulate(float (&d)[16][4],                        \
-                                                         const uint32_t (&a)[4],                   \
-                                                         uint64_t desc_b) {                        \
+                                                         const uint32_t (&a)[4], uint64_t desc_b,  \
+                                                         int accumulate = 1) {                     \
       asm volatile(                                                                                \
           "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                             \
           "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX                               \
@@ -194,7 +263,35 @@ struct Wgmma;
             "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]),        \
             "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),        \
             "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])                         \
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));                      \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));             \
+    }                                                                                              \
+    __device__ __forceinline__ static void rs_kmajor(float (&d)[16][4], const uint32_t (&a)[4],    \
+                                                     uint64_t desc_b, int accumulate = 1) {        \
+      asm volatile(                                                                                \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                             \
+          "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX                               \
+          " "                                                                                      \
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
+          "%36, "                                                                                  \
+          "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, "  \
+          "%54, "                                                                                  \
+          "%55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, "     \
+          "0;\n}\n"                                                                                \
+          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),             \
+            "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),             \
+            "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),             \
+            "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),             \
+            "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),             \
+            "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
+            "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),             \
+            "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),             \
+            "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]),        \
+            "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]),        \
+            "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]),        \
+            "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),        \
+            "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])                         \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));             \
     }                                                                                              \
   };
 

@@ -31,6 +31,34 @@ constexpr int padded_head_dim(const int (&head_dims)[N], int64_t d) {
   return -1;
 }
 
+// A tile variant (tools/gen_kernels.py, Tile): the dK/dV kernel's query rows per step, CTAs
+// per SM, stages and overlap flag; the dQ kernel's key columns per block and the same.
+struct KernelTile {
+  const char* name;
+  int head_dim;
+  int kv_rows, kv_ctas, kv_stages, kv_overlap;
+  int q_cols, q_ctas, q_stages, q_overlap;
+  int kv_split;  // dK and dV: 0 one warpgroup, 1 a launch each, 2 a warpgroup each
+  int kv_kreg;   // score products' A from registers: 0 none, 1 K_j, 2 K_j and V_j
+  bool is_default;
+};
+
+constexpr bool same_name(const char* a, const char* b) {
+  while (*a != 0 && *a == *b) ++a, ++b;
+  return *a == *b;
+}
+
+// The index of the tile called `name` built for head_dim (an empty name: the default one),
+// or -1.
+template <int N>
+constexpr int find_tile(const KernelTile (&tiles)[N], const char* name, int head_dim) {
+  for (int i = 0; i < N; ++i)
+    if (tiles[i].head_dim == head_dim && (*name == 0 ? tiles[i].is_default
+                                                    : same_name(tiles[i].name, name)))
+      return i;
+  return -1;
+}
+
 constexpr int kFwdSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 // clang-format off
 #define FLASHMOD_FWD_SM80_VARIANTS(X) \
@@ -95,13 +123,45 @@ constexpr int kBwdSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 
 constexpr int kBwdSm90HeadDims[] = {64, 128, 256};
 // clang-format off
+constexpr KernelTile kBwdSm90Tiles[] = {
+  {"cta3_q4", 64, 64, 3, 2, 0, 64, 4, 2, 0, 0, 0, true},
+  {"base", 64, 64, 2, 2, 0, 64, 2, 2, 0, 0, 0, false},
+  {"base", 128, 64, 2, 2, 0, 64, 2, 2, 0, 0, 0, true},
+  {"pair", 256, 64, 1, 2, 0, 64, 1, 2, 0, 2, 0, true},
+  {"base", 256, 64, 1, 2, 0, 64, 1, 2, 0, 1, 0, false},
+  {"cta3", 64, 64, 3, 2, 0, 64, 3, 2, 0, 0, 0, false},
+  {"kv128", 64, 128, 2, 2, 0, 64, 2, 2, 0, 0, 0, false},
+  {"q128", 64, 64, 2, 2, 0, 128, 2, 2, 0, 0, 0, false},
+  {"stage3", 64, 64, 2, 3, 0, 64, 2, 3, 0, 0, 0, false},
+  {"overlap", 64, 64, 2, 3, 1, 64, 2, 3, 1, 0, 0, false},
+  {"kreg_k", 64, 64, 2, 2, 0, 64, 4, 2, 0, 0, 1, false},
+  {"kreg", 64, 64, 2, 2, 0, 64, 4, 2, 0, 0, 2, false},
+};
 #define FLASHMOD_BWD_SM90_VARIANTS(X) \
-  X(__half, kFloat16, 64) \
-  X(__half, kFloat16, 128) \
-  X(__half, kFloat16, 256) \
-  X(__nv_bfloat16, kBFloat16, 64) \
-  X(__nv_bfloat16, kBFloat16, 128) \
-  X(__nv_bfloat16, kBFloat16, 256)
+  X(__half, kFloat16, 64, 0) \
+  X(__half, kFloat16, 64, 1) \
+  X(__half, kFloat16, 128, 2) \
+  X(__half, kFloat16, 256, 3) \
+  X(__half, kFloat16, 256, 4) \
+  X(__half, kFloat16, 64, 5) \
+  X(__half, kFloat16, 64, 6) \
+  X(__half, kFloat16, 64, 7) \
+  X(__half, kFloat16, 64, 8) \
+  X(__half, kFloat16, 64, 9) \
+  X(__half, kFloat16, 64, 10) \
+  X(__half, kFloat16, 64, 11) \
+  X(__nv_bfloat16, kBFloat16, 64, 0) \
+  X(__nv_bfloat16, kBFloat16, 64, 1) \
+  X(__nv_bfloat16, kBFloat16, 128, 2) \
+  X(__nv_bfloat16, kBFloat16, 256, 3) \
+  X(__nv_bfloat16, kBFloat16, 256, 4) \
+  X(__nv_bfloat16, kBFloat16, 64, 5) \
+  X(__nv_bfloat16, kBFloat16, 64, 6) \
+  X(__nv_bfloat16, kBFloat16, 64, 7) \
+  X(__nv_bfloat16, kBFloat16, 64, 8) \
+  X(__nv_bfloat16, kBFloat16, 64, 9) \
+  X(__nv_bfloat16, kBFloat16, 64, 10) \
+  X(__nv_bfloat16, kBFloat16, 64, 11)
 // clang-format on
 
 constexpr int kBwdTf32HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
