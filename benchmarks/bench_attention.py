@@ -231,6 +231,11 @@ def main() -> None:
         help="also time flashmod's portable mma.sync kernels (FLASHMOD_DISABLE_SM90=1, forward and backward)",
     )
     ap.add_argument(
+        "--ws-one-tile",
+        action="store_true",
+        help="also time the warp-specialized sm_90 forward on one CTA per tile (FLASHMOD_SM90_WS_PERSISTENT=0)",
+    )
+    ap.add_argument(
         "--fa2-sm90",
         action="store_true",
         help="also time the sm_90 forward without warp specialization (FLASHMOD_SM90_WS=0)",
@@ -253,6 +258,8 @@ def main() -> None:
         contenders["flashmod-mma"] = flashmod_attend
     if args.fa2_sm90:
         contenders["flashmod-fa2"] = flashmod_attend
+    if args.ws_one_tile:
+        contenders["flashmod-1tile"] = flashmod_attend
     for name in filter(None, args.backends.split(",")):
         contenders[name] = sdpa_attend(SDPA_BACKENDS[name])
 
@@ -266,7 +273,11 @@ def main() -> None:
         f"device: {name}; torch {torch.__version__}; mode {args.mode}; {len(shapes)} shapes; "
         f"contenders: {', '.join(contenders)}"
     )
-    env = {"flashmod-mma": "FLASHMOD_DISABLE_SM90=1", "flashmod-fa2": "FLASHMOD_SM90_WS=0"}
+    env = {
+        "flashmod-mma": "FLASHMOD_DISABLE_SM90=1",
+        "flashmod-fa2": "FLASHMOD_SM90_WS=0",
+        "flashmod-1tile": "FLASHMOD_SM90_WS_PERSISTENT=0",
+    }
     rows = run(shapes, contenders, "cuda", args.mode, args.warmup, args.reps, skip, env=env)
     tag = args.tag or f"{datetime.date.today().isoformat()}-cuda-{args.mode}"
     report(rows, list(contenders), "cuda", args.mode, args.out_dir, tag, dict(device=name, torch=torch.__version__))

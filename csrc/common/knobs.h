@@ -11,6 +11,8 @@
 //   FLASHMOD_DISABLE_SM90=1           the portable mma.sync kernel on an H100/H200
 //   FLASHMOD_SM90_WS=0                the sm_90 forward without warp specialization/TMA (the
 //                                     FlashAttention-2-style wgmma kernel)
+//   FLASHMOD_SM90_WS_PERSISTENT=0     the warp-specialized kernel on one CTA per tile also
+//                                     without a right window bound (default: persistent there)
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
 //                                     BWD_SM90_TILES); a name not built for the head dim is an
 //                                     error

@@ -102,19 +102,27 @@ def test_sm90_ws_kernel_and_fallback(monkeypatch, ws, dtype, d, nq, nk, opts):
     run_and_check(q, k, v, **opts)
 
 
-# More tiles than SMs, so each persistent CTA walks several: the buffer ring and the barrier
-# phases run on across tiles, and tiles whose rows see no key (bottom-right causal with Nq > Nk,
-# the first 323 rows) are skipped by the producer and written as empty by the consumers.
-@pytest.mark.parametrize("ws", ["1", "0"])
+# More tiles than SMs, so each persistent CTA walks several (calls without a right window bound;
+# causal ones run one CTA per tile): the buffer ring and the barrier phases run on across tiles,
+# and tiles whose rows see no key (a left window with top-left alignment: rows >= 750; causal
+# bottom-right with Nq > Nk: rows < 323) are skipped by the producer and written as empty by the
+# consumers. Also on one CTA per tile throughout, and on the FlashAttention-2-style kernel.
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"FLASHMOD_SM90_WS_PERSISTENT": "0"}, {"FLASHMOD_SM90_WS": "0"}],
+    ids=["persistent", "one_tile_per_cta", "fa2_style"],
+)
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"window_left": 100, "window_right": 0}], ids=str)
-def test_sm90_ws_many_tiles(monkeypatch, ws, d, opts):
-    monkeypatch.setenv("FLASHMOD_SM90_WS", ws)
+@pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"window_left": 50, "bottom_right": False}], ids=str)
+def test_sm90_ws_many_tiles(monkeypatch, knobs, d, opts):
+    for name, value in knobs.items():
+        monkeypatch.setenv(name, value)
     q = rand(3, 16, 1023, d, dtype=torch.bfloat16)
     k, v = rand(3, 4, 700, d, dtype=torch.bfloat16), rand(3, 4, 700, d, dtype=torch.bfloat16)
     out, lse = run_and_check(q, k, v, **opts)
-    if opts.get("is_causal"):
-        assert (out[:, :, :323] == 0).all() and torch.isneginf(lse[:, :, :323]).all()
+    if opts:  # the rows that see no key
+        empty = slice(0, 323) if opts.get("is_causal") else slice(750, None)
+        assert (out[:, :, empty] == 0).all() and torch.isneginf(lse[:, :, empty]).all()
 
 
 # Layouts the tensor maps must follow: (B, S, H, D) storage and k/v interleaved in one tensor (TMA

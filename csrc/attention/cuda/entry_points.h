@@ -14,6 +14,9 @@ namespace flashmod::cuda_kernels {
 
 struct FwdLaunchFlags {
   int out_vec16;  // out's row starts are 16-byte aligned and head_dim % 8 == 0: 16-byte stores
+  // run_attention_fwd_sm90_ws: one CTA per tile for every call, not only for those with a right
+  // window bound (FLASHMOD_SM90_WS_PERSISTENT=0; tests and benchmarks compare the two).
+  int one_tile_per_cta = 0;
 };
 
 // fp16/bf16 (Elem = __half or __nv_bfloat16) on tensor cores, head_dim <= kHeadDim. Requires
@@ -60,8 +63,8 @@ struct DecodeWorkspace {
 
 struct DecodeOptions {
   int num_sms = 1;
-  int forced_splits = 0;       // > 0: use exactly this many splits (tests, tuning); 0: heuristic
-  bool fused_combine = true;   // split-KV partials merged by each tile's last CTA, not a kernel
+  int forced_splits = 0;      // > 0: use exactly this many splits (tests, tuning); 0: heuristic
+  bool fused_combine = true;  // split-KV partials merged by each tile's last CTA, not a kernel
 };
 
 // The decode path: query rows per head <= kDecodeMaxNq (one 64-row tile when GQA-packed rows fit).
