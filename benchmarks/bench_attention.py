@@ -57,8 +57,16 @@ DEFAULT_OUT_DIR = os.path.join("build", "bench")
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", dict], torch.Tensor]
 
 
-def shape(kind: str, dtype: str, b: int, hq: int, hkv: int, nq: int, nk: int, d: int, causal: bool, mask: bool):
-    return dict(kind=kind, dtype=dtype, b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, causal=causal, mask=mask)
+def shape(
+    kind: str, dtype: str, b: int, hq: int, hkv: int, nq: int, nk: int, d: int, causal: bool, mask: bool,
+    window: int = -1, softcap: float = 0.0,
+):  # fmt: skip
+    """One benchmark shape; ``window`` > 0: keys at most that far left of the (causal) diagonal;
+    ``softcap`` > 0: scores soft-capped (no SDPA backend takes one: flashmod runs alone)."""
+    return dict(
+        kind=kind, dtype=dtype, b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, causal=causal, mask=mask,
+        window=window, softcap=softcap,
+    )  # fmt: skip
 
 
 def cuda_shapes(mode: str, quick: bool) -> list[dict]:
@@ -84,17 +92,28 @@ def cuda_shapes(mode: str, quick: bool) -> list[dict]:
             shapes.append(shape("gqa", "bf16", 16384 // n, 32, 8, n, n, 128, causal, False))
     for n in (1024, 4096):
         shapes.append(shape("padding", "bf16", 8, 16, 16, n, n, 128, False, True))
+    for n in (4096, 16384):  # sliding window (Mistral-style 1k causal band): SDPA needs a band mask
+        shapes.append(shape("window", "bf16", 16384 // n, 16, 16, n, n, 128, True, False, window=1024))
+    for n in (1024, 4096):  # soft-capped scores (Gemma 2's 50.0)
+        shapes.append(shape("softcap", "bf16", 16384 // n, 16, 16, n, n, 128, True, False, softcap=50.0))
     return shapes
 
 
 def forward_flops(s: dict) -> float:
+    if s.get("window", -1) >= 0:  # the visible pairs of a causal band w keys wide (square, top-left)
+        n, w = s["nq"], s["window"]
+        pairs = n * (w + 1) - w * (w + 1) // 2
+        return 4.0 * s["b"] * s["hq"] * pairs * s["d"]
     f = 4.0 * s["b"] * s["hq"] * s["nq"] * s["nk"] * s["d"]
     return f / 2 if s["causal"] else f
 
 
 def label(s: dict) -> str:
     base = f"{s['kind']:7s} {s['dtype']} b{s['b']} h{s['hq']}/{s['hkv']} nq{s['nq']} nk{s['nk']} d{s['d']}"
-    return base + (" causal" if s["causal"] else "") + (" mask" if s["mask"] else "")
+    extra = (f" window{s['window']}" if s.get("window", -1) >= 0 else "") + (
+        f" softcap{s['softcap']:g}" if s.get("softcap", 0) > 0 else ""
+    )
+    return base + (" causal" if s["causal"] else "") + (" mask" if s["mask"] else "") + extra
 
 
 def make_inputs(s: dict, device: str, requires_grad: bool):
@@ -110,18 +129,39 @@ def make_inputs(s: dict, device: str, requires_grad: bool):
 
 
 def flashmod_attend(q, k, v, mask, s):
-    return attention_op(q, k, v, mask, is_causal=s["causal"], bottom_right=False)[0]
+    return attention_op(
+        q, k, v, mask, is_causal=s["causal"], bottom_right=False, window_left=s.get("window", -1),
+        softcap=s.get("softcap", 0.0),
+    )[0]  # fmt: skip
+
+
+def band_mask(s: dict, device) -> torch.Tensor:
+    """The (Nq, Nk) bool mask of a causal window: what SDPA needs for what flashmod takes as options."""
+    i = torch.arange(s["nq"], device=device)[:, None]
+    j = torch.arange(s["nk"], device=device)[None, :]
+    return (j <= i) & (i - j <= s["window"])
 
 
 def sdpa_attend(backend: SDPBackend | None) -> Attend:
     """torch's SDPA forced onto ``backend`` (None: its own dispatch, e.g. on the CPU)."""
 
+    bands: dict = {}
+
     def attend(q, k, v, mask, s):
         gqa = s["hq"] != s["hkv"]
+        if s.get("softcap", 0) > 0:
+            raise RuntimeError("SDPA has no soft cap")
+        causal = s["causal"]
+        if s.get("window", -1) >= 0:  # the band replaces is_causal; built once per shape, outside the timing
+            key = (s["nq"], s["nk"], s["window"])
+            if key not in bands:
+                bands.clear()
+                bands[key] = band_mask(s, q.device)
+            mask, causal = bands[key], False
         if backend is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=s["causal"], enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=s["causal"], enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
     return attend
 
@@ -219,7 +259,9 @@ def main() -> None:
     ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the JSON and the plot go (default: %(default)s)")
     ap.add_argument("--tag", default=None, help="file name stem (default: <date>-cuda-<mode>)")
     ap.add_argument("--backends", default=",".join(SDPA_BACKENDS), help="SDPA backends to compare, comma-separated")
-    ap.add_argument("--kinds", default="paper,decode,gqa,padding,fp32", help="shape groups to run, comma-separated")
+    ap.add_argument(
+        "--kinds", default="paper,decode,gqa,padding,fp32,window,softcap", help="shape groups to run, comma-separated"
+    )
     ap.add_argument("--dtypes", default="bf16,fp16,fp32", help="dtypes to run, comma-separated")
     ap.add_argument("--dims", default="", help="head dims to keep, comma-separated (default: all)")
     ap.add_argument("--min-n", type=int, default=0, help="skip paper shapes with N below this")
