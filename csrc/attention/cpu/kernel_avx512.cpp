@@ -18,8 +18,8 @@ constexpr int kNV = 2, kKB = 8, kRB = 4, kDV = 4;
 constexpr int64_t kBc = 64;
 
 #include "engine_common.h"
-#include "engine_prefill.h"
 #include "engine_decode.h"
+#include "engine_prefill.h"
 
 }  // namespace
 

@@ -33,8 +33,8 @@ constexpr int kNV = 2, kKB = 4, kRB = 4, kDV = 2;
 constexpr int64_t kBc = 64;
 
 #include "engine_common.h"
-#include "engine_prefill.h"
 #include "engine_decode.h"
+#include "engine_prefill.h"
 
 }  // namespace
 
