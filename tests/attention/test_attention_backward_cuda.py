@@ -98,8 +98,11 @@ def test_strided_and_unaligned_inputs():
     assert dq.stride() == q.stride() and dk.stride() == k.stride()
 
 
-def test_deterministic_over_100_runs():
-    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 8, 2, 1023, 1100, 128)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_deterministic_over_100_runs(dtype):
+    """The fused backward (bf16: the Hopper or portable kernels; fp32: 3xTF32) is bitwise the same
+    on every run: no atomics."""
+    q, k, v = make_inputs(DEV, dtype, 2, 8, 2, 1023, 1100, 128)
     grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 8, 1023, device=DEV)
     first = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
     for _ in range(100):
@@ -259,16 +262,6 @@ def test_fp32_strided_unaligned_and_empty_inputs():
         grads = fused_grads(q, k, v, torch.randn_like(q), None)
         assert all(g.shape == t.shape and not g.isnan().any() for g, t in zip(grads, (q, k, v)))
         assert all(torch.all(g == 0) for g in grads)
-
-
-def test_fp32_deterministic():
-    q, k, v = make_inputs(DEV, torch.float32, 2, 8, 2, 1023, 1100, 128)
-    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 8, 1023, device=DEV)
-    first = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
-    for _ in range(100):
-        again = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
-        for a, b in zip(first, again):
-            assert torch.equal(a, b)
 
 
 def test_fp32_cuda_graph():
