@@ -282,6 +282,14 @@ def main() -> None:
         action="store_true",
         help="also time the sm_90 forward without warp specialization (FLASHMOD_SM90_WS=0)",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL:NAME=value[,NAME=value]",
+        help="also time flashmod under these knob settings, as contender flashmod-LABEL (repeatable; "
+        "e.g. sec1:FLASHMOD_SM90_WS_SECTION=1)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU; the CPU benchmark is benchmarks/bench_cpu.py")
@@ -302,6 +310,9 @@ def main() -> None:
         contenders["flashmod-fa2"] = flashmod_attend
     if args.ws_one_tile:
         contenders["flashmod-1tile"] = flashmod_attend
+    variants = dict(v.split(":", 1) for v in args.variant)
+    for label in variants:
+        contenders[f"flashmod-{label}"] = flashmod_attend
     for name in filter(None, args.backends.split(",")):
         contenders[name] = sdpa_attend(SDPA_BACKENDS[name])
 
@@ -319,6 +330,7 @@ def main() -> None:
         "flashmod-mma": "FLASHMOD_DISABLE_SM90=1",
         "flashmod-fa2": "FLASHMOD_SM90_WS=0",
         "flashmod-1tile": "FLASHMOD_SM90_WS_PERSISTENT=0",
+        **{f"flashmod-{label}": settings for label, settings in variants.items()},
     }
     rows = run(shapes, contenders, "cuda", args.mode, args.warmup, args.reps, skip, env=env)
     tag = args.tag or f"{datetime.date.today().isoformat()}-cuda-{args.mode}"

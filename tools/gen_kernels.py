@@ -108,13 +108,14 @@ FAMILIES = (
     Family("fwd_sm80", "fwd_sm80_launch.h", HEAD_DIMS, (
         "run_attention_fwd(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
         "run_attention_fwd_decode(const AttentionParams&, const FwdLaunchFlags&, const DecodeOptions&, "
-        "const DecodeWorkspace&, cudaStream_t)",
+        "const DeviceWorkspace&, cudaStream_t)",
     )),
     Family("fwd_sm90", "fwd_sm90_launch.h", (64, 128, 256), (
         "run_attention_fwd_sm90(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
     )),
     Family("fwd_sm90_ws", "fwd_sm90_ws_launch.h", (64, 128), (
-        "run_attention_fwd_sm90_ws(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
+        "run_attention_fwd_sm90_ws(const AttentionParams&, const FwdLaunchFlags&, const DeviceWorkspace&, "
+        "cudaStream_t)",
     )),
     Family("bwd_sm80", "bwd_sm80_launch.h", HEAD_DIMS, (
         "run_attention_bwd(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",

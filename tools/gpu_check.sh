@@ -7,6 +7,8 @@
 #   TEST_M      pytest -m expression (default: cuda, every test that runs on the GPU)
 #   BENCH_ARGS  arguments of bench_attention.py (default: the speed-bar subset, all backends)
 #   TEST_SECONDS / BENCH_SECONDS   time limits
+#   ARCHS       compute capabilities to build (default "80;90a"; "90a" halves the build for
+#               Hopper-only iterations)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_logs}
@@ -14,7 +16,7 @@ mkdir -p "$OUT"
 what=${1:-all}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 start=$(date +%s)
-if ! MAX_JOBS=$(nproc) FLASHMOD_CUDA_ARCHS="80;90a" python setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+if ! MAX_JOBS=$(nproc) FLASHMOD_CUDA_ARCHS="${ARCHS:-80;90a}" python setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
   grep -B2 -A6 -m5 "error" "$OUT/build.log" | head -60
   exit 1
 fi

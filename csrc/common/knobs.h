@@ -11,8 +11,11 @@
 //   FLASHMOD_DISABLE_SM90=1           the portable mma.sync kernel on an H100/H200
 //   FLASHMOD_SM90_WS=0                the sm_90 forward without warp specialization/TMA (the
 //                                     FlashAttention-2-style wgmma kernel)
-//   FLASHMOD_SM90_WS_PERSISTENT=0     the warp-specialized kernel on one CTA per tile also
-//                                     without a right window bound (default: persistent there)
+//   FLASHMOD_SM90_WS_PERSISTENT=0     the warp-specialized kernel on one CTA per tile (default:
+//                                     a persistent grid, dynamically scheduled under a right
+//                                     window bound)
+//   FLASHMOD_SM90_WS_SECTION=n        (batch, head) pairs per section of that dynamic schedule's
+//                                     longest-first order (0: automatic, from the L2 size)
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
 //                                     BWD_SM90_TILES); a name not built for the head dim is an
 //                                     error

@@ -102,15 +102,23 @@ def test_sm90_ws_kernel_and_fallback(monkeypatch, ws, dtype, d, nq, nk, opts):
     run_and_check(q, k, v, **opts)
 
 
-# More tiles than SMs, so each persistent CTA walks several (calls without a right window bound;
-# causal ones run one CTA per tile): the buffer ring and the barrier phases run on across tiles,
-# and tiles whose rows see no key (a left window with top-left alignment: rows >= 750; causal
-# bottom-right with Nq > Nk: rows < 323) are skipped by the producer and written as empty by the
-# consumers. Also on one CTA per tile throughout, and on the FlashAttention-2-style kernel.
+# More tiles than SMs, so each persistent CTA walks several (round-robin without a right window
+# bound, claimed from the dynamic scheduler's counter with one): the buffer ring and the barrier
+# phases run on across tiles, and tiles whose rows see no key (a left window with top-left
+# alignment: rows >= 750; causal bottom-right with Nq > Nk: rows < 323) are skipped by the
+# producer and written as empty by the consumers. The dynamic order in sections of 1 (head by
+# head), 5 (48 pairs: a last section of 3) and the automatic size; also one CTA per tile
+# throughout, and the FlashAttention-2-style kernel.
 @pytest.mark.parametrize(
     "knobs",
-    [{}, {"FLASHMOD_SM90_WS_PERSISTENT": "0"}, {"FLASHMOD_SM90_WS": "0"}],
-    ids=["persistent", "one_tile_per_cta", "fa2_style"],
+    [
+        {},
+        {"FLASHMOD_SM90_WS_SECTION": "1"},
+        {"FLASHMOD_SM90_WS_SECTION": "5"},
+        {"FLASHMOD_SM90_WS_PERSISTENT": "0"},
+        {"FLASHMOD_SM90_WS": "0"},
+    ],
+    ids=["persistent", "section1", "section5", "one_tile_per_cta", "fa2_style"],
 )
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"window_left": 50, "bottom_right": False}], ids=str)
@@ -329,6 +337,34 @@ def test_cuda_graph_capture_and_replay():
         torch.cuda.synchronize()
         ref, ref_lse = attention_op(q, k, v, mask, is_causal=True)
         assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+# The dynamic tile scheduler's counter is zeroed in the stream before each launch: a captured
+# graph must replay that too, or the second replay would start past the first tiles and leave
+# them unwritten (the outputs are poisoned between replays to show it).
+def test_sm90_ws_dynamic_schedule_replays_in_cuda_graph():
+    q, k, v = (rand(3, 16, 1023, 128, dtype=torch.bfloat16) for _ in range(3))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture
+        attention_op(q, k, v, is_causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = attention_op(q, k, v, is_causal=True)
+    for _ in range(3):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = attention_op(q, k, v, is_causal=True)
+        assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    truth_o, truth_l = attention_reference(q, k, v, None, compute_dtype=torch.float64, is_causal=True)
+    plain_o, plain_l = attention_reference(q, k, v, None, compute_dtype=q.dtype, is_causal=True)
+    assert_within_rule(out, truth_o, plain_o, 2.0, q.dtype, "out")
+    assert_within_rule(lse, truth_l, plain_l.float(), 2.0, q.dtype, "lse")
 
 
 def test_non_default_stream():

@@ -8,7 +8,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <utility>
 
 #include "../../common/error_message.h"
 #include "../../common/knobs.h"
@@ -52,17 +51,8 @@ bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, in
   opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
   opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
-  // The split-KV workspace comes from torch's caching allocator on the current stream; freeing
-  // it when this function returns is stream-ordered, so the kernels still queued keep it.
-  at::Tensor workspace;
-  std::pair<at::Tensor*, const at::TensorOptions*> ctx{&workspace, &options};
-  cuda_kernels::DecodeWorkspace ws;
-  ws.ctx = &ctx;
-  ws.alloc = [](void* c, size_t bytes) -> void* {
-    auto* w = static_cast<std::pair<at::Tensor*, const at::TensorOptions*>*>(c);
-    *w->first = at::empty({static_cast<int64_t>((bytes + 3) / 4)}, w->second->dtype(at::kFloat));
-    return w->first->data_ptr();
-  };
+  TorchWorkspace workspace(options);  // the split-KV partials
+  const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
   switch (cuda_kernels::variant_key(p.dtype, padded)) {
 #define FLASHMOD_DECODE_CASE(Elem, kind, D)                                           \
   case cuda_kernels::variant_key(ScalarKind::kind, D):                                \
@@ -101,15 +91,22 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
     cuda_kernels::FwdLaunchFlags flags{};
     flags.out_vec16 = rows_aligned16(prepared.out) && p.head_dim % 8 == 0;
     flags.one_tile_per_cta = !env_flag("FLASHMOD_SM90_WS_PERSISTENT", true);
+    flags.ws_section = env_int("FLASHMOD_SM90_WS_SECTION", 0);
+    TORCH_CHECK(
+        flags.ws_section >= 0,
+        flashmod::error_message("FLASHMOD_SM90_WS_SECTION must be >= 0 (0: automatic), got ",
+                                flags.ws_section));
     const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
     const int key = cuda_kernels::variant_key(p.dtype, padded);
     if (run_decode(p, flags, padded, q.options(), stream, err)) {
       // run_decode launched it
     } else if (use_sm90_ws_kernel(padded)) {
+      TorchWorkspace workspace(q.options());  // the tile scheduler's counter
+      const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
       switch (key) {
-#define FLASHMOD_SM90_WS_CASE(Elem, kind, D)                                  \
-  case cuda_kernels::variant_key(ScalarKind::kind, D):                        \
-    err = cuda_kernels::run_attention_fwd_sm90_ws<Elem, D>(p, flags, stream); \
+#define FLASHMOD_SM90_WS_CASE(Elem, kind, D)                                      \
+  case cuda_kernels::variant_key(ScalarKind::kind, D):                            \
+    err = cuda_kernels::run_attention_fwd_sm90_ws<Elem, D>(p, flags, ws, stream); \
     break;
         FLASHMOD_FWD_SM90_WS_VARIANTS(FLASHMOD_SM90_WS_CASE)
 #undef FLASHMOD_SM90_WS_CASE

@@ -14,9 +14,21 @@ namespace flashmod::cuda_kernels {
 
 struct FwdLaunchFlags {
   int out_vec16;  // out's row starts are 16-byte aligned and head_dim % 8 == 0: 16-byte stores
-  // run_attention_fwd_sm90_ws: one CTA per tile for every call, not only for those with a right
-  // window bound (FLASHMOD_SM90_WS_PERSISTENT=0; tests and benchmarks compare the two).
+  // run_attention_fwd_sm90_ws: one CTA per tile for every call (FLASHMOD_SM90_WS_PERSISTENT=0;
+  // tests and benchmarks compare it with the persistent grid).
   int one_tile_per_cta = 0;
+  // run_attention_fwd_sm90_ws under a right window bound: (batch, head) pairs per section of the
+  // longest-first order (FLASHMOD_SM90_WS_SECTION; cta_tile.h: sectioned_tile_at); 0: as many
+  // as keep a section's K/V within half the L2.
+  int64_t ws_section = 0;
+};
+
+// Device memory for a launch that needs scratch space, so the kernel files stay torch-free:
+// alloc returns `bytes` usable in stream order on the launch's stream (the torch caching
+// allocator in the host glue), or nullptr.
+struct DeviceWorkspace {
+  void* ctx = nullptr;
+  void* (*alloc)(void* ctx, size_t bytes) = nullptr;
 };
 
 // fp16/bf16 (Elem = __half or __nv_bfloat16) on tensor cores, head_dim <= kHeadDim. Requires
@@ -36,10 +48,11 @@ cudaError_t run_attention_fwd_sm90(const AttentionParams& p, const FwdLaunchFlag
 // The warp-specialized Hopper variant (TMA loads, ping-ponged consumer warpgroups; sm_90a machine
 // code only) for kHeadDim = 64 and 128: plain scores (causal and windows included, GQA) on tensors
 // TMA can address (16-byte aligned base, strides multiples of 16 bytes). Any other call it hands
-// to run_attention_fwd_sm90 itself, so the contract is run_attention_fwd_sm90's.
+// to run_attention_fwd_sm90 itself, so the contract is run_attention_fwd_sm90's. ws holds the
+// dynamic tile scheduler's counter (4 bytes, under a right window bound).
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
-                                      cudaStream_t stream);
+                                      const DeviceWorkspace& ws, cudaStream_t stream);
 
 // Split-KV workspace of the decode kernel. rows = batch * heads_q * seqlen_q of the params the
 // kernel gets (GQA-packed or not: same count), row id = the lse index.
@@ -51,14 +64,6 @@ struct SplitKvArgs {
   // split's CTA counts itself in after writing its partial, and the last one merges the tile's
   // rows (split_combine.h: combine_split_row), so no combine kernel runs. nullptr: the kernel.
   int* tile_counters = nullptr;
-};
-
-// Host memory hooks for the decode launch, so the kernel files stay torch-free: alloc returns
-// `bytes` of device memory usable in stream order on the launch's stream (the torch caching
-// allocator in attention_cuda.cpp), or nullptr.
-struct DecodeWorkspace {
-  void* ctx = nullptr;
-  void* (*alloc)(void* ctx, size_t bytes) = nullptr;
 };
 
 struct DecodeOptions {
@@ -75,7 +80,7 @@ constexpr int64_t kDecodeMaxNq = 64;
 // alignment rules as run_attention_fwd.
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
-                                     const DecodeOptions& opt, const DecodeWorkspace& ws,
+                                     const DecodeOptions& opt, const DeviceWorkspace& ws,
                                      cudaStream_t stream);
 
 // fp32: the 3xTF32 tensor-core kernel for head dims <= 128 and more than 32 query rows, else (or

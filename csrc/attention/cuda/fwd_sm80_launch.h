@@ -111,7 +111,7 @@ int decode_ctas_per_sm(Kernel kernel, int threads, int smem, std::atomic<int>* c
 
 template <class Tr>
 cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
-                          const DecodeOptions& opt, const DecodeWorkspace& ws,
+                          const DecodeOptions& opt, const DeviceWorkspace& ws,
                           cudaStream_t stream) {
   using Elem = typename Tr::Elem;
   constexpr int kHeadDim = Tr::kHeadDim;
@@ -155,7 +155,7 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
 
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
-                                     const DecodeOptions& opt, const DecodeWorkspace& ws,
+                                     const DecodeOptions& opt, const DeviceWorkspace& ws,
                                      cudaStream_t stream) {
   return launch_decode<typename DecodeConfig<Elem, kHeadDim>::Traits>(p, flags, opt, ws, stream);
 }

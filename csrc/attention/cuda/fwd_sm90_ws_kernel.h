@@ -3,9 +3,11 @@
 // matmul, on a persistent grid.
 //
 // A tile is Br = 64 * kConsumers query rows Q_i of one (batch, head); the grid has at most one
-// CTA per SM and CTA k takes tiles k, k + gridDim.x, ... (cta_tile's order: query blocks of a head
-// side by side, the longest first under a right window bound). A CTA has kConsumers + 1
-// warpgroups:
+// CTA per SM. Tiles that cost the same (no right window bound) go round-robin: CTA k takes tiles
+// k, k + gridDim.x, ... in cta_tile's order (query blocks of a head side by side). Under a right
+// window bound (causal) tile costs differ, and a dynamic scheduler hands them out longest first
+// (WsSchedule): CTA k starts with tile k, and the producer claims each next tile from a global
+// counter once it has issued the current tile's loads. A CTA has kConsumers + 1 warpgroups:
 //   warpgroup 0, the producer: gives its registers away (setmaxnreg.dec); one thread issues the
 //     TMA loads of each tile's Q_i and of its K_j, V_j into a kStages-deep ring of
 //     128-byte-swizzled buffers. Every buffer (Q's too) has a "full" mbarrier (the copy engine
@@ -48,6 +50,14 @@
 
 namespace flashmod::cuda_kernels::sm90 {
 
+// How CTAs find their tiles, numbered in sectioned_tile_at's order with `section` (batch, head)
+// pairs per section (1: cta_tile's order). next_tile == nullptr: round-robin. Otherwise a zeroed
+// counter, and tile gridDim.x + atomicAdd(next_tile, 1) is the next one to take.
+struct WsSchedule {
+  unsigned* next_tile = nullptr;
+  uint32_t section = 1;
+};
+
 template <typename Elem_, int kHeadDim_, int kBc, int kConsumers_, int kStages_>
 struct FwdWsTraits {
   using Elem = Elem_;
@@ -66,10 +76,13 @@ struct FwdWsTraits {
   static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of one K_j or one V_j
   // Q_i, the ring of K_j and V_j, then the epilogue's staging area for O (Br x D, as Q).
   static constexpr int kSmemTiles = kSmemQ + 2 * kStages * kSmemKV + kSmemQ;
-  // Barriers after the tiles: full Q, empty Q, then full K, full V, empty K, empty V per stage.
-  static constexpr int kNBarriers = 2 + 4 * kStages;
+  // Barriers after the tiles: full Q, empty Q, full and empty tile slot, then full K, full V,
+  // empty K, empty V per stage.
+  static constexpr int kNBarriers = 4 + 4 * kStages;
+  // The tile slot (the index the producer passes to the consumers) after the barriers.
+  static constexpr int kSmemSlot = 16;
   // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
-  static constexpr int kSmemBytes = kSmemTiles + 8 * kNBarriers + 1024;
+  static constexpr int kSmemBytes = kSmemTiles + 8 * kNBarriers + kSmemSlot + 1024;
   // Per-thread registers after reallocation; the sum over warpgroups stays within the 64K file
   // (128 * (producer + kConsumers * consumer) <= 65536), each a multiple of 8.
   static constexpr int kProducerRegs = 24;
@@ -91,7 +104,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tm_q,
                                  const __grid_constant__ CUtensorMap tm_k,
                                  const __grid_constant__ CUtensorMap tm_v, const AttentionParams p,
-                                 const FwdLaunchFlags flags) {
+                                 const FwdLaunchFlags flags, const WsSchedule sched) {
 #ifdef FLASHMOD_SM90A
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
@@ -102,7 +115,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const int warpgroup = warp / 4;
   const int Nq = static_cast<int>(p.seqlen_q);
   const int num_m_blocks = (Nq + Br - 1) / Br;
-  const int64_t num_tiles = cta_count(p, Br);
+  // Tile indices are 32-bit (the launch checks the count): they feed 32-bit divisions, which the
+  // producer's 24 registers hold without spilling.
+  const uint32_t num_tiles = static_cast<uint32_t>(cta_count(p, Br));
   // A tile's rows and visible key blocks; producer and consumers derive the same ones, so they
   // agree on which tiles load nothing (no visible key) and on every barrier's count.
   struct Tile {
@@ -110,9 +125,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     int r0, rows_q;
     KeyBlockRange range;
   };
-  auto tile_of = [&](int64_t index) {
+  const bool dynamic = sched.next_tile != nullptr;
+  auto tile_of = [&](uint32_t index) {
     Tile x;
-    x.t = cta_tile_at(p, index, num_m_blocks, 1);
+    x.t = sectioned_tile_at(p, index, num_m_blocks, sched.section);
     x.r0 = x.t.m_block * Br;
     x.rows_q = min(Br, Nq - x.r0);
     x.range = key_block_range(p, x.r0, x.r0 + x.rows_q - 1, Bc);
@@ -127,14 +143,19 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const uint32_t sO_addr = sV_addr0 + kStages * Tr::kSmemKV;
   const uint32_t bar0 = sQ_addr + Tr::kSmemTiles;
   const uint32_t full_q = bar0, empty_q = bar0 + 8;
-  auto full_k = [&](int s) { return bar0 + 8 * (2 + s); };
-  auto full_v = [&](int s) { return bar0 + 8 * (2 + kStages + s); };
-  auto empty_k = [&](int s) { return bar0 + 8 * (2 + 2 * kStages + s); };
-  auto empty_v = [&](int s) { return bar0 + 8 * (2 + 3 * kStages + s); };
+  const uint32_t full_slot = bar0 + 16, empty_slot = bar0 + 24;
+  auto full_k = [&](int s) { return bar0 + 8 * (4 + s); };
+  auto full_v = [&](int s) { return bar0 + 8 * (4 + kStages + s); };
+  auto empty_k = [&](int s) { return bar0 + 8 * (4 + 2 * kStages + s); };
+  auto empty_v = [&](int s) { return bar0 + 8 * (4 + 3 * kStages + s); };
+  volatile uint32_t* slot =
+      reinterpret_cast<volatile uint32_t*>(smem_raw + (bar0 + 8 * Tr::kNBarriers - raw_addr));
 
   if (tid == 0) {
     mbarrier_init(full_q, 1);
     mbarrier_init(empty_q, 4 * kConsumers);  // one arrival per consumer warp
+    mbarrier_init(full_slot, 1);
+    mbarrier_init(empty_slot, 4 * kConsumers);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
@@ -149,7 +170,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // producer's reuse of it waits, on "empty", for the consumers' release of round r - 1: parity
   // (r & 1) ^ 1, which a fresh barrier reports as complete for round 0. `blocks` counts the key
   // blocks this CTA has gone through (buffer blocks % kStages, round blocks / kStages), `tiles`
-  // the tiles that loaded a Q.
+  // the tiles that loaded a Q, `claimed` the tile indices passed through the slot (dynamic
+  // schedule only; the last one, past num_tiles, tells the consumers to stop).
   if (warpgroup == 0) {
     // Producer. The other 127 threads leave at once; their registers go to the consumers.
     setmaxnreg_dec<Tr::kProducerRegs>();
@@ -157,10 +179,25 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     prefetch_tensor_map(&tm_q);
     prefetch_tensor_map(&tm_k);
     prefetch_tensor_map(&tm_v);
-    int blocks = 0, tiles = 0;
-    for (int64_t index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+    int blocks = 0, tiles = 0, claimed = 0;
+    for (uint32_t index = blockIdx.x;; ++claimed) {
+      if (dynamic) {
+        // The consumers have read the previous index (they read it as they start its tile).
+        mbarrier_wait(empty_slot, (claimed & 1) ^ 1);
+        *slot = index;
+        mbarrier_arrive(full_slot);  // release: the store above is seen by whoever acquires
+      }
+      if (index >= num_tiles) break;
       const Tile x = tile_of(index);
-      if (x.range.lo >= x.range.hi) continue;
+      // Claimed once this tile's loads are issued, so the claim order is the order in which
+      // CTAs free up (the consumers still have at most kStages key blocks of this tile to go).
+      auto next_index = [&] {
+        return dynamic ? gridDim.x + atomicAdd(sched.next_tile, 1u) : index + gridDim.x;
+      };
+      if (x.range.lo >= x.range.hi) {
+        index = next_index();
+        continue;
+      }
       const int b = static_cast<int>(x.t.b), h = static_cast<int>(x.t.h);
       const int hk = static_cast<int>(x.t.hk);
       for (int n = x.range.lo; n < x.range.hi; ++n, ++blocks) {
@@ -189,6 +226,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
           tma_load_4d(sV_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_v, cb * 64, n * Bc, hk, b,
                       full_v(s));
       }
+      index = next_index();
     }
   } else {
     setmaxnreg_inc<Tr::kConsumerRegs>();
@@ -255,8 +293,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       }
     };
 
-    int blocks = 0, tiles = 0;
-    for (int64_t index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+    int blocks = 0, tiles = 0, claimed = 0;
+    for (uint32_t index = blockIdx.x;; ++claimed) {
+      if (dynamic) {
+        mbarrier_wait(full_slot, claimed & 1);
+        index = *slot;
+        __syncwarp();  // every lane has read the slot before lane 0 frees it
+        release(empty_slot);
+      } else if (claimed > 0) {
+        index += gridDim.x;
+      }
+      if (index >= num_tiles) break;
       const Tile x = tile_of(index);
       const int r0 = x.r0, lo = x.range.lo, hi = x.range.hi;
       const TilePointers<Elem> gp = tile_pointers<Elem>(p, x.t, r0);

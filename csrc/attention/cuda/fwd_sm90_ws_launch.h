@@ -38,10 +38,23 @@ inline bool ws_takes_options(const AttentionParams& p) {
          p.seqused_k == nullptr && p.kv_batch_idx == nullptr && p.block_table == nullptr;
 }
 
+// (batch, head) pairs per section of the dynamic order: as many kv heads as fit in half the L2
+// (the other half holds Q, O and the next section's first loads), times the query heads that
+// share each one, so a GQA group stays in one section.
+inline int64_t ws_auto_section(const AttentionParams& p, int64_t l2_bytes) {
+  const int64_t kv_head_bytes = 2 * p.seqlen_k * p.head_dim * 2;  // K and V of one kv head
+  const int64_t kv_heads = l2_bytes / 2 / (kv_head_bytes > 0 ? kv_head_bytes : 1);
+  return (kv_heads > 1 ? kv_heads : 1) * (p.heads_q / p.heads_kv);
+}
+
 template <class Tr>
 cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
-                          cudaStream_t stream, bool& launched) {
+                          const DeviceWorkspace& ws, cudaStream_t stream, bool& launched) {
   launched = false;
+  // 32-bit tile indices (the kernel's divisions), with room for the dynamic scheduler's claims
+  // past the end (one per CTA). Near 2^31 tiles q alone would be terabytes.
+  const int64_t tiles = cta_count(p, Tr::Br);
+  if (tiles > (int64_t{1} << 31) - (int64_t{1} << 20)) return cudaSuccess;
   constexpr bool kBf16 = std::is_same_v<typename Tr::Elem, __nv_bfloat16>;
   CUtensorMap tm_q, tm_k, tm_v;
   if (!encode_rows_tensor_map(&tm_q, kBf16, p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim,
@@ -52,36 +65,48 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
                               p.v_batch_stride, p.v_head_stride, p.v_row_stride, Tr::Bc))
     return cudaSuccess;
   launched = true;
-  // Persistent (one CTA per SM, or per tile where there are fewer tiles) where tiles cost about
-  // the same, i.e. without a right window bound: the next tile's loads then hide under the
-  // current epilogue (H100, N = 1k: +9% at D = 128, +18% at D = 64). Under a right bound
-  // (causal) the static round-robin left SMs idle behind the long diagonal tiles (-2 to -7%), so
-  // there the grid has one CTA per tile and the hardware hands them out, longest first.
-  const int64_t tiles = cta_count(p, Tr::Br);
+  // Persistent (one CTA per SM, or per tile where there are fewer tiles): the next tile's loads
+  // hide under the current one's epilogue (H100, N = 1k: +9% at D = 128, +18% at D = 64).
+  // Without a right window bound tiles cost about the same and go round-robin. Under one
+  // (causal) a static round-robin left SMs idle behind the long diagonal tiles (-2 to -7%
+  // against one CTA per tile), so there a counter hands tiles out longest first.
+  WsSchedule sched;
   int64_t grid = tiles;
-  if (!flags.one_tile_per_cta && p.window_right < 0) {
-    int device = 0, sms = 0;
+  if (!flags.one_tile_per_cta) {
+    int device = 0, sms = 0, l2_bytes = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess)
       err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
     if (err != cudaSuccess) return err;
     grid = tiles < sms ? tiles : sms;
+    // A grid of one CTA has nothing to balance.
+    if (p.window_right >= 0 && grid > 1) {
+      sched.next_tile = static_cast<unsigned*>(ws.alloc(ws.ctx, sizeof(unsigned)));
+      if (sched.next_tile == nullptr) return cudaErrorMemoryAllocation;
+      err = cudaMemsetAsync(sched.next_tile, 0, sizeof(unsigned), stream);
+      if (err != cudaSuccess) return err;
+      const int64_t section =
+          flags.ws_section > 0 ? flags.ws_section : ws_auto_section(p, l2_bytes);
+      const int64_t pairs = p.batch * p.heads_q;  // <= tiles, so the section fits 32 bits
+      sched.section = static_cast<uint32_t>(section < pairs ? section : pairs);
+    }
   }
   return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr>, grid, Tr::kNThreads, Tr::kSmemBytes,
-                             stream, tm_q, tm_k, tm_v, p, flags);
+                             stream, tm_q, tm_k, tm_v, p, flags, sched);
 }
 
 }  // namespace sm90
 
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
-                                      cudaStream_t stream) {
+                                      const DeviceWorkspace& ws, cudaStream_t stream) {
   if (sm90::ws_takes_options(p) && p.seqlen_q < (int64_t{1} << 31) &&
       p.seqlen_k < (int64_t{1} << 31) && p.batch < (int64_t{1} << 31) &&
       p.heads_q < (int64_t{1} << 31)) {
     bool launched = false;
     const cudaError_t err = sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Elem, kHeadDim>::Traits>(
-        p, flags, stream, launched);
+        p, flags, ws, stream, launched);
     if (launched) return err;
   }
   // The tensors or options TMA or this kernel cannot take: the FlashAttention-2-style kernel.

@@ -1,6 +1,6 @@
 // Torch-side helpers of the CUDA host code (forward and backward): the CUDA-only input checks,
-// which kernel family runs, the 16-byte row alignment the cp.async tile loads need, and the padded
-// copy taken when an input lacks it.
+// which kernel family runs, the 16-byte row alignment the cp.async tile loads need, the padded
+// copy taken when an input lacks it, and the launches' scratch memory.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -82,5 +82,32 @@ inline cuda_kernels::BwdRowStats allocate_bwd_row_stats(const AttentionBwdParams
   st.delta = storage[1].data_ptr<float>();
   return st;
 }
+
+// Scratch device memory for one launch (entry_points.h: DeviceWorkspace: the split-KV partials
+// of the decode kernel, the tile counter of the warp-specialized forward) from torch's caching
+// allocator on the current stream. One allocation per object; it is freed with the object, in
+// stream order, so the kernels still queued keep it.
+class TorchWorkspace {
+ public:
+  explicit TorchWorkspace(const at::TensorOptions& options) : options_(options) {}
+  TorchWorkspace(const TorchWorkspace&) = delete;
+  TorchWorkspace& operator=(const TorchWorkspace&) = delete;
+
+  cuda_kernels::DeviceWorkspace hooks() {
+    cuda_kernels::DeviceWorkspace ws;
+    ws.ctx = this;
+    ws.alloc = [](void* self, size_t bytes) -> void* {
+      auto* w = static_cast<TorchWorkspace*>(self);
+      w->memory_ =
+          at::empty({static_cast<int64_t>((bytes + 3) / 4)}, w->options_.dtype(at::kFloat));
+      return w->memory_.data_ptr();
+    };
+    return ws;
+  }
+
+ private:
+  at::TensorOptions options_;
+  at::Tensor memory_;
+};
 
 }  // namespace flashmod

@@ -65,15 +65,8 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
     opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
     // The split-KV workspace depends on shapes only (batch, heads, seqlen_q, the cache's
     // capacity), never on values, so a captured graph replays with the same allocation.
-    at::Tensor workspace;
-    std::pair<at::Tensor*, const at::TensorOptions*> ctx{&workspace, &options};
-    cuda_kernels::DecodeWorkspace ws;
-    ws.ctx = &ctx;
-    ws.alloc = [](void* c, size_t bytes) -> void* {
-      auto* w = static_cast<std::pair<at::Tensor*, const at::TensorOptions*>*>(c);
-      *w->first = at::empty({static_cast<int64_t>((bytes + 3) / 4)}, w->second->dtype(at::kFloat));
-      return w->first->data_ptr();
-    };
+    TorchWorkspace workspace(options);
+    const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
     switch (key) {
 #define FLASHMOD_SERVE_DECODE(E, kind, D)              \
   case cuda_kernels::variant_key(ScalarKind::kind, D): \
