@@ -14,8 +14,6 @@
 //   FLASHMOD_SM90_WS_PERSISTENT=0     the warp-specialized kernel on one CTA per tile (default:
 //                                     a persistent grid, dynamically scheduled under a right
 //                                     window bound)
-//   FLASHMOD_SM90_WS_SECTION=n        (batch, head) pairs per section of that dynamic schedule's
-//                                     longest-first order (0: automatic, from the L2 size)
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
 //                                     BWD_SM90_TILES); a name not built for the head dim is an
 //                                     error

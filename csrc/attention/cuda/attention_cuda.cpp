@@ -91,11 +91,6 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
     cuda_kernels::FwdLaunchFlags flags{};
     flags.out_vec16 = rows_aligned16(prepared.out) && p.head_dim % 8 == 0;
     flags.one_tile_per_cta = !env_flag("FLASHMOD_SM90_WS_PERSISTENT", true);
-    flags.ws_section = env_int("FLASHMOD_SM90_WS_SECTION", 0);
-    TORCH_CHECK(
-        flags.ws_section >= 0,
-        flashmod::error_message("FLASHMOD_SM90_WS_SECTION must be >= 0 (0: automatic), got ",
-                                flags.ws_section));
     const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
     const int key = cuda_kernels::variant_key(p.dtype, padded);
     if (run_decode(p, flags, padded, q.options(), stream, err)) {

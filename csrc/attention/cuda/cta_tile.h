@@ -24,53 +24,31 @@ struct CtaTile {
 };
 
 // The tile of flat index `index` in that order (blockIdx.x for one CTA per tile; persistent
-// kernels walk several).
-__device__ __forceinline__ CtaTile cta_tile_at(const AttentionParams& p, int64_t index,
-                                               int num_m_blocks, int splits) {
+// kernels walk several). Index is the type of the divisions: the warp-specialized kernel passes
+// 32-bit indices, since its producer warp has 24 registers and 64-bit divisions spilled there.
+template <typename Index = int64_t>
+__device__ __forceinline__ CtaTile cta_tile_at(const AttentionParams& p, Index index,
+                                               Index num_m_blocks, Index splits) {
   CtaTile t;
-  int64_t bid = index;
+  Index bid = index;
   t.m_block = static_cast<int>(bid % num_m_blocks);
   bid /= num_m_blocks;
   t.split = static_cast<int>(bid % splits);
   bid /= splits;
-  t.h = bid % p.heads_q;
-  t.b = bid / p.heads_q;
+  const Index heads_q = static_cast<Index>(p.heads_q);
+  const Index h = bid % heads_q;
+  t.h = h;
+  t.b = bid / heads_q;
   // With a right window bound (causal) the last query blocks see the most keys: start them
   // first to shorten the tail.
-  if (p.window_right >= 0) t.m_block = num_m_blocks - 1 - t.m_block;
-  t.hk = t.h / (p.heads_q / p.heads_kv);
-  return t;
-}
-
-// Tile `index` of the order a dynamic scheduler hands out under a right window bound: sections
-// of `section` consecutive (batch, head) pairs, and within a section every pair's longest query
-// block first, then every pair's next longest, and so on. Longest-first keeps CTAs from idling
-// behind a long tile at the end; a section's K/V is chosen to fit in L2, so the pairs whose
-// blocks run side by side share it. section = 1 is cta_tile_at's order. 32-bit arithmetic (the
-// caller keeps the tile count below 2^31): the producer warp that calls it has 24 registers, and
-// 64-bit divisions spilled there.
-__device__ __forceinline__ CtaTile sectioned_tile_at(const AttentionParams& p, uint32_t index,
-                                                     uint32_t num_m_blocks, uint32_t section) {
-  const uint32_t pairs = static_cast<uint32_t>(p.batch * p.heads_q);
-  const uint32_t heads_q = static_cast<uint32_t>(p.heads_q);
-  const uint32_t first_pair = index / (section * num_m_blocks) * section;
-  const uint32_t width = min(section, pairs - first_pair);
-  const uint32_t in_section = index - first_pair * num_m_blocks;
-  const uint32_t rank = in_section / width;  // 0: the longest query block
-  const uint32_t pair = first_pair + (in_section - rank * width);
-  CtaTile t;
-  t.m_block = static_cast<int>(p.window_right >= 0 ? num_m_blocks - 1 - rank : rank);
-  t.split = 0;
-  const uint32_t h = pair % heads_q;
-  t.h = h;
-  t.b = pair / heads_q;
-  t.hk = h / (heads_q / static_cast<uint32_t>(p.heads_kv));
+  if (p.window_right >= 0) t.m_block = static_cast<int>(num_m_blocks) - 1 - t.m_block;
+  t.hk = h / (heads_q / static_cast<Index>(p.heads_kv));
   return t;
 }
 
 __device__ __forceinline__ CtaTile cta_tile(const AttentionParams& p, int num_m_blocks,
                                             int splits) {
-  return cta_tile_at(p, blockIdx.x, num_m_blocks, splits);
+  return cta_tile_at<int64_t>(p, blockIdx.x, num_m_blocks, splits);
 }
 
 // Global pointers of the tile: its q/out/lse rows from row r0 on and its kv head's k/v.

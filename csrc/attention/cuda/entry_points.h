@@ -17,10 +17,6 @@ struct FwdLaunchFlags {
   // run_attention_fwd_sm90_ws: one CTA per tile for every call (FLASHMOD_SM90_WS_PERSISTENT=0;
   // tests and benchmarks compare it with the persistent grid).
   int one_tile_per_cta = 0;
-  // run_attention_fwd_sm90_ws under a right window bound: (batch, head) pairs per section of the
-  // longest-first order (FLASHMOD_SM90_WS_SECTION; cta_tile.h: sectioned_tile_at); 0: as many
-  // as keep a section's K/V within half the L2.
-  int64_t ws_section = 0;
 };
 
 // Device memory for a launch that needs scratch space, so the kernel files stay torch-free:

@@ -5,10 +5,13 @@
 // A tile is Br = 64 * kConsumers query rows Q_i of one (batch, head); the grid has at most one
 // CTA per SM. Tiles that cost the same (no right window bound) go round-robin: CTA k takes tiles
 // k, k + gridDim.x, ... in cta_tile's order (query blocks of a head side by side). Under a right
-// window bound (causal) tile costs differ, and a dynamic scheduler hands them out longest first
-// (WsSchedule): CTA k starts with tile k, and the producer claims each next tile from a global
-// counter once it has issued the current tile's loads. A CTA has kConsumers + 1 warpgroups:
-//   warpgroup 0, the producer: gives its registers away (setmaxnreg.dec); one thread issues the
+// window bound (causal) tile costs differ, and a dynamic scheduler hands them out in the same
+// order, so a head's longest query block goes first (WsSchedule): CTA k starts with tile k, and
+// the producer claims each next tile from a global counter once it has issued the current tile's
+// loads, passing its index to the consumers through shared memory. A CTA has kConsumers + 1
+// warpgroups:
+//   warpgroup 0, the producer: gives its registers away (setmaxnreg.dec); its first warp stays
+//     (the tile slot's barriers count whole warps) and its lane 0 issues the
 //     TMA loads of each tile's Q_i and of its K_j, V_j into a kStages-deep ring of
 //     128-byte-swizzled buffers. Every buffer (Q's too) has a "full" mbarrier (the copy engine
 //     completes it with the bytes) and an "empty" one (every consumer warp arrives once it no
@@ -50,12 +53,11 @@
 
 namespace flashmod::cuda_kernels::sm90 {
 
-// How CTAs find their tiles, numbered in sectioned_tile_at's order with `section` (batch, head)
-// pairs per section (1: cta_tile's order). next_tile == nullptr: round-robin. Otherwise a zeroed
-// counter, and tile gridDim.x + atomicAdd(next_tile, 1) is the next one to take.
+// How CTAs find their tiles (numbered in cta_tile's order). next_tile == nullptr: round-robin.
+// Otherwise a zeroed counter, and tile gridDim.x + atomicAdd(next_tile, 1) is the next one to
+// take.
 struct WsSchedule {
   unsigned* next_tile = nullptr;
-  uint32_t section = 1;
 };
 
 template <typename Elem_, int kHeadDim_, int kBc, int kConsumers_, int kStages_>
@@ -76,9 +78,8 @@ struct FwdWsTraits {
   static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of one K_j or one V_j
   // Q_i, the ring of K_j and V_j, then the epilogue's staging area for O (Br x D, as Q).
   static constexpr int kSmemTiles = kSmemQ + 2 * kStages * kSmemKV + kSmemQ;
-  // Barriers after the tiles: full Q, empty Q, full and empty tile slot, then full K, full V,
-  // empty K, empty V per stage.
-  static constexpr int kNBarriers = 4 + 4 * kStages;
+  // Barriers after the tiles: full Q, empty Q, then full K, full V, empty K, empty V per stage.
+  static constexpr int kNBarriers = 2 + 4 * kStages;
   // The tile slot (the index the producer passes to the consumers) after the barriers.
   static constexpr int kSmemSlot = 16;
   // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
@@ -87,15 +88,25 @@ struct FwdWsTraits {
   // (128 * (producer + kConsumers * consumer) <= 65536), each a multiple of 8.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
-  // Named barriers: 0 is __syncthreads; 1 + c consumer c's turn.
+  // Named barriers: 0 is __syncthreads; 1 + c consumer c's turn; then the tile slot's "full"
+  // (the producer wrote the next index) and "free" (every consumer has read it). Named barriers
+  // rather than mbarriers: compute-sanitizer's racecheck orders shared-memory accesses by these.
   static constexpr int kBarTurn0 = 1;
+  static constexpr int kBarSlotFull = 1 + kConsumers;
+  static constexpr int kBarSlotFree = 2 + kConsumers;
+  static constexpr int kSlotThreads = 32 + 128 * kConsumers;  // the producer warp, the consumers
 
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "whole 64-column boxes, one PV chunk");
   static_assert(Bc == 64 || Bc == 128, "a wgmma N of S (wgmma_ops.h); box rows <= 256");
   static_assert(kConsumers == 2 || kConsumers == 3, "Br <= 256: one TMA box of Q rows");
   static_assert(kStages >= 2, "the turn order needs a buffer of slack (no deadlock at 1)");
-  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
+  // setmaxnreg only moves registers within the CTA's launch allocation (ptxas caps each thread
+  // at 65536 / kNThreads rounded down to 8 by __launch_bounds__(kNThreads, 1)): asking for more
+  // would leave setmaxnreg.inc waiting forever.
+  static constexpr int kEntryRegs = 65536 / kNThreads / 8 * 8;
+  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kEntryRegs * kNThreads,
+                "register reallocation within the launch allocation");
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
 };
 
@@ -128,7 +139,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const bool dynamic = sched.next_tile != nullptr;
   auto tile_of = [&](uint32_t index) {
     Tile x;
-    x.t = sectioned_tile_at(p, index, num_m_blocks, sched.section);
+    x.t = cta_tile_at<uint32_t>(p, index, num_m_blocks, 1);
     x.r0 = x.t.m_block * Br;
     x.rows_q = min(Br, Nq - x.r0);
     x.range = key_block_range(p, x.r0, x.r0 + x.rows_q - 1, Bc);
@@ -143,19 +154,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const uint32_t sO_addr = sV_addr0 + kStages * Tr::kSmemKV;
   const uint32_t bar0 = sQ_addr + Tr::kSmemTiles;
   const uint32_t full_q = bar0, empty_q = bar0 + 8;
-  const uint32_t full_slot = bar0 + 16, empty_slot = bar0 + 24;
-  auto full_k = [&](int s) { return bar0 + 8 * (4 + s); };
-  auto full_v = [&](int s) { return bar0 + 8 * (4 + kStages + s); };
-  auto empty_k = [&](int s) { return bar0 + 8 * (4 + 2 * kStages + s); };
-  auto empty_v = [&](int s) { return bar0 + 8 * (4 + 3 * kStages + s); };
+  auto full_k = [&](int s) { return bar0 + 8 * (2 + s); };
+  auto full_v = [&](int s) { return bar0 + 8 * (2 + kStages + s); };
+  auto empty_k = [&](int s) { return bar0 + 8 * (2 + 2 * kStages + s); };
+  auto empty_v = [&](int s) { return bar0 + 8 * (2 + 3 * kStages + s); };
   volatile uint32_t* slot =
       reinterpret_cast<volatile uint32_t*>(smem_raw + (bar0 + 8 * Tr::kNBarriers - raw_addr));
 
   if (tid == 0) {
     mbarrier_init(full_q, 1);
     mbarrier_init(empty_q, 4 * kConsumers);  // one arrival per consumer warp
-    mbarrier_init(full_slot, 1);
-    mbarrier_init(empty_slot, 4 * kConsumers);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
@@ -170,63 +178,70 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // producer's reuse of it waits, on "empty", for the consumers' release of round r - 1: parity
   // (r & 1) ^ 1, which a fresh barrier reports as complete for round 0. `blocks` counts the key
   // blocks this CTA has gone through (buffer blocks % kStages, round blocks / kStages), `tiles`
-  // the tiles that loaded a Q, `claimed` the tile indices passed through the slot (dynamic
-  // schedule only; the last one, past num_tiles, tells the consumers to stop).
+  // the tiles that loaded a Q. Under the dynamic schedule every index passes through the slot,
+  // the last one (past num_tiles) telling the consumers to stop.
   if (warpgroup == 0) {
-    // Producer. The other 127 threads leave at once; their registers go to the consumers.
+    // Producer. Warps 1-3 leave at once; their registers go to the consumers.
     setmaxnreg_dec<Tr::kProducerRegs>();
-    if (tid != 0) return;
-    prefetch_tensor_map(&tm_q);
-    prefetch_tensor_map(&tm_k);
-    prefetch_tensor_map(&tm_v);
-    int blocks = 0, tiles = 0, claimed = 0;
-    for (uint32_t index = blockIdx.x;; ++claimed) {
+    if (warp != 0) return;
+    const bool leader = lane == 0;
+    if (leader) {
+      prefetch_tensor_map(&tm_q);
+      prefetch_tensor_map(&tm_k);
+      prefetch_tensor_map(&tm_v);
+    }
+    int blocks = 0, tiles = 0;
+    for (uint32_t index = blockIdx.x;;) {
       if (dynamic) {
-        // The consumers have read the previous index (they read it as they start its tile).
-        mbarrier_wait(empty_slot, (claimed & 1) ^ 1);
-        *slot = index;
-        mbarrier_arrive(full_slot);  // release: the store above is seen by whoever acquires
+        if (leader) *slot = index;
+        named_barrier_arrive(Tr::kBarSlotFull, Tr::kSlotThreads);  // orders the store above
       }
       if (index >= num_tiles) break;
       const Tile x = tile_of(index);
-      // Claimed once this tile's loads are issued, so the claim order is the order in which
-      // CTAs free up (the consumers still have at most kStages key blocks of this tile to go).
-      auto next_index = [&] {
-        return dynamic ? gridDim.x + atomicAdd(sched.next_tile, 1u) : index + gridDim.x;
-      };
-      if (x.range.lo >= x.range.hi) {
-        index = next_index();
-        continue;
-      }
       const int b = static_cast<int>(x.t.b), h = static_cast<int>(x.t.h);
       const int hk = static_cast<int>(x.t.hk);
-      for (int n = x.range.lo; n < x.range.hi; ++n, ++blocks) {
+      for (int n = x.range.lo; n < x.range.hi; ++n, ++blocks) {  // none: rows without keys
         const int s = blocks % kStages;
         const uint32_t parity = ((blocks / kStages) & 1) ^ 1;
         mbarrier_wait(empty_k(s), parity);
-        mbarrier_arrive_expect_tx(full_k(s), Tr::kSmemKV);
+        if (leader) {
+          mbarrier_arrive_expect_tx(full_k(s), Tr::kSmemKV);
 #pragma unroll
-        for (int cb = 0; cb < Tr::kColBlocks; ++cb)
-          tma_load_4d(sK_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_k, cb * 64, n * Bc, hk, b,
-                      full_k(s));
+          for (int cb = 0; cb < Tr::kColBlocks; ++cb)
+            tma_load_4d(sK_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_k, cb * 64, n * Bc, hk, b,
+                        full_k(s));
+        }
         // Q after the first K: that K's buffer is free earlier than Q's (released only after the
         // previous tile's last S).
         if (n == x.range.lo) {
           mbarrier_wait(empty_q, (tiles & 1) ^ 1);
-          mbarrier_arrive_expect_tx(full_q, Tr::kSmemQ);
+          if (leader) {
+            mbarrier_arrive_expect_tx(full_q, Tr::kSmemQ);
 #pragma unroll
-          for (int cb = 0; cb < Tr::kColBlocks; ++cb)
-            tma_load_4d(sQ_addr + cb * Br * 128, &tm_q, cb * 64, x.r0, h, b, full_q);
+            for (int cb = 0; cb < Tr::kColBlocks; ++cb)
+              tma_load_4d(sQ_addr + cb * Br * 128, &tm_q, cb * 64, x.r0, h, b, full_q);
+          }
           ++tiles;
         }
         mbarrier_wait(empty_v(s), parity);
-        mbarrier_arrive_expect_tx(full_v(s), Tr::kSmemKV);
+        if (leader) {
+          mbarrier_arrive_expect_tx(full_v(s), Tr::kSmemKV);
 #pragma unroll
-        for (int cb = 0; cb < Tr::kColBlocks; ++cb)
-          tma_load_4d(sV_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_v, cb * 64, n * Bc, hk, b,
-                      full_v(s));
+          for (int cb = 0; cb < Tr::kColBlocks; ++cb)
+            tma_load_4d(sV_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_v, cb * 64, n * Bc, hk, b,
+                        full_v(s));
+        }
       }
-      index = next_index();
+      if (dynamic) {
+        // Claimed once this tile's loads are issued, so tiles go out in the order CTAs free up
+        // (the consumers still have at most kStages key blocks of this tile to go).
+        uint32_t claim = 0;
+        if (leader) claim = atomicAdd(sched.next_tile, 1u);
+        index = gridDim.x + __shfl_sync(0xffffffffu, claim, 0);
+        named_barrier(Tr::kBarSlotFree, Tr::kSlotThreads);  // every consumer has read the slot
+      } else {
+        index += gridDim.x;
+      }
     }
   } else {
     setmaxnreg_inc<Tr::kConsumerRegs>();
@@ -293,15 +308,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       }
     };
 
-    int blocks = 0, tiles = 0, claimed = 0;
-    for (uint32_t index = blockIdx.x;; ++claimed) {
+    int blocks = 0, tiles = 0;
+    // (Under the dynamic schedule the step is overwritten by the slot.)
+    for (uint32_t index = blockIdx.x;; index += gridDim.x) {
       if (dynamic) {
-        mbarrier_wait(full_slot, claimed & 1);
+        named_barrier(Tr::kBarSlotFull, Tr::kSlotThreads);
         index = *slot;
-        __syncwarp();  // every lane has read the slot before lane 0 frees it
-        release(empty_slot);
-      } else if (claimed > 0) {
-        index += gridDim.x;
+        // Not after the last index: the producer has stopped, and every phase stays complete.
+        if (index < num_tiles) named_barrier_arrive(Tr::kBarSlotFree, Tr::kSlotThreads);
       }
       if (index >= num_tiles) break;
       const Tile x = tile_of(index);

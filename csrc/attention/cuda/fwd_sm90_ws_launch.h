@@ -38,15 +38,6 @@ inline bool ws_takes_options(const AttentionParams& p) {
          p.seqused_k == nullptr && p.kv_batch_idx == nullptr && p.block_table == nullptr;
 }
 
-// (batch, head) pairs per section of the dynamic order: as many kv heads as fit in half the L2
-// (the other half holds Q, O and the next section's first loads), times the query heads that
-// share each one, so a GQA group stays in one section.
-inline int64_t ws_auto_section(const AttentionParams& p, int64_t l2_bytes) {
-  const int64_t kv_head_bytes = 2 * p.seqlen_k * p.head_dim * 2;  // K and V of one kv head
-  const int64_t kv_heads = l2_bytes / 2 / (kv_head_bytes > 0 ? kv_head_bytes : 1);
-  return (kv_heads > 1 ? kv_heads : 1) * (p.heads_q / p.heads_kv);
-}
-
 template <class Tr>
 cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
                           const DeviceWorkspace& ws, cudaStream_t stream, bool& launched) {
@@ -69,15 +60,17 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
   // hide under the current one's epilogue (H100, N = 1k: +9% at D = 128, +18% at D = 64).
   // Without a right window bound tiles cost about the same and go round-robin. Under one
   // (causal) a static round-robin left SMs idle behind the long diagonal tiles (-2 to -7%
-  // against one CTA per tile), so there a counter hands tiles out longest first.
+  // against one CTA per tile), so there a counter hands tiles out as CTAs free up, each head's
+  // longest first: +3-11% against one CTA per tile (H100, bf16 causal, N = 1k-16k). An order
+  // over L2-sized sections of heads, longest first across the section, lost 1-7% to this one:
+  // a head's query blocks running side by side read its K/V from L2 once.
   WsSchedule sched;
   int64_t grid = tiles;
   if (!flags.one_tile_per_cta) {
-    int device = 0, sms = 0, l2_bytes = 0;
+    int device = 0, sms = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess)
       err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
     if (err != cudaSuccess) return err;
     grid = tiles < sms ? tiles : sms;
     // A grid of one CTA has nothing to balance.
@@ -86,10 +79,6 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
       if (sched.next_tile == nullptr) return cudaErrorMemoryAllocation;
       err = cudaMemsetAsync(sched.next_tile, 0, sizeof(unsigned), stream);
       if (err != cudaSuccess) return err;
-      const int64_t section =
-          flags.ws_section > 0 ? flags.ws_section : ws_auto_section(p, l2_bytes);
-      const int64_t pairs = p.batch * p.heads_q;  // <= tiles, so the section fits 32 bits
-      sched.section = static_cast<uint32_t>(section < pairs ? section : pairs);
     }
   }
   return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr>, grid, Tr::kNThreads, Tr::kSmemBytes,
