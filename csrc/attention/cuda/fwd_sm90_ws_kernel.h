@@ -10,9 +10,8 @@
 // the producer claims each next tile from a global counter once it has issued the current tile's
 // loads, passing its index to the consumers through shared memory. A CTA has kConsumers + 1
 // warpgroups:
-//   warpgroup 0, the producer: gives its registers away (setmaxnreg.dec); its first warp stays
-//     (the tile slot's barriers count whole warps) and its lane 0 issues the
-//     TMA loads of each tile's Q_i and of its K_j, V_j into a kStages-deep ring of
+//   warpgroup 0, the producer: gives its registers away (setmaxnreg.dec); lane 0 of its first
+//     warp issues the TMA loads of each tile's Q_i and of its K_j, V_j into a kStages-deep ring of
 //     128-byte-swizzled buffers. Every buffer (Q's too) has a "full" mbarrier (the copy engine
 //     completes it with the bytes) and an "empty" one (every consumer warp arrives once it no
 //     longer reads the buffer). The ring runs on across tiles, and the next tile's Q is loaded as
@@ -78,8 +77,9 @@ struct FwdWsTraits {
   static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of one K_j or one V_j
   // Q_i, the ring of K_j and V_j, then the epilogue's staging area for O (Br x D, as Q).
   static constexpr int kSmemTiles = kSmemQ + 2 * kStages * kSmemKV + kSmemQ;
-  // Barriers after the tiles: full Q, empty Q, then full K, full V, empty K, empty V per stage.
-  static constexpr int kNBarriers = 2 + 4 * kStages;
+  // Barriers after the tiles: full Q, empty Q, full and empty tile slot, then full K, full V,
+  // empty K, empty V per stage.
+  static constexpr int kNBarriers = 4 + 4 * kStages;
   // The tile slot (the index the producer passes to the consumers) after the barriers.
   static constexpr int kSmemSlot = 16;
   // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
@@ -88,13 +88,8 @@ struct FwdWsTraits {
   // (128 * (producer + kConsumers * consumer) <= 65536), each a multiple of 8.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
-  // Named barriers: 0 is __syncthreads; 1 + c consumer c's turn; then the tile slot's "full"
-  // (the producer wrote the next index) and "free" (every consumer has read it). Named barriers
-  // rather than mbarriers: compute-sanitizer's racecheck orders shared-memory accesses by these.
+  // Named barriers: 0 is __syncthreads; 1 + c consumer c's turn.
   static constexpr int kBarTurn0 = 1;
-  static constexpr int kBarSlotFull = 1 + kConsumers;
-  static constexpr int kBarSlotFree = 2 + kConsumers;
-  static constexpr int kSlotThreads = 32 + 128 * kConsumers;  // the producer warp, the consumers
 
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "whole 64-column boxes, one PV chunk");
@@ -154,16 +149,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const uint32_t sO_addr = sV_addr0 + kStages * Tr::kSmemKV;
   const uint32_t bar0 = sQ_addr + Tr::kSmemTiles;
   const uint32_t full_q = bar0, empty_q = bar0 + 8;
-  auto full_k = [&](int s) { return bar0 + 8 * (2 + s); };
-  auto full_v = [&](int s) { return bar0 + 8 * (2 + kStages + s); };
-  auto empty_k = [&](int s) { return bar0 + 8 * (2 + 2 * kStages + s); };
-  auto empty_v = [&](int s) { return bar0 + 8 * (2 + 3 * kStages + s); };
-  volatile uint32_t* slot =
-      reinterpret_cast<volatile uint32_t*>(smem_raw + (bar0 + 8 * Tr::kNBarriers - raw_addr));
+  const uint32_t full_slot = bar0 + 16, empty_slot = bar0 + 24;
+  auto full_k = [&](int s) { return bar0 + 8 * (4 + s); };
+  auto full_v = [&](int s) { return bar0 + 8 * (4 + kStages + s); };
+  auto empty_k = [&](int s) { return bar0 + 8 * (4 + 2 * kStages + s); };
+  auto empty_v = [&](int s) { return bar0 + 8 * (4 + 3 * kStages + s); };
+  const uint32_t slot_addr = bar0 + 8 * Tr::kNBarriers;
+  const volatile uint32_t* slot =
+      reinterpret_cast<const volatile uint32_t*>(smem_raw + (slot_addr - raw_addr));
 
   if (tid == 0) {
     mbarrier_init(full_q, 1);
     mbarrier_init(empty_q, 4 * kConsumers);  // one arrival per consumer warp
+    mbarrier_init(full_slot, 1);
+    mbarrier_init(empty_slot, 4 * kConsumers);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
@@ -178,8 +177,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // producer's reuse of it waits, on "empty", for the consumers' release of round r - 1: parity
   // (r & 1) ^ 1, which a fresh barrier reports as complete for round 0. `blocks` counts the key
   // blocks this CTA has gone through (buffer blocks % kStages, round blocks / kStages), `tiles`
-  // the tiles that loaded a Q. Under the dynamic schedule every index passes through the slot,
-  // the last one (past num_tiles) telling the consumers to stop.
+  // the tiles that loaded a Q, `claims` the indices passed through the tile slot (dynamic
+  // schedule only: every index goes through it, the last one, past num_tiles, telling the
+  // consumers to stop). The slot's value arrives by st.async, completing on full_slot like a
+  // bulk copy: no generic store races the consumers' reads of the previous value.
   if (warpgroup == 0) {
     // Producer. Warps 1-3 leave at once; their registers go to the consumers.
     setmaxnreg_dec<Tr::kProducerRegs>();
@@ -191,10 +192,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       prefetch_tensor_map(&tm_v);
     }
     int blocks = 0, tiles = 0;
-    for (uint32_t index = blockIdx.x;;) {
+    for (uint32_t index = blockIdx.x, claims = 0;; ++claims) {
       if (dynamic) {
-        if (leader) *slot = index;
-        named_barrier_arrive(Tr::kBarSlotFull, Tr::kSlotThreads);  // orders the store above
+        mbarrier_wait(empty_slot, (claims & 1) ^ 1);  // every consumer warp read the last one
+        if (leader) {
+          mbarrier_arrive_expect_tx(full_slot, 4);
+          st_async_u32(slot_addr, index, full_slot);
+        }
       }
       if (index >= num_tiles) break;
       const Tile x = tile_of(index);
@@ -238,7 +242,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         uint32_t claim = 0;
         if (leader) claim = atomicAdd(sched.next_tile, 1u);
         index = gridDim.x + __shfl_sync(0xffffffffu, claim, 0);
-        named_barrier(Tr::kBarSlotFree, Tr::kSlotThreads);  // every consumer has read the slot
       } else {
         index += gridDim.x;
       }
@@ -309,13 +312,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     };
 
     int blocks = 0, tiles = 0;
-    // (Under the dynamic schedule the step is overwritten by the slot.)
-    for (uint32_t index = blockIdx.x;; index += gridDim.x) {
+    // (Under the dynamic schedule the slot overwrites the step.)
+    for (uint32_t index = blockIdx.x, claims = 0;; index += gridDim.x, ++claims) {
       if (dynamic) {
-        named_barrier(Tr::kBarSlotFull, Tr::kSlotThreads);
+        mbarrier_wait(full_slot, claims & 1);
         index = *slot;
-        // Not after the last index: the producer has stopped, and every phase stays complete.
-        if (index < num_tiles) named_barrier_arrive(Tr::kBarSlotFree, Tr::kSlotThreads);
+        __syncwarp();  // the whole warp has read the slot before lane 0 frees it
+        release(empty_slot);
       }
       if (index >= num_tiles) break;
       const Tile x = tile_of(index);
