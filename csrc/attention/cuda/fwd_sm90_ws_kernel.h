@@ -154,9 +154,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   auto full_v = [&](int s) { return bar0 + 8 * (4 + kStages + s); };
   auto empty_k = [&](int s) { return bar0 + 8 * (4 + 2 * kStages + s); };
   auto empty_v = [&](int s) { return bar0 + 8 * (4 + 3 * kStages + s); };
-  const uint32_t slot_addr = bar0 + 8 * Tr::kNBarriers;
-  const volatile uint32_t* slot =
-      reinterpret_cast<const volatile uint32_t*>(smem_raw + (slot_addr - raw_addr));
+  unsigned* slot = reinterpret_cast<unsigned*>(smem_raw + (bar0 + 8 * Tr::kNBarriers - raw_addr));
 
   if (tid == 0) {
     mbarrier_init(full_q, 1);
@@ -179,8 +177,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // blocks this CTA has gone through (buffer blocks % kStages, round blocks / kStages), `tiles`
   // the tiles that loaded a Q, `claims` the indices passed through the tile slot (dynamic
   // schedule only: every index goes through it, the last one, past num_tiles, telling the
-  // consumers to stop). The slot's value arrives by st.async, completing on full_slot like a
-  // bulk copy: no generic store races the consumers' reads of the previous value.
+  // consumers to stop). full_slot orders the producer's write before the consumers' reads and
+  // empty_slot their reads before its next write; the accesses are atomics all the same, since
+  // compute-sanitizer's racecheck does not see mbarriers (nor named barriers, tried) order them.
   if (warpgroup == 0) {
     // Producer. Warps 1-3 leave at once; their registers go to the consumers.
     setmaxnreg_dec<Tr::kProducerRegs>();
@@ -196,8 +195,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       if (dynamic) {
         mbarrier_wait(empty_slot, (claims & 1) ^ 1);  // every consumer warp read the last one
         if (leader) {
-          mbarrier_arrive_expect_tx(full_slot, 4);
-          st_async_u32(slot_addr, index, full_slot);
+          atomicExch(slot, index);
+          mbarrier_arrive(full_slot);  // release: the write above comes first
         }
       }
       if (index >= num_tiles) break;
@@ -316,9 +315,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     for (uint32_t index = blockIdx.x, claims = 0;; index += gridDim.x, ++claims) {
       if (dynamic) {
         mbarrier_wait(full_slot, claims & 1);
-        index = *slot;
-        __syncwarp();  // the whole warp has read the slot before lane 0 frees it
-        release(empty_slot);
+        index = __shfl_sync(0xffffffffu, lane == 0 ? atomicOr(slot, 0u) : 0u, 0);
+        release(empty_slot);  // lane 0, after its read
       }
       if (index >= num_tiles) break;
       const Tile x = tile_of(index);

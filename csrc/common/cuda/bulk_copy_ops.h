@@ -25,17 +25,6 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t
                : "memory");
 }
 
-// A 4-byte store into shared memory (bar's CTA's, or another block's of the cluster: a
-// shared::cluster address) that completes as 4 bytes of transactions on bar, like a bulk copy:
-// whoever waits for bar's phase then sees the value. For handing a value from one warp to others
-// with one mbarrier round trip.
-__device__ __forceinline__ void st_async_u32(uint32_t addr, uint32_t value, uint32_t bar) {
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];\n" ::"r"(addr),
-      "r"(value), "r"(bar)
-      : "memory");
-}
-
 // Release (CTA scope): this thread's earlier shared-memory reads happen before the phase completes.
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
