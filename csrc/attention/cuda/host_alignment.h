@@ -1,7 +1,6 @@
-// Torch-side helpers of the CUDA host code (forward and backward, dense and serving ops): the
-// CUDA-only input checks, which kernel family runs, the 16-byte row alignment the cp.async tile
-// loads need and the padded copy taken when an input lacks it, and the element-pair alignment of
-// the backward's gradient stores.
+// Torch-side helpers of the CUDA host code (forward and backward): the CUDA-only input checks,
+// which kernel family runs, the 16-byte row alignment the cp.async tile loads need, and the padded
+// copy taken when an input lacks it.
 #pragma once
 
 #include <ATen/ATen.h>
