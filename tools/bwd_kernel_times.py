@@ -12,7 +12,7 @@ import os
 import re
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from kernel_profile import kernel_us
 
 import flashmod
 
@@ -44,18 +44,7 @@ def main() -> None:
                     out = flashmod.attention(q, k, v, is_causal=causal)
                     torch.autograd.grad(out, (q, k, v), grad)
 
-                for _ in range(3):
-                    train_step()
-                torch.cuda.synchronize()
-                reps = 10
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(reps):
-                        train_step()
-                    torch.cuda.synchronize()
-                totals: dict[str, float] = {}
-                for e in prof.events():
-                    if e.device_type == torch.autograd.DeviceType.CUDA:
-                        totals[short(e.name)] = totals.get(short(e.name), 0.0) + e.device_time / reps
+                totals = kernel_us(train_step, 10, key=short, warmup=3)
                 total = sum(totals.values())
                 print(f"b{b} h{h} n{n} d{d}{' causal' if causal else ''}: {total / 1e3:.3f} ms per step")
                 for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:6]:

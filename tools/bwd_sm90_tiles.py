@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from kernel_profile import kernel_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
 import flashmod
 
@@ -74,18 +74,14 @@ def time_ms(fn, reps: int) -> float:
 
 def kernel_ms(fn, reps: int) -> tuple[float, float]:
     """Device ms per step of the dK/dV kernel(s) and of the dQ kernel."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    dkdv = dq = 0.0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            if "attention_bwd_dkdv_sm90" in e.name:
-                dkdv += e.device_time
-            elif "attention_bwd_dq_sm90" in e.name:
-                dq += e.device_time
-    return dkdv / reps / 1e3, dq / reps / 1e3
+
+    def family(name: str) -> str | None:
+        if "attention_bwd_dkdv_sm90" in name:
+            return "dkdv"
+        return "dq" if "attention_bwd_dq_sm90" in name else None
+
+    us = kernel_us(fn, reps, key=family)
+    return us.get("dkdv", 0.0) / 1e3, us.get("dq", 0.0) / 1e3
 
 
 def main() -> None:

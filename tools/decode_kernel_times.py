@@ -13,8 +13,8 @@ import re
 
 import torch
 import torch.nn.functional as F
+from kernel_profile import kernel_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
 import flashmod
 
@@ -51,19 +51,10 @@ def profile_cache(s: int, flush: torch.Tensor) -> None:
         "SDPA FLASH": sdpa,
     }
     for label, fn in cases.items():
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        reps = 20
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                flush.sum()
-                fn()
-            torch.cuda.synchronize()
-        totals: dict[str, float] = {}
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA and "reduce" not in e.name.lower():
-                totals[short(e.name)] = totals.get(short(e.name), 0.0) + e.device_time / reps
+        # The flush's reduction kernels are left out of the sums.
+        totals = kernel_us(
+            fn, 20, key=lambda name: None if "reduce" in name.lower() else short(name), before=flush.sum, warmup=3
+        )
         parts = ", ".join(f"{name} {us:.1f}" for name, us in sorted(totals.items(), key=lambda kv: -kv[1]))
         print(f"cache {s} {label}: {sum(totals.values()):.1f} us of kernels per call ({parts})")
 

@@ -35,15 +35,14 @@ ISA_FLAGS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
-def test_forced_instruction_set_matches_reference(isa, repo_root):
+def run_pytest_under_isa(isa: str, repo_root, *args: str) -> None:
+    """Runs pytest on args in a fresh interpreter with FLASHMOD_CPU_ISA=isa (the kernel is chosen once
+    per process, so a forced ISA needs a process of its own) and asserts that it passed."""
     if not ISA_FLAGS[isa] <= cpu_flags():
         pytest.skip(f"this CPU lacks {isa}")
     env = dict(os.environ, FLASHMOD_CPU_ISA=isa)
-    forward_tests = [str(Path(__file__).with_name(name)) for name in ("test_attention.py", "test_nonfinite.py")]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *forward_tests, "-k", SLICE],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -51,25 +50,20 @@ def test_forced_instruction_set_matches_reference(isa, repo_root):
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+def test_forced_instruction_set_matches_reference(isa, repo_root):
+    forward_tests = [str(Path(__file__).with_name(name)) for name in ("test_attention.py", "test_nonfinite.py")]
+    run_pytest_under_isa(isa, repo_root, *forward_tests, "-k", SLICE)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_forced_instruction_set_backward_matches_reference(isa, repo_root):
     """The fused backward's elementwise rows are compiled per ISA and follow FLASHMOD_CPU_ISA."""
-    if not ISA_FLAGS[isa] <= cpu_flags():
-        pytest.skip(f"this CPU lacks {isa}")
-    env = dict(os.environ, FLASHMOD_CPU_ISA=isa)
-    backward_tests = Path(__file__).with_name("test_attention_backward.py")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(backward_tests)],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=repo_root,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    run_pytest_under_isa(isa, repo_root, str(Path(__file__).with_name("test_attention_backward.py")))
 
 
 SOFTMAX_SLICE = "cpu and (softmax_rows or every_dim or neg_inf_rows or matmul_softmax_shapes or matmul_softmax_masks)"
@@ -79,58 +73,42 @@ SOFTMAX_SLICE = "cpu and (softmax_rows or every_dim or neg_inf_rows or matmul_so
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_forced_instruction_set_softmax_matches_reference(isa, repo_root):
     """The softmax row kernels follow FLASHMOD_CPU_ISA too (each is built at its ISA's own vector width)."""
-    if not ISA_FLAGS[isa] <= cpu_flags():
-        pytest.skip(f"this CPU lacks {isa}")
-    env = dict(os.environ, FLASHMOD_CPU_ISA=isa)
     softmax_tests = Path(__file__).parent.parent / "softmax" / "test_softmax.py"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(softmax_tests), "-k", SOFTMAX_SLICE],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=repo_root,
+    run_pytest_under_isa(isa, repo_root, str(softmax_tests), "-k", SOFTMAX_SLICE)
+
+
+def attention_error(env: dict[str, str], nq: int, repo_root) -> str:
+    """What a fresh interpreter prints of the error that attention on (1, 2, nq, 40) inputs raises
+    under env (knobs are read in the process that calls); fails if the call raises none."""
+    script = (
+        "import torch, flashmod\n"
+        f"q = torch.randn(1, 2, {nq}, 40)\n"
+        "try:\n"
+        "    torch.ops.flashmod.attention(q, q, q)\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+        "else:\n"
+        "    raise SystemExit('no error')\n"
     )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=repo_root)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return result.stdout
 
 
 @pytest.mark.parametrize("value", ["avx1024", "AVX2", "sse", "amx", "avx512"])
 def test_unknown_or_missing_instruction_set_is_an_error_listing_the_allowed_ones(value, repo_root):
     if value in ISA_FLAGS and ISA_FLAGS[value] <= cpu_flags():
         pytest.skip(f"this CPU has {value}, so forcing it is no error")
-    env = dict(os.environ, FLASHMOD_CPU_ISA=value)
-    script = (
-        "import torch, flashmod\n"
-        "q = torch.randn(1, 2, 17, 40)\n"
-        "try:\n"
-        "    torch.ops.flashmod.attention(q, q, q)\n"
-        "except RuntimeError as e:\n"
-        "    print(e)\n"
-        "else:\n"
-        "    raise SystemExit('no error')\n"
-    )
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=repo_root)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert f"FLASHMOD_CPU_ISA='{value}'" in result.stdout
-    assert "allowed: amx, avx512, avx2, baseline" in result.stdout
+    out = attention_error(dict(os.environ, FLASHMOD_CPU_ISA=value), 17, repo_root)
+    assert f"FLASHMOD_CPU_ISA='{value}'" in out
+    assert "allowed: amx, avx512, avx2, baseline" in out
     reason = "is not supported by this CPU" if value in ISA_FLAGS else "is not a known ISA"
-    assert reason in result.stdout
+    assert reason in out
 
 
 @pytest.mark.parametrize("value", ["2", "yes", "on"])
 def test_malformed_flag_is_an_error_naming_the_knob(value, repo_root):
     env = dict(os.environ, FLASHMOD_CPU_DECODE=value)
     env.pop("FLASHMOD_CPU_ISA", None)
-    script = (
-        "import torch, flashmod\n"
-        "q = torch.randn(1, 2, 3, 40)\n"
-        "try:\n"
-        "    torch.ops.flashmod.attention(q, q, q)\n"
-        "except RuntimeError as e:\n"
-        "    print(e)\n"
-        "else:\n"
-        "    raise SystemExit('no error')\n"
-    )
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=repo_root)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert f"FLASHMOD_CPU_DECODE must be 0 or 1, got '{value}'" in result.stdout
+    out = attention_error(env, 3, repo_root)
+    assert f"FLASHMOD_CPU_DECODE must be 0 or 1, got '{value}'" in out

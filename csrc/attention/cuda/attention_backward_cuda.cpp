@@ -24,12 +24,6 @@ namespace {
 
 using Gradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// grad_q/k/v rows start at even elements: the kernels store element pairs as one word.
-bool rows_aligned_pairs(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % (2 * t.element_size()) == 0 &&
-         t.stride(0) % 2 == 0 && t.stride(1) % 2 == 0 && t.stride(2) % 2 == 0;
-}
-
 // The row of kBwdSm90Tiles to run for padded head dim d: the one FLASHMOD_BWD_SM90_TILE names, or
 // the default tile when it is unset. A name with no build for d is an error listing those built.
 int bwd_sm90_tile(int d) {

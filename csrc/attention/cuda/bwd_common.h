@@ -1,7 +1,9 @@
-// What the backward kernels of both architectures share (bwd_sm80_kernel.h, bwd_sm90_kernel.h):
-// the score transform and its gradient per element, over the mma accumulator layout that both
-// mma.sync and wgmma produce (a warp's m16 tiles; lane rows g and g + 8, columns 2t and 2t + 1 of
-// every n8 tile), and the store of a warp's gradient rows.
+// What the backward kernels share (bwd_sm80_kernel.h, bwd_sm90_kernel.h, and the fp32
+// bwd_tf32_kernel.h): the grids and which tile a CTA owns, the global rows of its tiles and of
+// each step's row statistics, the score transform and its gradient per element, over the mma
+// accumulator layout that mma.sync, wgmma and the 3xTF32 products produce (a warp's m16 tiles;
+// lane rows g and g + 8, columns 2t and 2t + 1 of every n8 tile), and the stores of a warp's
+// gradient rows.
 #pragma once
 
 #include <math_constants.h>
@@ -113,6 +115,147 @@ __device__ __forceinline__ QueryRange visible_queries(const AttentionParams& p, 
     hi = w < hi ? w : hi;
   }
   return {lo, hi};
+}
+
+// The grids of all three backward families (the launchers' sizes here, the kernels' decodes
+// below), written once so that a launcher and its kernel cannot disagree on the order. dK/dV:
+// blockIdx.x = (b * heads_kv + hk) * key blocks + n_block; dQ: (b * heads_q + h) * query blocks
+// + m_block.
+__host__ __device__ inline int64_t bwd_dkdv_ctas(const AttentionParams& p, int bc) {
+  return (p.seqlen_k + bc - 1) / bc * p.heads_kv * p.batch;
+}
+__host__ __device__ inline int64_t bwd_dq_ctas(const AttentionParams& p, int br) {
+  return (p.seqlen_q + br - 1) / br * p.heads_q * p.batch;
+}
+
+// A dK/dV CTA's key block (of num_n_blocks per kv head), kv head and batch row.
+struct BwdKeyTile {
+  int n_block;
+  int64_t hk, b;
+};
+__device__ __forceinline__ BwdKeyTile bwd_key_tile(const AttentionParams& p, int num_n_blocks) {
+  BwdKeyTile t;
+  int64_t bid = blockIdx.x;
+  t.n_block = static_cast<int>(bid % num_n_blocks);
+  bid /= num_n_blocks;
+  t.hk = bid % p.heads_kv;
+  t.b = bid / p.heads_kv;
+  return t;
+}
+
+// A dQ CTA's query block, head, kv head and batch row. With a right window bound (causal) the
+// last query blocks see the most keys: they are started first, to shorten the tail.
+struct BwdQueryTile {
+  int m_block;
+  int64_t h, b, hk;
+};
+__device__ __forceinline__ BwdQueryTile bwd_query_tile(const AttentionParams& p, int num_m_blocks) {
+  BwdQueryTile t;
+  int64_t bid = blockIdx.x;
+  t.m_block = static_cast<int>(bid % num_m_blocks);
+  bid /= num_m_blocks;
+  t.h = bid % p.heads_q;
+  t.b = bid / p.heads_q;
+  t.hk = t.h / (p.heads_q / p.heads_kv);
+  if (p.window_right >= 0) t.m_block = num_m_blocks - 1 - t.m_block;
+  return t;
+}
+
+// The steps of a dK/dV CTA whose keys are [k0, k0 + rows_k): every (head of the GQA group, query
+// block of Br rows) that can see one of them, step s = (head s / m_count, block m_lo + s %
+// m_count), head-major so that each head's rows stream in order.
+struct BwdSteps {
+  int m_lo, m_count, steps;
+};
+template <int Br>
+__device__ __forceinline__ BwdSteps bwd_steps(const AttentionParams& p, int k0, int rows_k,
+                                              int64_t group) {
+  const QueryRange qr = visible_queries(p, k0, k0 + rows_k - 1);
+  BwdSteps s;
+  s.m_lo = qr.lo <= qr.hi ? static_cast<int>(qr.lo / Br) : 0;
+  s.m_count = qr.lo <= qr.hi ? static_cast<int>(qr.hi / Br) + 1 - s.m_lo : 0;
+  s.steps = static_cast<int>(group) * s.m_count;
+  return s;
+}
+
+// Global rows from row0 on of one head: Q_i and dO_i (query rows of head h), K_j and V_j (key
+// rows of kv head hk). The three families copy their tiles differently (cp.async plans, swizzled
+// copies, fp32 tiles) but from the same rows, so the stride arithmetic lives here once.
+template <typename Elem>
+struct BwdQueryRows {
+  const Elem* q;
+  const Elem* grad_out;
+};
+template <typename Elem>
+__device__ __forceinline__ BwdQueryRows<Elem> query_rows(const AttentionBwdParams& p, int64_t b,
+                                                         int64_t h, int64_t row0) {
+  return {static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+              row0 * p.q_row_stride,
+          static_cast<const Elem*>(p.grad_out) + b * p.grad_out_batch_stride +
+              h * p.grad_out_head_stride + row0 * p.grad_out_row_stride};
+}
+template <typename Elem>
+struct BwdKeyRows {
+  const Elem* k;
+  const Elem* v;
+};
+template <typename Elem>
+__device__ __forceinline__ BwdKeyRows<Elem> key_rows(const AttentionBwdParams& p, int64_t b,
+                                                     int64_t hk, int64_t row0) {
+  return {static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
+              row0 * p.k_row_stride,
+          static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride +
+              row0 * p.v_row_stride};
+}
+
+// Starts copying a step's Br rows of lse2 and delta (query rows [r0, r0 + Br) of head h) into
+// stage `stage` of sL / sDelta (Br floats each): one 16-byte chunk each for the first Br / 2
+// threads. The statistics are padded to whole blocks (kBwdRowPad), so no bounds.
+template <int Br>
+__device__ __forceinline__ void load_row_stats(float* sL, float* sDelta, int stage,
+                                               const AttentionParams& p, const BwdRowStats& st,
+                                               int64_t b, int64_t h, int64_t r0, int tid) {
+  const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
+  if (tid < Br / 4) {
+    cp_async_16(smem_addr(sL + stage * Br + 4 * tid), st.lse2 + stat + 4 * tid, 16);
+  } else if (tid < Br / 2) {
+    const int c = tid - Br / 4;
+    cp_async_16(smem_addr(sDelta + stage * Br + 4 * c), st.delta + stat + 4 * c, 16);
+  }
+}
+
+// The dK/dV kernels' epilogue: this warp's rows (from row0 of the block at key k0, valid_rows of
+// them) of dV and of dK, the latter times the softmax scale (the scores' gradient was taken
+// with respect to scale * q.k). kWhich says which of the two this CTA accumulated.
+template <typename Elem, int kWhich, int kDTiles, int kNV, int kNK>
+__device__ __forceinline__ void store_dkdv(const AttentionBwdParams& p, int64_t b, int64_t hk,
+                                           int k0, const float (&dV)[kNV][4],
+                                           const float (&dK)[kNK][4], float scale, int row0,
+                                           int valid_rows, int head_dim, int lane, bool vec) {
+  if constexpr (kWhich != kBwdOnlyDK) {
+    Elem* gdV = static_cast<Elem*>(p.grad_v) + b * p.grad_v_batch_stride +
+                hk * p.grad_v_head_stride + static_cast<int64_t>(k0) * p.grad_v_row_stride;
+    store_rows<Elem, kDTiles>(gdV, p.grad_v_row_stride, dV, 1.f, row0, valid_rows, head_dim, lane,
+                              vec);
+  }
+  if constexpr (kWhich != kBwdOnlyDV) {
+    Elem* gdK = static_cast<Elem*>(p.grad_k) + b * p.grad_k_batch_stride +
+                hk * p.grad_k_head_stride + static_cast<int64_t>(k0) * p.grad_k_row_stride;
+    store_rows<Elem, kDTiles>(gdK, p.grad_k_row_stride, dK, scale, row0, valid_rows, head_dim, lane,
+                              vec);
+  }
+}
+
+// The dQ kernels' epilogue: this warp's rows of dQ (query rows from r0 + row0 of head h) times
+// the softmax scale, as dK.
+template <typename Elem, int kDTiles>
+__device__ __forceinline__ void store_dq(const AttentionBwdParams& p, int64_t b, int64_t h, int r0,
+                                         const float (&dQ)[kDTiles][4], float scale, int row0,
+                                         int valid_rows, int head_dim, int lane, bool vec) {
+  Elem* gdQ = static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride + h * p.grad_q_head_stride +
+              static_cast<int64_t>(r0) * p.grad_q_row_stride;
+  store_rows<Elem, kDTiles>(gdQ, p.grad_q_row_stride, dQ, scale, row0, valid_rows, head_dim, lane,
+                            vec);
 }
 
 // The dK/dV kernels' step: S^T (keys x queries) becomes P^T in place and, with kDK, dP^T becomes

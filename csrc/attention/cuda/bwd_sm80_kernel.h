@@ -93,11 +93,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
   const int head_dim = static_cast<int>(params.head_dim);
-  const int num_n_blocks = static_cast<int>((params.seqlen_k + Bc - 1) / Bc);
-  int64_t bid = blockIdx.x;
-  const int n_block = static_cast<int>(bid % num_n_blocks);
-  bid /= num_n_blocks;
-  const int64_t hk = bid % params.heads_kv, b = bid / params.heads_kv;
+  const BwdKeyTile tile = bwd_key_tile(params, static_cast<int>((params.seqlen_k + Bc - 1) / Bc));
+  const int n_block = tile.n_block;
+  const int64_t hk = tile.hk, b = tile.b;
   const int64_t group = params.heads_q / params.heads_kv;
   const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
   const int Nk = static_cast<int>(p.seqlen_k);
@@ -107,15 +105,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   }
   const int rows_k = min(Bc, Nk - k0);
 
-  const QueryRange qr = visible_queries(p, k0, k0 + rows_k - 1);
-  const int m_lo = qr.lo <= qr.hi ? static_cast<int>(qr.lo / Br) : 0;
-  const int m_count = qr.lo <= qr.hi ? static_cast<int>(qr.hi / Br) + 1 - m_lo : 0;
-  const int steps = static_cast<int>(group) * m_count;
-
-  const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
-                   static_cast<int64_t>(k0) * p.k_row_stride;
-  const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride +
-                   static_cast<int64_t>(k0) * p.v_row_stride;
+  const BwdSteps walk = bwd_steps<Br>(p, k0, rows_k, group);
+  const int m_lo = walk.m_lo, m_count = walk.m_count, steps = walk.steps;
+  const BwdKeyRows<Elem> gkv = key_rows<Elem>(p, b, hk, k0);
 
   const TileCopyPlan<Bc, D, kThreads> kv_copy(tid, head_dim);
   const TileCopyPlan<Br, D, kThreads> q_copy(tid, head_dim);
@@ -129,24 +121,14 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     const int m = m_lo + s % m_count;
     const int64_t r0 = static_cast<int64_t>(m) * Br;
     const int valid = p.seqlen_q - r0 < Br ? static_cast<int>(p.seqlen_q - r0) : Br;
-    const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                    r0 * p.q_row_stride;
-    const Elem* dout = static_cast<const Elem*>(p.grad_out) + b * p.grad_out_batch_stride +
-                       h * p.grad_out_head_stride + r0 * p.grad_out_row_stride;
-    q_copy.load(sQ_addr0 + stage * kQStageBytes, q, p.q_row_stride, valid);
-    q_copy.load(sdO_addr0 + stage * kQStageBytes, dout, p.grad_out_row_stride, valid);
-    // The row statistics are padded to whole blocks: Br / 4 chunks of each, no bounds.
-    const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
-    if (tid < Br / 4) {
-      cp_async_16(smem_addr(sL + stage * Br + 4 * tid), st.lse2 + stat + 4 * tid, 16);
-    } else if (tid < Br / 2) {
-      const int c = tid - Br / 4;
-      cp_async_16(smem_addr(sDelta + stage * Br + 4 * c), st.delta + stat + 4 * c, 16);
-    }
+    const BwdQueryRows<Elem> rows = query_rows<Elem>(p, b, h, r0);
+    q_copy.load(sQ_addr0 + stage * kQStageBytes, rows.q, p.q_row_stride, valid);
+    q_copy.load(sdO_addr0 + stage * kQStageBytes, rows.grad_out, p.grad_out_row_stride, valid);
+    load_row_stats<Br>(sL, sDelta, stage, p, st, b, h, r0, tid);
   };
 
-  kv_copy.load(sK_addr, gK, p.k_row_stride, rows_k);
-  kv_copy.load(sV_addr, gV, p.v_row_stride, rows_k);
+  kv_copy.load(sK_addr, gkv.k, p.k_row_stride, rows_k);
+  kv_copy.load(sV_addr, gkv.v, p.v_row_stride, rows_k);
   if (steps > 0) load_step(0, 0);
   cp_async_commit();
 
@@ -198,18 +180,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   }
   cp_async_wait<0>();
 
-  const bool vec = st.vec_store != 0;
-  if constexpr (kDV) {
-    Elem* gdV = static_cast<Elem*>(p.grad_v) + b * p.grad_v_batch_stride +
-                hk * p.grad_v_head_stride + static_cast<int64_t>(k0) * p.grad_v_row_stride;
-    store_rows<Elem, DT>(gdV, p.grad_v_row_stride, dV, 1.f, warp_row0, rows_k, head_dim, lane, vec);
-  }
-  if constexpr (kDK) {
-    Elem* gdK = static_cast<Elem*>(p.grad_k) + b * p.grad_k_batch_stride +
-                hk * p.grad_k_head_stride + static_cast<int64_t>(k0) * p.grad_k_row_stride;
-    store_rows<Elem, DT>(gdK, p.grad_k_row_stride, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
-                         vec);
-  }
+  store_dkdv<Elem, kWhich, DT>(p, b, hk, k0, dV, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
+                               st.vec_store != 0);
 }
 
 template <class Tr, bool kGeneral, bool kExtents>
@@ -228,14 +200,10 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
   const int head_dim = static_cast<int>(params.head_dim);
-  const int num_m_blocks = static_cast<int>((params.seqlen_q + Br - 1) / Br);
-  int64_t bid = blockIdx.x;
-  int m_block = static_cast<int>(bid % num_m_blocks);
-  bid /= num_m_blocks;
-  const int64_t h = bid % params.heads_q, b = bid / params.heads_q;
-  const int64_t hk = h / (params.heads_q / params.heads_kv);
-  // With a right window bound (causal) the last query blocks see the most keys: start them first.
-  if (params.window_right >= 0) m_block = num_m_blocks - 1 - m_block;
+  const BwdQueryTile tile =
+      bwd_query_tile(params, static_cast<int>((params.seqlen_q + Br - 1) / Br));
+  const int m_block = tile.m_block;
+  const int64_t h = tile.h, b = tile.b, hk = tile.hk;
   const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
   const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
   const int r0 = m_block * Br;
@@ -246,12 +214,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
   const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
 
-  const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                   static_cast<int64_t>(r0) * p.q_row_stride;
-  const Elem* gdO = static_cast<const Elem*>(p.grad_out) + b * p.grad_out_batch_stride +
-                    h * p.grad_out_head_stride + static_cast<int64_t>(r0) * p.grad_out_row_stride;
-  const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const BwdQueryRows<Elem> gq = query_rows<Elem>(p, b, h, r0);
+  const BwdKeyRows<Elem> gkv = key_rows<Elem>(p, b, hk, 0);
 
   const TileCopyPlan<Br, D, kThreads> q_copy(tid, head_dim);
   const TileCopyPlan<Bc, D, kThreads> kv_copy(tid, head_dim);
@@ -261,14 +225,14 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   auto load_kv = [&](int n, int stage) {
     const int valid = min(Bc, Nk - n * Bc);
     const int64_t row0 = static_cast<int64_t>(n) * Bc;
-    kv_copy.load(sK_addr0 + stage * kKVStageBytes, gK + row0 * p.k_row_stride, p.k_row_stride,
+    kv_copy.load(sK_addr0 + stage * kKVStageBytes, gkv.k + row0 * p.k_row_stride, p.k_row_stride,
                  valid);
-    kv_copy.load(sV_addr0 + stage * kKVStageBytes, gV + row0 * p.v_row_stride, p.v_row_stride,
+    kv_copy.load(sV_addr0 + stage * kKVStageBytes, gkv.v + row0 * p.v_row_stride, p.v_row_stride,
                  valid);
   };
 
-  q_copy.load(sQ_addr, gQ, p.q_row_stride, rows_q);
-  q_copy.load(sdO_addr, gdO, p.grad_out_row_stride, rows_q);
+  q_copy.load(sQ_addr, gq.q, p.q_row_stride, rows_q);
+  q_copy.load(sdO_addr, gq.grad_out, p.grad_out_row_stride, rows_q);
   if (range.lo < range.hi) load_kv(range.lo, 0);
   cp_async_commit();
 
@@ -307,10 +271,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   }
   cp_async_wait<0>();
 
-  Elem* gdQ = static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride + h * p.grad_q_head_stride +
-              static_cast<int64_t>(r0) * p.grad_q_row_stride;
-  store_rows<Elem, DT>(gdQ, p.grad_q_row_stride, dQ, tf.scale, warp_row0, rows_q, head_dim, lane,
-                       st.vec_store != 0);
+  store_dq<Elem>(p, b, h, r0, dQ, tf.scale, warp_row0, rows_q, head_dim, lane, st.vec_store != 0);
 }
 
 }  // namespace flashmod::cuda_kernels

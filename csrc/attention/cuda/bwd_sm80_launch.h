@@ -25,7 +25,7 @@ struct BwdConfig {
 template <class Tr, bool kGeneral, int kWhich, bool kExtents>
 cudaError_t launch_bwd_dkdv(const AttentionBwdParams& p, const BwdRowStats& st,
                             cudaStream_t stream) {
-  const int64_t blocks = (p.seqlen_k + Tr::Bc - 1) / Tr::Bc * p.heads_kv * p.batch;
+  const int64_t blocks = bwd_dkdv_ctas(p, Tr::Bc);
   return cuda::launch_kernel(attention_bwd_dkdv_kernel<Tr, kGeneral, kWhich, kExtents>, blocks,
                              Tr::kNThreads, Tr::kSmemBytes, stream, p, st);
 }
@@ -43,7 +43,7 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
   }
   if (err != cudaSuccess) return err;
   using TrQ = typename Cfg::Q;
-  const int64_t blocks = (p.seqlen_q + TrQ::Br - 1) / TrQ::Br * p.heads_q * p.batch;
+  const int64_t blocks = bwd_dq_ctas(p, TrQ::Br);
   return cuda::launch_kernel(attention_bwd_dq_kernel<TrQ, kGeneral, kExtents>, blocks,
                              TrQ::kNThreads, TrQ::kSmemBytes, stream, p, st);
 }

@@ -161,23 +161,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
   const int g = lane >> 2, t = lane & 3;
   const int Nk = static_cast<int>(p.seqlen_k), head_dim = static_cast<int>(p.head_dim);
-  const int num_n_blocks = (Nk + Bc - 1) / Bc;
-  int64_t bid = blockIdx.x;
-  const int n_block = static_cast<int>(bid % num_n_blocks);
-  bid /= num_n_blocks;
-  const int64_t hk = bid % p.heads_kv, b = bid / p.heads_kv;
+  const BwdKeyTile tile = bwd_key_tile(p, (Nk + Bc - 1) / Bc);
+  const int n_block = tile.n_block;
+  const int64_t hk = tile.hk, b = tile.b;
   const int64_t group = p.heads_q / p.heads_kv;
   const int k0 = n_block * Bc, rows_k = min(Bc, Nk - k0);
 
-  const QueryRange qr = visible_queries(p, k0, k0 + rows_k - 1);
-  const int m_lo = qr.lo <= qr.hi ? static_cast<int>(qr.lo / Br) : 0;
-  const int m_count = qr.lo <= qr.hi ? static_cast<int>(qr.hi / Br) + 1 - m_lo : 0;
-  const int steps = static_cast<int>(group) * m_count;
-
-  const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
-                   static_cast<int64_t>(k0) * p.k_row_stride;
-  const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride +
-                   static_cast<int64_t>(k0) * p.v_row_stride;
+  const BwdSteps walk = bwd_steps<Br>(p, k0, rows_k, group);
+  const int m_lo = walk.m_lo, m_count = walk.m_count, steps = walk.steps;
+  const BwdKeyRows<Elem> gkv = key_rows<Elem>(p, b, hk, k0);
   const Sw128TileCopy<Bc, D, kThreads> kv_copy(tid, head_dim);
   const Sw128TileCopy<Br, D, kThreads> q_copy(tid, head_dim);
 
@@ -194,25 +186,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     const int64_t h = hk * group + c.head;
     const int64_t r0 = static_cast<int64_t>(m_lo + c.block) * Br;
     const int valid = p.seqlen_q - r0 < Br ? static_cast<int>(p.seqlen_q - r0) : Br;
-    const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                    r0 * p.q_row_stride;
-    const Elem* dout = static_cast<const Elem*>(p.grad_out) + b * p.grad_out_batch_stride +
-                       h * p.grad_out_head_stride + r0 * p.grad_out_row_stride;
-    q_copy.load(sQ_addr0 + stage * Tr::kSmemQ, q, p.q_row_stride, valid);
-    q_copy.load(sdO_addr0 + stage * Tr::kSmemQ, dout, p.grad_out_row_stride, valid);
-    const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;  // padded: no bounds
-    if (tid < Br / 4) {
-      cp_async_16(smem_addr(sL + stage * Br + 4 * tid), st.lse2 + stat + 4 * tid, 16);
-    } else if (tid < Br / 2) {
-      const int c = tid - Br / 4;
-      cp_async_16(smem_addr(sDelta + stage * Br + 4 * c), st.delta + stat + 4 * c, 16);
-    }
+    const BwdQueryRows<Elem> rows = query_rows<Elem>(p, b, h, r0);
+    q_copy.load(sQ_addr0 + stage * Tr::kSmemQ, rows.q, p.q_row_stride, valid);
+    q_copy.load(sdO_addr0 + stage * Tr::kSmemQ, rows.grad_out, p.grad_out_row_stride, valid);
+    load_row_stats<Br>(sL, sDelta, stage, p, st, b, h, r0, tid);
   };
 
   // One cp.async group per step (the first also holds K_j, V_j), committed even when empty so
   // that a step's group is always kAhead - 1 groups behind the newest.
-  kv_copy.load(sK_addr, gK, p.k_row_stride, rows_k);
-  kv_copy.load(sV_addr, gV, p.v_row_stride, rows_k);
+  kv_copy.load(sK_addr, gkv.k, p.k_row_stride, rows_k);
+  kv_copy.load(sV_addr, gkv.v, p.v_row_stride, rows_k);
 #pragma unroll
   for (int a = 0; a < kAhead; ++a) {
     if (a < steps) load_step({a / m_count, a % m_count}, a);
@@ -339,19 +322,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       zero(dK);
     }
 
-    const bool vec = st.vec_store != 0;
-    if constexpr (kDV) {
-      Elem* gdV = static_cast<Elem*>(p.grad_v) + b * p.grad_v_batch_stride +
-                  hk * p.grad_v_head_stride + static_cast<int64_t>(k0) * p.grad_v_row_stride;
-      store_rows<Elem, DT>(gdV, p.grad_v_row_stride, dV, 1.f, warp_row0, rows_k, head_dim, lane,
-                           vec);
-    }
-    if constexpr (kDK) {
-      Elem* gdK = static_cast<Elem*>(p.grad_k) + b * p.grad_k_batch_stride +
-                  hk * p.grad_k_head_stride + static_cast<int64_t>(k0) * p.grad_k_row_stride;
-      store_rows<Elem, DT>(gdK, p.grad_k_row_stride, dK, tf.scale, warp_row0, rows_k, head_dim,
-                           lane, vec);
-    }
+    store_dkdv<Elem, kW, DT>(p, b, hk, k0, dV, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
+                             st.vec_store != 0);
   };
   if constexpr (kWhich == kBwdPair) {
     if (warpgroup == 0) {
@@ -387,35 +359,27 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const int g = lane >> 2, t = lane & 3;
   const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
   const int head_dim = static_cast<int>(p.head_dim);
-  const int num_m_blocks = (Nq + Br - 1) / Br;
-  int64_t bid = blockIdx.x;
-  int m_block = static_cast<int>(bid % num_m_blocks);
-  bid /= num_m_blocks;
-  const int64_t h = bid % p.heads_q, b = bid / p.heads_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
-  // With a right window bound (causal) the last query blocks see the most keys: start them first.
-  if (p.window_right >= 0) m_block = num_m_blocks - 1 - m_block;
-  const int r0 = m_block * Br, rows_q = min(Br, Nq - r0);
+  const BwdQueryTile tile = bwd_query_tile(p, (Nq + Br - 1) / Br);
+  const int64_t h = tile.h, b = tile.b, hk = tile.hk;
+  const int r0 = tile.m_block * Br, rows_q = min(Br, Nq - r0);
   const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
 
-  const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                   static_cast<int64_t>(r0) * p.q_row_stride;
-  const Elem* gdO = static_cast<const Elem*>(p.grad_out) + b * p.grad_out_batch_stride +
-                    h * p.grad_out_head_stride + static_cast<int64_t>(r0) * p.grad_out_row_stride;
-  const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const BwdQueryRows<Elem> gq = query_rows<Elem>(p, b, h, r0);
+  const BwdKeyRows<Elem> gkv = key_rows<Elem>(p, b, hk, 0);
   const Sw128TileCopy<Br, D, kThreads> q_copy(tid, head_dim);
   const Sw128TileCopy<Bc, D, kThreads> kv_copy(tid, head_dim);
   auto load_kv = [&](int n, int stage) {
     const int valid = min(Bc, Nk - n * Bc);
     const int64_t row0 = static_cast<int64_t>(n) * Bc;
-    kv_copy.load(sK_addr0 + stage * Tr::kSmemKV, gK + row0 * p.k_row_stride, p.k_row_stride, valid);
-    kv_copy.load(sV_addr0 + stage * Tr::kSmemKV, gV + row0 * p.v_row_stride, p.v_row_stride, valid);
+    kv_copy.load(sK_addr0 + stage * Tr::kSmemKV, gkv.k + row0 * p.k_row_stride, p.k_row_stride,
+                 valid);
+    kv_copy.load(sV_addr0 + stage * Tr::kSmemKV, gkv.v + row0 * p.v_row_stride, p.v_row_stride,
+                 valid);
   };
 
   // One cp.async group per key block (the first also holds Q_i, dO_i), committed even when empty.
-  q_copy.load(sQ_addr, gQ, p.q_row_stride, rows_q);
-  q_copy.load(sdO_addr, gdO, p.grad_out_row_stride, rows_q);
+  q_copy.load(sQ_addr, gq.q, p.q_row_stride, rows_q);
+  q_copy.load(sdO_addr, gq.grad_out, p.grad_out_row_stride, rows_q);
 #pragma unroll
   for (int a = 0; a < kAhead; ++a) {
     if (range.lo + a < range.hi) load_kv(range.lo + a, a);
@@ -498,10 +462,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   cp_async_wait<0>();
   if (Tr::kOverlap && range.lo >= range.hi) zero(dQ);  // the rows see no key
 
-  Elem* gdQ = static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride + h * p.grad_q_head_stride +
-              static_cast<int64_t>(r0) * p.grad_q_row_stride;
-  store_rows<Elem, DT>(gdQ, p.grad_q_row_stride, dQ, tf.scale, warp_row0, rows_q, head_dim, lane,
-                       st.vec_store != 0);
+  store_dq<Elem>(p, b, h, r0, dQ, tf.scale, warp_row0, rows_q, head_dim, lane, st.vec_store != 0);
 #else
   __trap();  // launched only where the sm_90a binary runs (see attention_backward_cuda.cpp)
 #endif

@@ -38,7 +38,7 @@ struct BwdConfigSm90 {
 
 template <class KV, bool kGeneral, int kWhich>
 cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
-  const int64_t blocks = (p.seqlen_k + KV::Bc - 1) / KV::Bc * p.heads_kv * p.batch;
+  const int64_t blocks = bwd_dkdv_ctas(p, KV::Bc);
   return cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich>, blocks,
                              KV::kNThreads, KV::kSmemBytes, stream, p, st);
 }
@@ -58,7 +58,7 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
     err = launch_dkdv<KV, kGeneral, kBwdBoth>(p, st, stream);
   }
   if (err != cudaSuccess) return err;
-  const int64_t q_blocks = (p.seqlen_q + Q::Br - 1) / Q::Br * p.heads_q * p.batch;
+  const int64_t q_blocks = bwd_dq_ctas(p, Q::Br);
   return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral>, q_blocks, Q::kNThreads,
                              Q::kSmemBytes, stream, p, st);
 }

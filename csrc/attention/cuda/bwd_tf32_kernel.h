@@ -175,50 +175,32 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
   const int Nk = static_cast<int>(p.seqlen_k), head_dim = static_cast<int>(p.head_dim);
-  const int num_n_blocks = (Nk + Bc - 1) / Bc;
-  int64_t bid = blockIdx.x;
-  const int n_block = static_cast<int>(bid % num_n_blocks);
-  bid /= num_n_blocks;
-  const int64_t hk = bid % p.heads_kv, b = bid / p.heads_kv;
+  const BwdKeyTile tile = bwd_key_tile(p, (Nk + Bc - 1) / Bc);
+  const int n_block = tile.n_block;
+  const int64_t hk = tile.hk, b = tile.b;
   const int64_t group = p.heads_q / p.heads_kv;
   const int k0 = n_block * Bc, rows_k = min(Bc, Nk - k0);
 
-  const QueryRange qr = visible_queries(p, k0, k0 + rows_k - 1);
-  const int m_lo = qr.lo <= qr.hi ? static_cast<int>(qr.lo / Br) : 0;
-  const int m_count = qr.lo <= qr.hi ? static_cast<int>(qr.hi / Br) + 1 - m_lo : 0;
-  const int steps = static_cast<int>(group) * m_count;
-
-  const float* gK = static_cast<const float*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
-                    static_cast<int64_t>(k0) * p.k_row_stride;
-  const float* gV = static_cast<const float*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride +
-                    static_cast<int64_t>(k0) * p.v_row_stride;
+  const BwdSteps walk = bwd_steps<Br>(p, k0, rows_k, group);
+  const int m_lo = walk.m_lo, m_count = walk.m_count, steps = walk.steps;
+  const BwdKeyRows<float> gkv = key_rows<float>(p, b, hk, k0);
   // Step s = (head of the group, query block): head-major, so each head's rows stream in order.
   auto load_step = [&](int s, int stage) {
     const int64_t h = hk * group + s / m_count;
     const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
     const int valid = p.seqlen_q - r0 < Br ? static_cast<int>(p.seqlen_q - r0) : Br;
-    const float* q = static_cast<const float*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                     r0 * p.q_row_stride;
-    const float* dout = static_cast<const float*>(p.grad_out) + b * p.grad_out_batch_stride +
-                        h * p.grad_out_head_stride + r0 * p.grad_out_row_stride;
-    tf32_bwd::load_tile<Br, D, kThreads>(sQ + stage * kStream, q, p.q_row_stride, valid, head_dim,
-                                         tid);
-    tf32_bwd::load_tile<Br, D, kThreads>(sdO + stage * kStream, dout, p.grad_out_row_stride, valid,
+    const BwdQueryRows<float> rows = query_rows<float>(p, b, h, r0);
+    tf32_bwd::load_tile<Br, D, kThreads>(sQ + stage * kStream, rows.q, p.q_row_stride, valid,
                                          head_dim, tid);
-    // The row statistics are padded to whole blocks: Br / 4 chunks of each, no bounds.
-    const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
-    if (tid < Br / 4) {
-      cp_async_16(smem_addr(sL + stage * Br + 4 * tid), st.lse2 + stat + 4 * tid, 16);
-    } else if (tid < Br / 2) {
-      const int c = tid - Br / 4;
-      cp_async_16(smem_addr(sDelta + stage * Br + 4 * c), st.delta + stat + 4 * c, 16);
-    }
+    tf32_bwd::load_tile<Br, D, kThreads>(sdO + stage * kStream, rows.grad_out,
+                                         p.grad_out_row_stride, valid, head_dim, tid);
+    load_row_stats<Br>(sL, sDelta, stage, p, st, b, h, r0, tid);
   };
 
-  tf32_bwd::load_tile<Bc, D, kThreads>(sK, gK, p.k_row_stride, rows_k, head_dim, tid);
+  tf32_bwd::load_tile<Bc, D, kThreads>(sK, gkv.k, p.k_row_stride, rows_k, head_dim, tid);
   // dV alone needs no V (dP^T only feeds dS^T, hence dK).
   if constexpr (kDK)
-    tf32_bwd::load_tile<Bc, D, kThreads>(sV, gV, p.v_row_stride, rows_k, head_dim, tid);
+    tf32_bwd::load_tile<Bc, D, kThreads>(sV, gkv.v, p.v_row_stride, rows_k, head_dim, tid);
   if (steps > 0) load_step(0, 0);
   cp_async_commit();
 
@@ -261,19 +243,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   }
   cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 
-  const bool vec = st.vec_store != 0;
-  if constexpr (kDV) {
-    float* gdV = static_cast<float*>(p.grad_v) + b * p.grad_v_batch_stride +
-                 hk * p.grad_v_head_stride + static_cast<int64_t>(k0) * p.grad_v_row_stride;
-    store_rows<float, DT>(gdV, p.grad_v_row_stride, dV, 1.f, warp_row0, rows_k, head_dim, lane,
-                          vec);
-  }
-  if constexpr (kDK) {
-    float* gdK = static_cast<float*>(p.grad_k) + b * p.grad_k_batch_stride +
-                 hk * p.grad_k_head_stride + static_cast<int64_t>(k0) * p.grad_k_row_stride;
-    store_rows<float, DT>(gdK, p.grad_k_row_stride, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
-                          vec);
-  }
+  store_dkdv<float, kWhich, DT>(p, b, hk, k0, dV, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
+                                st.vec_store != 0);
 }
 
 template <class Tr, bool kGeneral>
@@ -293,33 +264,24 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int g = lane >> 2, t = lane & 3;
   const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
   const int head_dim = static_cast<int>(p.head_dim);
-  const int num_m_blocks = (Nq + Br - 1) / Br;
-  int64_t bid = blockIdx.x;
-  int m_block = static_cast<int>(bid % num_m_blocks);
-  bid /= num_m_blocks;
-  const int64_t h = bid % p.heads_q, b = bid / p.heads_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
-  // With a right window bound (causal) the last query blocks see the most keys: start them first.
-  if (p.window_right >= 0) m_block = num_m_blocks - 1 - m_block;
-  const int r0 = m_block * Br, rows_q = min(Br, Nq - r0);
+  const BwdQueryTile tile = bwd_query_tile(p, (Nq + Br - 1) / Br);
+  const int64_t h = tile.h, b = tile.b, hk = tile.hk;
+  const int r0 = tile.m_block * Br, rows_q = min(Br, Nq - r0);
 
   const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
 
-  const float* gQ = static_cast<const float*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                    static_cast<int64_t>(r0) * p.q_row_stride;
-  const float* gdO = static_cast<const float*>(p.grad_out) + b * p.grad_out_batch_stride +
-                     h * p.grad_out_head_stride + static_cast<int64_t>(r0) * p.grad_out_row_stride;
-  const float* gK = static_cast<const float*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const float* gV = static_cast<const float*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const BwdQueryRows<float> gq = query_rows<float>(p, b, h, r0);
+  const BwdKeyRows<float> gkv = key_rows<float>(p, b, hk, 0);
 
-  tf32_bwd::load_tile<Br, D, kThreads>(sQ, gQ, p.q_row_stride, rows_q, head_dim, tid);
-  tf32_bwd::load_tile<Br, D, kThreads>(sdO, gdO, p.grad_out_row_stride, rows_q, head_dim, tid);
+  tf32_bwd::load_tile<Br, D, kThreads>(sQ, gq.q, p.q_row_stride, rows_q, head_dim, tid);
+  tf32_bwd::load_tile<Br, D, kThreads>(sdO, gq.grad_out, p.grad_out_row_stride, rows_q, head_dim,
+                                       tid);
   auto load_kv = [&](int n, int stage) {
     const int valid = min(Bc, Nk - n * Bc);
     const int64_t row0 = static_cast<int64_t>(n) * Bc;
-    tf32_bwd::load_tile<Bc, D, kThreads>(sK + stage * kStream, gK + row0 * p.k_row_stride,
+    tf32_bwd::load_tile<Bc, D, kThreads>(sK + stage * kStream, gkv.k + row0 * p.k_row_stride,
                                          p.k_row_stride, valid, head_dim, tid);
-    tf32_bwd::load_tile<Bc, D, kThreads>(sV + stage * kStream, gV + row0 * p.v_row_stride,
+    tf32_bwd::load_tile<Bc, D, kThreads>(sV + stage * kStream, gkv.v + row0 * p.v_row_stride,
                                          p.v_row_stride, valid, head_dim, tid);
   };
   if (range.lo < range.hi) load_kv(range.lo, 0);
@@ -353,10 +315,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   }
   cp_async_wait<0>();
 
-  float* gdQ = static_cast<float*>(p.grad_q) + b * p.grad_q_batch_stride +
-               h * p.grad_q_head_stride + static_cast<int64_t>(r0) * p.grad_q_row_stride;
-  store_rows<float, DT>(gdQ, p.grad_q_row_stride, dQ, tf.scale, warp_row0, rows_q, head_dim, lane,
-                        st.vec_store != 0);
+  store_dq<float>(p, b, h, r0, dQ, tf.scale, warp_row0, rows_q, head_dim, lane, st.vec_store != 0);
 }
 
 }  // namespace flashmod::cuda_kernels

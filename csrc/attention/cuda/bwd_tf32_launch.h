@@ -26,7 +26,7 @@ struct Tf32BwdConfig {
 template <class Tr, bool kGeneral, int kWhich>
 cudaError_t launch_bwd_tf32_dkdv(const AttentionBwdParams& p, const BwdRowStats& st,
                                  cudaStream_t stream) {
-  const int64_t blocks = (p.seqlen_k + Tr::Bo - 1) / Tr::Bo * p.heads_kv * p.batch;
+  const int64_t blocks = bwd_dkdv_ctas(p, Tr::Bo);
   return cuda::launch_kernel(attention_bwd_tf32_dkdv_kernel<Tr, kGeneral, kWhich>, blocks,
                              Tr::kNThreads, Tr::kSmemBytes, stream, p, st);
 }
@@ -44,7 +44,7 @@ cudaError_t launch_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
     err = launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdBoth>(p, st, stream);
   }
   if (err != cudaSuccess) return err;
-  const int64_t blocks = (p.seqlen_q + Tr::Bo - 1) / Tr::Bo * p.heads_q * p.batch;
+  const int64_t blocks = bwd_dq_ctas(p, Tr::Bo);
   return cuda::launch_kernel(attention_bwd_tf32_dq_kernel<Tr, kGeneral>, blocks, Tr::kNThreads,
                              Tr::kSmemBytes, stream, p, st);
 }

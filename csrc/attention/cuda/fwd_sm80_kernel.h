@@ -162,27 +162,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     }
   }
   auto load_kv = [&](int n, int stage) {
-    const int valid = min(Bc, Nk - n * Bc);
-    const int64_t row0 = static_cast<int64_t>(n) * Bc;
-    const uint32_t sk_stage = sK_addr0 + stage * kStageBytes,
-                   sv_stage = sV_addr0 + stage * kStageBytes;
-    if constexpr (kAddr == kRowPages) {
-      load_kv_rows<kAddr, kDecode>(kv_copy, sk_stage, sv_stage, row_src, p, n * Bc, valid);
-    } else if constexpr (kExtents) {
-      if (kDecode && n * Bc + valid > new_from) {
-        load_kv_rows<kAddr, true>(kv_copy, sk_stage, sv_stage, row_src, p, n * Bc, valid);
-      } else {
-        load_kv_block<kAddr>(kv_copy, sk_stage, gK, p, row0, p.k_page_stride, p.k_row_stride,
-                             valid);
-        load_kv_block<kAddr>(kv_copy, sv_stage, gV, p, row0, p.v_page_stride, p.v_row_stride,
-                             valid);
-      }
-    } else {
-      kv_copy.load(sK_addr0 + stage * kStageBytes, gK + row0 * p.k_row_stride, p.k_row_stride,
-                   valid);
-      kv_copy.load(sV_addr0 + stage * kStageBytes, gV + row0 * p.v_row_stride, p.v_row_stride,
-                   valid);
-    }
+    load_kv_tile<kAddr, kDecode, Bc>(kv_copy, sK_addr0 + stage * kStageBytes,
+                                     sV_addr0 + stage * kStageBytes, row_src, p, n);
   };
 
   // Pipeline prologue: Q_i, then the first kStages-1 key blocks, one commit group each (empty

@@ -115,24 +115,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const Sw128TileCopy<Br, D, kThreads> q_copy(tid, head_dim);
   const Sw128TileCopy<Bc, D, kThreads> kv_copy(tid, head_dim);
   constexpr uint32_t kStageBytes = Tr::kSmemKV;
+  const KvRowSources<Elem> kv_src{gK, gV, nullptr, nullptr, Nk};
   auto load_kv = [&](int n, int stage) {
-    const int valid = min(Bc, Nk - n * Bc);
-    const int64_t row0 = static_cast<int64_t>(n) * Bc;
-    if constexpr (kAddr == kRowPages) {
-      load_kv_rows<kAddr, false>(
-          kv_copy, sK_addr0 + stage * kStageBytes, sV_addr0 + stage * kStageBytes,
-          KvRowSources<Elem>{gK, gV, nullptr, nullptr, Nk}, p, n * Bc, valid);
-    } else if constexpr (kExtents) {
-      load_kv_block<kAddr>(kv_copy, sK_addr0 + stage * kStageBytes, gK, p, row0, p.k_page_stride,
-                           p.k_row_stride, valid);
-      load_kv_block<kAddr>(kv_copy, sV_addr0 + stage * kStageBytes, gV, p, row0, p.v_page_stride,
-                           p.v_row_stride, valid);
-    } else {
-      kv_copy.load(sK_addr0 + stage * kStageBytes, gK + row0 * p.k_row_stride, p.k_row_stride,
-                   valid);
-      kv_copy.load(sV_addr0 + stage * kStageBytes, gV + row0 * p.v_row_stride, p.v_row_stride,
-                   valid);
-    }
+    load_kv_tile<kAddr, false, Bc>(kv_copy, sK_addr0 + stage * kStageBytes,
+                                   sV_addr0 + stage * kStageBytes, kv_src, p, n);
   };
 
   // Prologue: Q_i, then the first kStages-1 key blocks, one commit group each (empty groups past

@@ -7,6 +7,7 @@
 #include <ATen/cuda/CUDAContext.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "../../common/alignment.h"
 #include "../../common/error_message.h"
@@ -40,22 +41,42 @@ inline bool sm90_kernels_usable() {
 #endif
 }
 
-// cp.async copies 16-byte chunks from 16-byte aligned addresses, so every row start of q/k/v must
-// be 16-byte aligned: base pointer aligned and batch/head/row strides multiples of 8 elements.
+// cp.async copies 16-byte chunks from 16-byte aligned addresses, so every row start must be
+// 16-byte aligned: base pointer aligned and every stride but the last (the rows are contiguous) a
+// multiple of 8 elements. Any rank, so that the dense (B, H, N, D) tensors, the packed varlen
+// (total, H, D) ones and the (B, N, H, D) KV-cache inputs share one rule.
 inline bool rows_aligned16(const at::Tensor& t) {
-  return aligned16(t.data_ptr()) && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
-         t.stride(2) % 8 == 0;
+  if (!aligned16(t.data_ptr())) return false;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    if (t.stride(d) % 8 != 0) return false;
+  return true;
+}
+
+// Gradient rows start at even elements: the backward kernels store element pairs as one word
+// (store_rows in bwd_common.h). Any rank, as rows_aligned16.
+inline bool rows_aligned_pairs(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % (2 * t.element_size()) != 0) return false;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    if (t.stride(d) % 2 != 0) return false;
+  return true;
 }
 
 // A copy of t whose rows are padded to a multiple of 8 elements (16 bytes), viewed back to t's
 // shape. Only taken for inputs like head_dim = 59 or slices at odd offsets; documented cost:
-// one extra read and write of that tensor.
+// one extra read and write of that tensor. Any rank, as rows_aligned16.
 inline at::Tensor aligned_copy(const at::Tensor& t) {
-  const int64_t d = t.size(3), padded = (d + 7) / 8 * 8;
-  at::Tensor buf = at::empty({t.size(0), t.size(1), t.size(2), padded}, t.options());
-  at::Tensor view = buf.narrow(3, 0, d);
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  const int64_t d = shape.back();
+  shape.back() = (d + 7) / 8 * 8;
+  at::Tensor view = at::empty(shape, t.options()).narrow(-1, 0, d);
   view.copy_(t);
   return view;
+}
+
+// t when its rows are 16-byte aligned, else aligned_copy(t). For callers that set their params
+// fields from the result themselves (the serving ops' layouts differ from align_rows16's).
+inline at::Tensor with_aligned_rows16(const at::Tensor& t) {
+  return rows_aligned16(t) ? t : aligned_copy(t);
 }
 
 // An input that the kernels will read with cp.async: left as it is when its rows are 16-byte

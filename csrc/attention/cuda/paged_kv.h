@@ -1,6 +1,7 @@
-// K/V tile loads for per-sequence K/V (varlen, KV caches, paged caches): the TileCopyPlan copy
-// with each key row's address resolved through its page (sequence_view.h: kv_row_offset), and the
-// rows of the fused KV-cache append taken from the new keys/values.
+// K/V tile loads of the forward kernels, dense and per-sequence K/V (varlen, KV caches, paged
+// caches): the tile copy (TileCopyPlan, Sw128TileCopy) with each key row's address resolved
+// through its page (sequence_view.h: kv_row_offset), and the rows of the fused KV-cache append
+// taken from the new keys/values.
 #pragma once
 
 #include <cstdint>
@@ -26,9 +27,9 @@ inline KvAddressing kv_addressing(const AttentionParams& p, int key_block) {
 
 // Copies key rows [first_key, first_key + valid_rows) of one kv head (base: the pool, or the
 // sequence's K/V, plus the head's offset) into the smem tile at smem_base, zero-filling the rest,
-// like Plan::load (kDense callers use Plan::load itself). kSequences and kBlockPages only: the
-// tile's rows are one run of rows (kBlockPages: first_key starts a key block, which lies in one
-// page); kRowPages tiles go through load_kv_rows.
+// like Plan::load (kDense tiles use Plan::load itself: load_kv_tile). kSequences and kBlockPages
+// only: the tile's rows are one run of rows (kBlockPages: first_key starts a key block, which
+// lies in one page); kRowPages tiles go through load_kv_rows.
 template <KvAddressing kAddr, class Plan, typename Elem>
 __device__ __forceinline__ void load_kv_block(const Plan& plan, uint32_t smem_base,
                                               const Elem* base, const AttentionParams& s,
@@ -115,6 +116,33 @@ __device__ __forceinline__ void load_kv_rows(const Plan& plan, uint32_t sk, uint
       in_page += Plan::kRowStep;
       while (in_page >= page_size) in_page -= page_size, ++page_idx;
     }
+  }
+}
+
+// Key block n of kBc rows (cut at s.seqlen_k) of K and V into the smem tiles at sk / sv,
+// zero-filling the rest, for every KvAddressing. Both forward kernels (fwd_sm80_kernel.h,
+// fwd_sm90_kernel.h) load through it, so which copy serves which addressing is decided once and a
+// change to the paging reaches both. kNewRows (decode with the fused append): a block holding keys
+// from src.new_from on goes row by row, its last rows coming from the new keys/values; other
+// blocks keep the cheaper whole-run copy.
+template <KvAddressing kAddr, bool kNewRows, int kBc, class Plan, typename Elem>
+__device__ __forceinline__ void load_kv_tile(const Plan& plan, uint32_t sk, uint32_t sv,
+                                             const KvRowSources<Elem>& src,
+                                             const AttentionParams& s, int n) {
+  const int valid = min(kBc, static_cast<int>(s.seqlen_k) - n * kBc);
+  const int64_t row0 = static_cast<int64_t>(n) * kBc;
+  if constexpr (kAddr == kRowPages) {
+    load_kv_rows<kAddr, kNewRows>(plan, sk, sv, src, s, n * kBc, valid);
+  } else if constexpr (kAddr != kDense) {
+    if (kNewRows && n * kBc + valid > src.new_from) {
+      load_kv_rows<kAddr, true>(plan, sk, sv, src, s, n * kBc, valid);
+    } else {
+      load_kv_block<kAddr>(plan, sk, src.k, s, row0, s.k_page_stride, s.k_row_stride, valid);
+      load_kv_block<kAddr>(plan, sv, src.v, s, row0, s.v_page_stride, s.v_row_stride, valid);
+    }
+  } else {
+    plan.load(sk, src.k + row0 * s.k_row_stride, s.k_row_stride, valid);
+    plan.load(sv, src.v + row0 * s.v_row_stride, s.v_row_stride, valid);
   }
 }
 

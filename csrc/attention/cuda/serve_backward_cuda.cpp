@@ -23,24 +23,6 @@
 namespace flashmod {
 namespace {
 
-// Packed (total, heads, head_dim) rows whose starts are 16-byte aligned (cp.async), or 4-byte
-// aligned (the kernels store gradient element pairs as one word).
-bool packed_rows_aligned(const at::Tensor& t, int64_t bytes) {
-  const int64_t elems = bytes / static_cast<int64_t>(t.element_size());
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0 && t.stride(0) % elems == 0 &&
-         t.stride(1) % elems == 0;
-}
-
-// A copy of packed rows with each row padded to a multiple of 8 elements, viewed back to t's
-// shape (head_dim = 59, odd slices): the forward's fix-up, here for the backward's inputs.
-at::Tensor aligned_packed(const at::Tensor& t) {
-  if (packed_rows_aligned(t, 16)) return t;
-  const int64_t d = t.size(2);
-  at::Tensor view = at::empty({t.size(0), t.size(1), (d + 7) / 8 * 8}, t.options()).narrow(2, 0, d);
-  view.copy_(t);
-  return view;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
@@ -65,10 +47,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cuda(
   if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0 || q.numel() == 0) {
     return {grad_q, grad_k, grad_v};
   }
-  at::Tensor qa = aligned_packed(r.q), ka = aligned_packed(r.k), va = aligned_packed(r.v);
+  // Read-only inputs without 16-byte aligned rows are copied once (head_dim = 59, odd slices).
+  at::Tensor qa = with_aligned_rows16(r.q), ka = with_aligned_rows16(r.k),
+             va = with_aligned_rows16(r.v);
   at::Tensor out_rows = out.stride(-1) == 1 ? out : out.contiguous();
   at::Tensor grad_out_rows =
-      aligned_packed(grad_out.stride(-1) == 1 ? grad_out : grad_out.contiguous());
+      with_aligned_rows16(grad_out.stride(-1) == 1 ? grad_out : grad_out.contiguous());
   at::Tensor lse_rows = lse.contiguous();
   at::Tensor grad_lse_rows;
   if (grad_lse.has_value()) grad_lse_rows = grad_lse->to(at::kFloat).contiguous();
@@ -90,10 +74,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cuda(
 
   at::Tensor stats;
   cuda_kernels::BwdRowStats st = allocate_bwd_row_stats(p, q.options(), stats);
-  st.vec_store = packed_rows_aligned(grad_q, 4) && packed_rows_aligned(grad_k, 4) &&
-                 packed_rows_aligned(grad_v, 4);
-  st.vec_rows = packed_rows_aligned(out_rows, 16) && packed_rows_aligned(grad_out_rows, 16) &&
-                p.head_dim % 8 == 0;
+  st.vec_store =
+      rows_aligned_pairs(grad_q) && rows_aligned_pairs(grad_k) && rows_aligned_pairs(grad_v);
+  st.vec_rows = rows_aligned16(out_rows) && rows_aligned16(grad_out_rows) && p.head_dim % 8 == 0;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaError_t err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream);

@@ -13,7 +13,6 @@
 
 #include <cstdint>
 #include <utility>
-#include <vector>
 
 #include "../../common/error_message.h"
 #include "../../common/knobs.h"
@@ -27,24 +26,6 @@
 
 namespace flashmod {
 namespace {
-
-// cp.async needs 16-byte aligned row starts: pointer and every stride a multiple of 8 elements.
-bool rows_aligned16_any(const at::Tensor& t) {
-  if (!aligned16(t.data_ptr())) return false;
-  for (int64_t d = 0; d + 1 < t.dim(); ++d)
-    if (t.stride(d) % 8 != 0) return false;
-  return true;
-}
-
-// A copy of a read-only input whose rows are padded to 8 elements, viewed back to its shape.
-at::Tensor aligned_rows_copy(const at::Tensor& t) {
-  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
-  const int64_t d = shape.back();
-  shape.back() = (d + 7) / 8 * 8;
-  at::Tensor view = at::empty(shape, t.options()).narrow(-1, 0, d);
-  view.copy_(t);
-  return view;
-}
 
 // Whether a call runs the decode kernel (GQA packing, split-KV, the fused append) rather than
 // the prefill kernel; FLASHMOD_DECODE=0 forces the prefill kernel (tests, tuning).
@@ -98,7 +79,7 @@ void run(const char* op, PreparedServe& r, const at::Tensor& q) {
   AttentionParams& p = r.params;
   if (r.out.numel() == 0 || p.batch == 0 || p.seqlen_q == 0) return;
   cuda_kernels::FwdLaunchFlags flags{};
-  flags.out_vec16 = rows_aligned16_any(r.out) && p.head_dim % 8 == 0;
+  flags.out_vec16 = rows_aligned16(r.out) && p.head_dim % 8 == 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cudaError_t err = launch(p, flags, q.options(), stream);
   TORCH_CHECK(err != cudaErrorInvalidConfiguration,
@@ -122,8 +103,8 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cuda(
   AttentionParams& p = r.params;
   // Read-only inputs without aligned rows are copied once (head dims like 59, odd offsets).
   auto fix = [](at::Tensor& t, const void*& ptr, int64_t& hs, int64_t& rs) {
-    if (rows_aligned16_any(t)) return;
-    t = aligned_rows_copy(t);
+    if (rows_aligned16(t)) return;
+    t = aligned_copy(t);
     ptr = t.data_ptr();
     hs = t.stride(1), rs = t.stride(0);
   };
@@ -152,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_cuda(
   // The caches are read in place (a copy would cost the whole cache per step); their layout was
   // checked by the shared preparation.
   for (auto [name, t] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache}}) {
-    TORCH_CHECK(rows_aligned16_any(*t),
+    TORCH_CHECK(rows_aligned16(*t),
                 error_message(op, ": ", name,
                               " must have 16-byte aligned rows on CUDA (data pointer and "
                               "strides multiples of 8 elements; head_dim % 8 == 0), got strides ",
@@ -175,8 +156,8 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_cuda(
                             env_flag("FLASHMOD_KVCACHE_FUSED_APPEND", true);
   if (fused_append) {
     // cp.async and the kernel's 16-byte writes need 16-byte aligned new rows.
-    if (!rows_aligned16_any(kn)) kn = aligned_rows_copy(kn);
-    if (!rows_aligned16_any(vn)) vn = aligned_rows_copy(vn);
+    kn = with_aligned_rows16(kn);
+    vn = with_aligned_rows16(vn);
     p.k_new = kn.data_ptr(), p.v_new = vn.data_ptr();
     p.kn_batch_stride = kn.stride(0), p.kn_row_stride = kn.stride(1),
     p.kn_head_stride = kn.stride(2);
@@ -214,8 +195,8 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_cuda(
                               int64_t{65535} * 64, ")"));
     C10_CUDA_CHECK(err);
   }
-  if (!rows_aligned16_any(r.q)) {
-    r.q = aligned_rows_copy(r.q);
+  if (!rows_aligned16(r.q)) {
+    r.q = aligned_copy(r.q);
     p.q = r.q.data_ptr();
     p.q_batch_stride = r.q.stride(0), p.q_head_stride = r.q.stride(2);
     p.q_row_stride = r.q.stride(1);
