@@ -23,7 +23,8 @@ partly in the 50 MB L2 from one contender to the next that reads the same cache.
 
 --graphs adds each flashmod / SDPA contender captured in a CUDA graph ("[graph]": what a serving engine
 replays per decode step, no host work per call); --wall the wall time per call of eager calls back to
-back (where the host, not the GPU, sets the pace); --variant the contiguous call under FLASHMOD_* knobs.
+back (where the host, not the GPU, sets the pace); --variant flashmod under FLASHMOD_* knobs too
+(kvcache: its contiguous call), e.g. --group varlen --variant "fa2-style:FLASHMOD_SM90_WS=0".
 
 Every contender's output is checked against flashmod's before it is timed. Results (JSON) go to
 build/bench/serve_<group>.json (or --out-dir).
@@ -73,7 +74,15 @@ def with_backward(fn: Callable[[], torch.Tensor], leaves: tuple[torch.Tensor, ..
 
 
 def varlen_case(
-    lengths: list[int], h: int, d: int, causal: bool, dtype, dev: str, reps: int, backward: bool = False
+    lengths: list[int],
+    h: int,
+    d: int,
+    causal: bool,
+    dtype,
+    dev: str,
+    reps: int,
+    backward: bool = False,
+    variants: dict[str, str] | None = None,
 ) -> dict:
     total, longest, b = sum(lengths), max(lengths), len(lengths)
     q, k, v = (torch.randn(total, h, d, dtype=dtype, device=dev, requires_grad=backward) for _ in range(3))
@@ -100,6 +109,8 @@ def varlen_case(
     key_ok[seq, pos] = True
     mask = None if causal else key_ok[:, None, None, :]
     fns = {"flashmod": ours}
+    for label, settings in (variants or {}).items():
+        fns[f"flashmod {label}"] = harness.with_env(settings, ours)
     for name, backend in BACKENDS.items():
         if dev != "cuda" or (name == "FLASH" and mask is not None):
             continue
@@ -273,7 +284,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="LABEL:NAME=VALUE[,NAME=VALUE]",
-        help="kvcache: also the contiguous call under these FLASHMOD_* knobs (repeatable)",
+        help="also flashmod under these FLASHMOD_* knobs (kvcache: the contiguous call; repeatable)",
     )
     args = parser.parse_args()
     dev, dtype = args.device, torch.bfloat16
@@ -281,6 +292,7 @@ def main() -> None:
     out_dir = args.out_dir or default_dir
     print(f"serving ops on {harness.device_name(dev)}, bf16")
     gen = torch.Generator().manual_seed(args.seed)
+    variants = dict(v.split(":", 1) for v in args.variant)
     if args.group in ("varlen", "all"):
         rows = []
         lo, hi, batches = (16, 256, [4]) if args.smoke else (128, 8192, [8, 16])
@@ -294,7 +306,7 @@ def main() -> None:
                 label += " fwd+bwd" if args.varlen_backward else ""
                 print(label)
                 reps = 3 if args.smoke else args.reps
-                res = varlen_case(lengths, h, d, causal, dtype, dev, reps, args.varlen_backward)
+                res = varlen_case(lengths, h, d, causal, dtype, dev, reps, args.varlen_backward, variants)
                 rows.append({"label": label, "lengths": lengths, "causal": causal, "results": res})
         contenders = sorted({c for r in rows for c in r["results"]}, key=lambda c: c != "flashmod")
         harness.print_table(rows, contenders)
@@ -307,7 +319,6 @@ def main() -> None:
             sizes = [int(x) for x in args.sizes.split(",")]
         bsz, hq, hkv, d = (2, 4, 2, 64) if args.smoke else (8, 32, 8, 128)
         pages = [int(x) for x in args.pages.split(",") if x]
-        variants = dict(v.split(":", 1) for v in args.variant)
         for s in sizes:
             label = f"kvcache B={bsz} Hq={hq} Hkv={hkv} D={d} cache={s}"
             print(label)

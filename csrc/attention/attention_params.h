@@ -75,8 +75,11 @@ struct AttentionParams {
   //     Hkv, D) pools stepping k_page_stride / v_page_stride elements per page (their batch
   //     strides are 0); key j of row b lives in page
   //     block_table[b * block_table_batch_stride + j / page_size] at row j % page_size.
+  //   packed_rows_q / packed_rows_k: with cu_seqlens, the rows of packed q/out (k/v), i.e. the
+  //     tensors' extents (tensor maps bound their loads by these).
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
+  int64_t packed_rows_q = 0, packed_rows_k = 0;
   const int32_t* seqused_k = nullptr;
   const int32_t* kv_batch_idx = nullptr;
   const int32_t* block_table = nullptr;

@@ -31,6 +31,43 @@ FLASHMOD_HD bool has_sequence_extents(const AttentionParams& p) {
          p.kv_batch_idx != nullptr || p.block_table != nullptr;
 }
 
+// The query side of a packed row: rows [start, start + len) of q/out, lse columns from start.
+FLASHMOD_HD void view_packed_queries(AttentionParams& s, const AttentionParams& p, int64_t start,
+                                     int64_t len) {
+  s.seqlen_q = len;
+  s.q = static_cast<const char*>(p.q) + start * p.q_row_stride * scalar_bytes(p.dtype);
+  s.out = static_cast<char*>(p.out) + start * p.out_row_stride * scalar_bytes(p.dtype);
+  s.lse = p.lse + start;
+}
+
+// The key side of a packed row: rows [start, start + len) of k/v.
+FLASHMOD_HD void view_packed_keys(AttentionParams& s, const AttentionParams& p, int64_t start,
+                                  int64_t len) {
+  s.seqlen_k = len;
+  s.k = static_cast<const char*>(p.k) + start * p.k_row_stride * scalar_bytes(p.dtype);
+  s.v = static_cast<const char*>(p.v) + start * p.v_row_stride * scalar_bytes(p.dtype);
+}
+
+// What every view ends with: no batch strides left, and the row's own causal alignment.
+FLASHMOD_HD void finish_view(AttentionParams& s, const AttentionParams& p) {
+  s.q_batch_stride = s.out_batch_stride = s.lse_batch_stride = s.mask_batch_stride = 0;
+  s.k_batch_stride = s.v_batch_stride = 0;
+  // GQA-packed decode rows (pos_period > 0) hold pos_period query positions.
+  const int64_t positions = p.pos_period > 0 ? p.pos_period : s.seqlen_q;
+  s.diag_offset = p.bottom_right ? s.seqlen_k - positions : 0;
+}
+
+// A packed (cu_seqlens) row from its extents, read beforehand: the view sequence_view gives
+// without its loads of cu_seqlens_q / cu_seqlens_k.
+FLASHMOD_HD AttentionParams packed_view(const AttentionParams& p, int64_t q_start, int64_t q_len,
+                                        int64_t k_start, int64_t k_len) {
+  AttentionParams s = p;
+  view_packed_queries(s, p, q_start, q_len);
+  view_packed_keys(s, p, k_start, k_len);
+  finish_view(s, p);
+  return s;
+}
+
 // The params of batch row b alone: every batch offset is applied to the pointers and every batch
 // stride is 0 (so indexing with any batch index, 0 or b, lands on row b), seqlen_q / seqlen_k are
 // the row's own lengths and diag_offset is the row's. batch is left alone: grids and workspaces
@@ -41,10 +78,7 @@ FLASHMOD_HD AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
   if (!has_sequence_extents(p)) return s;
   if (p.cu_seqlens_q != nullptr) {
     const int64_t start = p.cu_seqlens_q[b];
-    s.seqlen_q = p.cu_seqlens_q[b + 1] - start;
-    s.q = static_cast<const char*>(p.q) + start * p.q_row_stride * scalar_bytes(p.dtype);
-    s.out = static_cast<char*>(p.out) + start * p.out_row_stride * scalar_bytes(p.dtype);
-    s.lse = p.lse + start;
+    view_packed_queries(s, p, start, p.cu_seqlens_q[b + 1] - start);
   } else {
     s.q = static_cast<const char*>(p.q) + b * p.q_batch_stride * scalar_bytes(p.dtype);
     s.out = static_cast<char*>(p.out) + b * p.out_batch_stride * scalar_bytes(p.dtype);
@@ -52,9 +86,7 @@ FLASHMOD_HD AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
   }
   if (p.cu_seqlens_k != nullptr) {
     const int64_t start = p.cu_seqlens_k[b];
-    s.seqlen_k = p.cu_seqlens_k[b + 1] - start;
-    s.k = static_cast<const char*>(p.k) + start * p.k_row_stride * scalar_bytes(p.dtype);
-    s.v = static_cast<const char*>(p.v) + start * p.v_row_stride * scalar_bytes(p.dtype);
+    view_packed_keys(s, p, start, p.cu_seqlens_k[b + 1] - start);
   } else if (p.block_table != nullptr) {
     s.block_table = p.block_table + b * p.block_table_batch_stride;
   } else {
@@ -71,11 +103,7 @@ FLASHMOD_HD AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
   if (p.mask != nullptr) {
     s.mask = static_cast<const char*>(p.mask) + b * p.mask_batch_stride * mask_bytes(p);
   }
-  s.q_batch_stride = s.out_batch_stride = s.lse_batch_stride = s.mask_batch_stride = 0;
-  s.k_batch_stride = s.v_batch_stride = 0;
-  // GQA-packed decode rows (pos_period > 0) hold pos_period query positions.
-  const int64_t positions = p.pos_period > 0 ? p.pos_period : s.seqlen_q;
-  s.diag_offset = p.bottom_right ? s.seqlen_k - positions : 0;
+  finish_view(s, p);
   return s;
 }
 

@@ -145,6 +145,7 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q_in, const at::Tensor&
   p.lse_batch_stride = 0, p.lse_head_stride = r.q.size(0);
   p.cu_seqlens_q = r.cu_seqlens_q.data_ptr<int32_t>();
   p.cu_seqlens_k = r.cu_seqlens_k.data_ptr<int32_t>();
+  p.packed_rows_q = r.q.size(0), p.packed_rows_k = r.k.size(0);
   p.window_left = window_left;
   p.window_right = is_causal ? 0 : window_right;
   p.bottom_right = true;

@@ -20,23 +20,6 @@
 namespace flashmod {
 namespace {
 
-// The wgmma kernels run on sm_90 when the build carries them (host_alignment.h) and have this
-// head dim.
-bool use_sm90_kernel(int padded_head_dim) {
-  return sm90_kernels_usable() &&
-         cuda_kernels::has_head_dim(cuda_kernels::kFwdSm90HeadDims, padded_head_dim);
-}
-
-// The warp-specialized TMA kernels (fwd_sm90_ws_kernel.h) where they exist for this head dim;
-// they hand what they cannot take (masks, soft cap, strides TMA cannot address) to the kernel
-// above themselves. FLASHMOD_SM90_WS=0 sends everything to that one (tests and benchmarks compare
-// the two).
-bool use_sm90_ws_kernel(int padded_head_dim) {
-  return use_sm90_kernel(padded_head_dim) &&
-         cuda_kernels::has_head_dim(cuda_kernels::kFwdSm90WsHeadDims, padded_head_dim) &&
-         env_flag("FLASHMOD_SM90_WS", true);
-}
-
 // Decode-shaped calls (seqlen_q <= kDecodeMaxNq): the decode kernel, with GQA packing and
 // split-KV chosen from the shapes (decode_heuristics.h: pack_gqa_rows, choose_splits). Returns
 // false when the shape is not decode-shaped; err is then untouched. Test/tuning knobs, read per

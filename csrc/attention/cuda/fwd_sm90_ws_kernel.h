@@ -31,6 +31,13 @@
 // in the FlashAttention-2-style kernel (fwd_sm90_kernel.h), whose softmax and epilogue code this
 // one shares. Plain scores only (no mask tensor, soft cap or scale <= 0); windows and causal are
 // in.
+// kVarlen: packed rows (cu_seqlens_q, cu_seqlens_k; flash_attn_varlen_func). The tensor maps
+// span the packed tensors, a tile's rows start at its sequence's first row, and tiles run on the
+// dynamic schedule: the producer reads each tile's sequence extents, skips the tiles past their
+// sequence's queries and hands the extents to the consumers with the index. A box of rows reaches
+// into the next sequence: its queries are never stored and its keys are masked, but its values
+// would still meet P = 0, and 0 * inf is NaN; so the producer zeroes, in shared memory, the rows
+// of a partial last V_j that are not this sequence's before the consumers may read it.
 #pragma once
 
 #include <cuda.h>
@@ -43,6 +50,7 @@
 #include "../../common/cuda/tma_ops.h"
 #include "../../common/cuda/wgmma_ops.h"
 #include "../attention_params.h"
+#include "../sequence_view.h"
 #include "cta_tile.h"
 #include "entry_points.h"
 #include "fwd_epilogue.h"
@@ -57,6 +65,12 @@ namespace flashmod::cuda_kernels::sm90 {
 // take.
 struct WsSchedule {
   unsigned* next_tile = nullptr;
+};
+
+// One sequence's rows in the packed tensors (kVarlen; zero-based rows and the call's lengths
+// otherwise).
+struct SeqExtents {
+  uint32_t q_start, q_len, k_start, k_len;
 };
 
 template <typename Elem_, int kHeadDim_, int kBc, int kConsumers_, int kStages_>
@@ -77,10 +91,11 @@ struct FwdWsTraits {
   static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of one K_j or one V_j
   // Q_i, the ring of K_j and V_j, then the epilogue's staging area for O (Br x D, as Q).
   static constexpr int kSmemTiles = kSmemQ + 2 * kStages * kSmemKV + kSmemQ;
-  // Barriers after the tiles: full Q, empty Q, full and empty tile slot, then full K, full V,
-  // empty K, empty V per stage.
-  static constexpr int kNBarriers = 4 + 4 * kStages;
-  // The tile slot (the index the producer passes to the consumers) after the barriers.
+  // Barriers after the tiles: full Q, empty Q, full and empty tile slot, the producer's own for
+  // a V_j it zeroes rows of, then full K, full V, empty K, empty V per stage.
+  static constexpr int kNBarriers = 5 + 4 * kStages;
+  // The tile slot after the barriers: the index and the sequence's query start (one 64-bit
+  // word), its query and key lengths (another).
   static constexpr int kSmemSlot = 16;
   // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
   static constexpr int kSmemBytes = kSmemTiles + 8 * kNBarriers + kSmemSlot + 1024;
@@ -105,7 +120,7 @@ struct FwdWsTraits {
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
 };
 
-template <class Tr>
+template <class Tr, bool kVarlen>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tm_q,
                                  const __grid_constant__ CUtensorMap tm_k,
@@ -128,16 +143,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // agree on which tiles load nothing (no visible key) and on every barrier's count.
   struct Tile {
     CtaTile t;
-    int r0, rows_q;
+    int r0, rows_q;  // rows_q <= 0: past its sequence's queries (kVarlen), nothing to do
     KeyBlockRange range;
   };
   const bool dynamic = sched.next_tile != nullptr;
-  auto tile_of = [&](uint32_t index) {
+  // The call itself, or (kVarlen) one sequence of it (sequence_view.h).
+  auto view_of = [&](const SeqExtents& e) {
+    return kVarlen ? packed_view(p, e.q_start, e.q_len, e.k_start, e.k_len) : p;
+  };
+  auto tile_of = [&](const CtaTile& t, const AttentionParams& s) {
     Tile x;
-    x.t = cta_tile_at<uint32_t>(p, index, num_m_blocks, 1);
+    x.t = t;
     x.r0 = x.t.m_block * Br;
-    x.rows_q = min(Br, Nq - x.r0);
-    x.range = key_block_range(p, x.r0, x.r0 + x.rows_q - 1, Bc);
+    x.rows_q = min(Br, static_cast<int>(s.seqlen_q) - x.r0);
+    x.range = x.rows_q > 0 ? key_block_range(s, x.r0, x.r0 + x.rows_q - 1, Bc) : KeyBlockRange{};
     return x;
   };
 
@@ -149,18 +168,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const uint32_t sO_addr = sV_addr0 + kStages * Tr::kSmemKV;
   const uint32_t bar0 = sQ_addr + Tr::kSmemTiles;
   const uint32_t full_q = bar0, empty_q = bar0 + 8;
-  const uint32_t full_slot = bar0 + 16, empty_slot = bar0 + 24;
-  auto full_k = [&](int s) { return bar0 + 8 * (4 + s); };
-  auto full_v = [&](int s) { return bar0 + 8 * (4 + kStages + s); };
-  auto empty_k = [&](int s) { return bar0 + 8 * (4 + 2 * kStages + s); };
-  auto empty_v = [&](int s) { return bar0 + 8 * (4 + 3 * kStages + s); };
-  unsigned* slot = reinterpret_cast<unsigned*>(smem_raw + (bar0 + 8 * Tr::kNBarriers - raw_addr));
+  const uint32_t full_slot = bar0 + 16, empty_slot = bar0 + 24, tail_v = bar0 + 32;
+  auto full_k = [&](int s) { return bar0 + 8 * (5 + s); };
+  auto full_v = [&](int s) { return bar0 + 8 * (5 + kStages + s); };
+  auto empty_k = [&](int s) { return bar0 + 8 * (5 + 2 * kStages + s); };
+  auto empty_v = [&](int s) { return bar0 + 8 * (5 + 3 * kStages + s); };
+  unsigned long long* slot =
+      reinterpret_cast<unsigned long long*>(smem_raw + (bar0 + 8 * Tr::kNBarriers - raw_addr));
 
   if (tid == 0) {
     mbarrier_init(full_q, 1);
     mbarrier_init(empty_q, 4 * kConsumers);  // one arrival per consumer warp
     mbarrier_init(full_slot, 1);
     mbarrier_init(empty_slot, 4 * kConsumers);
+    mbarrier_init(tail_v, 1);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
@@ -190,29 +211,57 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
     }
-    int blocks = 0, tiles = 0;
+    // A tile's sequence (kVarlen: from cu_seqlens; L2 hits after the first tile of a sequence).
+    auto extents_of = [&](const CtaTile& t) {
+      SeqExtents e{0, static_cast<uint32_t>(p.seqlen_q), 0, static_cast<uint32_t>(p.seqlen_k)};
+      if constexpr (kVarlen) {
+        e.q_start = p.cu_seqlens_q[t.b];
+        e.q_len = p.cu_seqlens_q[t.b + 1] - e.q_start;
+        e.k_start = p.cu_seqlens_k[t.b];
+        e.k_len = p.cu_seqlens_k[t.b + 1] - e.k_start;
+      }
+      return e;
+    };
+    auto claim_next = [&](uint32_t index) {
+      if (!dynamic) return index + gridDim.x;
+      uint32_t claim = 0;
+      if (leader) claim = atomicAdd(sched.next_tile, 1u);
+      return gridDim.x + __shfl_sync(0xffffffffu, claim, 0);
+    };
+    int blocks = 0, tiles = 0, tails = 0;
     for (uint32_t index = blockIdx.x, claims = 0;; ++claims) {
+      SeqExtents e{};
+      Tile x{};
+      // Tiles past their sequence's queries (kVarlen) are skipped here, never handed on.
+      for (; index < num_tiles; index = claim_next(index)) {
+        const CtaTile t = cta_tile_at<uint32_t>(p, index, num_m_blocks, 1);
+        e = extents_of(t);
+        x = tile_of(t, view_of(e));
+        if (x.rows_q > 0) break;
+      }
       if (dynamic) {
         mbarrier_wait(empty_slot, (claims & 1) ^ 1);  // every consumer warp read the last one
         if (leader) {
-          atomicExch(slot, index);
-          mbarrier_arrive(full_slot);  // release: the write above comes first
+          atomicExch(slot, index | static_cast<unsigned long long>(e.q_start) << 32);
+          atomicExch(slot + 1, e.q_len | static_cast<unsigned long long>(e.k_len) << 32);
+          mbarrier_arrive(full_slot);  // release: the writes above come first
         }
       }
       if (index >= num_tiles) break;
-      const Tile x = tile_of(index);
-      const int b = static_cast<int>(x.t.b), h = static_cast<int>(x.t.h);
+      // Packed rows: one (batch, head) plane, the sequence's rows from its start.
+      const int b = kVarlen ? 0 : static_cast<int>(x.t.b), h = static_cast<int>(x.t.h);
       const int hk = static_cast<int>(x.t.hk);
+      const int q_row0 = e.q_start + x.r0, k_row0 = e.k_start;
       for (int n = x.range.lo; n < x.range.hi; ++n, ++blocks) {  // none: rows without keys
-        const int s = blocks % kStages;
+        const int st = blocks % kStages;
         const uint32_t parity = ((blocks / kStages) & 1) ^ 1;
-        mbarrier_wait(empty_k(s), parity);
+        mbarrier_wait(empty_k(st), parity);
         if (leader) {
-          mbarrier_arrive_expect_tx(full_k(s), Tr::kSmemKV);
+          mbarrier_arrive_expect_tx(full_k(st), Tr::kSmemKV);
 #pragma unroll
           for (int cb = 0; cb < Tr::kColBlocks; ++cb)
-            tma_load_4d(sK_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_k, cb * 64, n * Bc, hk, b,
-                        full_k(s));
+            tma_load_4d(sK_addr0 + st * Tr::kSmemKV + cb * Bc * 128, &tm_k, cb * 64,
+                        k_row0 + n * Bc, hk, b, full_k(st));
         }
         // Q after the first K: that K's buffer is free earlier than Q's (released only after the
         // previous tile's last S).
@@ -222,28 +271,38 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
             mbarrier_arrive_expect_tx(full_q, Tr::kSmemQ);
 #pragma unroll
             for (int cb = 0; cb < Tr::kColBlocks; ++cb)
-              tma_load_4d(sQ_addr + cb * Br * 128, &tm_q, cb * 64, x.r0, h, b, full_q);
+              tma_load_4d(sQ_addr + cb * Br * 128, &tm_q, cb * 64, q_row0, h, b, full_q);
           }
           ++tiles;
         }
-        mbarrier_wait(empty_v(s), parity);
+        mbarrier_wait(empty_v(st), parity);
+        const uint32_t sV = sV_addr0 + st * Tr::kSmemKV;
+        // kVarlen: rows of V_j past this sequence's keys (another sequence's) are zeroed before
+        // the consumers may read it, so the box lands on tail_v first and full_v completes by
+        // an arrival once the zeros are written.
+        const int own_rows = static_cast<int>(e.k_len) - n * Bc;
+        const bool zero_tail = kVarlen && own_rows < Bc;
         if (leader) {
-          mbarrier_arrive_expect_tx(full_v(s), Tr::kSmemKV);
+          const uint32_t done = zero_tail ? tail_v : full_v(st);
+          mbarrier_arrive_expect_tx(done, Tr::kSmemKV);
 #pragma unroll
           for (int cb = 0; cb < Tr::kColBlocks; ++cb)
-            tma_load_4d(sV_addr0 + s * Tr::kSmemKV + cb * Bc * 128, &tm_v, cb * 64, n * Bc, hk, b,
-                        full_v(s));
+            tma_load_4d(sV + cb * Bc * 128, &tm_v, cb * 64, k_row0 + n * Bc, hk, b, done);
+        }
+        if (zero_tail) {
+          mbarrier_wait(tail_v, tails++ & 1);
+          // Row r of a 64-column box is the 128 bytes at r * 128 whatever the swizzle, so rows
+          // own_rows.. of each box are one run of bytes.
+          const uint32_t zero_bytes = (Bc - own_rows) * 128;
+          for (int cb = 0; cb < Tr::kColBlocks; ++cb)
+            for (uint32_t off = 16 * lane; off < zero_bytes; off += 16 * 32)
+              sts_128(sV + cb * Bc * 128 + own_rows * 128 + off, {0u, 0u, 0u, 0u});
+          fence_proxy_async_smem();  // the zeros reach the tensor cores' (async) view
+          __syncwarp();
+          if (leader) mbarrier_arrive(full_v(st));
         }
       }
-      if (dynamic) {
-        // Claimed once this tile's loads are issued, so tiles go out in the order CTAs free up
-        // (the consumers still have at most kStages key blocks of this tile to go).
-        uint32_t claim = 0;
-        if (leader) claim = atomicAdd(sched.next_tile, 1u);
-        index = gridDim.x + __shfl_sync(0xffffffffu, claim, 0);
-      } else {
-        index += gridDim.x;
-      }
+      index = claim_next(index);
     }
   } else {
     setmaxnreg_inc<Tr::kConsumerRegs>();
@@ -313,25 +372,39 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     int blocks = 0, tiles = 0;
     // (Under the dynamic schedule the slot overwrites the step.)
     for (uint32_t index = blockIdx.x, claims = 0;; index += gridDim.x, ++claims) {
+      SeqExtents e{0, static_cast<uint32_t>(p.seqlen_q), 0, static_cast<uint32_t>(p.seqlen_k)};
       if (dynamic) {
         mbarrier_wait(full_slot, claims & 1);
-        index = __shfl_sync(0xffffffffu, lane == 0 ? atomicOr(slot, 0u) : 0u, 0);
-        release(empty_slot);  // lane 0, after its read
+        unsigned long long word0 = 0, word1 = 0;
+        if (lane == 0) {
+          word0 = atomicOr(slot, 0ull);
+          if constexpr (kVarlen) word1 = atomicOr(slot + 1, 0ull);
+        }
+        release(empty_slot);  // lane 0, after its reads
+        word0 = __shfl_sync(0xffffffffu, word0, 0);
+        index = static_cast<uint32_t>(word0);
+        if constexpr (kVarlen) {
+          word1 = __shfl_sync(0xffffffffu, word1, 0);
+          e = {static_cast<uint32_t>(word0 >> 32), static_cast<uint32_t>(word1), 0,
+               static_cast<uint32_t>(word1 >> 32)};
+        }
       }
       if (index >= num_tiles) break;
-      const Tile x = tile_of(index);
+      // The call, or this tile's sequence alone: its rows, lengths, diagonal and output rows.
+      const AttentionParams s = view_of(e);
+      const Tile x = tile_of(cta_tile_at<uint32_t>(p, index, num_m_blocks, 1), s);
       const int r0 = x.r0, lo = x.range.lo, hi = x.range.hi;
-      const TilePointers<Elem> gp = tile_pointers<Elem>(p, x.t, r0);
+      const TilePointers<Elem> gp = tile_pointers<Elem>(s, x.t, r0);
       if (lo >= hi) {
-        write_rows_without_keys<128 * kConsumers>(p, gp.out, gp.lse, x.rows_q, tid - 128);
+        write_rows_without_keys<128 * kConsumers>(s, gp.out, gp.lse, x.rows_q, tid - 128);
         continue;
       }
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) win[0][hh] = row_window(p, r0 + warp_row0 + lane / 4 + 8 * hh);
+      for (int hh = 0; hh < 2; ++hh) win[0][hh] = row_window(s, r0 + warp_row0 + lane / 4 + 8 * hh);
       // Mask and softmax of block n's scores: S -> P in place, alpha for O. Only blocks that
       // straddle a row's window or seqlen_k test elements.
       auto mask_and_softmax = [&](int n) {
-        if (!key_block_unmasked(p, r0, r0 + Br - 1, n, Bc))
+        if (!key_block_unmasked(s, r0, r0 + Br - 1, n, Bc))
           mask_outside_windows(S, win, n * Bc + 2 * (lane % 4));
         softmax.scores_to_p(S, c, alpha);
       };
@@ -398,7 +471,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // previous tile's copy-out by other lanes of the warp must be done before they are
       // overwritten.
       __syncwarp();
-      store_out_rows<D, 16>(softmax, O, c, sO, p, flags, gp.out, gp.lse, warp_row0, x.rows_q, lane);
+      store_out_rows<D, 16>(softmax, O, c, sO, s, flags, gp.out, gp.lse, warp_row0, x.rows_q, lane);
     }
   }
 #else

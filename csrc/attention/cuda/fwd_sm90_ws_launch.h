@@ -31,11 +31,12 @@ struct FwdWsConfig<Elem, 128> {
 };
 
 // What the kernel does not take: anything but plain scores (a mask tensor, a soft cap, a scale
-// <= 0), and packed or paged rows (never set on the dense op; checked so the contract is local).
+// <= 0), and per-sequence extents other than packed queries and keys (cache lengths, pages).
 inline bool ws_takes_options(const AttentionParams& p) {
+  const bool packed = p.cu_seqlens_q != nullptr && p.cu_seqlens_k != nullptr;
   return p.mask_kind == MaskKind::kNone && !(p.softcap > 0.0) && p.scale > 0.0 &&
-         p.pos_period == 0 && p.cu_seqlens_q == nullptr && p.cu_seqlens_k == nullptr &&
-         p.seqused_k == nullptr && p.kv_batch_idx == nullptr && p.block_table == nullptr;
+         p.pos_period == 0 && (packed || !has_sequence_extents(p)) && p.seqused_k == nullptr &&
+         p.kv_batch_idx == nullptr && p.block_table == nullptr;
 }
 
 template <class Tr>
@@ -46,13 +47,21 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
   // past the end (one per CTA). Near 2^31 tiles q alone would be terabytes.
   const int64_t tiles = cta_count(p, Tr::Br);
   if (tiles > (int64_t{1} << 31) - (int64_t{1} << 20)) return cudaSuccess;
+  // Packed rows (varlen): each tensor is one (batch, head) plane of all its rows, the sequences
+  // found by their first row; the kernel carries row indices in 32 bits.
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  if (varlen && (p.packed_rows_q >= (int64_t{1} << 31) || p.packed_rows_k >= (int64_t{1} << 31)))
+    return cudaSuccess;
+  const int64_t batch = varlen ? 1 : p.batch;
+  const int64_t rows_q = varlen ? p.packed_rows_q : p.seqlen_q;
+  const int64_t rows_k = varlen ? p.packed_rows_k : p.seqlen_k;
   constexpr bool kBf16 = std::is_same_v<typename Tr::Elem, __nv_bfloat16>;
   CUtensorMap tm_q, tm_k, tm_v;
-  if (!encode_rows_tensor_map(&tm_q, kBf16, p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim,
+  if (!encode_rows_tensor_map(&tm_q, kBf16, p.q, batch, p.heads_q, rows_q, p.head_dim,
                               p.q_batch_stride, p.q_head_stride, p.q_row_stride, Tr::Br) ||
-      !encode_rows_tensor_map(&tm_k, kBf16, p.k, p.batch, p.heads_kv, p.seqlen_k, p.head_dim,
+      !encode_rows_tensor_map(&tm_k, kBf16, p.k, batch, p.heads_kv, rows_k, p.head_dim,
                               p.k_batch_stride, p.k_head_stride, p.k_row_stride, Tr::Bc) ||
-      !encode_rows_tensor_map(&tm_v, kBf16, p.v, p.batch, p.heads_kv, p.seqlen_k, p.head_dim,
+      !encode_rows_tensor_map(&tm_v, kBf16, p.v, batch, p.heads_kv, rows_k, p.head_dim,
                               p.v_batch_stride, p.v_head_stride, p.v_row_stride, Tr::Bc))
     return cudaSuccess;
   launched = true;
@@ -63,26 +72,28 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
   // against one CTA per tile), so there a counter hands tiles out as CTAs free up, each head's
   // longest first: +3-11% against one CTA per tile (H100, bf16 causal, N = 1k-16k). An order
   // over L2-sized sections of heads, longest first across the section, lost 1-7% to this one:
-  // a head's query blocks running side by side read its K/V from L2 once.
+  // a head's query blocks running side by side read its K/V from L2 once. Packed sequences
+  // always take the counter: only the producer knows which tiles lie past their sequence's end.
   WsSchedule sched;
   int64_t grid = tiles;
-  if (!flags.one_tile_per_cta) {
-    int device = 0, sms = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess)
-      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  if (varlen || !flags.one_tile_per_cta) grid = tiles < sms ? tiles : sms;
+  // A grid of one CTA has nothing to balance.
+  if (varlen || (!flags.one_tile_per_cta && p.window_right >= 0 && grid > 1)) {
+    sched.next_tile = static_cast<unsigned*>(ws.alloc(ws.ctx, sizeof(unsigned)));
+    if (sched.next_tile == nullptr) return cudaErrorMemoryAllocation;
+    err = cudaMemsetAsync(sched.next_tile, 0, sizeof(unsigned), stream);
     if (err != cudaSuccess) return err;
-    grid = tiles < sms ? tiles : sms;
-    // A grid of one CTA has nothing to balance.
-    if (p.window_right >= 0 && grid > 1) {
-      sched.next_tile = static_cast<unsigned*>(ws.alloc(ws.ctx, sizeof(unsigned)));
-      if (sched.next_tile == nullptr) return cudaErrorMemoryAllocation;
-      err = cudaMemsetAsync(sched.next_tile, 0, sizeof(unsigned), stream);
-      if (err != cudaSuccess) return err;
-    }
   }
-  return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr>, grid, Tr::kNThreads, Tr::kSmemBytes,
-                             stream, tm_q, tm_k, tm_v, p, flags, sched);
+  if (varlen)
+    return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr, true>, grid, Tr::kNThreads,
+                               Tr::kSmemBytes, stream, tm_q, tm_k, tm_v, p, flags, sched);
+  return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr, false>, grid, Tr::kNThreads,
+                             Tr::kSmemBytes, stream, tm_q, tm_k, tm_v, p, flags, sched);
 }
 
 }  // namespace sm90

@@ -13,6 +13,7 @@
 #include "../../common/error_message.h"
 #include "../../common/knobs.h"
 #include "entry_points.h"
+#include "generated/kernel_variants.h"
 
 namespace flashmod {
 
@@ -39,6 +40,22 @@ inline bool sm90_kernels_usable() {
 #else
   return false;
 #endif
+}
+
+// The wgmma kernels where they exist for this (padded) head dim.
+inline bool use_sm90_kernel(int padded_head_dim) {
+  return sm90_kernels_usable() &&
+         cuda_kernels::has_head_dim(cuda_kernels::kFwdSm90HeadDims, padded_head_dim);
+}
+
+// The warp-specialized TMA kernels (fwd_sm90_ws_kernel.h) where they exist for this head dim;
+// they hand what they cannot take (masks, soft cap, paged or cache-length K/V, strides TMA cannot
+// address) to the kernel above themselves. FLASHMOD_SM90_WS=0 sends everything to that one (tests
+// and benchmarks compare the two).
+inline bool use_sm90_ws_kernel(int padded_head_dim) {
+  return use_sm90_kernel(padded_head_dim) &&
+         cuda_kernels::has_head_dim(cuda_kernels::kFwdSm90WsHeadDims, padded_head_dim) &&
+         env_flag("FLASHMOD_SM90_WS", true);
 }
 
 // cp.async copies 16-byte chunks from 16-byte aligned addresses, so every row start must be

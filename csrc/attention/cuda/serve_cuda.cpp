@@ -36,8 +36,8 @@ bool decode_shaped(const AttentionParams& p) {
 
 cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
                    const at::TensorOptions& options, cudaStream_t stream) {
-  const int key = cuda_kernels::variant_key(
-      p.dtype, cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim));
+  const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
+  const int key = cuda_kernels::variant_key(p.dtype, padded);
   if (decode_shaped(p)) {
     if (env_flag("FLASHMOD_DECODE_PACK", true)) cuda_kernels::pack_gqa_rows(p);
     cuda_kernels::DecodeOptions opt;
@@ -54,6 +54,17 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
     return cuda_kernels::run_attention_fwd_decode<E, D>(p, flags, opt, ws, stream);
       FLASHMOD_FWD_SM80_VARIANTS(FLASHMOD_SERVE_DECODE)
 #undef FLASHMOD_SERVE_DECODE
+    }
+  }
+  if (use_sm90_ws_kernel(padded)) {     // packed rows; it hands over what it cannot take
+    TorchWorkspace workspace(options);  // the tile scheduler's counter
+    const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
+    switch (key) {
+#define FLASHMOD_SERVE_PREFILL_SM90_WS(E, kind, D)     \
+  case cuda_kernels::variant_key(ScalarKind::kind, D): \
+    return cuda_kernels::run_attention_fwd_sm90_ws<E, D>(p, flags, ws, stream);
+      FLASHMOD_FWD_SM90_WS_VARIANTS(FLASHMOD_SERVE_PREFILL_SM90_WS)
+#undef FLASHMOD_SERVE_PREFILL_SM90_WS
     }
   }
   if (sm90_kernels_usable()) {
