@@ -10,11 +10,10 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <string>
 
 #include "../../common/error_message.h"
-#include "../../common/knobs.h"
 #include "../attention_host.h"
+#include "backward_dispatch.h"
 #include "entry_points.h"
 #include "generated/kernel_variants.h"
 #include "host_alignment.h"
@@ -23,23 +22,6 @@ namespace flashmod {
 namespace {
 
 using Gradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-// The row of kBwdSm90Tiles to run for padded head dim d: the one FLASHMOD_BWD_SM90_TILE names, or
-// the default tile when it is unset. A name with no build for d is an error listing those built.
-int bwd_sm90_tile(int d) {
-  const std::string name = env_text("FLASHMOD_BWD_SM90_TILE");
-  const int tile = cuda_kernels::find_tile(cuda_kernels::kBwdSm90Tiles, name.c_str(), d);
-  if (tile < 0) {
-    std::string built;
-    for (const cuda_kernels::KernelTile& t : cuda_kernels::kBwdSm90Tiles)
-      if (t.head_dim == d) built += (built.empty() ? "" : ", ") + std::string(t.name);
-    TORCH_CHECK(
-        false, flashmod::error_message("flashmod.attention_backward: FLASHMOD_BWD_SM90_TILE=", name,
-                                       " names no Hopper backward tile for head dim ", d,
-                                       "; expected one of: ", built));
-  }
-  return tile;
-}
 
 Gradients attention_backward_cuda(const at::Tensor& grad_out,
                                   const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
@@ -76,8 +58,6 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaError_t err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream);
-  const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim);
-  const int key = cuda_kernels::variant_key(p.dtype, padded);
   if (err != cudaSuccess) {
     // the row statistics failed to launch; reported below
   } else if (p.dtype == ScalarKind::kFloat32) {
@@ -93,29 +73,8 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
         TORCH_CHECK(false, flashmod::error_message(
                                "flashmod.attention_backward: unsupported head_dim ", p.head_dim));
     }
-  } else if (sm90_kernels_usable() &&
-             cuda_kernels::has_head_dim(cuda_kernels::kBwdSm90HeadDims, padded)) {
-    // Tile indices are below 64 (tools/gen_kernels.py checks).
-    switch (key * 64 + bwd_sm90_tile(padded)) {
-#define FLASHMOD_BWD_SM90_CASE(Elem, kind, D, T)                           \
-  case cuda_kernels::variant_key(ScalarKind::kind, D) * 64 + T:            \
-    err = cuda_kernels::run_attention_bwd_sm90<Elem, D, T>(p, st, stream); \
-    break;
-      FLASHMOD_BWD_SM90_VARIANTS(FLASHMOD_BWD_SM90_CASE)
-#undef FLASHMOD_BWD_SM90_CASE
-    }
   } else {
-    switch (key) {
-#define FLASHMOD_BWD_CASE(Elem, kind, D)                           \
-  case cuda_kernels::variant_key(ScalarKind::kind, D):             \
-    err = cuda_kernels::run_attention_bwd<Elem, D>(p, st, stream); \
-    break;
-      FLASHMOD_BWD_SM80_VARIANTS(FLASHMOD_BWD_CASE)
-#undef FLASHMOD_BWD_CASE
-      default:
-        TORCH_CHECK(false, flashmod::error_message(
-                               "flashmod.attention_backward: unsupported head_dim ", p.head_dim));
-    }
+    err = run_fused_backward("flashmod.attention_backward", p, st, stream);
   }
   TORCH_CHECK(err != cudaErrorInvalidConfiguration,
               flashmod::error_message("flashmod.attention_backward: too many blocks for one launch "

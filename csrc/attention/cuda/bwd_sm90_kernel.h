@@ -17,6 +17,7 @@
 #include "../../common/cuda/sw128_tile_copy.h"
 #include "../../common/cuda/wgmma_ops.h"
 #include "../attention_params.h"
+#include "../sequence_view.h"
 #include "bwd_common.h"
 #include "entry_points.h"
 #include "visibility.h"
@@ -138,9 +139,12 @@ __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
 
 // kWhich (bwd_common.h): dK and dV together, or, where the two D-wide accumulators do not fit one
 // warpgroup's registers (D = 256), one of them per launch or one per warpgroup of the CTA.
-template <class Tr, bool kGeneral, int kWhich>
+// kExtents (both kernels): a variable-length call, as in the portable kernels
+// (bwd_sm80_kernel.h): the grid comes from the upper bounds in params, each CTA works on
+// sequence_view_bwd(params, b), and one whose block lies past its sequence's end exits.
+template <class Tr, bool kGeneral, int kWhich, bool kExtents>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
-    attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams p, const BwdRowStats st) {
+    attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st) {
 #ifdef FLASHMOD_SM90A
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
@@ -160,12 +164,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
   const int g = lane >> 2, t = lane & 3;
-  const int Nk = static_cast<int>(p.seqlen_k), head_dim = static_cast<int>(p.head_dim);
-  const BwdKeyTile tile = bwd_key_tile(p, (Nk + Bc - 1) / Bc);
+  const int head_dim = static_cast<int>(params.head_dim);
+  const BwdKeyTile tile = bwd_key_tile(params, static_cast<int>((params.seqlen_k + Bc - 1) / Bc));
   const int n_block = tile.n_block;
   const int64_t hk = tile.hk, b = tile.b;
-  const int64_t group = p.heads_q / p.heads_kv;
-  const int k0 = n_block * Bc, rows_k = min(Bc, Nk - k0);
+  const int64_t group = params.heads_q / params.heads_kv;
+  const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
+  const int Nk = static_cast<int>(p.seqlen_k), k0 = n_block * Bc;
+  if constexpr (kExtents) {
+    if (k0 >= Nk) return;  // past this sequence's keys: no rows of it to write
+  }
+  const int rows_k = min(Bc, Nk - k0);
 
   const BwdSteps walk = bwd_steps<Br>(p, k0, rows_k, group);
   const int m_lo = walk.m_lo, m_count = walk.m_count, steps = walk.steps;
@@ -339,9 +348,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 #endif
 }
 
-template <class Tr, bool kGeneral>
+template <class Tr, bool kGeneral, bool kExtents>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
-    attention_bwd_dq_sm90_kernel(const AttentionBwdParams p, const BwdRowStats st) {
+    attention_bwd_dq_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st) {
 #ifdef FLASHMOD_SM90A
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
@@ -357,11 +366,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
   const int g = lane >> 2, t = lane & 3;
-  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
-  const int head_dim = static_cast<int>(p.head_dim);
-  const BwdQueryTile tile = bwd_query_tile(p, (Nq + Br - 1) / Br);
+  const int head_dim = static_cast<int>(params.head_dim);
+  const BwdQueryTile tile =
+      bwd_query_tile(params, static_cast<int>((params.seqlen_q + Br - 1) / Br));
   const int64_t h = tile.h, b = tile.b, hk = tile.hk;
-  const int r0 = tile.m_block * Br, rows_q = min(Br, Nq - r0);
+  const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
+  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+  const int r0 = tile.m_block * Br;
+  if constexpr (kExtents) {
+    if (r0 >= Nq) return;  // past this sequence's queries: no rows of it to write
+  }
+  const int rows_q = min(Br, Nq - r0);
   const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
 
   const BwdQueryRows<Elem> gq = query_rows<Elem>(p, b, h, r0);

@@ -36,31 +36,31 @@ struct BwdConfigSm90 {
   using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, kT.q_cols, kT.q_ctas, kT.q_stages, kT.q_overlap != 0>;
 };
 
-template <class KV, bool kGeneral, int kWhich>
+template <class KV, bool kGeneral, int kWhich, bool kExtents>
 cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   const int64_t blocks = bwd_dkdv_ctas(p, KV::Bc);
-  return cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich>, blocks,
+  return cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents>, blocks,
                              KV::kNThreads, KV::kSmemBytes, stream, p, st);
 }
 
-template <typename Elem, int kHeadDim, int kTile, bool kGeneral>
+template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents>
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   using Cfg = BwdConfigSm90<Elem, kHeadDim, kTile>;
   using KV = typename Cfg::KV;
   using Q = typename Cfg::Q;
   cudaError_t err;
   if constexpr (Cfg::kSplit == 1) {
-    err = launch_dkdv<KV, kGeneral, kBwdOnlyDV>(p, st, stream);
-    if (err == cudaSuccess) err = launch_dkdv<KV, kGeneral, kBwdOnlyDK>(p, st, stream);
+    err = launch_dkdv<KV, kGeneral, kBwdOnlyDV, kExtents>(p, st, stream);
+    if (err == cudaSuccess) err = launch_dkdv<KV, kGeneral, kBwdOnlyDK, kExtents>(p, st, stream);
   } else if constexpr (Cfg::kSplit == 2) {
-    err = launch_dkdv<KV, kGeneral, kBwdPair>(p, st, stream);
+    err = launch_dkdv<KV, kGeneral, kBwdPair, kExtents>(p, st, stream);
   } else {
-    err = launch_dkdv<KV, kGeneral, kBwdBoth>(p, st, stream);
+    err = launch_dkdv<KV, kGeneral, kBwdBoth, kExtents>(p, st, stream);
   }
   if (err != cudaSuccess) return err;
   const int64_t q_blocks = bwd_dq_ctas(p, Q::Br);
-  return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral>, q_blocks, Q::kNThreads,
-                             Q::kSmemBytes, stream, p, st);
+  return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral, kExtents>, q_blocks,
+                             Q::kNThreads, Q::kSmemBytes, stream, p, st);
 }
 
 }  // namespace sm90
@@ -68,9 +68,20 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
 template <typename Elem, int kHeadDim, int kTile>
 cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStats& st,
                                    cudaStream_t stream) {
+  // Variable-length calls (sequence_view_bwd) take their own variants, as in run_attention_bwd,
+  // built for the default tile of each head dim only (they double a unit's kernels; the host
+  // sends them there, backward_dispatch.h).
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
-  return general ? sm90::launch_bwd<Elem, kHeadDim, kTile, true>(p, st, stream)
-                 : sm90::launch_bwd<Elem, kHeadDim, kTile, false>(p, st, stream);
+  if (has_sequence_extents(p)) {
+    if constexpr (kBwdSm90Tiles[kTile].is_default) {
+      return general ? sm90::launch_bwd<Elem, kHeadDim, kTile, true, true>(p, st, stream)
+                     : sm90::launch_bwd<Elem, kHeadDim, kTile, false, true>(p, st, stream);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  }
+  return general ? sm90::launch_bwd<Elem, kHeadDim, kTile, true, false>(p, st, stream)
+                 : sm90::launch_bwd<Elem, kHeadDim, kTile, false, false>(p, st, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

@@ -1,8 +1,8 @@
 // CUDA registration of flashmod::attention_varlen_backward: the shared checks (serve_host.cpp),
-// the CUDA-only ones, and the fused backward's per-sequence variants (bwd_sm80_kernel.h:
-// kExtents; the row statistics likewise) on every GPU, fp16/bf16 as the forward. Each CTA finds
-// its sequence from cu_seqlens on the device (no host sync); nothing is padded. The Hopper
-// backward has no per-sequence variant yet, so this runs the mma.sync kernels on H100/H200 too.
+// the CUDA-only ones, and the fused backward's per-sequence variants (kExtents of the Hopper and
+// the portable kernels, backward_dispatch.h; the row statistics likewise), fp16/bf16 as the
+// forward. Each CTA finds its sequence from cu_seqlens on the device (no host sync); nothing is
+// padded.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -15,8 +15,8 @@
 
 #include "../../common/error_message.h"
 #include "../serve_host.h"
+#include "backward_dispatch.h"
 #include "entry_points.h"
-#include "generated/kernel_variants.h"
 #include "host_alignment.h"
 #include "serve_cuda_checks.h"
 
@@ -80,18 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cuda(
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaError_t err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream);
-  if (err == cudaSuccess) {
-    const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim);
-    switch (cuda_kernels::variant_key(p.dtype, padded)) {
-#define FLASHMOD_VARLEN_BWD_CASE(Elem, kind, D)                    \
-  case cuda_kernels::variant_key(ScalarKind::kind, D):             \
-    err = cuda_kernels::run_attention_bwd<Elem, D>(p, st, stream); \
-    break;
-      FLASHMOD_BWD_SM80_VARIANTS(FLASHMOD_VARLEN_BWD_CASE)
-#undef FLASHMOD_VARLEN_BWD_CASE
-      default: TORCH_CHECK(false, error_message(op, ": unsupported head_dim ", p.head_dim));
-    }
-  }
+  if (err == cudaSuccess) err = run_fused_backward(op, p, st, stream);
   TORCH_CHECK(err != cudaErrorInvalidConfiguration,
               error_message(op,
                             ": too many blocks for one launch (batch * heads * blocks of "
