@@ -2,8 +2,9 @@
 # One call on the GPU machine: build (all cores, sm_80 + sm_90a), tests, benchmarks.
 # Usage: bash tools/gpu_check.sh [tests|bench|softmax|serve|all|session]   (logs go to $OUT, or ./gpu_logs)
 #   session: the whole CUDA suite (failures by their first line), forward and forward+backward
-#            benchmarks (geomeans; the JSON holds the tables), serving, the CUDA training example;
-#            leaves at most 8 files in $OUT (what the device tool brings back)
+#            benchmarks (the JSON holds the tables), serving, the CUDA training example; leaves at
+#            most 8 files in $OUT (what the device tool brings back). session-a / session-b: its
+#            two halves, one device call each
 #   TEST_M      pytest -m expression (default: cuda, every test that runs on the GPU)
 #   BENCH_ARGS  arguments of bench_attention.py (default: the speed-bar subset, all backends)
 #   TEST_SECONDS / BENCH_SECONDS   time limits
@@ -53,18 +54,27 @@ if [[ $what == softmax || $what == all ]]; then
   timeout ${SOFTMAX_SECONDS:-75} python benchmarks/bench_softmax.py --device cuda --out "$OUT/cuda-softmax.json" 2>&1 |
     tee "$OUT/softmax-bench.log" | tail -30
 fi
-if [[ $what == session ]]; then
+# The session run, in two halves that each fit one device call (10 minutes): session-a the whole
+# suite and the forward benchmark (every kind, N 1k-16k); session-b forward+backward, serving and
+# the CUDA training example. The second call finds the first one's build when the machine is
+# still warm (ninja rebuilds nothing). session runs both.
+if [[ $what == session || $what == session-a ]]; then
   timeout "${TEST_SECONDS:-420}" python -m pytest tests -q -n 12 -p no:cacheprovider -m "${TEST_M:-cuda}" --tb=line \
     >"$OUT/tests.log" 2>&1
   grep -E "^E |FAILED|ERROR| passed| failed" "$OUT/tests.log" | tail -25
-  for mode in fwdbwd fwd; do
-    timeout "${BENCH_SECONDS:-240}" python benchmarks/bench_attention.py --mode $mode --quick --kinds paper,gqa,padding \
-      --dtypes bf16,fp16 --dims 64,128,256 --min-n 1024 --out-dir "$OUT" --tag "cuda-$mode" 2>/dev/null | grep geomean
-  done
-  timeout 200 python benchmarks/bench_serve.py --reps 10 >"$OUT/bench-serve.log" 2>&1
-  timeout 120 python benchmarks/bench_serve.py --group varlen --varlen-backward --reps 10 >>"$OUT/bench-serve.log" 2>&1
+  timeout "${BENCH_SECONDS:-240}" python benchmarks/bench_attention.py --mode fwd --reps 30 \
+    --kinds paper,gqa,padding,window,softcap --dtypes bf16,fp16 --dims 64,128,256 --min-n 1024 \
+    --out-dir "$OUT" --tag "cuda-fwd" 2>/dev/null | grep -E "^(paper|gqa|padding|window|softcap)|geomean"
+fi
+if [[ $what == session || $what == session-b ]]; then
+  timeout "${BENCH_SECONDS:-240}" python benchmarks/bench_attention.py --mode fwdbwd --quick \
+    --kinds paper,gqa,padding --dtypes bf16,fp16 --dims 64,128,256 --min-n 1024 --out-dir "$OUT" \
+    --tag "cuda-fwdbwd" 2>/dev/null | grep geomean
+  timeout 200 python benchmarks/bench_serve.py --reps 10 --out-dir "$OUT" >"$OUT/bench-serve.log" 2>&1
+  timeout 120 python benchmarks/bench_serve.py --group varlen --varlen-backward --reps 10 --out-dir "$OUT" \
+    >>"$OUT/bench-serve.log" 2>&1
   grep -E "geomean|fraction|: flashmod" "$OUT/bench-serve.log" | tail -30
   timeout 150 python examples/hf_train.py --device cuda >"$OUT/hf-train.log" 2>&1
   tail -4 "$OUT/hf-train.log"
-  rm -f "$OUT"/*.png  # at most 8 files come back: the plots are redrawn from the JSON
 fi
+[[ $what == session* ]] && rm -f "$OUT"/*.png  # 8 files come back at most; plots redraw from the JSON

@@ -243,7 +243,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         mbarrier_wait(empty_slot, (claims & 1) ^ 1);  // every consumer warp read the last one
         if (leader) {
           atomicExch(slot, index | static_cast<unsigned long long>(e.q_start) << 32);
-          atomicExch(slot + 1, e.q_len | static_cast<unsigned long long>(e.k_len) << 32);
+          if constexpr (kVarlen)
+            atomicExch(slot + 1, e.q_len | static_cast<unsigned long long>(e.k_len) << 32);
           mbarrier_arrive(full_slot);  // release: the writes above come first
         }
       }
