@@ -77,4 +77,6 @@ if [[ $what == session || $what == session-b ]]; then
   timeout 150 python examples/hf_train.py --device cuda >"$OUT/hf-train.log" 2>&1
   tail -4 "$OUT/hf-train.log"
 fi
-[[ $what == session* ]] && rm -f "$OUT"/*.png  # 8 files come back at most; plots redraw from the JSON
+if [[ $what == session* ]]; then
+  rm -f "$OUT"/*.png  # at most 8 files come back: the plots are redrawn from the JSON
+fi
