@@ -126,6 +126,28 @@ def test_sm90_ws_many_tiles(monkeypatch, knobs, d, opts):
         assert (out[:, :, empty] == 0).all() and torch.isneginf(lse[:, :, empty]).all()
 
 
+# Bool key-padding masks ((B, 1, 1, Nk) and (1, 1, 1, Nk), one bit per key) run the warp-specialized
+# kernel: the producer turns each key block's bytes into bits. Random masks (not prefixes), a batch
+# row with every key hidden (its rows: output 0, lse -inf), a column stride of 2, more tiles than
+# SMs, causal and not, GQA; FLASHMOD_SM90_WS=0 runs the same on the FlashAttention-2-style kernel.
+@pytest.mark.parametrize("ws", ["1", "0"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_batch", [3, 1])
+def test_sm90_ws_key_padding_mask(monkeypatch, ws, d, causal, mask_batch):
+    monkeypatch.setenv("FLASHMOD_SM90_WS", ws)
+    monkeypatch.setenv("FLASHMOD_DECODE", "0")
+    q = rand(3, 16, 1023, d, dtype=torch.bfloat16)
+    k, v = rand(3, 4, 700, d, dtype=torch.bfloat16), rand(3, 4, 700, d, dtype=torch.bfloat16)
+    wide = torch.rand(mask_batch, 1, 1, 1400, device="cuda") > 0.3
+    if mask_batch == 3:
+        wide[1] = False  # batch row 1 sees no key at all
+    mask = wide[..., ::2]
+    out, lse = run_and_check(q, k, v, mask, is_causal=causal)
+    if mask_batch == 3:
+        assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+
+
 # Layouts the tensor maps must follow: (B, S, H, D) storage and k/v interleaved in one tensor (TMA
 # takes these), and heads broadcast with stride 0 (TMA cannot: the kernel hands the call over).
 @pytest.mark.parametrize("ws", ["1", "0"])

@@ -38,6 +38,10 @@
 // into the next sequence: its queries are never stored and its keys are masked, but its values
 // would still meet P = 0, and 0 * inf is NaN; so the producer zeroes, in shared memory, the rows
 // of a partial last V_j that are not this sequence's before the consumers may read it.
+// kKeyMask: a bool key-padding mask, (B, 1, 1, Nk) seen through strides (one visibility bit per
+// key, the same for every head and query). The producer warp turns each key block's bytes into
+// 128 bits (a ballot per byte of its lanes' 4-byte runs) and hands them on with K_j; consumers
+// hide the keys whose bit is clear, in blocks that have one.
 #pragma once
 
 #include <cuda.h>
@@ -67,6 +71,28 @@ struct WsSchedule {
   unsigned* next_tile = nullptr;
 };
 
+// A key block's visibility under a key-padding mask (kKeyMask), as one consumer thread holds it:
+// the two words of the 128 bits its columns fall in (column ni * 8 + 2 (lane % 4) + e is bit
+// 2 ni + (lane % 4) / 2 of w[e]), and whether every key of the block is visible.
+struct KeyBits {
+  uint32_t w[2];
+  bool all;
+};
+
+// Hides the keys of S whose bits are clear (both rows of the thread's m16 tile).
+template <int NT>
+__device__ __forceinline__ void hide_keys(float (&S)[1][NT][4], const KeyBits& bits, int lane) {
+  const int shift = (lane % 4) / 2;
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      if (((bits.w[e] >> (2 * ni + shift)) & 1u) == 0) {
+        S[0][ni][e] = -CUDART_INF_F;
+        S[0][ni][2 + e] = -CUDART_INF_F;
+      }
+}
+
 // One sequence's rows in the packed tensors (kVarlen; zero-based rows and the call's lengths
 // otherwise).
 struct SeqExtents {
@@ -95,10 +121,12 @@ struct FwdWsTraits {
   // a V_j it zeroes rows of, then full K, full V, empty K, empty V per stage.
   static constexpr int kNBarriers = 5 + 4 * kStages;
   // The tile slot after the barriers: the index and the sequence's query start (one 64-bit
-  // word), its query and key lengths (another).
+  // word), its query and key lengths (another). Then (kKeyMask) each stage's key block
+  // visibility: 128 bits, word j bit l for key 4 l + j.
   static constexpr int kSmemSlot = 16;
+  static constexpr int kSmemKeyBits = 16 * kStages;
   // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
-  static constexpr int kSmemBytes = kSmemTiles + 8 * kNBarriers + kSmemSlot + 1024;
+  static constexpr int kSmemBytes = kSmemTiles + 8 * kNBarriers + kSmemSlot + kSmemKeyBits + 1024;
   // Per-thread registers after reallocation; the sum over warpgroups stays within the 64K file
   // (128 * (producer + kConsumers * consumer) <= 65536), each a multiple of 8.
   static constexpr int kProducerRegs = 24;
@@ -120,13 +148,15 @@ struct FwdWsTraits {
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
 };
 
-template <class Tr, bool kVarlen>
+template <class Tr, bool kVarlen, bool kKeyMask>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tm_q,
                                  const __grid_constant__ CUtensorMap tm_k,
                                  const __grid_constant__ CUtensorMap tm_v, const AttentionParams p,
                                  const FwdLaunchFlags flags, const WsSchedule sched) {
 #ifdef FLASHMOD_SM90A
+  static_assert(!(kVarlen && kKeyMask), "packed rows carry no mask");
+  static_assert(!kKeyMask || Tr::Bc == 128, "a key block's mask bytes: 4 per lane of one warp");
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kStages = Tr::kStages;
@@ -175,6 +205,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   auto empty_v = [&](int s) { return bar0 + 8 * (5 + 3 * kStages + s); };
   unsigned long long* slot =
       reinterpret_cast<unsigned long long*>(smem_raw + (bar0 + 8 * Tr::kNBarriers - raw_addr));
+  // Stage st's key bits: key_bits[2 st] holds words 0-1, key_bits[2 st + 1] words 2-3. Written
+  // and read with atomics, ordered by full_k / empty_k like the tile slot (racecheck).
+  unsigned long long* key_bits = slot + 2;
 
   if (tid == 0) {
     mbarrier_init(full_q, 1);
@@ -256,9 +289,29 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       for (int n = x.range.lo; n < x.range.hi; ++n, ++blocks) {  // none: rows without keys
         const int st = blocks % kStages;
         const uint32_t parity = ((blocks / kStages) & 1) ^ 1;
+        // kKeyMask: lane l reads the mask bytes of keys n Bc + 4 l .. + 3 (read before the wait,
+        // so their latency hides under it) and ballot j gathers byte j of every lane.
+        unsigned long long bits01 = 0, bits23 = 0;
+        if constexpr (kKeyMask) {
+          const uint8_t* mask_row =
+              static_cast<const uint8_t*>(p.mask) + x.t.b * p.mask_batch_stride;
+          uint32_t w[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int64_t key = static_cast<int64_t>(n) * Bc + 4 * lane + j;
+            const bool seen = key < p.seqlen_k && mask_row[key * p.mask_col_stride] != 0;
+            w[j] = __ballot_sync(0xffffffffu, seen);
+          }
+          bits01 = w[0] | static_cast<unsigned long long>(w[1]) << 32;
+          bits23 = w[2] | static_cast<unsigned long long>(w[3]) << 32;
+        }
         mbarrier_wait(empty_k(st), parity);
         if (leader) {
-          mbarrier_arrive_expect_tx(full_k(st), Tr::kSmemKV);
+          if constexpr (kKeyMask) {
+            atomicExch(key_bits + 2 * st, bits01);
+            atomicExch(key_bits + 2 * st + 1, bits23);
+          }
+          mbarrier_arrive_expect_tx(full_k(st), Tr::kSmemKV);  // release: the bits come first
 #pragma unroll
           for (int cb = 0; cb < Tr::kColBlocks; ++cb)
             tma_load_4d(sK_addr0 + st * Tr::kSmemKV + cb * Bc * 128, &tm_k, cb * 64,
@@ -359,6 +412,23 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     auto release = [&](uint32_t bar) {
       if (lane == 0) mbarrier_arrive(bar);
     };
+    // Stage st's key bits (kKeyMask; once full_k(st) completed, before K_j is released).
+    auto take_key_bits = [&](int st) {
+      KeyBits bits{{0u, 0u}, true};
+      if constexpr (kKeyMask) {
+        unsigned long long w01 = 0, w23 = 0;
+        if (lane == 0)
+          w01 = atomicOr(key_bits + 2 * st, 0ull), w23 = atomicOr(key_bits + 2 * st + 1, 0ull);
+        w01 = __shfl_sync(0xffffffffu, w01, 0);
+        w23 = __shfl_sync(0xffffffffu, w23, 0);
+        // Columns 2 (lane % 4) + e sit in words (2 (lane % 4) + e) % 4: 0-1 or 2-3.
+        const unsigned long long mine = (lane % 4) & 1 ? w23 : w01;
+        bits.w[0] = static_cast<uint32_t>(mine);
+        bits.w[1] = static_cast<uint32_t>(mine >> 32);
+        bits.all = (w01 & w23) == ~0ull;
+      }
+      return bits;
+    };
     // P packed to 16 bits: the register A operand of the next PV.
     auto pack_p = [&]() {
 #pragma unroll
@@ -392,21 +462,26 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       }
       if (index >= num_tiles) break;
       // The call, or this tile's sequence alone: its rows, lengths, diagonal and output rows.
-      const AttentionParams s = view_of(e);
-      const Tile x = tile_of(cta_tile_at<uint32_t>(p, index, num_m_blocks, 1), s);
+      const AttentionParams seq = view_of(e);
+      const Tile x = tile_of(cta_tile_at<uint32_t>(p, index, num_m_blocks, 1), seq);
       const int r0 = x.r0, lo = x.range.lo, hi = x.range.hi;
-      const TilePointers<Elem> gp = tile_pointers<Elem>(s, x.t, r0);
+      const TilePointers<Elem> gp = tile_pointers<Elem>(seq, x.t, r0);
       if (lo >= hi) {
-        write_rows_without_keys<128 * kConsumers>(s, gp.out, gp.lse, x.rows_q, tid - 128);
+        write_rows_without_keys<128 * kConsumers>(seq, gp.out, gp.lse, x.rows_q, tid - 128);
         continue;
       }
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) win[0][hh] = row_window(s, r0 + warp_row0 + lane / 4 + 8 * hh);
+      for (int hh = 0; hh < 2; ++hh)
+        win[0][hh] = row_window(seq, r0 + warp_row0 + lane / 4 + 8 * hh);
       // Mask and softmax of block n's scores: S -> P in place, alpha for O. Only blocks that
-      // straddle a row's window or seqlen_k test elements.
-      auto mask_and_softmax = [&](int n) {
-        if (!key_block_unmasked(s, r0, r0 + Br - 1, n, Bc))
+      // straddle a row's window or seqlen_k test elements; only blocks with a hidden key test
+      // key bits.
+      auto mask_and_softmax = [&](int n, const KeyBits& bits) {
+        if (!key_block_unmasked(seq, r0, r0 + Br - 1, n, Bc))
           mask_outside_windows(S, win, n * Bc + 2 * (lane % 4));
+        if constexpr (kKeyMask) {
+          if (!bits.all) hide_keys(S, bits, lane);
+        }
         softmax.scores_to_p(S, c, alpha);
       };
 #pragma unroll
@@ -421,6 +496,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       {
         const int s = blocks % kStages;
         mbarrier_wait(full_k(s), (blocks / kStages) & 1);
+        const KeyBits bits = take_key_bits(s);
         named_barrier(bar_mine, 256);
         issue_scores(s);
         if (!(last_consumer && hi - lo == 1)) named_barrier_arrive(bar_next, 256);
@@ -428,13 +504,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         pin_registers(S[0]);
         release(empty_k(s));
         if (hi - lo == 1) release(empty_q);  // the tile's last S: the next Q may come in
-        mask_and_softmax(lo);
+        mask_and_softmax(lo, bits);
         pack_p();
       }
       for (int n = lo + 1; n < hi; ++n) {
         const int prev = blocks + n - lo - 1, cur = prev + 1;
         const int s = cur % kStages, sp = prev % kStages;
         mbarrier_wait(full_k(s), (cur / kStages) & 1);
+        const KeyBits bits = take_key_bits(s);
         named_barrier(bar_mine, 256);
         issue_scores(s);
         // PV_{j-1} finished last iteration, so O is free to rescale while S_j runs.
@@ -447,7 +524,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         release(empty_k(s));
         if (n == hi - 1) release(empty_q);
         // Softmax of S_j in S's own registers; pa still feeds PV_{j-1}, so packing waits for it.
-        mask_and_softmax(n);
+        mask_and_softmax(n, bits);
         wgmma_wait<0>();
         pin_registers(O[0]);
         pin_registers(pa);
@@ -472,7 +549,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // previous tile's copy-out by other lanes of the warp must be done before they are
       // overwritten.
       __syncwarp();
-      store_out_rows<D, 16>(softmax, O, c, sO, s, flags, gp.out, gp.lse, warp_row0, x.rows_q, lane);
+      store_out_rows<D, 16>(softmax, O, c, sO, seq, flags, gp.out, gp.lse, warp_row0, x.rows_q,
+                            lane);
     }
   }
 #else

@@ -30,12 +30,20 @@ struct FwdWsConfig<Elem, 128> {
   using Traits = FwdWsTraits<Elem, 128, 128, 2, 2>;
 };
 
-// What the kernel does not take: anything but plain scores (a mask tensor, a soft cap, a scale
-// <= 0), and per-sequence extents other than packed queries and keys (cache lengths, pages).
+// Whether p's mask is a bool key-padding mask: one bit per (batch, key), broadcast over heads and
+// queries ((B, 1, 1, Nk) or (1, 1, 1, Nk) seen through strides).
+inline bool key_padding_mask(const AttentionParams& p) {
+  return p.mask_kind == MaskKind::kBool && p.mask_head_stride == 0 && p.mask_row_stride == 0;
+}
+
+// What the kernel does not take: scores other than plain or behind a key-padding mask (other
+// mask tensors, a soft cap, a scale <= 0), and per-sequence extents other than packed queries
+// and keys (cache lengths, pages).
 inline bool ws_takes_options(const AttentionParams& p) {
   const bool packed = p.cu_seqlens_q != nullptr && p.cu_seqlens_k != nullptr;
-  return p.mask_kind == MaskKind::kNone && !(p.softcap > 0.0) && p.scale > 0.0 &&
-         p.pos_period == 0 && (packed || !has_sequence_extents(p)) && p.seqused_k == nullptr &&
+  return (p.mask_kind == MaskKind::kNone || (key_padding_mask(p) && !packed)) &&
+         !(p.softcap > 0.0) && p.scale > 0.0 && p.pos_period == 0 &&
+         (packed || !has_sequence_extents(p)) && p.seqused_k == nullptr &&
          p.kv_batch_idx == nullptr && p.block_table == nullptr;
 }
 
@@ -90,9 +98,12 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
     if (err != cudaSuccess) return err;
   }
   if (varlen)
-    return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr, true>, grid, Tr::kNThreads,
+    return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr, true, false>, grid, Tr::kNThreads,
                                Tr::kSmemBytes, stream, tm_q, tm_k, tm_v, p, flags, sched);
-  return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr, false>, grid, Tr::kNThreads,
+  if (key_padding_mask(p))
+    return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr, false, true>, grid, Tr::kNThreads,
+                               Tr::kSmemBytes, stream, tm_q, tm_k, tm_v, p, flags, sched);
+  return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr, false, false>, grid, Tr::kNThreads,
                              Tr::kSmemBytes, stream, tm_q, tm_k, tm_v, p, flags, sched);
 }
 
