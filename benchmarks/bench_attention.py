@@ -288,7 +288,7 @@ def main() -> None:
         default=[],
         metavar="LABEL:NAME=value[,NAME=value]",
         help="also time flashmod under these knob settings, as contender flashmod-LABEL (repeatable; "
-        "e.g. sec1:FLASHMOD_SM90_WS_SECTION=1)",
+        "e.g. bwd-base:FLASHMOD_BWD_SM90_TILE=base)",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
