@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build (all cores, sm_80 + sm_90a), tests, benchmarks.
-# Usage: bash tools/gpu_check.sh [tests|bench|softmax|serve|all|session]   (logs go to $OUT, or ./gpu_logs)
+# Usage: bash tools/gpu_check.sh [tests|bench|softmax|serve|decode|all|session]   (logs go to $OUT, or ./gpu_logs)
 #   session: the whole CUDA suite (failures by their first line), forward and forward+backward
 #            benchmarks (the JSON holds the tables), serving, the CUDA training example; leaves at
 #            most 8 files in $OUT (what the device tool brings back). session-a / session-b: its
@@ -49,6 +49,18 @@ fi
 if [[ $what == serve ]]; then  # not in "all": the serving benchmark takes minutes
   timeout ${SERVE_SECONDS:-400} python benchmarks/bench_serve.py --out-dir "$OUT" 2>&1 |
     tee "$OUT/serve-bench.log" | tail -40
+fi
+# The decode kernels alone: their tests (both kernels, compute-sanitizer included) and the kvcache
+# benchmark with the knobs that pick the kernel and the split count side by side (DECODE_VARIANTS).
+if [[ $what == decode ]]; then
+  OMP_NUM_THREADS=2 timeout ${TEST_SECONDS:-300} python -m pytest tests/attention/test_serve.py \
+    tests/attention/test_cuda.py -q -n 12 -p no:cacheprovider -m cuda --tb=short \
+    -k "decode or kvcache or sanitizer" 2>&1 | tee "$OUT/tests.log" | tail -25
+  variants=()
+  IFS=';' read -ra specs <<<"${DECODE_VARIANTS:-mma.sync:FLASHMOD_DECODE_SM90=0;1 split:FLASHMOD_DECODE_SPLITS=1}"
+  for spec in "${specs[@]}"; do variants+=(--variant "$spec"); done
+  timeout ${SERVE_SECONDS:-240} python benchmarks/bench_serve.py --group kvcache --reps 10 \
+    --out-dir "$OUT" "${variants[@]}" 2>&1 | tee "$OUT/serve-bench.log" | grep -E "fraction|flashmod|FLASH|CUDNN|copy" | tail -40
 fi
 if [[ $what == softmax || $what == all ]]; then
   timeout ${SOFTMAX_SECONDS:-75} python benchmarks/bench_softmax.py --device cuda --out "$OUT/cuda-softmax.json" 2>&1 |

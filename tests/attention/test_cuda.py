@@ -420,7 +420,8 @@ def test_offsets_past_2_pow_31():
 
 
 # ---------------------------------------------------------------------------------------------
-# Decode path (Nq <= 64: csrc/attention/cuda/fwd_sm80_launch.h's decode kernel with GQA packing and split-KV).
+# Decode path (Nq <= 64: csrc/attention/cuda/fwd_sm80_launch.h's decode kernel with GQA packing and split-KV,
+# on sm_90a decode_sm90_kernel.h's streaming kernel where it takes the call).
 # The host picks packing and the split count from the shapes; the FLASHMOD_DECODE* knobs of
 # csrc/attention/cuda/attention_cuda.cpp force each choice, so every case runs under all of them.
 DECODE_MODES = {
@@ -439,12 +440,17 @@ DECODE_MODES = {
         "FLASHMOD_DECODE_SPLITS": "3",
         "FLASHMOD_DECODE_FUSED_COMBINE": "0",
     },
+    # On sm_90a the modes above run the streaming decode kernel where it takes the call (at most
+    # 16 rows per kv head, head_dim 64 or 128); these run the mma.sync decode kernel there too.
+    "mma_sync_heuristic": {"FLASHMOD_DECODE_SM90": "0"},
+    "mma_sync_5splits": {"FLASHMOD_DECODE_SM90": "0", "FLASHMOD_DECODE_SPLITS": "5"},
 }
 DECODE_KNOBS = (
     "FLASHMOD_DECODE",
     "FLASHMOD_DECODE_PACK",
     "FLASHMOD_DECODE_SPLITS",
     "FLASHMOD_DECODE_FUSED_COMBINE",
+    "FLASHMOD_DECODE_SM90",
 )
 
 
@@ -573,7 +579,7 @@ def test_compute_sanitizer(tool, repo_root):
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not os.path.exists(exe):
         pytest.skip("compute-sanitizer not found")
-    cmd = [exe, "--tool", tool, "--kernel-name", "kns=attention_fwd", "--error-exitcode", "1",
+    cmd = [exe, "--tool", tool, "--kernel-name", "kns=attention_", "--error-exitcode", "1",
            sys.executable, str(repo_root / "tools" / "cuda_sanitizer_case.py")]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=repo_root, timeout=600)
     assert res.returncode == 0 and "sanitizer case done" in res.stdout, res.stdout[-4000:] + res.stderr[-4000:]

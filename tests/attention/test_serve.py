@@ -486,7 +486,7 @@ def paged_copy(k_cont, v_cont, page_size, spare=3):
 @pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [0, 16, 8, 48, 256])
 @pytest.mark.parametrize("s_new", [1, 5, 70])
-@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=3"])
+@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=3", "FLASHMOD_DECODE_SM90=0"])
 def test_kvcache_fused_append_equals_append_kernel(monkeypatch, page_size, s_new, knobs):
     """Decode-shaped calls append inside the attention kernel (new rows read from k/v, written by one
     CTA per kv head); the result and the caches are bitwise those of the separate append kernel,
@@ -562,7 +562,7 @@ def test_kvcache_fused_append_with_cache_batch_idx(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [1, 8, 16, 32, 48, 100])
-@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=5"])
+@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=5", "FLASHMOD_DECODE_SM90=0"])
 def test_kvcache_small_pages_equal_contiguous_on_long_caches(monkeypatch, page_size, knobs):
     """Pages smaller than (or misaligned with) a 64-key block load row by row, each thread stepping
     through its rows' pages: bitwise the contiguous result over caches of a few thousand keys with
@@ -584,6 +584,55 @@ def test_kvcache_small_pages_equal_contiguous_on_long_caches(monkeypatch, page_s
             )
             assert torch.equal(paged, cont), f"page_size {page_size}, {opts}, append {bool(new)}: paged != contiguous"
             assert torch.equal(k_pool[table.long()].reshape(B, S, hkv, d), kc), "paged append differs"
+
+
+def cuda_kernel_names(fn):
+    """Names of the CUDA kernels ``fn()`` launches (the profiler's device activity)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sm90", ["1", "0"])
+def test_kvcache_decode_kernel_on_hopper(monkeypatch, d, sm90):
+    """On an H100/H200 a decode step runs the streaming kernel (decode_sm90_kernel.h: one bulk copy
+    per key row, warps on their own key blocks) and FLASHMOD_DECODE_SM90=0 the mma.sync decode
+    kernel. Both within the accuracy rule on every batch row: lengths 0, 1, 31, 33 and 3000 (empty,
+    partial and whole 32-key blocks, split-KV), one new row appended, GQA 4 and 16 (16 packed rows:
+    the streaming kernel's limit), contiguous and 16-token pages, causal with a window."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the streaming decode kernel is sm_90a machine code")
+    monkeypatch.setenv("FLASHMOD_DECODE_SM90", sm90)
+    dtype, B, hkv, S = torch.bfloat16, 5, 2, 3072
+    seqlens = torch.tensor([0, 1, 31, 33, 3000], dtype=torch.int32, device="cuda")
+    for group, page_size, window in ((4, 0, (-1, -1)), (16, 16, (700, 0))):
+        k_cont, v_cont = make_cache(B, S, hkv, d, dtype, "cuda")
+        q = torch.randn(B, 1, hkv * group, d, dtype=dtype, device="cuda")
+        kn, vn = (torch.randn(B, 1, hkv, d, dtype=dtype, device="cuda") for _ in range(2))
+        if page_size:
+            k_pool, v_pool, table, _ = paged_copy(k_cont, v_cont, page_size)
+            caches, kw = (k_pool, v_pool), {"block_table": table}
+        else:
+            caches, kw = (k_cont.clone(), v_cont.clone()), {}
+        opts = {"causal": True, "window_size": window, "softcap": 0.0}
+        args = (q, *caches, kn, vn)
+        kwargs = dict(kw, cache_seqlens=seqlens, causal=True, window_size=window, return_lse=True)
+        names = cuda_kernel_names(lambda: flashmod.flash_attn_with_kvcache(*args, **kwargs))  # noqa: B023
+        streaming = any("attention_decode_sm90_kernel" in n for n in names)
+        assert streaming == (sm90 == "1"), f"kernels launched: {sorted(names)}"
+        # The same step again (it appends the same row to the same slot): the result to check.
+        out, lse = flashmod.flash_attn_with_kvcache(*args, **kwargs)
+        for b in range(B):
+            n = int(seqlens[b])
+            ks = torch.cat([k_cont[b, :n], kn[b]])
+            vs = torch.cat([v_cont[b, :n], vn[b]])
+            truth_o, truth_l = reference(q[b], ks, vs, opts, torch.float64)
+            plain_o, plain_l = reference(q[b], ks, vs, opts, dtype)
+            assert_within_rule(out[b], truth_o, plain_o, 2, dtype, f"group {group}, row {b}: out")
+            assert_within_rule(lse[b], truth_l, plain_l.float(), 2, dtype, f"group {group}, row {b}: lse")
 
 
 def test_serving_functions_validate_like_flash_attn_func(device):

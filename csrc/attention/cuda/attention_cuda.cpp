@@ -12,6 +12,7 @@
 #include "../../common/error_message.h"
 #include "../../common/knobs.h"
 #include "../attention_host.h"
+#include "decode_dispatch.h"
 #include "decode_heuristics.h"
 #include "entry_points.h"
 #include "generated/kernel_variants.h"
@@ -24,28 +25,16 @@ namespace {
 // split-KV chosen from the shapes (decode_heuristics.h: pack_gqa_rows, choose_splits). Returns
 // false when the shape is not decode-shaped; err is then untouched. Test/tuning knobs, read per
 // call: FLASHMOD_DECODE=0 (prefill kernel instead), FLASHMOD_DECODE_PACK=0 (no GQA packing),
-// FLASHMOD_DECODE_SPLITS=n (exactly n splits).
+// decode_options() (host_alignment.h), FLASHMOD_DECODE_SM90=0 (the mma.sync decode kernel).
 bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, int padded,
                 const at::TensorOptions& options, cudaStream_t stream, cudaError_t& err) {
   if (p.seqlen_q > cuda_kernels::kDecodeMaxNq || !env_flag("FLASHMOD_DECODE", true)) return false;
   if (env_flag("FLASHMOD_DECODE_PACK", true)) cuda_kernels::pack_gqa_rows(p);
-  cuda_kernels::DecodeOptions opt;
-  // torch caches the properties per device (one cudaGetDeviceProperties each).
-  opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
-  opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
+  const cuda_kernels::DecodeOptions opt = decode_options();
   TorchWorkspace workspace(options);  // the split-KV partials
   const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
-  switch (cuda_kernels::variant_key(p.dtype, padded)) {
-#define FLASHMOD_DECODE_CASE(Elem, kind, D)                                           \
-  case cuda_kernels::variant_key(ScalarKind::kind, D):                                \
-    err = cuda_kernels::run_attention_fwd_decode<Elem, D>(p, flags, opt, ws, stream); \
-    break;
-    FLASHMOD_FWD_SM80_VARIANTS(FLASHMOD_DECODE_CASE)
-#undef FLASHMOD_DECODE_CASE
-    default: return false;
-  }
-  return true;
+  return cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, use_sm90_decode(),
+                                         err);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k,

@@ -79,6 +79,15 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
                                      const DecodeOptions& opt, const DeviceWorkspace& ws,
                                      cudaStream_t stream);
 
+// The streaming Hopper decode kernel (decode_sm90_kernel.h; sm_90a machine code only) for
+// kHeadDim = 64 and 128: at most 16 query rows per (batch, head) after GQA packing, no mask
+// tensor, head_dim == kHeadDim. Any other call it hands to run_attention_fwd_decode itself, so the
+// contract is run_attention_fwd_decode's.
+template <typename Elem, int kHeadDim>
+cudaError_t run_attention_decode_sm90(const AttentionParams& p, const FwdLaunchFlags& flags,
+                                      const DecodeOptions& opt, const DeviceWorkspace& ws,
+                                      cudaStream_t stream);
+
 // fp32: the 3xTF32 tensor-core kernel for head dims <= 128 and more than 32 query rows, else (or
 // with force_ffma, the host's FLASHMOD_FP32_FFMA=1) the CUDA-core kernel. Both keep fp32
 // accuracy; any alignment.

@@ -114,26 +114,12 @@ __global__ void __launch_bounds__(Tr::kNThreads)
       range.hi = min(range.hi, range.lo + per);
     }
   }
-  // Split-KV, after this CTA wrote its partial: with the fused combine, the tile's last CTA to
-  // finish merges its rows (in split order, so the result does not depend on which CTA it is).
-  // Partials are made visible device-wide before the count (the fence), and read through L2.
+  // Split-KV, after this CTA wrote its partial: the fused combine (split_combine.h).
   auto finish_split = [&]() {
     if constexpr (kDecode) {
-      if (sk.tile_counters == nullptr) return;
-      __shared__ int last;
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) {
-        const int64_t tile_id = (b * p.heads_q + h) * num_m_blocks + tile.m_block;
-        last = atomicAdd(sk.tile_counters + tile_id, 1) == splits - 1;
-      }
-      __syncthreads();
-      if (!last) return;
-      __threadfence();
-      const int64_t rows_all = p.batch * p.heads_q * p.seqlen_q;
-      for (int r = warp; r < rows_q; r += Tr::kNWarps)
-        combine_split_row<Elem, D>(sk, rows_all, gp.row_id + r, gO + r * p.out_row_stride, gLse + r,
-                                   head_dim, lane);
+      finish_split_cta<Elem, D, kThreads>(sk, (b * p.heads_q + h) * num_m_blocks + tile.m_block,
+                                          p.batch * p.heads_q * p.seqlen_q, gp.row_id, rows_q, gO,
+                                          p.out_row_stride, gLse, head_dim);
     }
   };
   if (range.lo >= range.hi) {

@@ -133,19 +133,9 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
   sk.splits = splits;
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
   if (splits > 1) {
-    // Partial O and lse (fp32), then with the fused combine one counter per tile, zeroed here (a
-    // memset node: cheaper than the combine kernel it replaces, which waits for the whole grid).
-    const size_t floats = static_cast<size_t>(splits) * rows * (kHeadDim + 1);
-    const size_t counters = opt.fused_combine ? static_cast<size_t>(ctas) : 0;
-    void* w = ws.alloc ? ws.alloc(ws.ctx, (floats + counters) * sizeof(float)) : nullptr;
-    if (w == nullptr) return cudaErrorMemoryAllocation;
-    sk.o = static_cast<float*>(w);
-    sk.lse = sk.o + static_cast<size_t>(splits) * rows * kHeadDim;
-    if (opt.fused_combine) {
-      sk.tile_counters = reinterpret_cast<int*>(sk.o + floats);
-      const cudaError_t err = cudaMemsetAsync(sk.tile_counters, 0, counters * sizeof(int), stream);
-      if (err != cudaSuccess) return err;
-    }
+    const cudaError_t err =
+        alloc_split_workspace<kHeadDim>(sk, rows, ctas, opt.fused_combine, ws, stream);
+    if (err != cudaSuccess) return err;
   }
   const cudaError_t err = cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads, Tr::kSmemBytes,
                                               stream, p, flags, sk);

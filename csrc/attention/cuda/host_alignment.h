@@ -58,6 +58,24 @@ inline bool use_sm90_ws_kernel(int padded_head_dim) {
          env_flag("FLASHMOD_SM90_WS", true);
 }
 
+// The streaming Hopper decode kernel (decode_sm90_kernel.h) for decode-shaped calls it takes;
+// FLASHMOD_DECODE_SM90=0 sends them to the mma.sync decode kernel (tests and benchmarks compare
+// the two).
+inline bool use_sm90_decode() {
+  return sm90_kernels_usable() && env_flag("FLASHMOD_DECODE_SM90", true);
+}
+
+// The decode path's knobs, read per call: FLASHMOD_DECODE_SPLITS=n (exactly n splits),
+// FLASHMOD_DECODE_FUSED_COMBINE=0 (the combine kernel instead of each tile's last CTA).
+inline cuda_kernels::DecodeOptions decode_options() {
+  cuda_kernels::DecodeOptions opt;
+  // torch caches the properties per device (one cudaGetDeviceProperties each).
+  opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
+  opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
+  return opt;
+}
+
 // cp.async copies 16-byte chunks from 16-byte aligned addresses, so every row start must be
 // 16-byte aligned: base pointer aligned and every stride but the last (the rows are contiguous) a
 // multiple of 8 elements. Any rank, so that the dense (B, H, N, D) tensors, the packed varlen

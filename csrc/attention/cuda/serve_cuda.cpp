@@ -17,6 +17,7 @@
 #include "../../common/error_message.h"
 #include "../../common/knobs.h"
 #include "../serve_host.h"
+#include "decode_dispatch.h"
 #include "decode_heuristics.h"
 #include "entry_points.h"
 #include "generated/kernel_variants.h"
@@ -40,21 +41,14 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
   const int key = cuda_kernels::variant_key(p.dtype, padded);
   if (decode_shaped(p)) {
     if (env_flag("FLASHMOD_DECODE_PACK", true)) cuda_kernels::pack_gqa_rows(p);
-    cuda_kernels::DecodeOptions opt;
-    opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
-    opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
+    const cuda_kernels::DecodeOptions opt = decode_options();
     // The split-KV workspace depends on shapes only (batch, heads, seqlen_q, the cache's
     // capacity), never on values, so a captured graph replays with the same allocation.
     TorchWorkspace workspace(options);
     const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
-    switch (key) {
-#define FLASHMOD_SERVE_DECODE(E, kind, D)              \
-  case cuda_kernels::variant_key(ScalarKind::kind, D): \
-    return cuda_kernels::run_attention_fwd_decode<E, D>(p, flags, opt, ws, stream);
-      FLASHMOD_FWD_SM80_VARIANTS(FLASHMOD_SERVE_DECODE)
-#undef FLASHMOD_SERVE_DECODE
-    }
+    cudaError_t err = cudaErrorInvalidValue;
+    cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, use_sm90_decode(), err);
+    return err;
   }
   if (use_sm90_ws_kernel(padded)) {     // packed rows; it hands over what it cannot take
     TorchWorkspace workspace(options);  // the tile scheduler's counter

@@ -69,6 +69,32 @@ __device__ __noinline__ void combine_split_row(const SplitKvArgs& sk, int64_t ro
   if (lane == 0) *lse_out = static_cast<float>(lse);
 }
 
+// Split-KV, after a CTA wrote its partial rows: with the fused combine (sk.tile_counters), the
+// tile's last CTA to finish merges its rows_q rows (in split order, so the result does not depend
+// on which CTA it is). Partials are made visible device-wide before the count (the fence) and read
+// through L2. Every thread of the CTA calls it. tile_id: the tile's counter; row_id: the flat
+// index of its first row among rows_all; gO / gLse: where its first row's result goes.
+template <typename Elem, int kHeadDim, int kThreads>
+__device__ __forceinline__ void finish_split_cta(const SplitKvArgs& sk, int64_t tile_id,
+                                                 int64_t rows_all, int64_t row_id, int rows_q,
+                                                 Elem* gO, int64_t out_row_stride, float* gLse,
+                                                 int head_dim) {
+  if (sk.tile_counters == nullptr) return;
+  __shared__ int last;
+  __threadfence();
+  // Every thread's partial writes are fenced before thread 0 counts the CTA in.
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(sk.tile_counters + tile_id, 1) == sk.splits - 1;
+  // Publishes `last` to the CTA.
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < rows_q; r += kThreads / 32)
+    combine_split_row<Elem, kHeadDim>(sk, rows_all, row_id + r, gO + r * out_row_stride, gLse + r,
+                                      head_dim, lane);
+}
+
 // The combine as its own kernel, after the decode kernel: one warp per row.
 constexpr int kCombineWarps = 4;
 template <typename Elem, int kHeadDim>
@@ -92,6 +118,24 @@ cudaError_t launch_split_combine(const AttentionParams& p, const SplitKvArgs& sk
   return cuda::launch_kernel(attention_fwd_split_combine_kernel<Elem, kHeadDim>,
                              (rows + kCombineWarps - 1) / kCombineWarps, 32 * kCombineWarps, 0,
                              stream, p, sk);
+}
+
+// The split-KV workspace of a decode launch with `splits` > 1: partial O and lse (fp32) for
+// `rows` rows, then with the fused combine one counter per CTA tile (`tiles`), zeroed here by a
+// memset node (cheaper than the combine kernel it replaces, which waits for the whole grid).
+// Shapes only, never values: a captured graph replays with the same allocation.
+template <int kHeadDim>
+cudaError_t alloc_split_workspace(SplitKvArgs& sk, int64_t rows, int64_t tiles, bool fused_combine,
+                                  const DeviceWorkspace& ws, cudaStream_t stream) {
+  const size_t floats = static_cast<size_t>(sk.splits) * rows * (kHeadDim + 1);
+  const size_t counters = fused_combine ? static_cast<size_t>(tiles) : 0;
+  void* w = ws.alloc ? ws.alloc(ws.ctx, (floats + counters) * sizeof(float)) : nullptr;
+  if (w == nullptr) return cudaErrorMemoryAllocation;
+  sk.o = static_cast<float*>(w);
+  sk.lse = sk.o + static_cast<size_t>(sk.splits) * rows * kHeadDim;
+  if (!fused_combine) return cudaSuccess;
+  sk.tile_counters = reinterpret_cast<int*>(sk.o + floats);
+  return cudaMemsetAsync(sk.tile_counters, 0, counters * sizeof(int), stream);
 }
 
 }  // namespace flashmod::cuda_kernels
