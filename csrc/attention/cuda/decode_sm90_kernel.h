@@ -73,7 +73,10 @@ struct DecodeSm90Traits {
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared memory");
 };
 
-template <class Tr>
+// kBulkRows: each key row arrives by one 1-D bulk copy (the TMA engine); otherwise by D / 8
+// 16-byte cp.async chunks per lane (the load/store unit), counted on the same mbarrier through
+// cp.async.mbarrier.arrive.noinc.
+template <class Tr, bool kBulkRows>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     attention_decode_sm90_kernel(const AttentionParams params, const FwdLaunchFlags flags,
                                  const SplitKvArgs sk) {
@@ -137,7 +140,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const int key_lo = range.lo * Bc, key_hi = min(range.hi * Bc, Nk);
   const int blocks = range.hi - range.lo;
 
-  if (tid < kWarps * kStages) mbarrier_init(bar0 + 8 * tid, 1);
+  // Bulk copies: one arrival (lane 0's, with the bytes to expect); cp.async: one per lane.
+  if (tid < kWarps * kStages) mbarrier_init(bar0 + 8 * tid, kBulkRows ? 1 : 32);
   fence_mbarrier_init();
   // The barriers are initialized before any warp issues a copy that completes on them.
   __syncthreads();
@@ -160,10 +164,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const uint32_t sv_row = sk_row + Tr::kTileBytes;
     const int j0 = key_lo + blk * Bc;
     const int valid = min(Bc, key_hi - j0);
-    if (lane == 0) mbarrier_arrive_expect_tx(bar, 2 * valid * Tr::kRowCopyBytes);
+    if (kBulkRows && lane == 0) mbarrier_arrive_expect_tx(bar, 2 * valid * Tr::kRowCopyBytes);
+    const Elem* ks = k_head;  // any address: a zero-byte cp.async reads nothing
+    const Elem* vs = v_head;
     if (lane < valid) {
       const int j = j0 + lane;
-      const Elem *ks, *vs;
       if (j >= new_from) {
         ks = kn_head + (j - new_from) * p.kn_row_stride;
         vs = vn_head + (j - new_from) * p.vn_row_stride;
@@ -177,12 +182,25 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         ks = k_head + static_cast<int64_t>(j) * p.k_row_stride;
         vs = v_head + static_cast<int64_t>(j) * p.v_row_stride;
       }
-      bulk_copy_to_shared(sk_row, ks, Tr::kRowCopyBytes, bar);
-      bulk_copy_to_shared(sv_row, vs, Tr::kRowCopyBytes, bar);
-    } else {
-      const uint32_t zero[4] = {0u, 0u, 0u, 0u};
+    }
+    if constexpr (kBulkRows) {
+      if (lane < valid) {
+        bulk_copy_to_shared(sk_row, ks, Tr::kRowCopyBytes, bar);
+        bulk_copy_to_shared(sv_row, vs, Tr::kRowCopyBytes, bar);
+      } else {
+        const uint32_t zero[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-      for (int c = 0; c < Tr::kRowCopyBytes / 16; ++c) sts_128(sv_row + 16 * c, zero);
+        for (int c = 0; c < Tr::kRowCopyBytes / 16; ++c) sts_128(sv_row + 16 * c, zero);
+      }
+    } else {
+      // Past the keys: K's chunks are left alone, V's zero-filled (a zero-byte source).
+      const int bytes = lane < valid ? 16 : 0;
+#pragma unroll
+      for (int c = 0; c < Tr::kRowCopyBytes / 16; ++c) {
+        if (lane < valid) cp_async_16(sk_row + 16 * c, ks + 8 * c, 16);
+        cp_async_16(sv_row + 16 * c, vs + 8 * c, bytes);
+      }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
     }
   };
   // Blocks w, w + kWarps, ...: this warp's i-th block goes to buffer i % kStages.
@@ -290,7 +308,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     __syncwarp();
     const int next = blk + kStages * kWarps;
     if (next < blocks) {
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      if constexpr (kBulkRows) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       issue(next, stage);
     }
   }

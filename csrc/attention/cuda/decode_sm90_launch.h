@@ -51,8 +51,10 @@ cudaError_t launch_decode_sm90(const AttentionParams& p, const FwdLaunchFlags& f
         sk, p.batch * p.heads_q * p.seqlen_q, ctas, opt.fused_combine, ws, stream);
     if (err != cudaSuccess) return err;
   }
-  const cudaError_t err = cuda::launch_kernel(attention_decode_sm90_kernel<Tr>, ctas * splits,
-                                              Tr::kNThreads, Tr::kSmemBytes, stream, p, flags, sk);
+  auto kernel = opt.bulk_row_copies ? attention_decode_sm90_kernel<Tr, true>
+                                    : attention_decode_sm90_kernel<Tr, false>;
+  const cudaError_t err = cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads,
+                                              Tr::kSmemBytes, stream, p, flags, sk);
   if (err != cudaSuccess || splits == 1 || sk.tile_counters != nullptr) return err;
   return launch_split_combine<typename Tr::Elem, kHeadDim>(p, sk, stream);
 }

@@ -66,6 +66,7 @@ struct DecodeOptions {
   int num_sms = 1;
   int forced_splits = 0;      // > 0: use exactly this many splits (tests, tuning); 0: heuristic
   bool fused_combine = true;  // split-KV partials merged by each tile's last CTA, not a kernel
+  bool bulk_row_copies = false;  // streaming Hopper kernel: TMA bulk copies, not cp.async
 };
 
 // The decode path: query rows per head <= kDecodeMaxNq (one 64-row tile when GQA-packed rows fit).
