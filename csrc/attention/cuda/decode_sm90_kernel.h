@@ -193,12 +193,22 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         for (int c = 0; c < Tr::kRowCopyBytes / 16; ++c) sts_128(sv_row + 16 * c, zero);
       }
     } else {
-      // Past the keys: K's chunks are left alone, V's zero-filled (a zero-byte source).
-      const int bytes = lane < valid ? 16 : 0;
+      // Coalesced: each instruction copies 32 / (D / 8) whole rows, lane l chunk l % (D / 8) of
+      // row l / (D / 8) (one chunk per lane of a row each, as a lane per row was: half-sector
+      // requests ran at 0.66 of the copy rate). Row addresses come from the lane that resolved
+      // them. Rows past the keys are zero-filled (a zero-byte source).
+      constexpr int kChunks = Tr::kRowCopyBytes / 16, kRowsPerCopy = 32 / kChunks;
+      const int chunk = lane % kChunks, sub = lane / kChunks;
+      const auto k_src = reinterpret_cast<uintptr_t>(ks), v_src = reinterpret_cast<uintptr_t>(vs);
 #pragma unroll
-      for (int c = 0; c < Tr::kRowCopyBytes / 16; ++c) {
-        if (lane < valid) cp_async_16(sk_row + 16 * c, ks + 8 * c, 16);
-        cp_async_16(sv_row + 16 * c, vs + 8 * c, bytes);
+      for (int r0 = 0; r0 < Bc; r0 += kRowsPerCopy) {
+        const int row = r0 + sub;
+        const auto* kr = reinterpret_cast<const Elem*>(__shfl_sync(0xffffffffu, k_src, row));
+        const auto* vr = reinterpret_cast<const Elem*>(__shfl_sync(0xffffffffu, v_src, row));
+        const int bytes = row < valid ? 16 : 0;
+        const uint32_t dst = ring + slot * Tr::kStageBytes + row * RB + chunk * 16;
+        cp_async_16(dst, kr + chunk * 8, bytes);
+        cp_async_16(dst + Tr::kTileBytes, vr + chunk * 8, bytes);
       }
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
     }
