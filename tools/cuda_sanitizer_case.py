@@ -44,8 +44,8 @@ def main() -> None:
             q, k = (torch.randn(1, 150, n, 64, device="cuda", dtype=dtype) for n in (200, 150))
             attention_op(q, k, k, is_causal=True)
             attention_op(q, k, k)
-        # Decode kernels: GQA packing + split-KV and its combine; D = 59 the mma.sync kernel, D = 64
-        # on sm_90a the streaming one (its ring wraps around at 700 keys).
+        # The decode kernel: GQA packing + split-KV and its combine, padded (59) and whole (64)
+        # head dims.
         for d in (59, 64) if dtype != torch.float32 else ():
             q, k = (
                 torch.randn(1, 8, 3, d, device="cuda", dtype=dtype),

@@ -117,10 +117,6 @@ FAMILIES = (
         "run_attention_fwd_sm90_ws(const AttentionParams&, const FwdLaunchFlags&, const DeviceWorkspace&, "
         "cudaStream_t)",
     )),
-    Family("decode_sm90", "decode_sm90_launch.h", (64, 128), (
-        "run_attention_decode_sm90(const AttentionParams&, const FwdLaunchFlags&, const DecodeOptions&, "
-        "const DeviceWorkspace&, cudaStream_t)",
-    )),
     Family("bwd_sm80", "bwd_sm80_launch.h", HEAD_DIMS, (
         "run_attention_bwd(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
     )),

@@ -50,14 +50,14 @@ if [[ $what == serve ]]; then  # not in "all": the serving benchmark takes minut
   timeout ${SERVE_SECONDS:-400} python benchmarks/bench_serve.py --out-dir "$OUT" 2>&1 |
     tee "$OUT/serve-bench.log" | tail -40
 fi
-# The decode kernels alone: their tests (both kernels, compute-sanitizer included) and the kvcache
-# benchmark with the knobs that pick the kernel and the split count side by side (DECODE_VARIANTS).
+# The decode kernel alone: its tests (compute-sanitizer included) and the kvcache benchmark with
+# decode knobs side by side (DECODE_VARIANTS: "label:KNOB=value;...").
 if [[ $what == decode ]]; then
   OMP_NUM_THREADS=2 timeout ${TEST_SECONDS:-300} python -m pytest tests/attention/test_serve.py \
     tests/attention/test_cuda.py -q -n 12 -p no:cacheprovider -m cuda --tb=short \
     -k "decode or kvcache or sanitizer" 2>&1 | tee "$OUT/tests.log" | tail -25
   variants=()
-  IFS=';' read -ra specs <<<"${DECODE_VARIANTS:-mma.sync:FLASHMOD_DECODE_SM90=0;1 split:FLASHMOD_DECODE_SPLITS=1}"
+  IFS=';' read -ra specs <<<"${DECODE_VARIANTS:-1 split:FLASHMOD_DECODE_SPLITS=1}"
   for spec in "${specs[@]}"; do variants+=(--variant "$spec"); done
   timeout ${SERVE_SECONDS:-240} python benchmarks/bench_serve.py --group kvcache --reps 10 \
     --out-dir "$OUT" "${variants[@]}" 2>&1 | tee "$OUT/serve-bench.log" | grep -E "fraction|flashmod|FLASH|CUDNN|copy" | tail -40

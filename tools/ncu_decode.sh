@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # Nsight Compute on one decode step of flash_attn_with_kvcache (B = 8, 32/8 heads, D = 128, bf16,
-# one new token; caches of $SIZES tokens): duration, DRAM throughput and the warp stall reasons of
-# the streaming Hopper kernel (decode_sm90_kernel.h) and of the mma.sync decode kernel
-# (FLASHMOD_DECODE_SM90=0). ncu flushes the caches before the profiled launch, as bench_serve.py's
+# one new token; caches of $SIZES tokens): duration, DRAM throughput and the warp issue rate of the
+# decode kernel, under the FLASHMOD_* knobs of the environment. ncu flushes the caches before the profiled launch, as bench_serve.py's
 # cold-L2 timing does. Needs a built tree (gpu_check.sh). Usage: SIZES="1024 4096" bash tools/ncu_decode.sh
 set -uo pipefail
 OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 for s in ${SIZES:-1024 4096}; do
-  for sm90 in 1 0; do
-    echo "== cache $s, FLASHMOD_DECODE_SM90=$sm90" | tee -a "$OUT/ncu-decode.txt"
-    FLASHMOD_DECODE_SM90=$sm90 timeout 180 ncu --clock-control none --kernel-name regex:attention_ \
+  for _ in 1; do
+    echo "== cache $s" | tee -a "$OUT/ncu-decode.txt"
+    timeout 180 ncu --clock-control none --kernel-name regex:attention_ \
       --launch-skip 2 --launch-count 1 --section SpeedOfLight --section LaunchStats \
       --section WarpStateStats --section MemoryWorkloadAnalysis python -c "
 import torch, flashmod

@@ -420,8 +420,7 @@ def test_offsets_past_2_pow_31():
 
 
 # ---------------------------------------------------------------------------------------------
-# Decode path (Nq <= 64: csrc/attention/cuda/fwd_sm80_launch.h's decode kernel with GQA packing and split-KV,
-# on sm_90a decode_sm90_kernel.h's streaming kernel where it takes the call).
+# Decode path (Nq <= 64: csrc/attention/cuda/fwd_sm80_launch.h's decode kernel with GQA packing and split-KV).
 # The host picks packing and the split count from the shapes; the FLASHMOD_DECODE* knobs of
 # csrc/attention/cuda/attention_cuda.cpp force each choice, so every case runs under all of them.
 DECODE_MODES = {
@@ -440,17 +439,12 @@ DECODE_MODES = {
         "FLASHMOD_DECODE_SPLITS": "3",
         "FLASHMOD_DECODE_FUSED_COMBINE": "0",
     },
-    # On sm_90a the modes above run the streaming decode kernel where it takes the call (at most
-    # 16 rows per kv head, head_dim 64 or 128); these run the mma.sync decode kernel there too.
-    "mma_sync_heuristic": {"FLASHMOD_DECODE_SM90": "0"},
-    "mma_sync_5splits": {"FLASHMOD_DECODE_SM90": "0", "FLASHMOD_DECODE_SPLITS": "5"},
 }
 DECODE_KNOBS = (
     "FLASHMOD_DECODE",
     "FLASHMOD_DECODE_PACK",
     "FLASHMOD_DECODE_SPLITS",
     "FLASHMOD_DECODE_FUSED_COMBINE",
-    "FLASHMOD_DECODE_SM90",
 )
 
 

@@ -25,7 +25,7 @@ namespace {
 // split-KV chosen from the shapes (decode_heuristics.h: pack_gqa_rows, choose_splits). Returns
 // false when the shape is not decode-shaped; err is then untouched. Test/tuning knobs, read per
 // call: FLASHMOD_DECODE=0 (prefill kernel instead), FLASHMOD_DECODE_PACK=0 (no GQA packing),
-// decode_options() (host_alignment.h), FLASHMOD_DECODE_SM90=0 (the mma.sync decode kernel).
+// decode_options() (host_alignment.h).
 bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, int padded,
                 const at::TensorOptions& options, cudaStream_t stream, cudaError_t& err) {
   if (p.seqlen_q > cuda_kernels::kDecodeMaxNq || !env_flag("FLASHMOD_DECODE", true)) return false;
@@ -33,8 +33,7 @@ bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, in
   const cuda_kernels::DecodeOptions opt = decode_options();
   TorchWorkspace workspace(options);  // the split-KV partials
   const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
-  return cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, use_sm90_decode(),
-                                         err);
+  return cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, err);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k,

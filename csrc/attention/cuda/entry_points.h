@@ -66,7 +66,6 @@ struct DecodeOptions {
   int num_sms = 1;
   int forced_splits = 0;      // > 0: use exactly this many splits (tests, tuning); 0: heuristic
   bool fused_combine = true;  // split-KV partials merged by each tile's last CTA, not a kernel
-  bool bulk_row_copies = false;  // streaming Hopper kernel: TMA bulk copies, not cp.async
 };
 
 // The decode path: query rows per head <= kDecodeMaxNq (one 64-row tile when GQA-packed rows fit).
@@ -79,15 +78,6 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
                                      const DecodeOptions& opt, const DeviceWorkspace& ws,
                                      cudaStream_t stream);
-
-// The streaming Hopper decode kernel (decode_sm90_kernel.h; sm_90a machine code only) for
-// kHeadDim = 64 and 128: at most 16 query rows per (batch, head) after GQA packing, no mask
-// tensor, head_dim == kHeadDim. Any other call it hands to run_attention_fwd_decode itself, so the
-// contract is run_attention_fwd_decode's.
-template <typename Elem, int kHeadDim>
-cudaError_t run_attention_decode_sm90(const AttentionParams& p, const FwdLaunchFlags& flags,
-                                      const DecodeOptions& opt, const DeviceWorkspace& ws,
-                                      cudaStream_t stream);
 
 // fp32: the 3xTF32 tensor-core kernel for head dims <= 128 and more than 32 query rows, else (or
 // with force_ffma, the host's FLASHMOD_FP32_FFMA=1) the CUDA-core kernel. Both keep fp32

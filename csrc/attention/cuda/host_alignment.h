@@ -58,23 +58,14 @@ inline bool use_sm90_ws_kernel(int padded_head_dim) {
          env_flag("FLASHMOD_SM90_WS", true);
 }
 
-// The streaming Hopper decode kernel (decode_sm90_kernel.h) for decode-shaped calls it takes;
-// FLASHMOD_DECODE_SM90=0 sends them to the mma.sync decode kernel (tests and benchmarks compare
-// the two).
-inline bool use_sm90_decode() {
-  return sm90_kernels_usable() && env_flag("FLASHMOD_DECODE_SM90", true);
-}
-
 // The decode path's knobs, read per call: FLASHMOD_DECODE_SPLITS=n (exactly n splits),
-// FLASHMOD_DECODE_FUSED_COMBINE=0 (the combine kernel instead of each tile's last CTA),
-// FLASHMOD_DECODE_BULK_ROWS=1 (the streaming kernel's rows by TMA bulk copies).
+// FLASHMOD_DECODE_FUSED_COMBINE=0 (the combine kernel instead of each tile's last CTA).
 inline cuda_kernels::DecodeOptions decode_options() {
   cuda_kernels::DecodeOptions opt;
   // torch caches the properties per device (one cudaGetDeviceProperties each).
   opt.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
   opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
-  opt.bulk_row_copies = env_flag("FLASHMOD_DECODE_BULK_ROWS", false);
   return opt;
 }
 

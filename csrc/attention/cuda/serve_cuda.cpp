@@ -47,7 +47,7 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
     TorchWorkspace workspace(options);
     const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
     cudaError_t err = cudaErrorInvalidValue;
-    cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, use_sm90_decode(), err);
+    cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, err);
     return err;
   }
   if (use_sm90_ws_kernel(padded)) {     // packed rows; it hands over what it cannot take

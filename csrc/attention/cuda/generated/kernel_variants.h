@@ -99,15 +99,6 @@ constexpr int kFwdSm90WsHeadDims[] = {64, 128};
   X(__nv_bfloat16, kBFloat16, 128)
 // clang-format on
 
-constexpr int kDecodeSm90HeadDims[] = {64, 128};
-// clang-format off
-#define FLASHMOD_DECODE_SM90_VARIANTS(X) \
-  X(__half, kFloat16, 64) \
-  X(__half, kFloat16, 128) \
-  X(__nv_bfloat16, kBFloat16, 64) \
-  X(__nv_bfloat16, kBFloat16, 128)
-// clang-format on
-
 constexpr int kBwdSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 // clang-format off
 #define FLASHMOD_BWD_SM80_VARIANTS(X) \
