@@ -46,9 +46,8 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
     // capacity), never on values, so a captured graph replays with the same allocation.
     TorchWorkspace workspace(options);
     const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
-    cudaError_t err = cudaErrorInvalidValue;
-    cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, err);
-    return err;
+    cudaError_t err = cudaSuccess;
+    if (cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, err)) return err;
   }
   if (use_sm90_ws_kernel(padded)) {     // packed rows; it hands over what it cannot take
     TorchWorkspace workspace(options);  // the tile scheduler's counter
