@@ -182,6 +182,12 @@ __device__ __forceinline__ BwdSteps bwd_steps(const AttentionParams& p, int k0, 
 // rows of kv head hk). The three families copy their tiles differently (cp.async plans, swizzled
 // copies, fp32 tiles) but from the same rows, so the stride arithmetic lives here once.
 template <typename Elem>
+__device__ __forceinline__ const Elem* head_rows(const void* base, int64_t b, int64_t h,
+                                                 int64_t row0, int64_t batch_stride,
+                                                 int64_t head_stride, int64_t row_stride) {
+  return static_cast<const Elem*>(base) + b * batch_stride + h * head_stride + row0 * row_stride;
+}
+template <typename Elem>
 struct BwdQueryRows {
   const Elem* q;
   const Elem* grad_out;
@@ -189,10 +195,9 @@ struct BwdQueryRows {
 template <typename Elem>
 __device__ __forceinline__ BwdQueryRows<Elem> query_rows(const AttentionBwdParams& p, int64_t b,
                                                          int64_t h, int64_t row0) {
-  return {static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-              row0 * p.q_row_stride,
-          static_cast<const Elem*>(p.grad_out) + b * p.grad_out_batch_stride +
-              h * p.grad_out_head_stride + row0 * p.grad_out_row_stride};
+  return {head_rows<Elem>(p.q, b, h, row0, p.q_batch_stride, p.q_head_stride, p.q_row_stride),
+          head_rows<Elem>(p.grad_out, b, h, row0, p.grad_out_batch_stride, p.grad_out_head_stride,
+                          p.grad_out_row_stride)};
 }
 template <typename Elem>
 struct BwdKeyRows {
@@ -202,10 +207,31 @@ struct BwdKeyRows {
 template <typename Elem>
 __device__ __forceinline__ BwdKeyRows<Elem> key_rows(const AttentionBwdParams& p, int64_t b,
                                                      int64_t hk, int64_t row0) {
-  return {static_cast<const Elem*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
-              row0 * p.k_row_stride,
-          static_cast<const Elem*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride +
-              row0 * p.v_row_stride};
+  return {head_rows<Elem>(p.k, b, hk, row0, p.k_batch_stride, p.k_head_stride, p.k_row_stride),
+          head_rows<Elem>(p.v, b, hk, row0, p.v_batch_stride, p.v_head_stride, p.v_row_stride)};
+}
+
+// What a dK/dV CTA of key tile `tile` works on in p (the call, or with per-sequence extents its
+// sequence's view): keys [k0, k0 + rows_k) (rows_k <= 0: the block lies past the sequence's keys,
+// nothing to write), the (head, query block) steps that see them, and their K/V rows. Shared by
+// the three dK/dV kernels.
+template <typename Elem>
+struct BwdKeyBlock {
+  int k0, rows_k;
+  BwdSteps walk;
+  BwdKeyRows<Elem> kv;
+};
+template <typename Elem, int Br, int Bc>
+__device__ __forceinline__ BwdKeyBlock<Elem> bwd_key_block(const AttentionBwdParams& p,
+                                                           const BwdKeyTile& tile) {
+  BwdKeyBlock<Elem> kb;
+  kb.k0 = tile.n_block * Bc;
+  kb.rows_k = min(Bc, static_cast<int>(p.seqlen_k) - kb.k0);
+  // The group from p's own heads: the kernels' copy from the parameter bank gave ptxas a
+  // worse allocation (sm_90a varlen dK/dV, D = 64: 208 bytes of spill instead of 4).
+  kb.walk = bwd_steps<Br>(p, kb.k0, kb.rows_k, p.heads_q / p.heads_kv);
+  kb.kv = key_rows<Elem>(p, tile.b, tile.hk, kb.k0);
+  return kb;
 }
 
 // Starts copying a step's Br rows of lse2 and delta (query rows [r0, r0 + Br) of head h) into

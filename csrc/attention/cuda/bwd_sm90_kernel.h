@@ -170,15 +170,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const int64_t hk = tile.hk, b = tile.b;
   const int64_t group = params.heads_q / params.heads_kv;
   const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
-  const int Nk = static_cast<int>(p.seqlen_k), k0 = n_block * Bc;
-  if constexpr (kExtents) {
-    if (k0 >= Nk) return;  // past this sequence's keys: no rows of it to write
-  }
-  const int rows_k = min(Bc, Nk - k0);
-
-  const BwdSteps walk = bwd_steps<Br>(p, k0, rows_k, group);
-  const int m_lo = walk.m_lo, m_count = walk.m_count, steps = walk.steps;
-  const BwdKeyRows<Elem> gkv = key_rows<Elem>(p, b, hk, k0);
+  const BwdKeyBlock<Elem> kb = bwd_key_block<Elem, Br, Bc>(p, tile);
+  if (kExtents && kb.rows_k <= 0) return;  // past this sequence's keys: no rows of it to write
+  const int k0 = kb.k0, rows_k = kb.rows_k;
+  const int m_lo = kb.walk.m_lo, m_count = kb.walk.m_count, steps = kb.walk.steps;
+  const BwdKeyRows<Elem> gkv = kb.kv;
   const Sw128TileCopy<Bc, D, kThreads> kv_copy(tid, head_dim);
   const Sw128TileCopy<Br, D, kThreads> q_copy(tid, head_dim);
 

@@ -179,11 +179,10 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int n_block = tile.n_block;
   const int64_t hk = tile.hk, b = tile.b;
   const int64_t group = p.heads_q / p.heads_kv;
-  const int k0 = n_block * Bc, rows_k = min(Bc, Nk - k0);
-
-  const BwdSteps walk = bwd_steps<Br>(p, k0, rows_k, group);
-  const int m_lo = walk.m_lo, m_count = walk.m_count, steps = walk.steps;
-  const BwdKeyRows<float> gkv = key_rows<float>(p, b, hk, k0);
+  const BwdKeyBlock<float> kb = bwd_key_block<float, Br, Bc>(p, tile);
+  const int k0 = kb.k0, rows_k = kb.rows_k;
+  const int m_lo = kb.walk.m_lo, m_count = kb.walk.m_count, steps = kb.walk.steps;
+  const BwdKeyRows<float> gkv = kb.kv;
   // Step s = (head of the group, query block): head-major, so each head's rows stream in order.
   auto load_step = [&](int s, int stage) {
     const int64_t h = hk * group + s / m_count;
