@@ -106,15 +106,18 @@ def _with_position_bias(mask: Tensor | None, bias: Tensor, query: Tensor) -> Ten
     return bias + mask.to(dtype)
 
 
-_UNRESOLVED = object()
-_collector: Any = _UNRESOLVED
+_collector: Any = None
 
 
 def _output_collector() -> Any:
-    """transformers' collector of ``output_*`` tensors (what ``capture_outputs`` fills from module outputs)."""
+    """transformers' collector of ``output_*`` tensors (what ``capture_outputs`` fills from module outputs).
+
+    Looked up until found: its module loads with the first model that captures outputs (GPT-2 does, BERT
+    does not), so a miss only means no such model ran yet; caching the miss hid GPT-2's weights after a
+    BERT call in the same process.
+    """
     global _collector
-    if _collector is _UNRESOLVED:
-        _collector = None
+    if _collector is None:
         for name in ("transformers.utils.output_capturing", "transformers.utils.generic"):
             module = sys.modules.get(name)
             if module is not None and hasattr(module, "_active_collector"):

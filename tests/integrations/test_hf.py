@@ -125,6 +125,28 @@ def test_import_does_not_import_transformers_and_registers_later():
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
+def test_output_attentions_found_after_an_earlier_call():
+    """The backend finds transformers' output collector even when it was first asked before that module
+    loaded (a fresh process: the lookup is per process); caching that miss once dropped GPT-2's weights."""
+    code = (
+        "import sys, torch, transformers, flashmod\n"
+        "assert 'transformers.utils.output_capturing' not in sys.modules\n"
+        "assert not flashmod.hf._attentions_requested(torch.nn.Linear(1, 1), {})\n"
+        "torch.manual_seed(0)\n"
+        "config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4)\n"
+        "model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation='eager').eval()\n"
+        "ids = torch.randint(0, 128, (2, 9))\n"
+        "ref = model(input_ids=ids, output_attentions=True).attentions\n"
+        "with flashmod.patched(model):\n"
+        "    ours = model(input_ids=ids, output_attentions=True).attentions\n"
+        "assert len(ours) == len(ref) == 2, (len(ours), len(ref))\n"
+        "for a, b in zip(ours, ref):\n"
+        "    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
 def test_import_without_transformers():
     code = "import sys\nsys.modules['transformers'] = None\nimport flashmod\nassert not flashmod.hf.register()\n"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
