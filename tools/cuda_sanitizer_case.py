@@ -44,6 +44,9 @@ def main() -> None:
             q, k = (torch.randn(1, 150, n, 64, device="cuda", dtype=dtype) for n in (200, 150))
             attention_op(q, k, k, is_causal=True)
             attention_op(q, k, k)
+            # Causal past 1024 query rows at D = 64: three consumers under the dynamic scheduler.
+            q = torch.randn(1, 24, 1100, 64, device="cuda", dtype=dtype)
+            attention_op(q, q, q, is_causal=True)
         if dtype != torch.float32:  # decode kernel: GQA packing + split-KV and its combine
             q, k = (
                 torch.randn(1, 8, 3, 59, device="cuda", dtype=dtype),

@@ -85,11 +85,13 @@ def test_portable_kernel_where_sm90_exists(monkeypatch, dtype, d, nq, nk, opts):
 # kernel (fwd_sm90_ws_kernel.h); FLASHMOD_SM90_WS=0 sends them to the FlashAttention-2-style wgmma
 # kernel. Both on the same shapes: lengths that end mid-tile (TMA's zero fill past a head's rows
 # must never bring in the next head's), both causal alignments, windows, GQA; FLASHMOD_DECODE=0 so
-# short query lengths reach these kernels rather than the decode one.
+# short query lengths reach these kernels rather than the decode one. At head dims up to 64 both
+# tile heights run: 192 rows (three consumers) and, under a right window bound with at most 1024
+# query rows, 128 (fwd_sm90_ws_launch.h: FwdWsConfig).
 @pytest.mark.parametrize("ws", ["1", "0"])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("d", [40, 64, 111, 128])
-@pytest.mark.parametrize("nq,nk", [(1, 1), (17, 1023), (113, 113), (1023, 1023), (1023, 17), (203, 4099)])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (17, 1023), (113, 113), (1023, 1023), (1023, 17), (203, 4099), (2053, 1500)])
 @pytest.mark.parametrize(
     "opts",
     [{}, {"is_causal": True}, {"is_causal": True, "bottom_right": False}, {"window_left": 77, "window_right": 20}],

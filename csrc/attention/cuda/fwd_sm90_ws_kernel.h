@@ -136,7 +136,9 @@ struct FwdWsTraits {
 
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "whole 64-column boxes, one PV chunk");
-  static_assert(Bc == 64 || Bc == 128, "a wgmma N of S (wgmma_ops.h); box rows <= 256");
+  // Bc = 64 (a wgmma N too) with three consumers failed 4 of the kernel's tests in session 9
+  // (never shipped, not pursued): only Bc = 128 is known good.
+  static_assert(Bc == 128, "the key block this kernel is tested with");
   static_assert(kConsumers == 2 || kConsumers == 3, "Br <= 256: one TMA box of Q rows");
   static_assert(kStages >= 2, "the turn order needs a buffer of slack (no deadlock at 1)");
   // setmaxnreg only moves registers within the CTA's launch allocation (ptxas caps each thread
