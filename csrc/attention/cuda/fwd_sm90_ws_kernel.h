@@ -108,6 +108,10 @@ struct FwdWsTraits {
   static constexpr int Bc = kBc;
   static constexpr int kNThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = kStages_;
+  // Whether the softmax is kept under the PV matmul (the sum mark in the consumer loop). H100,
+  // bf16, same process: D = 128 +3-8% from N = 2k (1k: -1 to +3%), but D = 64 -1 to -4% (two or
+  // three consumers) and the key-padding mask at D = 128 -4 to -7%, which go without.
+  static constexpr bool kOrderPvWait = kHeadDim == 128;
   static constexpr int kNTiles = Bc / 8;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
@@ -125,8 +129,11 @@ struct FwdWsTraits {
   // visibility: 128 bits, word j bit l for key 4 l + j.
   static constexpr int kSmemSlot = 16;
   static constexpr int kSmemKeyBits = 16 * kStages;
+  // Then a word per thread that each consumer's softmax writes its row sums to (see the loop).
+  static constexpr int kSmemSumMarks = 4 * kNThreads;
   // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
-  static constexpr int kSmemBytes = kSmemTiles + 8 * kNBarriers + kSmemSlot + kSmemKeyBits + 1024;
+  static constexpr int kSmemBytes =
+      kSmemTiles + 8 * kNBarriers + kSmemSlot + kSmemKeyBits + kSmemSumMarks + 1024;
   // Per-thread registers after reallocation; the sum over warpgroups stays within the 64K file
   // (128 * (producer + kConsumers * consumer) <= 65536), each a multiple of 8.
   static constexpr int kProducerRegs = 24;
@@ -210,6 +217,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // Stage st's key bits: key_bits[2 st] holds words 0-1, key_bits[2 st + 1] words 2-3. Written
   // and read with atomics, ordered by full_k / empty_k like the tile slot (racecheck).
   unsigned long long* key_bits = slot + 2;
+  // This thread's word of the softmax's sum marks (after the key bits).
+  const uint32_t sum_mark = bar0 + 8 * Tr::kNBarriers + Tr::kSmemSlot + Tr::kSmemKeyBits + 4 * tid;
 
   if (tid == 0) {
     mbarrier_init(full_q, 1);
@@ -527,6 +536,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         if (n == hi - 1) release(empty_q);
         // Softmax of S_j in S's own registers; pa still feeds PV_{j-1}, so packing waits for it.
         mask_and_softmax(n, bits);
+        // Left to itself, ptxas hoists this wait to the softmax's first instructions (it packs
+        // each part of P as soon as it is ready, and packing needs PV_{j-1} done), so the softmax
+        // never ran under PV. It does not move the wait above a shared-memory store, and a store
+        // of the row sums can only issue once every exponential is done: with it, all 64 of a
+        // thread's exponentials sit between the two waits (tools/sass_softmax_overlap.py).
+        if constexpr (Tr::kOrderPvWait && !kKeyMask)
+          asm volatile("st.shared.f32 [%0], %1;" ::"r"(sum_mark),
+                       "f"(softmax.l[0][0] + softmax.l[0][1])
+                       : "memory");
         wgmma_wait<0>();
         pin_registers(O[0]);
         pin_registers(pa);

@@ -1,0 +1,52 @@
+"""Summarizes ncu's source page (CSV, SASS view): stall samples per instruction and per opcode, and
+per stall reason over the whole kernel. Usage: python tools/ncu_stall_table.py report.csv [top]"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from collections import Counter
+
+
+def main() -> None:
+    path, top = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    with open(path, newline="") as f:
+        lines = [line for line in f if line.strip()]
+    start = next(i for i, line in enumerate(lines) if line.startswith('"#"') or "Source" in line)
+    rows = list(csv.DictReader(lines[start:]))
+    if not rows:
+        print("no rows")
+        return
+    cols = rows[0].keys()
+    total_col = next(c for c in cols if "Warp Stall Sampling (All" in c)
+    reason_cols = [c for c in cols if c.startswith("stall_") or "Stall Sampling" in c and c != total_col]
+
+    def num(x: str) -> float:
+        try:
+            return float(x.replace(",", ""))
+        except ValueError:
+            return 0.0
+
+    total = sum(num(r[total_col]) for r in rows)
+    print(f"{len(rows)} instructions, {total:.0f} samples; columns: {len(cols)}")
+    by_reason = Counter({c: sum(num(r[c]) for r in rows) for c in reason_cols})
+    for c, v in by_reason.most_common(12):
+        print(f"  {v / total:6.1%}  {c}")
+    by_op = Counter()
+    for r in rows:
+        by_op[r["Source"].split()[0] if r["Source"].split() else "?"] += num(r[total_col])
+    print("by opcode: " + ", ".join(f"{op} {v / total:.1%}" for op, v in by_op.most_common(14)))
+    ranked = sorted(rows, key=lambda r: -num(r[total_col]))[:top]
+    for r in ranked:
+        reasons = sorted(((num(r[c]), c) for c in reason_cols), reverse=True)[:2]
+        why = "; ".join(f"{c.replace('Warp Stall Sampling', '').strip()} {v:.0f}" for v, c in reasons if v)
+        print(f"{num(r[total_col]) / total:6.2%} {r.get('Address', r.get('#', '')):>6} {r['Source'][:70]:70} {why}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (StopIteration, KeyError) as e:  # an ncu whose CSV differs: show what it wrote
+        print(f"cannot read {sys.argv[1]} ({e!r}); its first lines:")
+        with open(sys.argv[1]) as f:
+            print("".join(f.readlines()[:4])[:3000])

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Where the warp-specialized Hopper forward kernel's warps wait: Nsight Compute's warp-state
+# sampling of one launch (after two warm-ups, clocks as found), summed per SASS instruction and per
+# stall reason, for bf16 B x H x N x D shapes given as "B,H,N,D,causal" arguments.
+# Usage: bash tools/ncu_stalls.sh 4,16,4096,128,0 8,32,4096,64,0   (reports and tables in $OUT)
+set -uo pipefail
+OUT=${OUT:-gpu_logs}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+for shape in "$@"; do
+  IFS=, read -r b h n d causal <<<"$shape"
+  rep="$OUT/stalls-b${b}h${h}n${n}d${d}c${causal}"
+  timeout 200 ncu --clock-control none --kernel-name regex:attention_fwd_sm90_ws --launch-skip 2 \
+    --launch-count 1 --section WarpStateStats --section SourceCounters --import-source no \
+    -f -o "$rep" python -c "
+import torch, flashmod
+q, k, v = (torch.randn($b, $h, $n, $d, device='cuda', dtype=torch.bfloat16) for _ in range(3))
+for _ in range(3):
+    flashmod.attention_op(q, k, v, is_causal=bool($causal))
+torch.cuda.synchronize()
+" >"$rep.log" 2>&1 || { tail -5 "$rep.log"; continue; }
+  ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep.csv" 2>"$rep.err"
+  ncu -i "$rep.ncu-rep" --page details --section WarpStateStats >"$rep.txt" 2>&1
+  echo "== $shape"
+  grep -E "Stall|Warp Cycles|Active" "$rep.txt" | head -12
+  python tools/ncu_stall_table.py "$rep.csv" | tee "$rep.top.txt"
+done
