@@ -47,6 +47,7 @@ def main() -> None:
             # Causal past 1024 query rows at D = 64: three consumers under the dynamic scheduler.
             q = torch.randn(1, 24, 1100, 64, device="cuda", dtype=dtype)
             attention_op(q, q, q, is_causal=True)
+            attention_op(q, q, q, softcap=5.0)  # soft-capped scores on the same kernel
         if dtype != torch.float32:  # decode kernel: GQA packing + split-KV and its combine
             q, k = (
                 torch.randn(1, 8, 3, 59, device="cuda", dtype=dtype),

@@ -87,14 +87,20 @@ def test_portable_kernel_where_sm90_exists(monkeypatch, dtype, d, nq, nk, opts):
 # must never bring in the next head's), both causal alignments, windows, GQA; FLASHMOD_DECODE=0 so
 # short query lengths reach these kernels rather than the decode one. At head dims up to 64 both
 # tile heights run: 192 rows (three consumers) and, under a right window bound with at most 1024
-# query rows, 128 (fwd_sm90_ws_launch.h: FwdWsConfig).
+# query rows, 128 (fwd_sm90_ws_launch.h: FwdWsConfig). Soft-capped scores run it too.
 @pytest.mark.parametrize("ws", ["1", "0"])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("d", [40, 64, 111, 128])
 @pytest.mark.parametrize("nq,nk", [(1, 1), (17, 1023), (113, 113), (1023, 1023), (1023, 17), (203, 4099), (2053, 1500)])
 @pytest.mark.parametrize(
     "opts",
-    [{}, {"is_causal": True}, {"is_causal": True, "bottom_right": False}, {"window_left": 77, "window_right": 20}],
+    [
+        {},
+        {"is_causal": True},
+        {"is_causal": True, "bottom_right": False},
+        {"window_left": 77, "window_right": 20},
+        {"softcap": 5.0, "is_causal": True},
+    ],
     ids=str,
 )
 def test_sm90_ws_kernel_and_fallback(monkeypatch, ws, dtype, d, nq, nk, opts):

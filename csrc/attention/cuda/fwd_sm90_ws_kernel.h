@@ -42,6 +42,9 @@
 // key, the same for every head and query). The producer warp turns each key block's bytes into
 // 128 bits (a ballot per byte of its lanes' 4-byte runs) and hands them on with K_j; consumers
 // hide the keys whose bit is clear, in blocks that have one.
+// kSoftcap: scores scaled and capped (softcap * tanh(scale q.k / softcap), visibility.h's
+// soft_cap, as the FlashAttention-2-style kernel computes them) before masking and softmax, which
+// then run in logit units.
 #pragma once
 
 #include <cuda.h>
@@ -157,7 +160,7 @@ struct FwdWsTraits {
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
 };
 
-template <class Tr, bool kVarlen, bool kKeyMask>
+template <class Tr, bool kVarlen, bool kKeyMask, bool kSoftcap>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tm_q,
                                  const __grid_constant__ CUtensorMap tm_k,
@@ -165,6 +168,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
                                  const FwdLaunchFlags flags, const WsSchedule sched) {
 #ifdef FLASHMOD_SM90A
   static_assert(!(kVarlen && kKeyMask), "packed rows carry no mask");
+  static_assert(!(kKeyMask && kSoftcap), "the launch sends capped masked calls elsewhere");
   static_assert(!kKeyMask || Tr::Bc == 128, "a key block's mask bytes: 4 per lane of one warp");
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
@@ -388,7 +392,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const uint32_t bar_mine = Tr::kBarTurn0 + consumer;
     const uint32_t bar_next = Tr::kBarTurn0 + (consumer + 1) % kConsumers;
     const bool last_consumer = consumer == kConsumers - 1;
-    const float c = static_cast<float>(p.scale) * 1.4426950408889634f;  // exp2 units
+    // exp2 units: raw q.k carries the scale; capped scores are logits already.
+    const float c = (kSoftcap ? 1.f : static_cast<float>(p.scale)) * 1.4426950408889634f;
+    const float softcap = static_cast<float>(p.softcap);
+    const float inv_softcap = kSoftcap ? static_cast<float>(1.0 / p.softcap) : 0.f;
+    const float scale = static_cast<float>(p.scale);
     Elem* sO = reinterpret_cast<Elem*>(smem_raw + (sO_addr - raw_addr));
 
     float O[1][DT][4];
@@ -488,6 +496,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // straddle a row's window or seqlen_k test elements; only blocks with a hidden key test
       // key bits.
       auto mask_and_softmax = [&](int n, const KeyBits& bits) {
+        if constexpr (kSoftcap) {
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              S[0][ni][e] = soft_cap(S[0][ni][e] * scale, softcap, inv_softcap);
+        }
         if (!key_block_unmasked(seq, r0, r0 + Br - 1, n, Bc))
           mask_outside_windows(S, win, n * Bc + 2 * (lane % 4));
         if constexpr (kKeyMask) {

@@ -49,15 +49,15 @@ inline bool key_padding_mask(const AttentionParams& p) {
   return p.mask_kind == MaskKind::kBool && p.mask_head_stride == 0 && p.mask_row_stride == 0;
 }
 
-// What the kernel does not take: scores other than plain or behind a key-padding mask (other
-// mask tensors, a soft cap, a scale <= 0), and per-sequence extents other than packed queries
-// and keys (cache lengths, pages).
+// What the kernel does not take: scores other than plain, soft-capped or behind a key-padding
+// mask (other mask tensors, a soft cap with a mask, a scale <= 0), and per-sequence extents other
+// than packed queries and keys (cache lengths, pages).
 inline bool ws_takes_options(const AttentionParams& p) {
   const bool packed = p.cu_seqlens_q != nullptr && p.cu_seqlens_k != nullptr;
-  return (p.mask_kind == MaskKind::kNone || (key_padding_mask(p) && !packed)) &&
-         !(p.softcap > 0.0) && p.scale > 0.0 && p.pos_period == 0 &&
-         (packed || !has_sequence_extents(p)) && p.seqused_k == nullptr &&
-         p.kv_batch_idx == nullptr && p.block_table == nullptr;
+  const bool capped = p.softcap > 0.0;
+  return (p.mask_kind == MaskKind::kNone || (key_padding_mask(p) && !packed && !capped)) &&
+         p.scale > 0.0 && p.pos_period == 0 && (packed || !has_sequence_extents(p)) &&
+         p.seqused_k == nullptr && p.kv_batch_idx == nullptr && p.block_table == nullptr;
 }
 
 template <class Tr>
@@ -110,14 +110,17 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
     err = cudaMemsetAsync(sched.next_tile, 0, sizeof(unsigned), stream);
     if (err != cudaSuccess) return err;
   }
+  auto launch = [&](auto kernel) {
+    return cuda::launch_kernel(kernel, grid, Tr::kNThreads, Tr::kSmemBytes, stream, tm_q, tm_k,
+                               tm_v, p, flags, sched);
+  };
+  const bool capped = p.softcap > 0.0;
   if (varlen)
-    return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr, true, false>, grid, Tr::kNThreads,
-                               Tr::kSmemBytes, stream, tm_q, tm_k, tm_v, p, flags, sched);
-  if (key_padding_mask(p))
-    return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr, false, true>, grid, Tr::kNThreads,
-                               Tr::kSmemBytes, stream, tm_q, tm_k, tm_v, p, flags, sched);
-  return cuda::launch_kernel(attention_fwd_sm90_ws_kernel<Tr, false, false>, grid, Tr::kNThreads,
-                             Tr::kSmemBytes, stream, tm_q, tm_k, tm_v, p, flags, sched);
+    return capped ? launch(attention_fwd_sm90_ws_kernel<Tr, true, false, true>)
+                  : launch(attention_fwd_sm90_ws_kernel<Tr, true, false, false>);
+  if (key_padding_mask(p)) return launch(attention_fwd_sm90_ws_kernel<Tr, false, true, false>);
+  return capped ? launch(attention_fwd_sm90_ws_kernel<Tr, false, false, true>)
+                : launch(attention_fwd_sm90_ws_kernel<Tr, false, false, false>);
 }
 
 }  // namespace sm90
