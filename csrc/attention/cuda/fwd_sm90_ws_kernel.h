@@ -1,6 +1,6 @@
 // The warp-specialized Hopper (sm_90a) forward kernel: TMA loads, a producer warp, consumer
-// warpgroups that ping-pong their matmuls and overlap each block's softmax with their own PV
-// matmul, on a persistent grid.
+// warpgroups that ping-pong their matmuls and (at D = 128, Tr::kOrderPvWait) overlap each block's
+// softmax with their own PV matmul, on a persistent grid.
 //
 // A tile is Br = 64 * kConsumers query rows Q_i of one (batch, head); the grid has at most one
 // CTA per SM. Tiles that cost the same (no right window bound) go round-robin: CTA k takes tiles
@@ -20,7 +20,8 @@
 //   warpgroups 1..kConsumers, the consumers: take the registers (setmaxnreg.inc); consumer c owns
 //     rows 64c..64c+63 of each tile and runs, per key block j, in this order
 //       issue S_j = Q K_j^T,  O *= alpha_{j-1},  issue O += P_{j-1} V_{j-1}    (one turn)
-//       wait S_j; release K_j; mask and softmax S_j -> P_j, alpha_j (PV still running)
+//       wait S_j; release K_j; mask and softmax S_j -> P_j, alpha_j (PV still running where
+//         kOrderPvWait keeps ptxas from hoisting the next wait)
 //       wait PV; release V_{j-1}
 //     The "turn" is serialized across consumers through named barriers (consumer c waits on its
 //     own, then signals c + 1's), so one consumer's softmax runs while the next one's matmuls
