@@ -2,7 +2,9 @@
 # Where the warp-specialized Hopper forward kernel's warps wait: Nsight Compute's warp-state
 # sampling of one launch (after two warm-ups, clocks as found), summed per SASS instruction and per
 # stall reason, for bf16 B x H x N x D shapes given as "B,H,N,D,causal" arguments.
-# Usage: bash tools/ncu_stalls.sh 4,16,4096,128,0 8,32,4096,64,0   (reports and tables in $OUT)
+# Usage: bash tools/ncu_stalls.sh 4,16,4096,128,0 8,32,4096,64,0   (tables in $OUT)
+# Keeps two files per shape in $OUT (the device tool brings back at most 8): the per-instruction
+# CSV and the summary with the warp-state section.
 set -uo pipefail
 OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT"
@@ -23,5 +25,6 @@ torch.cuda.synchronize()
   ncu -i "$rep.ncu-rep" --page details --section WarpStateStats >"$rep.txt" 2>&1
   echo "== $shape"
   grep -E "Stall|Warp Cycles|Active" "$rep.txt" | head -12
-  python tools/ncu_stall_table.py "$rep.csv" | tee "$rep.top.txt"
+  python tools/ncu_stall_table.py "$rep.csv" | tee -a "$rep.txt"
+  rm -f "$rep.ncu-rep" "$rep.err" "$rep.log"
 done
