@@ -25,8 +25,10 @@
 //       wait PV; release V_{j-1}
 //     The "turn" is serialized across consumers through named barriers (consumer c waits on its
 //     own, then signals c + 1's), so one consumer's softmax runs while the next one's matmuls
-//     occupy the tensor cores. The epilogue stages each warp's rows in a shared-memory area of its
-//     own, so it needs no barrier either.
+//     occupy the tensor cores. A consumer stops at the last key block its own 64 rows see
+//     (three consumers under a causal bound: a block before the tile's last), passing the
+//     turns of the rest without a matmul. The epilogue stages each warp's rows in a
+//     shared-memory area of its own, so it needs no barrier either.
 // Nothing waits on the whole CTA after the barrier initialization. Rows past seqlen_q and keys
 // past seqlen_k arrive as zeros (the tensor maps bound each (batch, head)'s rows) and are masked as
 // in the FlashAttention-2-style kernel (fwd_sm90_kernel.h), whose softmax and epilogue code this
@@ -376,7 +378,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     }
   } else {
     setmaxnreg_inc<Tr::kConsumerRegs>();
-    const int consumer = warpgroup - 1;
+    // Broadcast from lane 0: ptxas then knows it is the same across the warp, so what derives
+    // from it (this consumer's key range, the loop bounds) stays on the uniform datapath. Taken
+    // from threadIdx directly, the main loop's bounds became per-thread values and its wgmma
+    // descriptors went through R2UR at every k-step: every shape ran 10-14% slower.
+    const int consumer = __shfl_sync(0xffffffffu, warpgroup - 1, 0);
     const int warp_row0 = 16 * (warp - 4);  // row of this warp's first row within Q_i
 
     // Descriptors as in fwd_sm90_kernel.h: Q (this consumer's 64 rows) and K_j K-major, V_j
@@ -490,6 +496,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         write_rows_without_keys<128 * kConsumers>(seq, gp.out, gp.lse, x.rows_q, tid - 128);
         continue;
       }
+      // This consumer's own rows see no key block past mhi - 1: under a causal bound the first
+      // 64 rows of a 192-row tile see a block fewer than its last, and rows past seqlen_q (a
+      // head's last tile) none (they compute block lo alone). It computes blocks [lo, mhi); for
+      // the rest it takes and passes the turns and releases the buffers once loaded, so the turn
+      // chain and the buffer counts stay the tile's.
+      int mhi = lo + 1;
+      {
+        const int own_row0 = r0 + 64 * consumer, own_rows = min(64, x.rows_q - 64 * consumer);
+        if (own_rows > 0)
+          mhi = max(mhi, min(hi, key_block_range(seq, own_row0, own_row0 + own_rows - 1, Bc).hi));
+      }
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
         win[0][hh] = row_window(seq, r0 + warp_row0 + lane / 4 + 8 * hh);
@@ -530,11 +547,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         wgmma_wait<0>();
         pin_registers(S[0]);
         release(empty_k(s));
-        if (hi - lo == 1) release(empty_q);  // the tile's last S: the next Q may come in
+        if (mhi - lo == 1) release(empty_q);  // its last S: the next Q may come in
         mask_and_softmax(lo, bits);
         pack_p();
       }
-      for (int n = lo + 1; n < hi; ++n) {
+      for (int n = lo + 1; n < mhi; ++n) {
         const int prev = blocks + n - lo - 1, cur = prev + 1;
         const int s = cur % kStages, sp = prev % kStages;
         mbarrier_wait(full_k(s), (cur / kStages) & 1);
@@ -549,7 +566,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         wgmma_wait<1>();  // S_j done (groups retire in order); PV_{j-1} may still run
         pin_registers(S[0]);
         release(empty_k(s));
-        if (n == hi - 1) release(empty_q);
+        if (n == mhi - 1) release(empty_q);
         // Softmax of S_j in S's own registers; pa still feeds PV_{j-1}, so packing waits for it.
         mask_and_softmax(n, bits);
         // Left to itself, ptxas hoists this wait to the softmax's first instructions (it packs
@@ -567,15 +584,26 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         release(empty_v(sp));
         pack_p();
       }
-      // Last block's PV, outside the turn order (nothing of this consumer's follows it).
+      // Its last block's PV, outside the turn order (no matmul of this consumer's follows it).
       {
-        const int last = blocks + hi - lo - 1, s = last % kStages;
+        const int last = blocks + mhi - lo - 1, s = last % kStages;
         OnlineSoftmax<1>::rescale(O, alpha);
         mbarrier_wait(full_v(s), (last / kStages) & 1);
         issue_pv(s);
         wgmma_wait<0>();
         pin_registers(O[0]);
         pin_registers(pa);
+        release(empty_v(s));
+      }
+      // The blocks past its own: their turns, and their buffers released once loaded (an
+      // arrival before that could count toward the buffer's previous round).
+      for (int n = mhi; n < hi; ++n) {
+        named_barrier(bar_mine, 256);
+        if (!(last_consumer && n == hi - 1)) named_barrier_arrive(bar_next, 256);
+        const int b = blocks + n - lo, s = b % kStages;
+        mbarrier_wait(full_k(s), (b / kStages) & 1);
+        release(empty_k(s));
+        mbarrier_wait(full_v(s), (b / kStages) & 1);
         release(empty_v(s));
       }
       blocks += hi - lo;
