@@ -22,6 +22,9 @@ if ! MAX_JOBS=$(nproc) FLASHMOD_CUDA_ARCHS="${ARCHS:-80;90a}" python setup.py bu
   exit 1
 fi
 echo "build: $(($(date +%s) - start)) s"
+# ptxas's C7518: a kernel whose wgmmas it serialized (correct, but a fraction of its speed).
+serialized=$(grep -c C7518 "$OUT/build.log")
+[[ $serialized -gt 0 ]] && echo "WARNING: ptxas serialized the wgmmas of $serialized kernels (C7518; tools/ptxas_report.py names them)"
 # The Hopper kernel must be wgmma (HGMMA) in the machine code, not an mma.sync fallback.
 for unit in fwd_sm90_bf16_hd128 bwd_sm90_bf16_hd128; do
   obj=$(find build -name "$unit.o" | head -1)

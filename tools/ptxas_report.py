@@ -1,0 +1,100 @@
+"""Registers, spills and wgmma serialization (ptxas's C7518) of every kernel in some CUDA units,
+compiled here with nvcc: no GPU needed. The kernel units are torch-free, so this is the check to
+run before spending device time on a kernel change. C7518 means ptxas made every wgmma of that
+kernel wait for the previous one (a wait it inserted in a divergent path): the kernel still passes
+its tests but runs at a fraction of its speed (session 10: 0.60x), and nothing else reports it.
+Usage: python tools/ptxas_report.py [unit ...] [--arch 90a] [--jobs 2]
+  unit: a .cu path or a name under csrc/attention/cuda/generated/ (default: the fwd_sm90_ws units)"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import pathlib
+import re
+import subprocess
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GENERATED = ROOT / "csrc/attention/cuda/generated"
+
+
+def compile_unit(unit: pathlib.Path, arch: str) -> str:
+    """ptxas's -v report for one unit (flags as setup.py's, plus -Xptxas -v)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            "nvcc", "-std=c++17", "-O3", "--use_fast_math", "--expt-relaxed-constexpr",
+            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", "-c", str(unit),
+            "-o", f"{tmp}/unit.o",
+        ]  # fmt: skip
+        if arch == "90a":
+            cmd.insert(1, "-DFLASHMOD_BUILT_SM90A")
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=unit.parent)
+    if done.returncode != 0:
+        return f"ERROR {unit.name}\n{done.stderr[-2000:]}"
+    return done.stderr
+
+
+def short_name(mangled: str) -> str:
+    """The kernel's name and its template arguments' numbers, enough to tell variants apart."""
+    rest = mangled[3:] if mangled.startswith("_ZN") else mangled
+    last = ""
+    while (m := re.match(r"(\d+)", rest)) is not None:  # the nested name's <length><name> parts
+        n = int(m.group(1))
+        last, rest = rest[m.end() : m.end() + n], rest[m.end() + n :]
+    args = re.findall(r"L[ib](\d+)E", rest)
+    elem = "bf16" if "bfloat16" in rest else "fp16" if "half" in rest else ""
+    return f"{last or mangled[:60]} {elem} <{','.join(args)}>"
+
+
+def report(text: str) -> list[tuple[str, str, str, bool]]:
+    """(kernel, registers, spill stores/loads, serialized) per entry function in a -v report."""
+    rows, name, serialized = [], None, set()
+    for line in text.splitlines():
+        if "C7518" in line:
+            m = re.search(r"function '(\w+)'", line)
+            if m:
+                serialized.add(m.group(1))
+    entries = re.split(r"Compiling entry function '(\w+)'", text)
+    for mangled, body in zip(entries[1::2], entries[2::2]):
+        name = mangled
+        regs = re.search(r"Used (\d+) registers", body)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", body)
+        rows.append(
+            (
+                short_name(name),
+                regs.group(1) if regs else "?",
+                f"{spill.group(1)}/{spill.group(2)}" if spill else "?",
+                name in serialized,
+            )
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("units", nargs="*")
+    ap.add_argument("--arch", default="90a", help="compute capability to compile for (default: %(default)s)")
+    ap.add_argument("--jobs", type=int, default=2, help="units compiled at once (default: %(default)s)")
+    args = ap.parse_args()
+    names = args.units or [p.name for p in sorted(GENERATED.glob("fwd_sm90_ws_*.cu"))]
+    units = [pathlib.Path(n) if pathlib.Path(n).exists() else GENERATED / pathlib.Path(n).with_suffix(".cu").name
+             for n in names]  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        texts = list(pool.map(lambda u: compile_unit(u, args.arch), units))
+    bad = 0
+    for unit, text in zip(units, texts):
+        print(f"== {unit.name}")
+        if text.startswith("ERROR"):
+            print(text)
+            bad += 1
+            continue
+        for kernel, regs, spill, serialized in report(text):
+            flag = "  SERIALIZED WGMMA (C7518)" if serialized else ""
+            bad += serialized
+            print(f"  {kernel:60s} regs {regs:>3s}  spill st/ld {spill:>9s}{flag}")
+    raise SystemExit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
