@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+from harness import geomean  # noqa: E402
 
 
 def load(path: str, contender: str, backend: str) -> dict[str, tuple[float, float | None]]:
@@ -39,7 +43,7 @@ def main() -> None:
         print(f"{k:62s} {ta:8.1f} {tb:8.1f} {tb / ta:6.3f}   {rel}")
     paired = [k for k in both if a[k][1] and b[k][1]]
     if paired:
-        geo = [math.exp(sum(math.log(d[k][1]) for k in paired) / len(paired)) for d in (a, b)]
+        geo = [geomean([d[k][1] for k in paired]) for d in (a, b)]
         print(f"geomean x {args.backend} over {len(paired)} shapes: {geo[0]:.3f} -> {geo[1]:.3f}")
 
 
