@@ -87,7 +87,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw + (sQ_addr - raw_addr));
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int warpgroup = warp / 4;
+  // Broadcast from lane 0 so ptxas can prove it warp-uniform: what derives from it (this
+  // warpgroup's Q descriptor) then stays on the uniform datapath (the warp-specialized kernel's
+  // consumer index, session 10).
+  const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);
   const int head_dim = static_cast<int>(params.head_dim);
 
   const int num_m_blocks = static_cast<int>((params.seqlen_q + Br - 1) / Br);
