@@ -70,18 +70,10 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int r0 = tile.m_block * Br;
   // The fused KV-cache append (decode only): keys from new_from on are read from k_new / v_new,
   // never from the cache slots they go to, so one CTA per (batch row, kv head) can write those
-  // slots while every CTA reads. The writer is split 0 of query block 0 (r0 = 0: it passes the
-  // exit below) of the kv head's first query head; it writes once its first loads are in flight,
-  // or before it exits without keys.
+  // slots while every CTA reads. The writer is split 0 of query block 0 (r0 = 0) of the kv head's
+  // first query head; it writes once its first loads are in flight (after the prologue).
   const bool new_rows = kDecode && kExtents && p.k_new != nullptr;
   const int new_from = new_rows ? Nk - static_cast<int>(p.seqlen_new) : Nk;
-  auto append_if_writer = [&]() {
-    if constexpr (kDecode && kExtents) {
-      if (new_rows && tile.split == 0 && tile.m_block == 0 &&
-          tile.h % (params.heads_q / params.heads_kv) == 0)
-        append_new_rows<Elem, kThreads>(p, tile.hk, tid);
-    }
-  };
   if constexpr (kExtents) {
     if (r0 >= Nq) return;  // past this sequence's queries (varlen): nothing of it to write
   }
@@ -122,18 +114,16 @@ __global__ void __launch_bounds__(Tr::kNThreads)
                                           p.out_row_stride, gLse, head_dim);
     }
   };
-  if (range.lo >= range.hi) {
-    append_if_writer();
-    if constexpr (kDecode) {
-      if (splits > 1) {
-        // This split sees no key: its partial is empty (lse = -inf; the combine skips O).
-        for (int r = tid; r < rows_q; r += kThreads) sk.lse[part_row0 + r] = -CUDART_INF_F;
-        finish_split();
-        return;
-      }
+  // Prefill: a tile without visible keys writes its rows' 0 / -inf and leaves. Decode runs the
+  // empty range through the kernel instead (no key loads, no loop iteration; the epilogue and
+  // the split partial write 0 / -inf for rows with l = 0): one copy of the fused append and of
+  // the split combine in its code, which has to fit the instruction cache (paged_kv.h:
+  // append_new_rows).
+  if constexpr (!kDecode) {
+    if (range.lo >= range.hi) {
+      write_rows_without_keys<kThreads>(p, gO, gLse, rows_q, tid);
+      return;
     }
-    write_rows_without_keys<kThreads>(p, gO, gLse, rows_q, tid);
-    return;
   }
 
   const TileCopyPlan<Br, D, kThreads> q_copy(tid, head_dim);
@@ -161,7 +151,11 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     if (range.lo + s < range.hi) load_kv(range.lo + s, s);
     cp_async_commit();
   }
-  append_if_writer();
+  if constexpr (kDecode && kExtents) {
+    if (new_rows && tile.split == 0 && tile.m_block == 0 &&
+        tile.h % (params.heads_q / params.heads_kv) == 0)
+      append_new_rows<Elem, kThreads, D, kAddr>(p, tile.hk, tid);
+  }
 
   // Per-lane ldmatrix coordinates: lanes 8i..8i+7 address the rows of 8x8 matrix i.
   const int lm_mat = lane >> 3, lm_row = lane & 7;

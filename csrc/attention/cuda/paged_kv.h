@@ -57,74 +57,55 @@ struct KvRowSources {
 };
 
 // K and V rows [first_key, first_key + valid_rows) row by row into the smem tiles at sk / sv
-// (zero-filling the rest): pages smaller than a key block (kRowPages), and the tiles that hold
-// the fused append's new rows (kNewRows). Each thread walks its rows with one 32-bit division
-// per tile, stepping (page, row in page) by the plan's row step: a 64-bit divide and remainder
-// per row and per tensor, as kv_row_offset does, was most of the instructions of a 16-token-page
-// decode step. K and V share the row's block-table entry, read once through the read-only path
-// (the kernel never writes the table).
-template <KvAddressing kAddr, bool kNewRows, class Plan, typename Elem>
+// (zero-filling the rest), for pages smaller than a key block (kRowPages); with kNewRows, keys
+// from src.new_from on come from the fused append's new rows. Each thread walks its rows with one
+// 32-bit division per tile, stepping (page, row in page) by the plan's row step: a 64-bit divide
+// and remainder per row and per tensor, as kv_row_offset does, was most of the instructions of a
+// 16-token-page decode step. K and V share the row's block-table entry, read once through the
+// read-only path (the kernel never writes the table).
+template <bool kNewRows, class Plan, typename Elem>
 __device__ __forceinline__ void load_kv_rows(const Plan& plan, uint32_t sk, uint32_t sv,
                                              const KvRowSources<Elem>& src,
                                              const AttentionParams& s, int first_key,
                                              int valid_rows) {
   if (!plan.active) return;
-  constexpr bool kRowwisePages = kAddr == kRowPages;
-  const uint32_t page_size = kRowwisePages ? static_cast<uint32_t>(s.page_size) : 1u;
-  uint32_t page_idx = 0, in_page = 0;  // block-table index and row in page of this thread's row
-  if constexpr (kRowwisePages) {
-    const uint32_t j0 = static_cast<uint32_t>(first_key + plan.row0);
-    page_idx = j0 / page_size;
-    in_page = j0 - page_idx * page_size;
-  }
-  // kBlockPages: the tile lies in one page, looked up once (only its rows before new_from are
-  // read from it).
-  int64_t k_tile = 0, v_tile = 0;
-  if constexpr (kAddr == kBlockPages) {
-    if (first_key < src.new_from) {
-      k_tile = kv_row_offset(s, first_key, s.k_page_stride, s.k_row_stride);
-      v_tile = kv_row_offset(s, first_key, s.v_page_stride, s.v_row_stride);
-    }
-  }
+  const uint32_t page_size = static_cast<uint32_t>(s.page_size);
+  // Block-table index and row in page of this thread's row.
+  const uint32_t j0 = static_cast<uint32_t>(first_key + plan.row0);
+  uint32_t page_idx = j0 / page_size;
+  uint32_t in_page = j0 - page_idx * page_size;
 #pragma unroll
   for (int it = 0; it < Plan::kIters; ++it) {
     const int row = plan.row0 + it * Plan::kRowStep;
     const int j = first_key + row;
     const bool valid = row < valid_rows && plan.src_bytes > 0;
-    const Elem* ks = src.k;  // any address: a zero-byte copy reads nothing
-    const Elem* vs = src.v;
-    if (valid) {
-      if (kNewRows && j >= src.new_from) {
+    // Selects, not branches: one straight copy loop (the decode kernel's code has to fit the
+    // instruction cache). A row past the valid ones copies zero bytes from any address.
+    const bool cached = valid && !(kNewRows && j >= src.new_from);
+    const int64_t page = cached ? __ldg(s.block_table + page_idx) : 0;
+    const Elem* ks = src.k + page * s.k_page_stride + in_page * s.k_row_stride + plan.col;
+    const Elem* vs = src.v + page * s.v_page_stride + in_page * s.v_row_stride + plan.col;
+    if constexpr (kNewRows) {
+      if (valid && !cached) {
         ks = src.k_new + (j - src.new_from) * s.kn_row_stride + plan.col;
         vs = src.v_new + (j - src.new_from) * s.vn_row_stride + plan.col;
-      } else if constexpr (kRowwisePages) {
-        const int64_t page = __ldg(s.block_table + page_idx);
-        ks = src.k + page * s.k_page_stride + in_page * s.k_row_stride + plan.col;
-        vs = src.v + page * s.v_page_stride + in_page * s.v_row_stride + plan.col;
-      } else if constexpr (kAddr == kBlockPages) {
-        ks = src.k + k_tile + row * s.k_row_stride + plan.col;
-        vs = src.v + v_tile + row * s.v_row_stride + plan.col;
-      } else {
-        ks = src.k + static_cast<int64_t>(j) * s.k_row_stride + plan.col;
-        vs = src.v + static_cast<int64_t>(j) * s.v_row_stride + plan.col;
       }
     }
+    if (!valid) ks = src.k, vs = src.v;
     const int bytes = valid ? plan.src_bytes : 0;
     cp_async_16(sk + plan.chunk_offset(it), ks, bytes);
     cp_async_16(sv + plan.chunk_offset(it), vs, bytes);
-    if constexpr (kRowwisePages) {
-      in_page += Plan::kRowStep;
-      while (in_page >= page_size) in_page -= page_size, ++page_idx;
-    }
+    in_page += Plan::kRowStep;
+    while (in_page >= page_size) in_page -= page_size, ++page_idx;
   }
 }
 
 // Key block n of kBc rows (cut at s.seqlen_k) of K and V into the smem tiles at sk / sv,
 // zero-filling the rest, for every KvAddressing. Both forward kernels (fwd_sm80_kernel.h,
 // fwd_sm90_kernel.h) load through it, so which copy serves which addressing is decided once and a
-// change to the paging reaches both. kNewRows (decode with the fused append): a block holding keys
-// from src.new_from on goes row by row, its last rows coming from the new keys/values; other
-// blocks keep the cheaper whole-run copy.
+// change to the paging reaches both. kNewRows (decode with the fused append): keys from
+// src.new_from on come from the new keys/values, through the same copy loop as the cache's rows
+// (TileCopyPlan::load_two_sources) or, with row pages, the same per-row walk.
 template <KvAddressing kAddr, bool kNewRows, int kBc, class Plan, typename Elem>
 __device__ __forceinline__ void load_kv_tile(const Plan& plan, uint32_t sk, uint32_t sv,
                                              const KvRowSources<Elem>& src,
@@ -132,14 +113,35 @@ __device__ __forceinline__ void load_kv_tile(const Plan& plan, uint32_t sk, uint
   const int valid = min(kBc, static_cast<int>(s.seqlen_k) - n * kBc);
   const int64_t row0 = static_cast<int64_t>(n) * kBc;
   if constexpr (kAddr == kRowPages) {
-    load_kv_rows<kAddr, kNewRows>(plan, sk, sv, src, s, n * kBc, valid);
-  } else if constexpr (kAddr != kDense) {
-    if (kNewRows && n * kBc + valid > src.new_from) {
-      load_kv_rows<kAddr, true>(plan, sk, sv, src, s, n * kBc, valid);
-    } else {
-      load_kv_block<kAddr>(plan, sk, src.k, s, row0, s.k_page_stride, s.k_row_stride, valid);
-      load_kv_block<kAddr>(plan, sv, src.v, s, row0, s.v_page_stride, s.v_row_stride, valid);
+    load_kv_rows<kNewRows>(plan, sk, sv, src, s, n * kBc, valid);
+  } else if constexpr (kAddr != kDense && kNewRows) {
+    // Rows before new_from from the cache (one run: kSequences, or one page: kBlockPages), the
+    // rest from the new keys/values (none when the call appends nothing: new_from = seqlen_k).
+    const int cache_rows = max(0, min(valid, src.new_from - n * kBc));
+    int64_t k_off = row0 * s.k_row_stride, v_off = row0 * s.v_row_stride;
+    if constexpr (kAddr == kBlockPages) {
+      // One table entry for K and V; 32-bit (kv_row_offset's 64-bit division is ~70 instructions).
+      k_off = v_off = 0;
+      if (cache_rows > 0) {
+        const uint32_t first = static_cast<uint32_t>(n * kBc);
+        const uint32_t size = static_cast<uint32_t>(s.page_size);
+        const uint32_t page_idx = first / size;
+        const int64_t page = __ldg(s.block_table + page_idx), in_page = first - page_idx * size;
+        k_off = page * s.k_page_stride + in_page * s.k_row_stride;
+        v_off = page * s.v_page_stride + in_page * s.v_row_stride;
+      }
     }
+    // Tile row r is new row n * kBc + r - new_from (only rows past cache_rows read it).
+    const int64_t first_new = row0 - src.new_from;
+    const Elem* k_tail = src.k_new != nullptr ? src.k_new + first_new * s.kn_row_stride : src.k;
+    const Elem* v_tail = src.v_new != nullptr ? src.v_new + first_new * s.vn_row_stride : src.v;
+    plan.load_two_sources(sk, src.k + k_off, s.k_row_stride, k_tail, s.kn_row_stride, cache_rows,
+                          valid);
+    plan.load_two_sources(sv, src.v + v_off, s.v_row_stride, v_tail, s.vn_row_stride, cache_rows,
+                          valid);
+  } else if constexpr (kAddr != kDense) {
+    load_kv_block<kAddr>(plan, sk, src.k, s, row0, s.k_page_stride, s.k_row_stride, valid);
+    load_kv_block<kAddr>(plan, sv, src.v, s, row0, s.v_page_stride, s.v_row_stride, valid);
   } else {
     plan.load(sk, src.k + row0 * s.k_row_stride, s.k_row_stride, valid);
     plan.load(sv, src.v + row0 * s.v_row_stride, s.v_row_stride, valid);
@@ -149,22 +151,41 @@ __device__ __forceinline__ void load_kv_tile(const Plan& plan, uint32_t sk, uint
 // The fused append's writes: the seqlen_new new rows of kv head hk (of the view s) into the
 // cache slots [seqlen_k - seqlen_new, seqlen_k) of its row, through the block table when paged.
 // One CTA per (batch row, kv head) calls it; 16-byte copies (cache and new rows are 16-byte
-// aligned and head_dim % 8 == 0: the host checks both).
-template <typename Elem, int kThreads>
+// aligned and head_dim % 8 == 0: the host checks both). 32-bit index math, and the page lookup
+// only in the paged variants: with 64-bit divisions (by the chunk count and the page size) it was
+// 1700 of the 7200 instructions of the KV-cache decode kernel, whose code then no longer fit the
+// instruction cache (ncu: 24 % of its warps' stalls waiting for instructions, 6.5 us a call;
+// benchmarks/results/design/cuda-serving.md, session 11).
+template <typename Elem, int kThreads, int kHeadDim, KvAddressing kAddr>
 __device__ __forceinline__ void append_new_rows(const AttentionParams& s, int64_t hk, int tid) {
-  const int chunks = static_cast<int>(s.head_dim / 8);
-  const int64_t first = s.seqlen_k - s.seqlen_new;
+  constexpr int kChunks = kHeadDim / 8;  // per row; those past head_dim copy nothing
+  const int head_dim = static_cast<int>(s.head_dim);
+  const int rows = static_cast<int>(s.seqlen_new);
+  const int first = static_cast<int>(s.seqlen_k - s.seqlen_new);
   // The cache is the op's in-place output; params carry it as the (read-only) K/V input.
   auto* kc = const_cast<Elem*>(static_cast<const Elem*>(s.k)) + hk * s.k_head_stride;
   auto* vc = const_cast<Elem*>(static_cast<const Elem*>(s.v)) + hk * s.v_head_stride;
   const Elem* kn = static_cast<const Elem*>(s.k_new) + hk * s.kn_head_stride;
   const Elem* vn = static_cast<const Elem*>(s.v_new) + hk * s.vn_head_stride;
-  for (int64_t i = tid; i < s.seqlen_new * chunks; i += kThreads) {
-    const int64_t t = i / chunks, c = 8 * (i % chunks);
-    const int64_t j = first + t;
-    *reinterpret_cast<uint4*>(kc + kv_row_offset(s, j, s.k_page_stride, s.k_row_stride) + c) =
+#pragma unroll 1
+  for (int i = tid; i < rows * kChunks; i += kThreads) {
+    const int t = i / kChunks, c = 8 * (i % kChunks);
+    if (c >= head_dim) continue;
+    const int j = first + t;
+    int64_t k_off, v_off;
+    if constexpr (kAddr == kBlockPages || kAddr == kRowPages) {
+      const int page_size = static_cast<int>(s.page_size);
+      const int in_page = j % page_size;
+      const int64_t page = s.block_table[j / page_size];
+      k_off = page * s.k_page_stride + in_page * s.k_row_stride;
+      v_off = page * s.v_page_stride + in_page * s.v_row_stride;
+    } else {
+      k_off = j * s.k_row_stride;
+      v_off = j * s.v_row_stride;
+    }
+    *reinterpret_cast<uint4*>(kc + k_off + c) =
         *reinterpret_cast<const uint4*>(kn + t * s.kn_row_stride + c);
-    *reinterpret_cast<uint4*>(vc + kv_row_offset(s, j, s.v_page_stride, s.v_row_stride) + c) =
+    *reinterpret_cast<uint4*>(vc + v_off + c) =
         *reinterpret_cast<const uint4*>(vn + t * s.vn_row_stride + c);
   }
 }

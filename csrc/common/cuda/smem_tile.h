@@ -108,6 +108,30 @@ struct TileCopyPlan {
       src += step;
     }
   }
+
+  // load with two sources: rows [0, split_row) from gmem, rows [split_row, valid_rows) from
+  // tail, whose row r (the tile's row numbering) is at tail + r * tail_stride. The fused KV-cache
+  // append's tiles end in the new keys. A select per row rather than a second copy loop: the
+  // decode kernel's code has to fit the instruction cache (paged_kv.h: append_new_rows).
+  template <typename Elem>
+  __device__ __forceinline__ void load_two_sources(uint32_t smem_base, const Elem* gmem,
+                                                   int64_t row_stride, const Elem* tail,
+                                                   int64_t tail_stride, int split_row,
+                                                   int valid_rows) const {
+    if (!active) return;
+    const Elem* src = gmem + row0 * row_stride + col;
+    const Elem* tail_src = tail + row0 * tail_stride + col;
+    const int64_t step = kRowStep * row_stride, tail_step = kRowStep * tail_stride;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int row = row0 + it * kRowStep;
+      const bool valid = row < valid_rows && src_bytes > 0;
+      const Elem* from = row < split_row ? src : tail_src;
+      cp_async_16(smem_base + chunk_offset(it), valid ? from : gmem, valid ? src_bytes : 0);
+      src += step;
+      tail_src += tail_step;
+    }
+  }
 };
 
 }  // namespace flashmod::cuda_kernels
