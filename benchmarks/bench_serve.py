@@ -18,7 +18,7 @@ written) as the K/V bytes each step reads. Every call starts from a cold L2 and 
 rotates per round (harness.median_times, isolate): caches of 1k-4k tokens (34-134 MB) otherwise stay
 partly in the 50 MB L2 from one contender to the next that reads the same cache.
 
-    python benchmarks/bench_serve.py --group kvcache --sizes 1024,4096 --pages 16 --graphs --wall \
+    python benchmarks/bench_serve.py --group kvcache --sizes 1024,4096 --pages 16 --graphs --wall --in-order-pages \
         --variant "append kernel:FLASHMOD_KVCACHE_FUSED_APPEND=0"
 
 --graphs adds each flashmod / SDPA contender captured in a CUDA graph ("[graph]": what a serving engine
@@ -182,7 +182,7 @@ def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 
 def kvcache_case(
     s: int, bsz: int, hq: int, hkv: int, d: int, dtype, dev: str, reps: int, pages: list[int],
-    variants: dict[str, str], graphs: bool, wall: bool,
+    variants: dict[str, str], graphs: bool, wall: bool, in_order_pages: bool = False,
 ) -> dict:  # fmt: skip
     k_cache, v_cache = (torch.randn(bsz, s, hkv, d, dtype=dtype, device=dev) for _ in range(2))
     q = torch.randn(bsz, 1, hq, d, dtype=dtype, device=dev)
@@ -200,11 +200,15 @@ def kvcache_case(
         fn = harness.with_env(settings, contiguous)
         if check(label, fn(), ref, 2e-2):
             fns[label] = fn
-    for page in pages:
+    # Pages in random order (a pool after much allocation and freeing); with in_order_pages also in
+    # sequence order, which tells the cost of the scattered pages (memory system) from the paging's
+    # own (the kernel's per-row work).
+    for page, order in [(p, o) for p in pages for o in ("random", "in order")[: 2 if in_order_pages else 1]]:
         if s % page:
             continue
         n = s // page
-        table = torch.randperm(bsz * n, device=dev).to(torch.int32).reshape(bsz, n)
+        perm = torch.randperm(bsz * n, device=dev) if order == "random" else torch.arange(bsz * n, device=dev)
+        table = perm.to(torch.int32).reshape(bsz, n)
         k_pool, v_pool = (torch.empty(bsz * n, page, hkv, d, dtype=dtype, device=dev) for _ in range(2))
         k_pool[table.long()] = k_cache.reshape(bsz, n, page, hkv, d)
         v_pool[table.long()] = v_cache.reshape(bsz, n, page, hkv, d)
@@ -212,8 +216,9 @@ def kvcache_case(
         def paged(k_pool=k_pool, v_pool=v_pool, table=table):
             return flashmod.flash_attn_with_kvcache(q, k_pool, v_pool, kn, vn, cache_seqlens=seqlens, block_table=table)
 
-        if check(f"paged {page}", paged(), ref, 0.0):
-            fns[f"paged {page}"] = paged
+        label = f"paged {page}" + (" in order" if order == "in order" else "")
+        if check(label, paged(), ref, 0.0):
+            fns[label] = paged
     qb, kb, vb = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
 
     def dense():
@@ -280,6 +285,9 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true", help="kvcache: also each contender captured in a CUDA graph")
     parser.add_argument("--wall", action="store_true", help="kvcache: also wall time per call, back to back, eager")
     parser.add_argument(
+        "--in-order-pages", action="store_true", help="kvcache: also each page size with the pages in sequence order"
+    )
+    parser.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -324,7 +332,7 @@ def main() -> None:
             print(label)
             res = kvcache_case(
                 s, bsz, hq, hkv, d, dtype, dev, 3 if args.smoke else args.reps, pages, variants,
-                args.graphs, args.wall,
+                args.graphs, args.wall, args.in_order_pages,
             )  # fmt: skip
             rows.append({"label": label, "cache": s, "results": res})
         contenders = sorted({c for r in rows for c in r["results"]}, key=lambda c: c != "flashmod")
