@@ -32,8 +32,10 @@ DECODE_MODES = {
 def main() -> None:
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        # (200, 600, 128): the sm_90 warp-specialized kernel's buffer ring wraps around.
-        for nq, nk, d in [(17, 113, 64), (130, 77, 128), (5, 33, 256), (70, 70, 40), (200, 600, 128)]:
+        # (200, 600, 128 / 256): the sm_90 warp-specialized kernel's buffer ring wraps around (at
+        # D = 256 with 64-key blocks and O stored from registers).
+        shapes = [(17, 113, 64), (130, 77, 128), (5, 33, 256), (70, 70, 40), (200, 600, 128), (200, 600, 256)]
+        for nq, nk, d in shapes:
             q, k, v = (torch.randn(1, 2, n, d, device="cuda", dtype=dtype) for n in (nq, nk, nk))
             mask = torch.rand(nq, nk, device="cuda") > 0.3
             attention_op(q, k, v)

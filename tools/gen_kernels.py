@@ -113,7 +113,7 @@ FAMILIES = (
     Family("fwd_sm90", "fwd_sm90_launch.h", (64, 128, 256), (
         "run_attention_fwd_sm90(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
     )),
-    Family("fwd_sm90_ws", "fwd_sm90_ws_launch.h", (64, 128), (
+    Family("fwd_sm90_ws", "fwd_sm90_ws_launch.h", (64, 128, 256), (
         "run_attention_fwd_sm90_ws(const AttentionParams&, const FwdLaunchFlags&, const DeviceWorkspace&, "
         "cudaStream_t)",
     )),

@@ -87,10 +87,12 @@ def test_portable_kernel_where_sm90_exists(monkeypatch, dtype, d, nq, nk, opts):
 # must never bring in the next head's), both causal alignments, windows, GQA; FLASHMOD_DECODE=0 so
 # short query lengths reach these kernels rather than the decode one. At head dims up to 64 both
 # tile heights run: 192 rows (three consumers) and, under a right window bound with at most 1024
-# query rows, 128 (fwd_sm90_ws_launch.h: FwdWsConfig). Soft-capped scores run it too.
+# query rows, 128 (fwd_sm90_ws_launch.h: FwdWsConfig). Soft-capped scores run it too. Head dims
+# 129..256 run its D = 256 variant (64-key blocks, O stored from registers): 179 (odd, element-wise
+# stores) and 256.
 @pytest.mark.parametrize("ws", ["1", "0"])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("d", [40, 64, 111, 128])
+@pytest.mark.parametrize("d", [40, 64, 111, 128, 179, 256])
 @pytest.mark.parametrize("nq,nk", [(1, 1), (17, 1023), (113, 113), (1023, 1023), (1023, 17), (203, 4099), (2053, 1500)])
 @pytest.mark.parametrize(
     "opts",
@@ -121,7 +123,7 @@ def test_sm90_ws_kernel_and_fallback(monkeypatch, ws, dtype, d, nq, nk, opts):
     [{}, {"FLASHMOD_SM90_WS_PERSISTENT": "0"}, {"FLASHMOD_SM90_WS": "0"}],
     ids=["persistent", "one_tile_per_cta", "fa2_style"],
 )
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"window_left": 50, "bottom_right": False}], ids=str)
 def test_sm90_ws_many_tiles(monkeypatch, knobs, d, opts):
     for name, value in knobs.items():
@@ -137,9 +139,10 @@ def test_sm90_ws_many_tiles(monkeypatch, knobs, d, opts):
 # Bool key-padding masks ((B, 1, 1, Nk) and (1, 1, 1, Nk), one bit per key) run the warp-specialized
 # kernel: the producer turns each key block's bytes into bits. Random masks (not prefixes), a batch
 # row with every key hidden (its rows: output 0, lse -inf), a column stride of 2, more tiles than
-# SMs, causal and not, GQA; FLASHMOD_SM90_WS=0 runs the same on the FlashAttention-2-style kernel.
+# SMs, causal and not, GQA; FLASHMOD_SM90_WS=0 runs the same on the FlashAttention-2-style kernel
+# (as does D = 256, whose 64-key blocks the mask bits do not fit: the launch hands it over).
 @pytest.mark.parametrize("ws", ["1", "0"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mask_batch", [3, 1])
 def test_sm90_ws_key_padding_mask(monkeypatch, ws, d, causal, mask_batch):
@@ -159,7 +162,7 @@ def test_sm90_ws_key_padding_mask(monkeypatch, ws, d, causal, mask_batch):
 # Layouts the tensor maps must follow: (B, S, H, D) storage and k/v interleaved in one tensor (TMA
 # takes these), and heads broadcast with stride 0 (TMA cannot: the kernel hands the call over).
 @pytest.mark.parametrize("ws", ["1", "0"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_sm90_ws_layouts(monkeypatch, ws, d):
     monkeypatch.setenv("FLASHMOD_SM90_WS", ws)
     b, nq, nk, h = 3, 300, 519, 6

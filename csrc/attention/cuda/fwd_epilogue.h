@@ -68,4 +68,38 @@ __device__ __forceinline__ void store_out_rows(OnlineSoftmax<MT>& softmax, float
   }
 }
 
+// store_out_rows without a staging area, for a warp's single m16 tile (rows warp_row0 + g and
+// + 8): each lane writes its accumulator pairs to gO itself, 4-byte stores of which a quad's fill
+// 16 contiguous bytes of a row (flags.out_vec16: rows 16-byte aligned and head_dim % 8 == 0;
+// otherwise element by element). lse as store_out_rows writes it.
+template <int DT, typename Elem>
+__device__ __forceinline__ void store_out_rows_from_registers(
+    OnlineSoftmax<1>& softmax, float (&O)[1][DT][4], float c, const AttentionParams& p,
+    const FwdLaunchFlags& flags, Elem* gO, float* gLse, int warp_row0, int rows_q, int lane) {
+  using Mma = Mma16816<Elem>;
+  const int g = lane >> 2, t = lane & 3;
+  const int head_dim = static_cast<int>(p.head_dim);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float inv_l, lse;
+    softmax.finish(0, hh, c, inv_l, lse);  // all lanes: it shuffles within the quad
+    const int row = warp_row0 + g + 8 * hh;
+    if (row >= rows_q) continue;
+    if (t == 0) gLse[row] = lse;
+    Elem* dst = gO + static_cast<int64_t>(row) * p.out_row_stride + 2 * t;
+#pragma unroll
+    for (int di = 0; di < DT; ++di) {
+      const int col = di * 8 + 2 * t;
+      const uint32_t v = Mma::pack(O[0][di][2 * hh] * inv_l, O[0][di][2 * hh + 1] * inv_l);
+      if (flags.out_vec16) {
+        if (col < head_dim) *reinterpret_cast<uint32_t*>(dst + di * 8) = v;
+      } else {
+        const Elem* pair = reinterpret_cast<const Elem*>(&v);
+        if (col < head_dim) dst[di * 8] = pair[0];
+        if (col + 1 < head_dim) dst[di * 8 + 1] = pair[1];
+      }
+    }
+  }
+}
+
 }  // namespace flashmod::cuda_kernels

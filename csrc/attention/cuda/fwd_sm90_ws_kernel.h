@@ -122,11 +122,16 @@ struct FwdWsTraits {
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
   static constexpr int kColBlocks = kHeadDim / 64;  // TMA boxes per tile: 64 columns each
+  // The PV matmul's N: wgmma takes at most 128 here, so D = 256 runs two per 16 keys.
   static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;
   static constexpr int kSmemQ = Br * kHeadDim * 2;   // bytes
   static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of one K_j or one V_j
+  // Whether the epilogue stages O in shared memory (coalesced 16-byte stores) or stores it from
+  // the registers (4-byte stores a quad fills 16 bytes of a row with). At D = 256 Q and the
+  // ring take 192 KB and a staging area would need 64 more.
+  static constexpr bool kStageOut = kHeadDim <= 128;
   // Q_i, the ring of K_j and V_j, then the epilogue's staging area for O (Br x D, as Q).
-  static constexpr int kSmemTiles = kSmemQ + 2 * kStages * kSmemKV + kSmemQ;
+  static constexpr int kSmemTiles = kSmemQ + 2 * kStages * kSmemKV + (kStageOut ? kSmemQ : 0);
   // Barriers after the tiles: full Q, empty Q, full and empty tile slot, the producer's own for
   // a V_j it zeroes rows of, then full K, full V, empty K, empty V per stage.
   static constexpr int kNBarriers = 5 + 4 * kStages;
@@ -148,10 +153,13 @@ struct FwdWsTraits {
   static constexpr int kBarTurn0 = 1;
 
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "whole 64-column boxes, one PV chunk");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole 64-column boxes");
+  static_assert(kHeadDim % kOChunk == 0, "whole PV chunks");
   // Bc = 64 (a wgmma N too) with three consumers failed 4 of the kernel's tests in session 9
-  // (never shipped, not pursued): only Bc = 128 is known good.
-  static_assert(Bc == 128, "the key block this kernel is tested with");
+  // (never shipped, not pursued). D = 256 takes Bc = 64 with two consumers: 128-key blocks
+  // would not fit two stages in shared memory.
+  static_assert(Bc == 128 || (kHeadDim == 256 && Bc == 64 && kConsumers == 2),
+                "the key blocks this kernel is tested with");
   static_assert(kConsumers == 2 || kConsumers == 3, "Br <= 256: one TMA box of Q rows");
   static_assert(kStages >= 2, "the turn order needs a buffer of slack (no deadlock at 1)");
   // setmaxnreg only moves registers within the CTA's launch allocation (ptxas caps each thread
@@ -211,7 +219,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const uint32_t sQ_addr = (raw_addr + 1023) & ~1023u;
   const uint32_t sK_addr0 = sQ_addr + Tr::kSmemQ;              // kStages buffers of K_j
   const uint32_t sV_addr0 = sK_addr0 + kStages * Tr::kSmemKV;  // kStages buffers of V_j
-  const uint32_t sO_addr = sV_addr0 + kStages * Tr::kSmemKV;
+  const uint32_t sO_addr = sV_addr0 + kStages * Tr::kSmemKV;   // (kStageOut)
   const uint32_t bar0 = sQ_addr + Tr::kSmemTiles;
   const uint32_t full_q = bar0, empty_q = bar0 + 8;
   const uint32_t full_slot = bar0 + 16, empty_slot = bar0 + 24, tail_v = bar0 + 32;
@@ -432,7 +440,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < Bc / 16; ++kk)
-        Wgmma<Elem, Tr::kOChunk>::rs_accumulate(O[0], pa[kk], desc_advance(v_desc, kk * 2048));
+#pragma unroll
+        for (int oc = 0; oc < D / Tr::kOChunk; ++oc) {
+          // Columns [oc * kOChunk, ...) of O and of V_j: n8 tiles from oc * kOChunk / 8, V's
+          // 64-wide column blocks from oc * kOChunk / 64 (each Bc * 128 bytes).
+          auto& o_chunk =
+              *reinterpret_cast<float (*)[Tr::kOChunk / 8][4]>(&O[0][oc * Tr::kOChunk / 8]);
+          Wgmma<Elem, Tr::kOChunk>::rs_accumulate(
+              o_chunk, pa[kk],
+              desc_advance(v_desc, kk * 2048 + (oc * Tr::kOChunk / 64) * Bc * 128));
+        }
       wgmma_commit();
     };
     auto release = [&](uint32_t bar) {
@@ -611,10 +628,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
       // Epilogue (fwd_epilogue.h) through this warp's own 16 rows of the staging area: the
       // previous tile's copy-out by other lanes of the warp must be done before they are
-      // overwritten.
-      __syncwarp();
-      store_out_rows<D, 16>(softmax, O, c, sO, seq, flags, gp.out, gp.lse, warp_row0, x.rows_q,
-                            lane);
+      // overwritten. Without one (D = 256), straight from the registers.
+      if constexpr (Tr::kStageOut) {
+        __syncwarp();
+        store_out_rows<D, 16>(softmax, O, c, sO, seq, flags, gp.out, gp.lse, warp_row0, x.rows_q,
+                              lane);
+      } else {
+        store_out_rows_from_registers(softmax, O, c, seq, flags, gp.out, gp.lse, warp_row0,
+                                      x.rows_q, lane);
+      }
     }
   }
 #else

@@ -43,6 +43,15 @@ struct FwdWsConfig<Elem, 128> {
   static bool short_traits(const AttentionParams&) { return false; }
 };
 
+// D = 256: Q (128 rows) and two stages of 64-key K_j, V_j fill 192 KB of shared memory, O
+// stays in registers (128 per consumer thread) and the epilogue stores from them.
+template <typename Elem>
+struct FwdWsConfig<Elem, 256> {
+  using Traits = FwdWsTraits<Elem, 256, 64, 2, 2>;
+  using ShortTraits = Traits;
+  static bool short_traits(const AttentionParams&) { return false; }
+};
+
 // Whether p's mask is a bool key-padding mask: one bit per (batch, key), broadcast over heads and
 // queries ((B, 1, 1, Nk) or (1, 1, 1, Nk) seen through strides).
 inline bool key_padding_mask(const AttentionParams& p) {
@@ -64,6 +73,8 @@ template <class Tr>
 cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
                           const DeviceWorkspace& ws, cudaStream_t stream, bool& launched) {
   launched = false;
+  // The key-padding mask's bits come 128 keys to a block (kKeyMask).
+  if (Tr::Bc != 128 && key_padding_mask(p)) return cudaSuccess;
   // 32-bit tile indices (the kernel's divisions), with room for the dynamic scheduler's claims
   // past the end (one per CTA). Near 2^31 tiles q alone would be terabytes.
   const int64_t tiles = cta_count(p, Tr::Br);
@@ -118,7 +129,9 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
   if (varlen)
     return capped ? launch(attention_fwd_sm90_ws_kernel<Tr, true, false, true>)
                   : launch(attention_fwd_sm90_ws_kernel<Tr, true, false, false>);
-  if (key_padding_mask(p)) return launch(attention_fwd_sm90_ws_kernel<Tr, false, true, false>);
+  if constexpr (Tr::Bc == 128) {
+    if (key_padding_mask(p)) return launch(attention_fwd_sm90_ws_kernel<Tr, false, true, false>);
+  }
   return capped ? launch(attention_fwd_sm90_ws_kernel<Tr, false, false, true>)
                 : launch(attention_fwd_sm90_ws_kernel<Tr, false, false, false>);
 }
