@@ -1,8 +1,11 @@
-"""Registers, spills and wgmma serialization (ptxas's C7518) of every kernel in some CUDA units,
-compiled here with nvcc: no GPU needed. The kernel units are torch-free, so this is the check to
-run before spending device time on a kernel change. C7518 means ptxas made every wgmma of that
-kernel wait for the previous one (a wait it inserted in a divergent path): the kernel still passes
-its tests but runs at a fraction of its speed (session 10: 0.60x), and nothing else reports it.
+"""Registers, spills, wgmma serialization (ptxas's C7518) and machine-code size of every kernel in
+some CUDA units, compiled here with nvcc: no GPU needed. The kernel units are torch-free, so this is
+the check to run before spending device time on a kernel change. C7518 means ptxas made every wgmma
+of that kernel wait for the previous one (a wait it inserted in a divergent path): the kernel still
+passes its tests but runs at a fraction of its speed (session 10: 0.60x), and nothing else reports
+it. The size (SASS instructions, from the cubin's .text section) matters where a kernel runs from
+a cold instruction cache: the KV-cache decode kernel at 7160 instructions spent 24 % of its stall
+samples waiting for instructions, 6.5 us a call, and at 4272 none (session 11).
 Usage: python tools/ptxas_report.py [unit ...] [--arch 90a] [--jobs 2]
   unit: a .cu path or a name under csrc/attention/cuda/generated/ (default: the fwd_sm90_ws units)"""
 
@@ -12,6 +15,7 @@ import argparse
 import concurrent.futures
 import pathlib
 import re
+import struct
 import subprocess
 import tempfile
 
@@ -19,20 +23,34 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "csrc/attention/cuda/generated"
 
 
-def compile_unit(unit: pathlib.Path, arch: str) -> str:
-    """ptxas's -v report for one unit (flags as setup.py's, plus -Xptxas -v)."""
+def text_sizes(cubin: bytes) -> dict[str, int]:
+    """SASS instructions per kernel: the size of each .text.<kernel> section (16 bytes each)."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = headers[shstrndx][4]  # the section-name table's file offset
+    sizes = {}
+    for h in headers:
+        name = cubin[names + h[0] : cubin.index(b"\0", names + h[0])].decode()
+        if name.startswith(".text."):
+            sizes[name[len(".text.") :]] = h[5] // 16
+    return sizes
+
+
+def compile_unit(unit: pathlib.Path, arch: str) -> tuple[str, dict[str, int]]:
+    """ptxas's -v report for one unit (flags as setup.py's, plus -Xptxas -v) and its kernels' sizes."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             "nvcc", "-std=c++17", "-O3", "--use_fast_math", "--expt-relaxed-constexpr",
-            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", "-c", str(unit),
-            "-o", f"{tmp}/unit.o",
+            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", "-cubin", str(unit),
+            "-o", f"{tmp}/unit.cubin",
         ]  # fmt: skip
         if arch == "90a":
             cmd.insert(1, "-DFLASHMOD_BUILT_SM90A")
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=unit.parent)
-    if done.returncode != 0:
-        return f"ERROR {unit.name}\n{done.stderr[-2000:]}"
-    return done.stderr
+        if done.returncode != 0:
+            return f"ERROR {unit.name}\n{done.stderr[-2000:]}", {}
+        return done.stderr, text_sizes(pathlib.Path(f"{tmp}/unit.cubin").read_bytes())
 
 
 def short_name(mangled: str) -> str:
@@ -42,13 +60,15 @@ def short_name(mangled: str) -> str:
     while (m := re.match(r"(\d+)", rest)) is not None:  # the nested name's <length><name> parts
         n = int(m.group(1))
         last, rest = rest[m.end() : m.end() + n], rest[m.end() + n :]
-    args = re.findall(r"L[ib](\d+)E", rest)
+    # Integer and bool arguments, and enums (KvAddressing) as their values.
+    args = re.findall(r"L(?:[ib]|NS\d_\d+\w+?E)(\d+)E", rest)
     elem = "bf16" if "bfloat16" in rest else "fp16" if "half" in rest else ""
     return f"{last or mangled[:60]} {elem} <{','.join(args)}>"
 
 
-def report(text: str) -> list[tuple[str, str, str, bool]]:
-    """(kernel, registers, spill stores/loads, serialized) per entry function in a -v report."""
+def report(text: str) -> list[tuple[str, str, str, bool, str]]:
+    """(kernel, registers, spill stores/loads, serialized, mangled name) per entry function in a -v
+    report."""
     rows, name, serialized = [], None, set()
     for line in text.splitlines():
         if "C7518" in line:
@@ -66,6 +86,7 @@ def report(text: str) -> list[tuple[str, str, str, bool]]:
                 regs.group(1) if regs else "?",
                 f"{spill.group(1)}/{spill.group(2)}" if spill else "?",
                 name in serialized,
+                name,
             )
         )
     return rows
@@ -81,18 +102,19 @@ def main() -> None:
     units = [pathlib.Path(n) if pathlib.Path(n).exists() else GENERATED / pathlib.Path(n).with_suffix(".cu").name
              for n in names]  # fmt: skip
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        texts = list(pool.map(lambda u: compile_unit(u, args.arch), units))
+        results = list(pool.map(lambda u: compile_unit(u, args.arch), units))
     bad = 0
-    for unit, text in zip(units, texts):
+    for unit, (text, sizes) in zip(units, results):
         print(f"== {unit.name}")
         if text.startswith("ERROR"):
             print(text)
             bad += 1
             continue
-        for kernel, regs, spill, serialized in report(text):
+        for kernel, regs, spill, serialized, mangled in report(text):
             flag = "  SERIALIZED WGMMA (C7518)" if serialized else ""
             bad += serialized
-            print(f"  {kernel:60s} regs {regs:>3s}  spill st/ld {spill:>9s}{flag}")
+            size = sizes.get(mangled, 0)
+            print(f"  {kernel:60s} regs {regs:>3s}  spill st/ld {spill:>9s}  SASS {size:5d}{flag}")
     raise SystemExit(1 if bad else 0)
 
 
