@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# Nsight Compute on one decode step of flash_attn_with_kvcache (B = 8, 32/8 heads, D = 128, bf16,
-# one new token; caches of $SIZES tokens): duration, DRAM throughput and the warp issue rate of the
-# decode kernel, under the FLASHMOD_* knobs of the environment. ncu flushes the caches before the profiled launch, as bench_serve.py's
-# cold-L2 timing does. Needs a built tree (gpu_check.sh). Usage: SIZES="1024 4096" bash tools/ncu_decode.sh
+# Nsight Compute on one decode step, the KV-cache kernel (flash_attn_with_kvcache) and the dense one
+# (flashmod.attention) on the same cache (B = 8, 32/8 heads, D = 128, bf16, one new token), under
+# the FLASHMOD_* knobs of the environment: duration, DRAM bytes, instructions and the stall
+# sampling per SASS instruction (tools/ncu_stall_table.py), caches flushed before the profiled
+# launch as bench_serve.py's cold-L2 timing does. Needs a built tree (gpu_check.sh). Keeps one text
+# file per (mode, size) in $OUT.
+# Usage: SIZES="1024 4096" MODES="dense kvcache" bash tools/ncu_decode.sh
 set -uo pipefail
-OUT=${OUT:-gpu_logs}
-mkdir -p "$OUT"
+OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 for s in ${SIZES:-1024 4096}; do
-  for _ in 1; do
-    echo "== cache $s" | tee -a "$OUT/ncu-decode.txt"
-    timeout 180 ncu --clock-control none --kernel-name regex:attention_ \
-      --launch-skip 2 --launch-count 1 --section SpeedOfLight --section LaunchStats \
-      --section WarpStateStats --section MemoryWorkloadAnalysis python -c "
+for mode in ${MODES:-dense kvcache}; do
+  rep="$OUT/dec-$mode-$s"
+  timeout 150 ncu --clock-control none --kernel-name regex:attention_fwd_kernel --launch-skip 2 \
+    --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SourceCounters --section LaunchStats \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum,sm__cycles_active.avg,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum \
+    --import-source no -f -o "$rep" python -c "
 import torch, flashmod
 b, hq, hkv, d, s = 8, 32, 8, 128, $s
 kc, vc = (torch.randn(b, s, hkv, d, device='cuda', dtype=torch.bfloat16) for _ in range(2))
@@ -20,9 +23,18 @@ q = torch.randn(b, 1, hq, d, device='cuda', dtype=torch.bfloat16)
 kn, vn = (torch.randn(b, 1, hkv, d, device='cuda', dtype=torch.bfloat16) for _ in range(2))
 lens = torch.full((b,), s - 1, dtype=torch.int32, device='cuda')
 for _ in range(3):
-    flashmod.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens)
+    if '$mode' == 'dense':
+        flashmod.attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2))
+    else:
+        flashmod.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens)
 torch.cuda.synchronize()
-" 2>&1 | grep -E "attention_|Duration|DRAM Throughput|Memory Throughput|Grid Size|Registers|Stall|Warp Cycles Per|Active Warps|L2 Hit|Mem Busy|Max Bandwidth|==ERR|==WARN" |
-      sed -E 's/\(flashmod::AttentionParams.*//' | tee -a "$OUT/ncu-decode.txt"
-  done
+" >"$rep.log" 2>&1 || { tail -5 "$rep.log"; continue; }
+  ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep.csv" 2>"$rep.err"
+  ncu -i "$rep.ncu-rep" --page details >"$rep.txt" 2>&1
+  echo "== $mode $s"
+  grep -E "Duration|DRAM Through|Registers Per|Grid Size|dram__bytes|smsp__inst_executed|sm__cycles_active|local_op|Warp Cycles Per Issued|Stack" "$rep.txt" | head -16
+  python tools/ncu_stall_table.py "$rep.csv" 22 >> "$rep.txt"
+  python tools/ncu_stall_table.py "$rep.csv" 22 | head -40
+  rm -f "$rep.ncu-rep" "$rep.err" "$rep.log" "$rep.csv"
+done
 done
