@@ -52,8 +52,8 @@ constexpr bool same_name(const char* a, const char* b) {
 template <int N>
 constexpr int find_tile(const KernelTile (&tiles)[N], const char* name, int head_dim) {
   for (int i = 0; i < N; ++i)
-    if (tiles[i].head_dim == head_dim && (*name == 0 ? tiles[i].is_default
-                                                    : same_name(tiles[i].name, name)))
+    if (tiles[i].head_dim == head_dim &&
+        (*name == 0 ? tiles[i].is_default : same_name(tiles[i].name, name)))
       return i;
   return -1;
 }
