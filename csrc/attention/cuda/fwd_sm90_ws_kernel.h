@@ -28,7 +28,8 @@
 //     occupy the tensor cores. A consumer stops at the last key block its own 64 rows see
 //     (three consumers under a causal bound: a block before the tile's last), passing the
 //     turns of the rest without a matmul. The epilogue stages each warp's rows in a
-//     shared-memory area of its own, so it needs no barrier either.
+//     shared-memory area of its own, so it needs no barrier either (D = 256, whose shared memory
+//     holds no staging area: each lane stores its own accumulators).
 // Nothing waits on the whole CTA after the barrier initialization. Rows past seqlen_q and keys
 // past seqlen_k arrive as zeros (the tensor maps bound each (batch, head)'s rows) and are masked as
 // in the FlashAttention-2-style kernel (fwd_sm90_kernel.h), whose softmax and epilogue code this
