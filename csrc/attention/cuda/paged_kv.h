@@ -135,10 +135,15 @@ __device__ __forceinline__ void load_kv_tile(const Plan& plan, uint32_t sk, uint
     const int64_t first_new = row0 - src.new_from;
     const Elem* k_tail = src.k_new != nullptr ? src.k_new + first_new * s.kn_row_stride : src.k;
     const Elem* v_tail = src.v_new != nullptr ? src.v_new + first_new * s.vn_row_stride : src.v;
-    plan.load_two_sources(sk, src.k + k_off, s.k_row_stride, k_tail, s.kn_row_stride, cache_rows,
-                          valid);
-    plan.load_two_sources(sv, src.v + v_off, s.v_row_stride, v_tail, s.vn_row_stride, cache_rows,
-                          valid);
+    if (cache_rows == valid) {  // every tile but the new keys' one: the plain copy loop
+      plan.load(sk, src.k + k_off, s.k_row_stride, valid);
+      plan.load(sv, src.v + v_off, s.v_row_stride, valid);
+    } else {
+      plan.load_two_sources(sk, src.k + k_off, s.k_row_stride, k_tail, s.kn_row_stride, cache_rows,
+                            valid);
+      plan.load_two_sources(sv, src.v + v_off, s.v_row_stride, v_tail, s.vn_row_stride, cache_rows,
+                            valid);
+    }
   } else if constexpr (kAddr != kDense) {
     load_kv_block<kAddr>(plan, sk, src.k, s, row0, s.k_page_stride, s.k_row_stride, valid);
     load_kv_block<kAddr>(plan, sv, src.v, s, row0, s.v_page_stride, s.v_row_stride, valid);
