@@ -5,13 +5,16 @@ folder is on ``sys.path`` when run as scripts); scripts in tools/ put benchmarks
 Timing rules, the same for every contender of a run:
 
 * warm-up calls first, then timed rounds in which every contender runs once, in turn, so clock and
-  thermal drift weigh on all alike; the result is the median per contender;
+  thermal drift weigh on all alike; the order rotates from round to round, so every contender
+  holds every place in the round equally often; the result is the median per contender. (The
+  place matters: on an H100 the first call after the spin kernel below ran 3-4 % slower than the
+  same call right after it at N = 512-1k, 1 % at 2k; benchmarks/results/design/
+  cuda-hopper-forward.md, session 12. Until then the order was fixed, flashmod first.)
 * CUDA: device time between events around each call, each round queued behind a ~1 ms spin kernel
   so the events time the kernels and not the host's launch overhead; with ``isolate`` every call
   also starts from an L2 cache holding none of its data (a read of twice the L2 size before it,
-  outside the events) and the order of the contenders rotates from round to round, so no contender
-  reads what the one before it left in L2 (contenders that share inputs, such as decode caches of a
-  few tens of MB, otherwise do) or profits from its place in the round;
+  outside the events), so no contender reads what the one before it left in L2 (contenders that
+  share inputs, such as decode caches of a few tens of MB, otherwise do);
 * CPU: wall time with ``time.perf_counter``.
 """
 
@@ -55,8 +58,8 @@ def device_name(device: str) -> str:
 def median_times(
     fns: dict[str, Callable[[], Any]], device: str, warmup: int, reps: int, isolate: bool = False
 ) -> dict[str, float]:
-    """Median seconds per call of each fn, over ``reps`` interleaved rounds after ``warmup`` calls each
-    (``isolate``: cold L2 before every call and a rotating order, see the module docstring)."""
+    """Median seconds per call of each fn, over ``reps`` interleaved rounds in a rotating order after
+    ``warmup`` calls each (``isolate``: cold L2 before every call; see the module docstring)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -72,7 +75,7 @@ def median_times(
             # Spin (cycles; ~1 ms, more for long rounds) while the host queues the whole round.
             torch.cuda._sleep(2_000_000 + (500_000 * len(fns) if isolate else 0))
             events = []
-            order = names[rep % len(names) :] + names[: rep % len(names)] if isolate else names
+            order = names[rep % len(names) :] + names[: rep % len(names)]
             for name in order:
                 fn = fns[name]
                 if flush is not None:
@@ -86,8 +89,10 @@ def median_times(
             for name, start, end in events:
                 times[name].append(start.elapsed_time(end) / 1e3)
     else:
-        for _ in range(reps):
-            for name, fn in fns.items():
+        names = list(fns)
+        for rep in range(reps):
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                fn = fns[name]
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
