@@ -23,6 +23,9 @@
 //   FLASHMOD_DECODE_SPLITS=n          exactly n split-KV splits (0: the heuristic)
 //   FLASHMOD_DECODE_FUSED_COMBINE=0   split-KV partials merged by the combine kernel, not by each
 //                                     tile's last CTA
+//   FLASHMOD_STREAM_COUNTERS=0        the decode combine's and the tile scheduler's counters
+//                                     zeroed by a memset per call, not shared per stream
+//                                     (stream_counters.h)
 //   FLASHMOD_KVCACHE_FUSED_APPEND=0   decode-shaped KV-cache calls append with the append kernel
 //                                     before the attention, not inside it
 //   FLASHMOD_SOFTMAX_TRACE=1          prints the softmax launch path

@@ -393,6 +393,30 @@ def test_sm90_ws_dynamic_schedule_replays_in_cuda_graph():
     assert_within_rule(lse, truth_l, plain_l.float(), 2.0, q.dtype, "lse")
 
 
+# Eager calls share the stream's scheduler counters, which the last CTA of each launch zeroes
+# again: launches of different grids, one after another on two streams, must each compute every
+# tile (fresh inputs per call, so a tile left unwritten cannot hold a right answer from before),
+# bitwise as with a memset per call.
+def test_sm90_ws_dynamic_schedule_shared_counters(monkeypatch):
+    shapes = [(3, 16, 1023, 128), (1, 4, 300, 64), (2, 8, 2000, 128), (1, 2, 129, 64)]
+    side = torch.cuda.Stream()
+    for round_ in range(3):
+        for stream in (torch.cuda.current_stream(), side):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for b, h, n, d in shapes:
+                    q, k, v = (rand(b, h, n, d, dtype=torch.bfloat16) for _ in range(3))
+                    monkeypatch.delenv("FLASHMOD_STREAM_COUNTERS", raising=False)
+                    out, lse = attention_op(q, k, v, is_causal=True)
+                    monkeypatch.setenv("FLASHMOD_STREAM_COUNTERS", "0")
+                    ref, ref_lse = attention_op(q, k, v, is_causal=True)
+                    assert torch.equal(out, ref) and torch.equal(lse, ref_lse), (round_, b, h, n, d)
+            torch.cuda.current_stream().wait_stream(stream)
+    truth_o, _ = attention_reference(q, k, v, None, compute_dtype=torch.float64, is_causal=True)
+    plain_o, _ = attention_reference(q, k, v, None, compute_dtype=q.dtype, is_causal=True)
+    assert_within_rule(out, truth_o, plain_o, 2.0, q.dtype, "out")
+
+
 def test_non_default_stream():
     q, k, v = (rand(2, 4, 1000, 128, dtype=torch.float16) for _ in range(3))
     expected, _ = attention_op(q, k, v)
@@ -450,12 +474,17 @@ DECODE_MODES = {
         "FLASHMOD_DECODE_SPLITS": "3",
         "FLASHMOD_DECODE_FUSED_COMBINE": "0",
     },
+    # The fused combine's counters zeroed by a memset per call instead of the stream's shared ones
+    # (which each tile's last CTA leaves zero): bitwise the same as packed_5splits. Every mode
+    # runs after others on the same stream, so a counter left nonzero shows as a wrong answer.
+    "packed_5splits_memset": {"FLASHMOD_DECODE_SPLITS": "5", "FLASHMOD_STREAM_COUNTERS": "0"},
 }
 DECODE_KNOBS = (
     "FLASHMOD_DECODE",
     "FLASHMOD_DECODE_PACK",
     "FLASHMOD_DECODE_SPLITS",
     "FLASHMOD_DECODE_FUSED_COMBINE",
+    "FLASHMOD_STREAM_COUNTERS",
 )
 
 
@@ -482,6 +511,7 @@ def check_all_decode_modes(monkeypatch, q, k, v, mask=None, **opts):
     same = (
         ("packed_5splits", "packed_5splits_kernel"),
         ("unpacked_3splits", "unpacked_3splits_kernel"),
+        ("packed_5splits", "packed_5splits_memset"),
     )
     for fused, kernel in same:
         for a, b in zip(results[fused], results[kernel]):  # bitwise, NaN rows included

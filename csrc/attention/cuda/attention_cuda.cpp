@@ -31,7 +31,7 @@ bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, in
   if (p.seqlen_q > cuda_kernels::kDecodeMaxNq || !env_flag("FLASHMOD_DECODE", true)) return false;
   if (env_flag("FLASHMOD_DECODE_PACK", true)) cuda_kernels::pack_gqa_rows(p);
   const cuda_kernels::DecodeOptions opt = decode_options();
-  TorchWorkspace workspace(options);  // the split-KV partials
+  TorchWorkspace workspace(options, stream);  // the split-KV partials
   const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
   return cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, err);
 }
@@ -67,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
     if (run_decode(p, flags, padded, q.options(), stream, err)) {
       // run_decode launched it
     } else if (use_sm90_ws_kernel(padded)) {
-      TorchWorkspace workspace(q.options());  // the tile scheduler's counter
+      TorchWorkspace workspace(q.options(), stream);  // the tile scheduler's counter
       const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
       switch (key) {
 #define FLASHMOD_SM90_WS_CASE(Elem, kind, D)                                      \

@@ -25,7 +25,24 @@ struct FwdLaunchFlags {
 struct DeviceWorkspace {
   void* ctx = nullptr;
   void* (*alloc)(void* ctx, size_t bytes) = nullptr;
+  // `count` int counters that are zero now, for kernels that leave every counter they were given
+  // zero again (the last CTA to use one resets it): consecutive launches on one stream then share
+  // them, without a memset node ahead of each. nullptr where not offered (e.g. while the stream is
+  // captured into a graph, which may be replayed beside other work): acquire_zeroed_counters then
+  // allocates and zeroes.
+  int* (*zeroed_counters)(void* ctx, size_t count) = nullptr;
 };
+
+// `count` zeroed counters for one launch on `stream` into `out`: the stream's shared ones when the
+// workspace offers them, else fresh memory and a memset.
+inline cudaError_t acquire_zeroed_counters(const DeviceWorkspace& ws, size_t count,
+                                           cudaStream_t stream, int*& out) {
+  out = ws.zeroed_counters ? ws.zeroed_counters(ws.ctx, count) : nullptr;
+  if (out != nullptr) return cudaSuccess;
+  out = ws.alloc ? static_cast<int*>(ws.alloc(ws.ctx, count * sizeof(int))) : nullptr;
+  if (out == nullptr) return cudaErrorMemoryAllocation;
+  return cudaMemsetAsync(out, 0, count * sizeof(int), stream);
+}
 
 // fp16/bf16 (Elem = __half or __nv_bfloat16) on tensor cores, head_dim <= kHeadDim. Requires
 // q/k/v row starts to be 16-byte aligned (cp.async). Returns the first CUDA error of the set-up
@@ -58,7 +75,9 @@ struct SplitKvArgs {
   float* lse = nullptr;  // (splits, rows): each split's lse, -inf where it saw no visible key
   // Zeroed, one per CTA tile without its split index (cta_count(p, Br)): the fused combine. Each
   // split's CTA counts itself in after writing its partial, and the last one merges the tile's
-  // rows (split_combine.h: combine_split_row), so no combine kernel runs. nullptr: the kernel.
+  // rows (split_combine.h: combine_split_row) and zeroes the counter again, so no combine kernel
+  // runs and the next launch needs no memset (DeviceWorkspace::zeroed_counters). nullptr: the
+  // kernel.
   int* tile_counters = nullptr;
 };
 

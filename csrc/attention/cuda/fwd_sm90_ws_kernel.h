@@ -72,8 +72,8 @@
 namespace flashmod::cuda_kernels::sm90 {
 
 // How CTAs find their tiles (numbered in cta_tile's order). next_tile == nullptr: round-robin.
-// Otherwise a zeroed counter, and tile gridDim.x + atomicAdd(next_tile, 1) is the next one to
-// take.
+// Otherwise two zeroed counters: tile gridDim.x + atomicAdd(next_tile, 1) is the next one to
+// take, and next_tile[1] counts the CTAs done claiming (the last one zeroes both again).
 struct WsSchedule {
   unsigned* next_tile = nullptr;
 };
@@ -384,6 +384,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         }
       }
       index = claim_next(index);
+    }
+    // This CTA claims no more tiles. The last CTA to get here zeroes the claim counter and the
+    // count of finished CTAs, so the next launch on the stream finds them zero (no memset).
+    if (dynamic && leader) {
+      __threadfence();  // this CTA's claims come before its count
+      if (atomicAdd(sched.next_tile + 1, 1u) == gridDim.x - 1) {
+        __threadfence();  // and every CTA's claims before the reset
+        atomicExch(sched.next_tile, 0u);
+        atomicExch(sched.next_tile + 1, 0u);
+      }
     }
   } else {
     setmaxnreg_inc<Tr::kConsumerRegs>();

@@ -17,30 +17,23 @@
 namespace flashmod::cuda_kernels {
 namespace sm90 {
 
-// (Bc, consumer warpgroups, stages) per head dim; Br = 64 * consumers. Traits serves every call
-// but those short_traits picks ShortTraits for. benchmarks/results/design/cuda-hopper-forward.md
-// has the measurements behind them.
+// (Bc, consumer warpgroups, stages) per head dim; Br = 64 * consumers.
+// benchmarks/results/design/cuda-hopper-forward.md has the measurements behind them.
 template <typename Elem, int kHeadDim>
 struct FwdWsConfig;
 // D = 64: three consumers (Br 192). A consumer's two matmuls per key block are half as long as
 // at D = 128 while its softmax is not, so two consumers cannot hide one's softmax under the
 // other's matmuls; with three, each softmax has two others' to hide under: +8-20% non-causal,
-// +6-13% causal from N = 2k (H200, bf16). Causal with at most 1k query rows keeps two (Br 128):
-// there the longest tile of 192 rows holds 64 real ones (1.5x the useful block-rows against
-// 1.13x), and two consumers ran 8% faster.
+// +6-13% causal from N = 2k (H200, bf16), and at N = 512-1k, where the last 192-row tile of a
+// head is a third full, still +6-7% non-causal and +2% causal (H100, session 12, the benchmark's
+// order rotating; two consumers had been kept for causal N <= 1k on a fixed-order measurement).
 template <typename Elem>
 struct FwdWsConfig<Elem, 64> {
   using Traits = FwdWsTraits<Elem, 64, 128, 3, 2>;
-  using ShortTraits = FwdWsTraits<Elem, 64, 128, 2, 2>;
-  static bool short_traits(const AttentionParams& p) {
-    return p.window_right >= 0 && p.seqlen_q <= 1024;
-  }
 };
 template <typename Elem>
 struct FwdWsConfig<Elem, 128> {
   using Traits = FwdWsTraits<Elem, 128, 128, 2, 2>;
-  using ShortTraits = Traits;
-  static bool short_traits(const AttentionParams&) { return false; }
 };
 
 // D = 256: Q (128 rows) and two stages of 64-key K_j, V_j fill 192 KB of shared memory, O
@@ -48,8 +41,6 @@ struct FwdWsConfig<Elem, 128> {
 template <typename Elem>
 struct FwdWsConfig<Elem, 256> {
   using Traits = FwdWsTraits<Elem, 256, 64, 2, 2>;
-  using ShortTraits = Traits;
-  static bool short_traits(const AttentionParams&) { return false; }
 };
 
 // Whether p's mask is a bool key-padding mask: one bit per (batch, key), broadcast over heads and
@@ -116,10 +107,10 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
   if (varlen || !flags.one_tile_per_cta) grid = tiles < sms ? tiles : sms;
   // A grid of one CTA has nothing to balance.
   if (varlen || (!flags.one_tile_per_cta && p.window_right >= 0 && grid > 1)) {
-    sched.next_tile = static_cast<unsigned*>(ws.alloc(ws.ctx, sizeof(unsigned)));
-    if (sched.next_tile == nullptr) return cudaErrorMemoryAllocation;
-    err = cudaMemsetAsync(sched.next_tile, 0, sizeof(unsigned), stream);
+    int* counters = nullptr;
+    err = acquire_zeroed_counters(ws, 2, stream, counters);
     if (err != cudaSuccess) return err;
+    sched.next_tile = reinterpret_cast<unsigned*>(counters);
   }
   auto launch = [&](auto kernel) {
     return cuda::launch_kernel(kernel, grid, Tr::kNThreads, Tr::kSmemBytes, stream, tm_q, tm_k,
@@ -145,11 +136,8 @@ cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchF
       p.seqlen_k < (int64_t{1} << 31) && p.batch < (int64_t{1} << 31) &&
       p.heads_q < (int64_t{1} << 31)) {
     bool launched = false;
-    using Config = sm90::FwdWsConfig<Elem, kHeadDim>;
-    const cudaError_t err =
-        Config::short_traits(p)
-            ? sm90::launch_fwd_ws<typename Config::ShortTraits>(p, flags, ws, stream, launched)
-            : sm90::launch_fwd_ws<typename Config::Traits>(p, flags, ws, stream, launched);
+    const cudaError_t err = sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Elem, kHeadDim>::Traits>(
+        p, flags, ws, stream, launched);
     if (launched) return err;
   }
   // The tensors or options TMA or this kernel cannot take: the FlashAttention-2-style kernel.

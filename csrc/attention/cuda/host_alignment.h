@@ -14,6 +14,7 @@
 #include "../../common/knobs.h"
 #include "entry_points.h"
 #include "generated/kernel_variants.h"
+#include "stream_counters.h"
 
 namespace flashmod {
 
@@ -134,11 +135,13 @@ inline cuda_kernels::BwdRowStats allocate_bwd_row_stats(const AttentionBwdParams
 
 // Scratch device memory for one launch (entry_points.h: DeviceWorkspace: the split-KV partials
 // of the decode kernel, the tile counter of the warp-specialized forward) from torch's caching
-// allocator on the current stream. One allocation per object; it is freed with the object, in
-// stream order, so the kernels still queued keep it.
+// allocator on the current stream, and the stream's shared zeroed counters (stream_counters.h).
+// Every allocation lives as long as the object; it is freed with it, in stream order, so the
+// kernels still queued keep it.
 class TorchWorkspace {
  public:
-  explicit TorchWorkspace(const at::TensorOptions& options) : options_(options) {}
+  TorchWorkspace(const at::TensorOptions& options, cudaStream_t stream)
+      : options_(options), stream_(stream) {}
   TorchWorkspace(const TorchWorkspace&) = delete;
   TorchWorkspace& operator=(const TorchWorkspace&) = delete;
 
@@ -147,16 +150,20 @@ class TorchWorkspace {
     ws.ctx = this;
     ws.alloc = [](void* self, size_t bytes) -> void* {
       auto* w = static_cast<TorchWorkspace*>(self);
-      w->memory_ =
-          at::empty({static_cast<int64_t>((bytes + 3) / 4)}, w->options_.dtype(at::kFloat));
-      return w->memory_.data_ptr();
+      w->memory_.push_back(
+          at::empty({static_cast<int64_t>((bytes + 3) / 4)}, w->options_.dtype(at::kFloat)));
+      return w->memory_.back().data_ptr();
+    };
+    ws.zeroed_counters = [](void* self, size_t count) -> int* {
+      return stream_zeroed_counters(static_cast<TorchWorkspace*>(self)->stream_, count);
     };
     return ws;
   }
 
  private:
   at::TensorOptions options_;
-  at::Tensor memory_;
+  cudaStream_t stream_;
+  std::vector<at::Tensor> memory_;
 };
 
 }  // namespace flashmod

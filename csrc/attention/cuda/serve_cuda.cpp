@@ -44,13 +44,13 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
     const cuda_kernels::DecodeOptions opt = decode_options();
     // The split-KV workspace depends on shapes only (batch, heads, seqlen_q, the cache's
     // capacity), never on values, so a captured graph replays with the same allocation.
-    TorchWorkspace workspace(options);
+    TorchWorkspace workspace(options, stream);
     const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
     cudaError_t err = cudaSuccess;
     if (cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, err)) return err;
   }
-  if (use_sm90_ws_kernel(padded)) {     // packed rows; it hands over what it cannot take
-    TorchWorkspace workspace(options);  // the tile scheduler's counter
+  if (use_sm90_ws_kernel(padded)) {             // packed rows; it hands over what it cannot take
+    TorchWorkspace workspace(options, stream);  // the tile scheduler's counter
     const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
     switch (key) {
 #define FLASHMOD_SERVE_PREFILL_SM90_WS(E, kind, D)     \

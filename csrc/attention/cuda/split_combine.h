@@ -88,6 +88,8 @@ __device__ __forceinline__ void finish_split_cta(const SplitKvArgs& sk, int64_t 
   // Publishes `last` to the CTA.
   __syncthreads();
   if (!last) return;
+  // Every split has counted itself in: the counter is free to be zero for the next launch.
+  if (threadIdx.x == 0) sk.tile_counters[tile_id] = 0;
   __threadfence();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < rows_q; r += kThreads / 32)
@@ -121,21 +123,20 @@ cudaError_t launch_split_combine(const AttentionParams& p, const SplitKvArgs& sk
 }
 
 // The split-KV workspace of a decode launch with `splits` > 1: partial O and lse (fp32) for
-// `rows` rows, then with the fused combine one counter per CTA tile (`tiles`), zeroed here by a
-// memset node (cheaper than the combine kernel it replaces, which waits for the whole grid).
+// `rows` rows, then with the fused combine one zeroed counter per CTA tile (`tiles`): the
+// stream's shared counters (DeviceWorkspace::zeroed_counters), else a memset node (still cheaper
+// than the combine kernel it replaces, which waits for the whole grid).
 // Shapes only, never values: a captured graph replays with the same allocation.
 template <int kHeadDim>
 cudaError_t alloc_split_workspace(SplitKvArgs& sk, int64_t rows, int64_t tiles, bool fused_combine,
                                   const DeviceWorkspace& ws, cudaStream_t stream) {
   const size_t floats = static_cast<size_t>(sk.splits) * rows * (kHeadDim + 1);
-  const size_t counters = fused_combine ? static_cast<size_t>(tiles) : 0;
-  void* w = ws.alloc ? ws.alloc(ws.ctx, (floats + counters) * sizeof(float)) : nullptr;
+  void* w = ws.alloc ? ws.alloc(ws.ctx, floats * sizeof(float)) : nullptr;
   if (w == nullptr) return cudaErrorMemoryAllocation;
   sk.o = static_cast<float*>(w);
   sk.lse = sk.o + static_cast<size_t>(sk.splits) * rows * kHeadDim;
   if (!fused_combine) return cudaSuccess;
-  sk.tile_counters = reinterpret_cast<int*>(sk.o + floats);
-  return cudaMemsetAsync(sk.tile_counters, 0, counters * sizeof(int), stream);
+  return acquire_zeroed_counters(ws, static_cast<size_t>(tiles), stream, sk.tile_counters);
 }
 
 }  // namespace flashmod::cuda_kernels
