@@ -48,23 +48,35 @@ inline int64_t decode_key_blocks(const AttentionParams& p, int bc) {
 }
 
 // Split-KV heuristic. A decode grid has one CTA per (query block, head): often far fewer than
-// the SMs can hold, so most of HBM's bandwidth idles while each CTA walks all of Nk. Splitting
-// every CTA's key blocks into `splits` runs multiplies the grid; aim for one full wave of
-// resident CTAs (slots = SMs x CTAs per SM): every SM streams, and each split stays as long as
-// possible. Measured on an H100 (tools/decode_splits.py, bf16, B 8, Hq 32 / Hkv 8, D 128,
-// Nq 1; 64 packed CTAs, 264 slots): one wave (4 splits) 8.05 / 10.92 / 12.15 TFLOP/s at Nk 4k /
-// 16k / 64k, two waves (8 splits) 7.43 / 10.69 / 11.99, FLASH 8.05 / 10.93 / 12.09. floor()
-// keeps the grid at or just under a full wave. Each split keeps >= kMinBlocksPerSplit key blocks
-// (256 keys) so its fixed costs (Q load, pipeline fill, partial write, its share of the combine)
-// stay small next to its K/V stream, and splits <= kMaxSplits bounds the workspace and the
-// combine's loop. A grid that already fills a wave is not split. Last, the count is evened out:
-// with per = ceil(blocks / splits) blocks each, ceil(blocks / per) splits cover them with no empty
-// split.
+// the SMs, so most of HBM's bandwidth idles while each CTA walks all of Nk. Splitting every CTA's
+// key blocks into `splits` runs multiplies the grid, but each split adds fixed costs (its Q load
+// and pipeline fill, a partial to write, and a share of the combine, which reads every split's
+// partial in turn). Measured on an H100 (tools/decode_splits.py, cold L2, bf16, Hq 32 / Hkv 8,
+// D 128, Nq 1, B 1-16, Nk 1k-64k; benchmarks/results/2026-11-26-h100-decode-splits-session12.txt):
+// - the base grid is one CTA per SM (`sms`): B 8 / 16 at 1k-2k ran 5-8 % faster on it than on
+//   every resident CTA's slot (`slots`, two per SM);
+// - splits beyond ~sqrt(key blocks) cost more in the combine than they gain: B 1 at 4k-16k and
+//   B 2 at 4k ran 1.17-1.46x faster on 8-16 splits than on the 16-32 that filled the slots;
+// - the slots are filled where each split still streams enough keys: >= 32 key blocks, or >= 16
+//   when that stays within half of sqrt(key blocks) splits (B 8 at 4k-64k and B 16 from 4k:
+//   1-6 % faster than one CTA per SM; B 2 at 16k 8 % slower, B 1 at 64k 10 % slower);
+// - each split keeps >= kMinBlocksPerSplit key blocks (256 keys).
+// Over the sweep's shapes this lands within 3 % of the best split count (the rule before it,
+// fill the slots: 0.69-1.00 of the best). The count depends on the shapes alone, never on the
+// K/V layout, so a paged cache gives bitwise the contiguous cache's result (at B 8, 1k-2k, 16-token
+// pages would rather fill the slots: 0.47 of the copy rate at 1k on 4 splits, 0.45 on these 2).
+// splits <= kMaxSplits bounds the workspace and the combine's loop. Last, the count is evened
+// out: with per = ceil(blocks / splits) blocks each, ceil(blocks / per) splits cover them with no
+// empty split.
 constexpr int64_t kMinBlocksPerSplit = 4;
 constexpr int64_t kMaxSplits = 128;
-inline int choose_splits(int64_t ctas, int64_t key_blocks, int64_t slots) {
+inline int choose_splits(int64_t ctas, int64_t key_blocks, int64_t sms, int64_t slots) {
   if (ctas <= 0 || ctas >= slots) return 1;
-  int64_t s = slots / ctas;
+  int64_t root = 1;  // ceil(sqrt(key_blocks))
+  while (root * root < key_blocks) ++root;
+  int64_t s = sms / ctas < root ? sms / ctas : root;
+  const int64_t fill = slots / ctas, per_fill = key_blocks / fill;
+  if (fill > s && (per_fill >= 32 || (per_fill >= 16 && 2 * fill <= root))) s = fill;
   if (s > key_blocks / kMinBlocksPerSplit) s = key_blocks / kMinBlocksPerSplit;
   if (s > kMaxSplits) s = kMaxSplits;
   if (s <= 1) return 1;
