@@ -64,19 +64,22 @@ def median_times(
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+
+    def round_order(rep: int) -> list[str]:
+        return names[rep % len(names) :] + names[: rep % len(names)]
+
     if device == "cuda":
         flush = None
         if isolate:
             l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
             flush = torch.empty(max(2 * l2, 64 << 20) // 4, dtype=torch.float32, device="cuda").fill_(1.0)
-        names = list(fns)
         torch.cuda.synchronize()
         for rep in range(reps):
             # Spin (cycles; ~1 ms, more for long rounds) while the host queues the whole round.
             torch.cuda._sleep(2_000_000 + (500_000 * len(fns) if isolate else 0))
             events = []
-            order = names[rep % len(names) :] + names[: rep % len(names)]
-            for name in order:
+            for name in round_order(rep):
                 fn = fns[name]
                 if flush is not None:
                     flush.sum()  # reads (clean lines: nothing to write back while fn runs)
@@ -89,9 +92,8 @@ def median_times(
             for name, start, end in events:
                 times[name].append(start.elapsed_time(end) / 1e3)
     else:
-        names = list(fns)
         for rep in range(reps):
-            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            for name in round_order(rep):
                 fn = fns[name]
                 t0 = time.perf_counter()
                 fn()
