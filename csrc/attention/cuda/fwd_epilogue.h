@@ -25,11 +25,34 @@ __device__ __forceinline__ void write_rows_without_keys(const AttentionParams& p
   for (int r = tid; r < rows_q; r += kThreads) gLse[r] = -CUDART_INF_F;
 }
 
+// Copies kRows staged rows (rows stage_row0.. of sO, a D-wide tile_offset layout; stage_row0 a
+// multiple of 8, so each row keeps its swizzle) out to rows row0.. of gO in 16-byte chunks, so
+// global stores are full sectors (flags.out_vec16), else element by element. Rows from rows_q on
+// are not stored.
+template <int D, int kRows, typename Elem>
+__device__ __forceinline__ void copy_out_staged_rows(const Elem* sO, int stage_row0,
+                                                     const AttentionParams& p,
+                                                     const FwdLaunchFlags& flags, Elem* gO,
+                                                     int row0, int rows_q, int lane) {
+  const int head_dim = static_cast<int>(p.head_dim);
+  constexpr int kChunks = D / 8;
+  for (int id = lane; id < kRows * kChunks; id += 32) {
+    const int r = id / kChunks, chunk = id % kChunks;
+    if (row0 + r >= rows_q || chunk * 8 >= head_dim) continue;
+    const Elem* src = sO + tile_offset<D>(stage_row0 + r, chunk);
+    Elem* dst = gO + static_cast<int64_t>(row0 + r) * p.out_row_stride + chunk * 8;
+    if (flags.out_vec16) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 8 && chunk * 8 + e < head_dim; ++e) dst[e] = src[e];
+    }
+  }
+}
+
 // A warp's kRowsPerWarp rows from warp_row0 on (MT m16 tiles of the mma accumulator layout):
 // normalizes O by 1/l, stages it as Elem in the same rows of sO (a D-wide tile_offset layout that
 // no other warp reads; the caller makes sure no lane still reads them), writes lse, then copies
-// the rows out in 16-byte chunks so global stores are full sectors (flags.out_vec16), else
-// element by element.
+// the rows out (copy_out_staged_rows).
 template <int D, int kRowsPerWarp, int MT, int DT, typename Elem>
 __device__ __forceinline__ void store_out_rows(OnlineSoftmax<MT>& softmax, float (&O)[MT][DT][4],
                                                float c, Elem* sO, const AttentionParams& p,
@@ -51,54 +74,60 @@ __device__ __forceinline__ void store_out_rows(OnlineSoftmax<MT>& softmax, float
       }
       if (t == 0 && row < rows_q) gLse[row] = lse;
     }
-  // The copy-out below reads chunks other lanes of this warp wrote.
+  // The copy-out reads chunks other lanes of this warp wrote.
   __syncwarp();
-  const int head_dim = static_cast<int>(p.head_dim);
-  constexpr int kChunks = D / 8;
-  for (int id = lane; id < kRowsPerWarp * kChunks; id += 32) {
-    const int row = warp_row0 + id / kChunks, chunk = id % kChunks;
-    if (row >= rows_q || chunk * 8 >= head_dim) continue;
-    const Elem* src = sO + tile_offset<D>(row, chunk);
-    Elem* dst = gO + static_cast<int64_t>(row) * p.out_row_stride + chunk * 8;
-    if (flags.out_vec16) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-    } else {
-      for (int e = 0; e < 8 && chunk * 8 + e < head_dim; ++e) dst[e] = src[e];
-    }
-  }
+  copy_out_staged_rows<D, kRowsPerWarp>(sO, warp_row0, p, flags, gO, warp_row0, rows_q, lane);
 }
 
-// store_out_rows without a staging area, for a warp's single m16 tile (rows warp_row0 + g and
-// + 8): each lane writes its accumulator pairs to gO itself, 4-byte stores of which a quad's fill
-// 16 contiguous bytes of a row (flags.out_vec16: rows 16-byte aligned and head_dim % 8 == 0;
-// otherwise element by element). lse as store_out_rows writes it.
-template <int DT, typename Elem>
-__device__ __forceinline__ void store_out_rows_from_registers(
-    OnlineSoftmax<1>& softmax, float (&O)[1][DT][4], float c, const AttentionParams& p,
-    const FwdLaunchFlags& flags, Elem* gO, float* gLse, int warp_row0, int rows_q, int lane) {
+// store_out_rows for a warp's single m16 tile through a staging area of only 8 rows (at shared
+// address sO8: 8 x D, this warp's alone), for kernels whose shared memory has no room for the
+// whole tile (D = 256 on the warp-specialized kernel: 4 KB a warp, 32 KB for 8 consumer warps):
+// rows g, then rows g + 8, each half normalized, staged and copied out in 16-byte chunks. Before
+// it, each lane stored its accumulator pairs itself: 64 four-byte stores a thread, each warp
+// store touching 8 rows' lines with half-filled sectors; now 16 full 512-byte rows a warp.
+// The caller should derive sO8 from values it keeps live anyway (the warp-specialized kernel:
+// from warp_row0): a per-warp offset of its own, live across the main loop, spilled 16-96 bytes.
+template <int D, typename Elem>
+__device__ __forceinline__ void store_out_rows_by_halves(OnlineSoftmax<1>& softmax,
+                                                         float (&O)[1][D / 8][4], float c,
+                                                         uint32_t sO8, const AttentionParams& p,
+                                                         const FwdLaunchFlags& flags, Elem* gO,
+                                                         float* gLse, int warp_row0, int rows_q,
+                                                         int lane) {
   using Mma = Mma16816<Elem>;
   const int g = lane >> 2, t = lane & 3;
   const int head_dim = static_cast<int>(p.head_dim);
+  static_assert(D / 8 == 32, "a lane per 16-byte chunk of a row");
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     float inv_l, lse;
     softmax.finish(0, hh, c, inv_l, lse);  // all lanes: it shuffles within the quad
-    const int row = warp_row0 + g + 8 * hh;
-    if (row >= rows_q) continue;
-    if (t == 0) gLse[row] = lse;
-    Elem* dst = gO + static_cast<int64_t>(row) * p.out_row_stride + 2 * t;
 #pragma unroll
-    for (int di = 0; di < DT; ++di) {
-      const int col = di * 8 + 2 * t;
-      const uint32_t v = Mma::pack(O[0][di][2 * hh] * inv_l, O[0][di][2 * hh + 1] * inv_l);
-      if (flags.out_vec16) {
-        if (col < head_dim) *reinterpret_cast<uint32_t*>(dst + di * 8) = v;
-      } else {
-        const Elem* pair = reinterpret_cast<const Elem*>(&v);
-        if (col < head_dim) dst[di * 8] = pair[0];
-        if (col + 1 < head_dim) dst[di * 8 + 1] = pair[1];
+    for (int di = 0; di < D / 8; ++di)
+      sts_32(sO8 + 2 * (tile_offset<D>(g, di) + 2 * t),
+             Mma::pack(O[0][di][2 * hh] * inv_l, O[0][di][2 * hh + 1] * inv_l));
+    const int row0 = warp_row0 + 8 * hh;
+    if (t == 0 && row0 + g < rows_q) gLse[row0 + g] = lse;
+    // The copy-out reads chunks other lanes of this warp staged.
+    __syncwarp();
+    // Lane l copies chunk l of each row (a whole 512-byte row per warp store).
+    const int rows = min(8, rows_q - row0);
+    if (lane * 8 < head_dim) {
+      Elem* dst = gO + static_cast<int64_t>(row0) * p.out_row_stride + lane * 8;
+#pragma unroll 1
+      for (int r = 0; r < rows; ++r, dst += p.out_row_stride) {
+        uint32_t v[4];
+        lds_128(v, sO8 + 2 * tile_offset<D>(r, lane));
+        if (flags.out_vec16) {
+          stg_128(dst, v);
+        } else {
+          const Elem* e8 = reinterpret_cast<const Elem*>(v);
+          for (int e = 0; e < 8 && lane * 8 + e < head_dim; ++e) dst[e] = e8[e];
+        }
       }
     }
+    // The next half overwrites the rows this copy-out read.
+    __syncwarp();
   }
 }
 

@@ -29,7 +29,7 @@
 //     (three consumers under a causal bound: a block before the tile's last), passing the
 //     turns of the rest without a matmul. The epilogue stages each warp's rows in a
 //     shared-memory area of its own, so it needs no barrier either (D = 256, whose shared memory
-//     holds no staging area: each lane stores its own accumulators).
+//     has room for 8 rows a warp: two halves in turn).
 // Nothing waits on the whole CTA after the barrier initialization. Rows past seqlen_q and keys
 // past seqlen_k arrive as zeros (the tensor maps bound each (batch, head)'s rows) and are masked as
 // in the FlashAttention-2-style kernel (fwd_sm90_kernel.h), whose softmax and epilogue code this
@@ -127,12 +127,14 @@ struct FwdWsTraits {
   static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;
   static constexpr int kSmemQ = Br * kHeadDim * 2;   // bytes
   static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of one K_j or one V_j
-  // Whether the epilogue stages O in shared memory (coalesced 16-byte stores) or stores it from
-  // the registers (4-byte stores a quad fills 16 bytes of a row with). At D = 256 Q and the
-  // ring take 192 KB and a staging area would need 64 more.
+  // How the epilogue stages O in shared memory for coalesced 16-byte stores: the whole tile
+  // (Br x D, as Q), or at D = 256, where Q and the ring take 192 KB and the tile would need 64
+  // more, 8 rows per consumer warp (8 x 256 x 2 bytes, 32 KB in all), two halves of its rows
+  // one after the other (fwd_epilogue.h: store_out_rows_by_halves).
   static constexpr bool kStageOut = kHeadDim <= 128;
-  // Q_i, the ring of K_j and V_j, then the epilogue's staging area for O (Br x D, as Q).
-  static constexpr int kSmemTiles = kSmemQ + 2 * kStages * kSmemKV + (kStageOut ? kSmemQ : 0);
+  static constexpr int kSmemOut = kStageOut ? kSmemQ : 4 * kConsumers * 8 * kHeadDim * 2;
+  // Q_i, the ring of K_j and V_j, then the epilogue's staging area.
+  static constexpr int kSmemTiles = kSmemQ + 2 * kStages * kSmemKV + kSmemOut;
   // Barriers after the tiles: full Q, empty Q, full and empty tile slot, the producer's own for
   // a V_j it zeroes rows of, then full K, full V, empty K, empty V per stage.
   static constexpr int kNBarriers = 5 + 4 * kStages;
@@ -220,7 +222,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const uint32_t sQ_addr = (raw_addr + 1023) & ~1023u;
   const uint32_t sK_addr0 = sQ_addr + Tr::kSmemQ;              // kStages buffers of K_j
   const uint32_t sV_addr0 = sK_addr0 + kStages * Tr::kSmemKV;  // kStages buffers of V_j
-  const uint32_t sO_addr = sV_addr0 + kStages * Tr::kSmemKV;   // (kStageOut)
+  const uint32_t sO_addr = sV_addr0 + kStages * Tr::kSmemKV;   // the staging area
   const uint32_t bar0 = sQ_addr + Tr::kSmemTiles;
   const uint32_t full_q = bar0, empty_q = bar0 + 8;
   const uint32_t full_slot = bar0 + 16, empty_slot = bar0 + 24, tail_v = bar0 + 32;
@@ -637,16 +639,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       blocks += hi - lo;
       ++tiles;
 
-      // Epilogue (fwd_epilogue.h) through this warp's own 16 rows of the staging area: the
-      // previous tile's copy-out by other lanes of the warp must be done before they are
-      // overwritten. Without one (D = 256), straight from the registers.
+      // Epilogue (fwd_epilogue.h) through this warp's own rows of the staging area (its 16 rows
+      // of the tile, or at D = 256 8 rows of its own): the previous tile's copy-out by other
+      // lanes of the warp must be done before they are overwritten.
+      __syncwarp();
       if constexpr (Tr::kStageOut) {
-        __syncwarp();
         store_out_rows<D, 16>(softmax, O, c, sO, seq, flags, gp.out, gp.lse, warp_row0, x.rows_q,
                               lane);
       } else {
-        store_out_rows_from_registers(softmax, O, c, seq, flags, gp.out, gp.lse, warp_row0,
-                                      x.rows_q, lane);
+        store_out_rows_by_halves<D>(softmax, O, c, sO_addr + warp_row0 * D, seq, flags,
+                                    gp.out, gp.lse, warp_row0, x.rows_q, lane);
       }
     }
   }

@@ -56,6 +56,10 @@ __device__ __forceinline__ void lds_128(uint32_t (&r)[4], uint32_t addr) {
                : "memory");
 }
 
+__device__ __forceinline__ void sts_32(uint32_t addr, uint32_t r) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(r) : "memory");
+}
+
 __device__ __forceinline__ void sts_128(uint32_t addr, const uint32_t (&r)[4]) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
                "r"(r[2]), "r"(r[3])
