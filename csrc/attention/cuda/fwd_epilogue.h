@@ -110,18 +110,21 @@ __device__ __forceinline__ void store_out_rows_by_halves(OnlineSoftmax<1>& softm
     if (t == 0 && row0 + g < rows_q) gLse[row0 + g] = lse;
     // The copy-out reads chunks other lanes of this warp staged.
     __syncwarp();
-    // Lane l copies chunk l of each row (a whole 512-byte row per warp store).
+    // Lane l copies chunk l of each row (a whole 512-byte row per warp store). All eight loads
+    // first: one shared-memory latency for the half instead of one per row.
     const int rows = min(8, rows_q - row0);
     if (lane * 8 < head_dim) {
+      uint32_t v[8][4];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) lds_128(v[r], sO8 + 2 * tile_offset<D>(r, lane));
       Elem* dst = gO + static_cast<int64_t>(row0) * p.out_row_stride + lane * 8;
-#pragma unroll 1
-      for (int r = 0; r < rows; ++r, dst += p.out_row_stride) {
-        uint32_t v[4];
-        lds_128(v, sO8 + 2 * tile_offset<D>(r, lane));
+#pragma unroll
+      for (int r = 0; r < 8; ++r, dst += p.out_row_stride) {
+        if (r >= rows) break;
         if (flags.out_vec16) {
-          stg_128(dst, v);
+          stg_128(dst, v[r]);
         } else {
-          const Elem* e8 = reinterpret_cast<const Elem*>(v);
+          const Elem* e8 = reinterpret_cast<const Elem*>(v[r]);
           for (int e = 0; e < 8 && lane * 8 + e < head_dim; ++e) dst[e] = e8[e];
         }
       }
