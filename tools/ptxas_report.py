@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import os
 import pathlib
 import re
 import struct
@@ -47,6 +48,7 @@ def compile_unit(unit: pathlib.Path, arch: str) -> tuple[str, dict[str, int]]:
         ]  # fmt: skip
         if arch == "90a":
             cmd.insert(1, "-DFLASHMOD_BUILT_SM90A")
+        cmd[1:1] = os.environ.get("FLASHMOD_NVCC_EXTRA", "").split()  # as setup.py takes it
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=unit.parent)
         if done.returncode != 0:
             return f"ERROR {unit.name}\n{done.stderr[-2000:]}", {}
