@@ -541,8 +541,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       for (int hh = 0; hh < 2; ++hh)
         win[0][hh] = row_window(seq, r0 + warp_row0 + lane / 4 + 8 * hh);
       // Mask and softmax of block n's scores: S -> P in place, alpha for O. Only blocks that
-      // straddle a row's window or seqlen_k test elements; only blocks with a hidden key test
-      // key bits.
+      // straddle a window of this consumer's own 64 rows, or seqlen_k, test elements (the
+      // tile's 192 rows at D = 64 straddle a causal diagonal in one block more than a
+      // consumer's do); only blocks with a hidden key test key bits.
+      const int own_first = r0 + 64 * consumer;
       auto mask_and_softmax = [&](int n, const KeyBits& bits) {
         if constexpr (kSoftcap) {
 #pragma unroll
@@ -551,7 +553,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
             for (int e = 0; e < 4; ++e)
               S[0][ni][e] = soft_cap(S[0][ni][e] * scale, softcap, inv_softcap);
         }
-        if (!key_block_unmasked(seq, r0, r0 + Br - 1, n, Bc))
+        if (!key_block_unmasked(seq, own_first, own_first + 63, n, Bc))
           mask_outside_windows(S, win, n * Bc + 2 * (lane % 4));
         if constexpr (kKeyMask) {
           if (!bits.all) hide_keys(S, bits, lane);
