@@ -649,8 +649,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         store_out_rows<D, 16>(softmax, O, c, sO, seq, flags, gp.out, gp.lse, warp_row0, x.rows_q,
                               lane);
       } else {
-        store_out_rows_by_halves<D>(softmax, O, c, sO_addr + warp_row0 * D, seq, flags,
-                                    gp.out, gp.lse, warp_row0, x.rows_q, lane);
+        store_out_rows_by_halves<D>(softmax, O, c, sO_addr + warp_row0 * D, seq, flags, gp.out,
+                                    gp.lse, warp_row0, x.rows_q, lane);
       }
     }
   }
