@@ -228,6 +228,39 @@ def test_fp32_softcap_and_scale(d):
     check_grads_fp32(q, k, v, scale=-0.3)
 
 
+def key_padding_masks(b, nk):
+    """(B, 1, 1, Nk) bool masks: right padding at lengths around 64- and 128-key block edges (a
+    batch row with every key hidden, one with none), the same as left padding, random holes, and
+    one row broadcast over the batch."""
+    lengths = torch.tensor([0, 1, 64, 129, 200, nk], device=DEV)[:b]
+    keys = torch.arange(nk, device=DEV)
+    right = keys[None] < lengths[:, None]
+    left = keys[None] >= (nk - lengths)[:, None]
+    holes = torch.rand(b, nk, device=DEV) > 0.2
+    return [m[:, None, None, :] for m in (right, left, holes, right[4:5])]
+
+
+# Key-padding masks take their own path through the general kernels: key blocks the mask hides
+# get no step (dK/dV) or are dropped from the ends of the range (dQ), and blocks it shows whole
+# run the plain elementwise code (bwd_common.h: vote_key_mask). Hopper (64, 128, 256) and portable
+# (80) head dims; a soft cap keeps the general code but still skips hidden blocks.
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+@pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"softcap": 5.0}], ids=str)
+def test_key_padding_masks(dtype, d, opts):
+    q, k, v = make_inputs(DEV, dtype, 6, 4, 2, 203, 333, d)
+    for mask in key_padding_masks(6, 333):
+        check_grads(q, k, v, attn_mask=mask, **opts)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("opts", [{}, {"is_causal": True}], ids=str)
+def test_fp32_key_padding_masks(d, opts):
+    q, k, v = make_inputs(DEV, torch.float32, 6, 2, 1, 203, 333, d)
+    for mask in key_padding_masks(6, 333):
+        check_grads_fp32(q, k, v, attn_mask=mask, **opts)
+
+
 @pytest.mark.parametrize("shape", [(113, 150), (1, 2, 1, 150), (2, 1, 113, 1)])
 def test_fp32_masks(shape):
     q, k, v = make_inputs(DEV, torch.float32, 2, 2, 2, 113, 150, 59)

@@ -49,6 +49,72 @@ __device__ __forceinline__ float grad_score(float prob, float dp, float delta) {
   return prob == 0.f ? 0.f : prob * (dp - delta);
 }
 
+// Bool key-padding masks on the general path. The mask hides whole keys, so most key blocks are
+// either hidden entirely (a padded batch row's tail) or shown entirely; only the block at a row's
+// padding edge needs the per-element mask. A warp votes on a block's mask bytes (keys
+// [k0, k0 + count), one byte per lane and round, neighbouring lanes on neighbouring keys), and the
+// kernels skip hidden blocks and run shown ones through the plain elementwise code (H100, fwd+bwd
+// with a (B, 1, 1, N) mask was 0.46-0.50x SDPA CUDNN on the per-element path).
+struct KeyMaskVote {
+  bool any, all;  // some / every key of the block is shown (all: vacuously, for none)
+};
+template <int Bc>
+__device__ __forceinline__ KeyMaskVote vote_key_mask(const AttentionParams& p, int64_t b, int k0,
+                                                     int count) {
+  const int lane = threadIdx.x % 32;
+  const uint8_t* row = static_cast<const uint8_t*>(p.mask) + b * p.mask_batch_stride;
+  bool any = false, all = true;
+#pragma unroll
+  for (int i = 0; i < (Bc + 31) / 32; ++i) {
+    const int j = 32 * i + lane;
+    if (j < count) {
+      const bool shown = row[static_cast<int64_t>(k0 + j) * p.mask_col_stride] != 0;
+      any = any || shown;
+      all = all && shown;
+    }
+  }
+  return {__any_sync(0xffffffffu, any) != 0, __all_sync(0xffffffffu, all) != 0};
+}
+
+// Whether a general-path block may take the plain elementwise code: a key-padding mask that shows
+// every key of the block, and nothing else that makes the path general (a soft cap, a scale <= 0,
+// a wanted mask gradient).
+__device__ __forceinline__ bool keys_take_plain_path(const AttentionBwdParams& p,
+                                                     const KeyMaskVote& v) {
+  return v.all && p.softcap == 0.0 && p.scale > 0.0 && p.grad_mask == nullptr;
+}
+
+// plain_keys of a dQ CTA's key block n (the dK/dV kernels take theirs from bwd_key_block).
+// kKeyMask: the kernel variant handles key-padding masks this way (a general variant without
+// per-sequence extents, which masks never come with).
+template <bool kGeneral, bool kKeyMask, int Bc>
+__device__ __forceinline__ bool plain_key_block(const AttentionBwdParams& p, int64_t b, int n) {
+  static_assert(!kKeyMask || kGeneral, "masks take the general variants");
+  if constexpr (kKeyMask) {
+    if (!key_padding_mask(p)) return false;
+    const int count = static_cast<int>(p.seqlen_k) - n * Bc;
+    return keys_take_plain_path(p, vote_key_mask<Bc>(p, b, n * Bc, count));
+  }
+  return !kGeneral;
+}
+
+// A dQ CTA's key blocks (kKeyMask, with a key-padding mask) without the ones at either end of the
+// range that show no key (a padded row's tail, or its head under left padding); hidden blocks
+// inside the range still run, their scores hidden by the per-element mask.
+template <bool kKeyMask, int Bc>
+__device__ __forceinline__ KeyBlockRange shown_key_blocks(const AttentionParams& p, int64_t b,
+                                                          KeyBlockRange range) {
+  if constexpr (kKeyMask) {
+    if (key_padding_mask(p)) {
+      const int Nk = static_cast<int>(p.seqlen_k);
+      auto shown = [&](int n) { return vote_key_mask<Bc>(p, b, n * Bc, Nk - n * Bc).any; };
+      while (range.lo < range.hi && !shown(range.lo)) ++range.lo;
+      while (range.hi > range.lo && !shown(range.hi - 1)) --range.hi;
+    }
+  }
+  return range;
+}
+
 // Stores a warp's m16 x kHeadDim accumulator rows (scaled by `mul`) to global memory: lane rows
 // g and g + 8 of the tile, element pairs of each n8 tile (one store of 2 elements where `vec`:
 // the rows start at multiples of 2 elements); rows >= valid_rows and columns >= head_dim are not
@@ -215,13 +281,17 @@ __device__ __forceinline__ BwdKeyRows<Elem> key_rows(const AttentionBwdParams& p
 // sequence's view): keys [k0, k0 + rows_k) (rows_k <= 0: the block lies past the sequence's keys,
 // nothing to write), the (head, query block) steps that see them, and their K/V rows. Shared by
 // the three dK/dV kernels.
+// kKeyMask (plain_key_block) with a key-padding mask: a block none of whose keys the mask shows
+// gets no step (its gradients are zero), and plain_keys says whether the steps may take the plain
+// elementwise code (false in the other general variants, true in the plain ones).
 template <typename Elem>
 struct BwdKeyBlock {
   int k0, rows_k;
   BwdSteps walk;
   BwdKeyRows<Elem> kv;
+  bool plain_keys;
 };
-template <typename Elem, int Br, int Bc>
+template <typename Elem, int Br, int Bc, bool kGeneral, bool kKeyMask>
 __device__ __forceinline__ BwdKeyBlock<Elem> bwd_key_block(const AttentionBwdParams& p,
                                                            const BwdKeyTile& tile) {
   BwdKeyBlock<Elem> kb;
@@ -231,6 +301,15 @@ __device__ __forceinline__ BwdKeyBlock<Elem> bwd_key_block(const AttentionBwdPar
   // worse allocation (sm_90a varlen dK/dV, D = 64: 208 bytes of spill instead of 4).
   kb.walk = bwd_steps<Br>(p, kb.k0, kb.rows_k, p.heads_q / p.heads_kv);
   kb.kv = key_rows<Elem>(p, tile.b, tile.hk, kb.k0);
+  static_assert(!kKeyMask || kGeneral, "masks take the general variants");
+  kb.plain_keys = !kGeneral;
+  if constexpr (kKeyMask) {
+    if (key_padding_mask(p)) {
+      const KeyMaskVote vote = vote_key_mask<Bc>(p, tile.b, kb.k0, kb.rows_k);
+      if (!vote.any) kb.walk.steps = 0;
+      kb.plain_keys = keys_take_plain_path(p, vote);
+    }
+  }
   return kb;
 }
 
@@ -287,15 +366,16 @@ __device__ __forceinline__ void store_dq(const AttentionBwdParams& p, int64_t b,
 // The dK/dV kernels' step: S^T (keys x queries) becomes P^T in place and, with kDK, dP^T becomes
 // dS^T times the soft cap's derivative (dS itself goes to p.grad_mask when it is wanted). Element
 // (ni, e): key key_row[e / 2], query r0 + 8 ni + 2 t + e % 2; lse2/delta are the step's Br rows.
+// plain_keys: the general path's block may take the plain code (keys_take_plain_path).
 template <typename Elem, bool kGeneral, bool kDK, int NT, int NTD>
 __device__ __forceinline__ void transposed_probs_and_grads(
     float (&St)[NT][4], float (&dPt)[NTD][4], const AttentionBwdParams& p, const ScoreTransform& tf,
     float scale_log2, int64_t b, int64_t h, int64_t r0, int Br, int n_block, int Bc,
-    const int (&key_row)[2], const float* lse2, const float* delta, int t) {
+    const int (&key_row)[2], const float* lse2, const float* delta, int t, bool plain_keys) {
   const int Nk = static_cast<int>(p.seqlen_k);
   const int k0 = n_block * Bc;
-  const bool all_visible =
-      !kGeneral && key_block_unmasked(p, r0, r0 + Br - 1, n_block, Bc) && k0 + Bc <= Nk;
+  const bool all_visible = (!kGeneral || plain_keys) &&
+                           key_block_unmasked(p, r0, r0 + Br - 1, n_block, Bc) && k0 + Bc <= Nk;
   if (all_visible) {
     // Every (query, key) pair of the block is visible and its keys are real: no window compares
     // and no guard for hidden keys (grad_score), only the transform; at D = 64 the elementwise
@@ -375,13 +455,15 @@ __device__ __forceinline__ LaneRows lane_rows(const AttentionBwdParams& p, const
 }
 
 // The dQ kernels' step: S (queries x keys of block n) becomes dS times the soft cap's derivative.
+// plain_keys as in transposed_probs_and_grads.
 template <typename Elem, bool kGeneral, int NT>
 __device__ __forceinline__ void probs_and_grads(float (&S)[NT][4], const float (&dP)[NT][4],
                                                 const AttentionBwdParams& p,
                                                 const ScoreTransform& tf, float scale_log2,
                                                 const LaneRows& rows, int64_t r0, int Br, int n,
-                                                int Bc, int t) {
-  const bool all_visible = !kGeneral && key_block_unmasked(p, r0, r0 + Br - 1, n, Bc);
+                                                int Bc, int t, bool plain_keys) {
+  const bool all_visible =
+      (!kGeneral || plain_keys) && key_block_unmasked(p, r0, r0 + Br - 1, n, Bc);
   const int key0 = n * Bc + 2 * t;
   if (all_visible) {  // as in transposed_probs_and_grads: only the transform
 #pragma unroll

@@ -78,6 +78,9 @@ template <class Tr, bool kGeneral, int kWhich, bool kExtents>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_bwd_dkdv_kernel(const AttentionBwdParams params, const BwdRowStats st) {
   using Elem = typename Tr::Elem;
+  // Key-padding masks skip hidden key blocks (bwd_common.h: vote_key_mask); masks come without
+  // per-sequence extents.
+  constexpr bool kKeyMask = kGeneral && !kExtents;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
   constexpr bool kDV = kWhich != kBwdOnlyDK, kDK = kWhich != kBwdOnlyDV;
@@ -98,7 +101,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int64_t hk = tile.hk, b = tile.b;
   const int64_t group = params.heads_q / params.heads_kv;
   const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
-  const BwdKeyBlock<Elem> kb = bwd_key_block<Elem, Br, Bc>(p, tile);
+  const BwdKeyBlock<Elem> kb = bwd_key_block < Elem, Br, Bc, kGeneral,
+                          kGeneral && !kExtents > (p, tile);
   if (kExtents && kb.rows_k <= 0) return;  // past this sequence's keys: no rows of it to write
   const int k0 = kb.k0, rows_k = kb.rows_k;
   const int m_lo = kb.walk.m_lo, m_count = kb.walk.m_count, steps = kb.walk.steps;
@@ -168,7 +172,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     }
 
     transposed_probs_and_grads<Elem, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
-                                                    n_block, Bc, key_row, lse2, delta, t);
+                                                    n_block, Bc, key_row, lse2, delta, t,
+                                                    kb.plain_keys);
 
     if constexpr (kDV) mma_ab<Elem, D, NT>(dV, St, sdO_addr, bt_off);
     if constexpr (kDK) mma_ab<Elem, D, NT>(dK, dPt, sQ_addr, bt_off);
@@ -183,6 +188,9 @@ template <class Tr, bool kGeneral, bool kExtents>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_bwd_dq_kernel(const AttentionBwdParams params, const BwdRowStats st) {
   using Elem = typename Tr::Elem;
+  // Key-padding masks skip hidden key blocks (bwd_common.h: vote_key_mask); masks come without
+  // per-sequence extents.
+  constexpr bool kKeyMask = kGeneral && !kExtents;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
 
@@ -207,7 +215,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   }
   const int rows_q = min(Br, Nq - r0);
 
-  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+  const KeyBlockRange range =
+      shown_key_blocks<kKeyMask, Bc>(p, b, key_block_range(p, r0, r0 + rows_q - 1, Bc));
 
   const BwdQueryRows<Elem> gq = query_rows<Elem>(p, b, h, r0);
   const BwdKeyRows<Elem> gkv = key_rows<Elem>(p, b, hk, 0);
@@ -261,7 +270,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     mma_abt<Elem, D, NT>(S, sQ_addr, a_off, sK_addr, b_off);
     mma_abt<Elem, D, NT>(dP, sdO_addr, a_off, sV_addr, b_off);
 
-    probs_and_grads<Elem, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t);
+    const bool plain_keys = plain_key_block < kGeneral, kGeneral && !kExtents, Bc > (p, b, n);
+
+    probs_and_grads<Elem, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t, plain_keys);
     mma_ab<Elem, D, NT>(dQ, S, sK_addr, bt_off);
   }
   cp_async_wait<0>();

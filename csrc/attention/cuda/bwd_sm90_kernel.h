@@ -142,7 +142,12 @@ __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
 // kExtents (both kernels): a variable-length call, as in the portable kernels
 // (bwd_sm80_kernel.h): the grid comes from the upper bounds in params, each CTA works on
 // sequence_view_bwd(params, b), and one whose block lies past its sequence's end exits.
-template <class Tr, bool kGeneral, int kWhich, bool kExtents>
+// kKeyMask (both kernels, a general variant): bool key-padding masks skip the key blocks they hide
+// and run the blocks they show whole through the plain elementwise code (bwd_common.h:
+// vote_key_mask). A variant of its own: in the general variant that soft caps and other masks
+// take, the plain code beside the general one spilled (D = 128 dK/dV: 20 bytes; soft-capped
+// fwd+bwd 3-4 % slower).
+template <class Tr, bool kGeneral, int kWhich, bool kExtents, bool kKeyMask>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st) {
 #ifdef FLASHMOD_SM90A
@@ -151,6 +156,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
   static_assert((kWhich == kBwdPair) == (kThreads == 256 && Bc == 64),
                 "kBwdPair: two warpgroups over the same 64 keys");
+  static_assert(!kKeyMask || (kGeneral && !kExtents), "masks: general, dense calls");
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
@@ -170,7 +176,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const int64_t hk = tile.hk, b = tile.b;
   const int64_t group = params.heads_q / params.heads_kv;
   const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
-  const BwdKeyBlock<Elem> kb = bwd_key_block<Elem, Br, Bc>(p, tile);
+  const BwdKeyBlock<Elem> kb = bwd_key_block<Elem, Br, Bc, kGeneral, kKeyMask>(p, tile);
   if (kExtents && kb.rows_k <= 0) return;  // past this sequence's keys: no rows of it to write
   const int k0 = kb.k0, rows_k = kb.rows_k;
   const int m_lo = kb.walk.m_lo, m_count = kb.walk.m_count, steps = kb.walk.steps;
@@ -285,7 +291,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
       transposed_probs_and_grads<Elem, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
                                                       n_block, Bc, key_row, sL + stage * Br,
-                                                      sDelta + stage * Br, t);
+                                                      sDelta + stage * Br, t, kb.plain_keys);
       // The gradient products take P^T / dS^T packed from the score registers. Those and the
       // accumulators were written by ordinary instructions: pinned ahead of the fence that orders
       // them before the wgmma reads.
@@ -344,7 +350,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 #endif
 }
 
-template <class Tr, bool kGeneral, bool kExtents>
+template <class Tr, bool kGeneral, bool kExtents, bool kKeyMask>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dq_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st) {
 #ifdef FLASHMOD_SM90A
@@ -373,7 +379,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     if (r0 >= Nq) return;  // past this sequence's queries: no rows of it to write
   }
   const int rows_q = min(Br, Nq - r0);
-  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+  const KeyBlockRange range =
+      shown_key_blocks<kKeyMask, Bc>(p, b, key_block_range(p, r0, r0 + rows_q - 1, Bc));
 
   const BwdQueryRows<Elem> gq = query_rows<Elem>(p, b, h, r0);
   const BwdKeyRows<Elem> gkv = key_rows<Elem>(p, b, hk, 0);
@@ -427,6 +434,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       load_kv(n + kAhead, ahead < kStages ? ahead : ahead - kStages);
     }
     cp_async_commit();
+    // Read ahead of the products, so the mask bytes' latency hides under them.
+    const bool plain_keys = plain_key_block<kGeneral, kKeyMask, Bc>(p, b, n);
 
     const uint32_t stage_bytes = stage * Tr::kSmemKV;
     float S[NT][4], dP[NT][4];
@@ -450,7 +459,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       pin_registers(da);
     }
 
-    probs_and_grads<Elem, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t);
+    probs_and_grads<Elem, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t, plain_keys);
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) pack_a<Elem>(da[kk], S, kk);
     pin_registers(dQ);

@@ -36,31 +36,34 @@ struct BwdConfigSm90 {
   using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, kT.q_cols, kT.q_ctas, kT.q_stages, kT.q_overlap != 0>;
 };
 
-template <class KV, bool kGeneral, int kWhich, bool kExtents>
+template <class KV, bool kGeneral, int kWhich, bool kExtents, bool kKeyMask>
 cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   const int64_t blocks = bwd_dkdv_ctas(p, KV::Bc);
-  return cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents>, blocks,
-                             KV::kNThreads, KV::kSmemBytes, stream, p, st);
+  return cuda::launch_kernel(
+      attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kKeyMask>, blocks,
+      KV::kNThreads, KV::kSmemBytes, stream, p, st);
 }
 
-template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents>
+template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
+          bool kKeyMask = false>
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   using Cfg = BwdConfigSm90<Elem, kHeadDim, kTile>;
   using KV = typename Cfg::KV;
   using Q = typename Cfg::Q;
   cudaError_t err;
   if constexpr (Cfg::kSplit == 1) {
-    err = launch_dkdv<KV, kGeneral, kBwdOnlyDV, kExtents>(p, st, stream);
-    if (err == cudaSuccess) err = launch_dkdv<KV, kGeneral, kBwdOnlyDK, kExtents>(p, st, stream);
+    err = launch_dkdv<KV, kGeneral, kBwdOnlyDV, kExtents, kKeyMask>(p, st, stream);
+    if (err == cudaSuccess)
+      err = launch_dkdv<KV, kGeneral, kBwdOnlyDK, kExtents, kKeyMask>(p, st, stream);
   } else if constexpr (Cfg::kSplit == 2) {
-    err = launch_dkdv<KV, kGeneral, kBwdPair, kExtents>(p, st, stream);
+    err = launch_dkdv<KV, kGeneral, kBwdPair, kExtents, kKeyMask>(p, st, stream);
   } else {
-    err = launch_dkdv<KV, kGeneral, kBwdBoth, kExtents>(p, st, stream);
+    err = launch_dkdv<KV, kGeneral, kBwdBoth, kExtents, kKeyMask>(p, st, stream);
   }
   if (err != cudaSuccess) return err;
   const int64_t q_blocks = bwd_dq_ctas(p, Q::Br);
-  return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral, kExtents>, q_blocks,
-                             Q::kNThreads, Q::kSmemBytes, stream, p, st);
+  return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral, kExtents, kKeyMask>,
+                             q_blocks, Q::kNThreads, Q::kSmemBytes, stream, p, st);
 }
 
 }  // namespace sm90
@@ -80,8 +83,14 @@ cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStat
       return cudaErrorInvalidValue;
     }
   }
-  return general ? sm90::launch_bwd<Elem, kHeadDim, kTile, true, false>(p, st, stream)
-                 : sm90::launch_bwd<Elem, kHeadDim, kTile, false, false>(p, st, stream);
+  if (!general) return sm90::launch_bwd<Elem, kHeadDim, kTile, false, false>(p, st, stream);
+  // Key-padding masks on their own variants (bwd_sm90_kernel.h: kKeyMask), built for the default
+  // tile of each head dim only, as the variable-length ones; other tiles take them the general way.
+  if constexpr (kBwdSm90Tiles[kTile].is_default) {
+    if (key_padding_mask(p))
+      return sm90::launch_bwd<Elem, kHeadDim, kTile, true, false, true>(p, st, stream);
+  }
+  return sm90::launch_bwd<Elem, kHeadDim, kTile, true, false>(p, st, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

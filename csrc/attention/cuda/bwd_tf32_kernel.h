@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int n_block = tile.n_block;
   const int64_t hk = tile.hk, b = tile.b;
   const int64_t group = p.heads_q / p.heads_kv;
-  const BwdKeyBlock<float> kb = bwd_key_block<float, Br, Bc>(p, tile);
+  const BwdKeyBlock<float> kb = bwd_key_block<float, Br, Bc, kGeneral, kGeneral>(p, tile);
   const int k0 = kb.k0, rows_k = kb.rows_k;
   const int m_lo = kb.walk.m_lo, m_count = kb.walk.m_count, steps = kb.walk.steps;
   const BwdKeyRows<float> gkv = kb.kv;
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
     transposed_probs_and_grads<float, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
                                                      n_block, Bc, key_row, sL + stage * Br,
-                                                     sDelta + stage * Br, t);
+                                                     sDelta + stage * Br, t, kb.plain_keys);
 
     if constexpr (kDV) tf32_bwd::product_ab<D, NT>(dV, St, sdO_s, g, t);
     if constexpr (kDK) tf32_bwd::product_ab<D, NT>(dK, dPt, sQ_s, g, t);
@@ -267,7 +267,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int64_t h = tile.h, b = tile.b, hk = tile.hk;
   const int r0 = tile.m_block * Br, rows_q = min(Br, Nq - r0);
 
-  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+  const KeyBlockRange range =
+      shown_key_blocks<kGeneral, Bc>(p, b, key_block_range(p, r0, r0 + rows_q - 1, Bc));
 
   const BwdQueryRows<float> gq = query_rows<float>(p, b, h, r0);
   const BwdKeyRows<float> gkv = key_rows<float>(p, b, hk, 0);
@@ -309,7 +310,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     float S[NT][4], dP[NT][4];
     tf32_bwd::product_abt<D, NT>(S, sQ_warp, sK_s, g, t);
     tf32_bwd::product_abt<D, NT>(dP, sdO_warp, sV + stage * kStream, g, t);
-    probs_and_grads<float, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t);
+    const bool plain_keys = plain_key_block<kGeneral, kGeneral, Bc>(p, b, n);
+    probs_and_grads<float, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t, plain_keys);
     tf32_bwd::product_ab<D, NT>(dQ, S, sK_s, g, t);
   }
   cp_async_wait<0>();

@@ -43,12 +43,6 @@ struct FwdWsConfig<Elem, 256> {
   using Traits = FwdWsTraits<Elem, 256, 64, 2, 2>;
 };
 
-// Whether p's mask is a bool key-padding mask: one bit per (batch, key), broadcast over heads and
-// queries ((B, 1, 1, Nk) or (1, 1, 1, Nk) seen through strides).
-inline bool key_padding_mask(const AttentionParams& p) {
-  return p.mask_kind == MaskKind::kBool && p.mask_head_stride == 0 && p.mask_row_stride == 0;
-}
-
 // What the kernel does not take: scores other than plain, soft-capped or behind a key-padding
 // mask (other mask tensors, a soft cap with a mask, a scale <= 0), and per-sequence extents other
 // than packed queries and keys (cache lengths, pages).

@@ -16,6 +16,12 @@ __host__ __device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {
   return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
 
+// Whether p's mask is a bool key-padding mask: one bit per (batch, key), broadcast over heads and
+// queries ((B, 1, 1, Nk) or (1, 1, 1, Nk) seen through strides).
+__host__ __device__ inline bool key_padding_mask(const AttentionParams& p) {
+  return p.mask_kind == MaskKind::kBool && p.mask_head_stride == 0 && p.mask_row_stride == 0;
+}
+
 struct KeyBlockRange {
   int lo, hi;  // key blocks [lo, hi); empty when lo >= hi
 };
