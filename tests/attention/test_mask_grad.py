@@ -181,5 +181,21 @@ def test_mask_derivatives_under_torch_func(device):
     for i in range(3):
         torch.testing.assert_close(per_sample[i], grad(loss(attention_reference))(masks[i]), **tol)
     second = grad(lambda m: grad(loss(flashmod.attention_op))(m).pow(2).sum())(mask)
-    second_ref = grad(lambda m: grad(loss(attention_reference))(m).pow(2).sum())(mask)
-    torch.testing.assert_close(second, second_ref, rtol=1e-5, atol=1e-6)
+    if device == "cpu":
+        second_ref = grad(lambda m: grad(loss(attention_reference))(m).pow(2).sum())(mask)
+        torch.testing.assert_close(second, second_ref, rtol=1e-5, atol=1e-6)
+        return
+
+    # fp32 on the GPU: judged as every gradient is, against fp64 (within 3x plain fp32's error).
+    # A fixed atol of 1e-6 against the fp32 reference failed once by rounding alone (1.4e-6 on an
+    # element of 0.0145, seed 242315579).
+    def second_by_reference(dt):
+        qq, kk, vv, ww = (x.to(dt) for x in (q, k, v, w))
+
+        def first(m):
+            return grad(lambda m: (attention_reference(qq, kk, vv, m, is_causal=True)[0] * ww).sum())(m)
+
+        return grad(lambda m: first(m).pow(2).sum())(mask.to(dt))
+
+    truth, plain = second_by_reference(torch.float64), second_by_reference(torch.float32)
+    assert_within_rule(second, truth, plain, 3.0, torch.float32, "second derivative")
