@@ -23,6 +23,24 @@ namespace flashmod::cuda_kernels {
 // by the other of one CTA, sharing its tiles.
 enum BwdWhich : int { kBwdBoth = 0, kBwdOnlyDV = 1, kBwdOnlyDK = 2, kBwdPair = 3 };
 
+// The Hopper kernels' general variants with a fast path of their own (a variant each, so that the
+// general variant keeps its registers): kBwdFastKeyMask, bool key-padding masks (vote_key_mask
+// below); kBwdFastSoftcap, a soft cap without a mask tensor: key blocks the window shows whole
+// compute the capped probabilities and their derivative without the per-element window and mask
+// tests (capped_probs_and_grads).
+enum BwdFastPath : int { kBwdFastNone = 0, kBwdFastKeyMask = 1, kBwdFastSoftcap = 2 };
+
+// P and dS times the soft cap's derivative for one element of a block the window shows whole:
+// score qk, lse2 and delta of its query row. The general path's general_prob and grad_score
+// without the window and mask tests.
+__device__ __forceinline__ float capped_prob(const ScoreTransform& tf, float qk, float lse2,
+                                             float& dcap) {
+  const float capped = soft_cap(qk * tf.scale, tf.softcap, tf.inv_softcap);
+  const float t = capped * tf.inv_softcap;
+  dcap = 1.f - t * t;
+  return exp2f(fmaf(capped, 1.4426950408889634f, -lse2));
+}
+
 // The score transform of one (query i, key j) pair of the general path (a mask tensor, a soft cap
 // or a non-positive scale): returns P = exp(s - lse) (0 where hidden) and leaves in dcap the
 // derivative of the soft cap (1 without one).
@@ -367,15 +385,34 @@ __device__ __forceinline__ void store_dq(const AttentionBwdParams& p, int64_t b,
 // dS^T times the soft cap's derivative (dS itself goes to p.grad_mask when it is wanted). Element
 // (ni, e): key key_row[e / 2], query r0 + 8 ni + 2 t + e % 2; lse2/delta are the step's Br rows.
 // plain_keys: the general path's block may take the plain code (keys_take_plain_path).
-template <typename Elem, bool kGeneral, bool kDK, int NT, int NTD>
+// kSoftcapFast (kBwdFastSoftcap variants): blocks the window shows whole take capped_prob.
+template <typename Elem, bool kGeneral, bool kDK, bool kSoftcapFast = false, int NT, int NTD>
 __device__ __forceinline__ void transposed_probs_and_grads(
     float (&St)[NT][4], float (&dPt)[NTD][4], const AttentionBwdParams& p, const ScoreTransform& tf,
     float scale_log2, int64_t b, int64_t h, int64_t r0, int Br, int n_block, int Bc,
     const int (&key_row)[2], const float* lse2, const float* delta, int t, bool plain_keys) {
   const int Nk = static_cast<int>(p.seqlen_k);
   const int k0 = n_block * Bc;
-  const bool all_visible = (!kGeneral || plain_keys) &&
-                           key_block_unmasked(p, r0, r0 + Br - 1, n_block, Bc) && k0 + Bc <= Nk;
+  const bool window_whole = key_block_unmasked(p, r0, r0 + Br - 1, n_block, Bc) && k0 + Bc <= Nk;
+  if constexpr (kSoftcapFast) {
+    if (window_whole) {
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * ni + 2 * t);
+        const float2 dl =
+            kDK ? *reinterpret_cast<const float2*>(delta + 8 * ni + 2 * t) : make_float2(0.f, 0.f);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float dcap;
+          const float prob = capped_prob(tf, St[ni][e], e & 1 ? l2.y : l2.x, dcap);
+          St[ni][e] = prob;
+          if constexpr (kDK) dPt[ni][e] = grad_score(prob, dPt[ni][e], e & 1 ? dl.y : dl.x) * dcap;
+        }
+      }
+      return;
+    }
+  }
+  const bool all_visible = (!kGeneral || plain_keys) && window_whole;
   if (all_visible) {
     // Every (query, key) pair of the block is visible and its keys are real: no window compares
     // and no guard for hidden keys (grad_score), only the transform; at D = 64 the elementwise
@@ -456,14 +493,28 @@ __device__ __forceinline__ LaneRows lane_rows(const AttentionBwdParams& p, const
 
 // The dQ kernels' step: S (queries x keys of block n) becomes dS times the soft cap's derivative.
 // plain_keys as in transposed_probs_and_grads.
-template <typename Elem, bool kGeneral, int NT>
+template <typename Elem, bool kGeneral, bool kSoftcapFast = false, int NT>
 __device__ __forceinline__ void probs_and_grads(float (&S)[NT][4], const float (&dP)[NT][4],
                                                 const AttentionBwdParams& p,
                                                 const ScoreTransform& tf, float scale_log2,
                                                 const LaneRows& rows, int64_t r0, int Br, int n,
                                                 int Bc, int t, bool plain_keys) {
-  const bool all_visible =
-      (!kGeneral || plain_keys) && key_block_unmasked(p, r0, r0 + Br - 1, n, Bc);
+  const bool window_whole = key_block_unmasked(p, r0, r0 + Br - 1, n, Bc);
+  if constexpr (kSoftcapFast) {
+    if (window_whole) {
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e >> 1;
+          float dcap;
+          const float prob = capped_prob(tf, S[ni][e], rows.lse2[hh], dcap);
+          S[ni][e] = grad_score(prob, dP[ni][e], rows.delta[hh]) * dcap;
+        }
+      return;
+    }
+  }
+  const bool all_visible = (!kGeneral || plain_keys) && window_whole;
   const int key0 = n * Bc + 2 * t;
   if (all_visible) {  // as in transposed_probs_and_grads: only the transform
 #pragma unroll

@@ -142,12 +142,13 @@ __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
 // kExtents (both kernels): a variable-length call, as in the portable kernels
 // (bwd_sm80_kernel.h): the grid comes from the upper bounds in params, each CTA works on
 // sequence_view_bwd(params, b), and one whose block lies past its sequence's end exits.
-// kKeyMask (both kernels, a general variant): bool key-padding masks skip the key blocks they hide
-// and run the blocks they show whole through the plain elementwise code (bwd_common.h:
-// vote_key_mask). A variant of its own: in the general variant that soft caps and other masks
-// take, the plain code beside the general one spilled (D = 128 dK/dV: 20 bytes; soft-capped
-// fwd+bwd 3-4 % slower).
-template <class Tr, bool kGeneral, int kWhich, bool kExtents, bool kKeyMask>
+// kFast (both kernels, a general variant; bwd_common.h: BwdFastPath): kBwdFastKeyMask, bool
+// key-padding masks skip the key blocks they hide and run the blocks they show whole through the
+// plain elementwise code (vote_key_mask); kBwdFastSoftcap, soft-capped scores without a mask
+// tensor take capped_prob in blocks the window shows whole. Variants of their own: in the general
+// variant that the other soft caps and masks take, the plain code beside the general one spilled
+// (D = 128 dK/dV: 20 bytes; soft-capped fwd+bwd 3-4 % slower).
+template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st) {
 #ifdef FLASHMOD_SM90A
@@ -156,7 +157,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
   static_assert((kWhich == kBwdPair) == (kThreads == 256 && Bc == 64),
                 "kBwdPair: two warpgroups over the same 64 keys");
-  static_assert(!kKeyMask || (kGeneral && !kExtents), "masks: general, dense calls");
+  static_assert(kFast == kBwdFastNone || (kGeneral && !kExtents), "fast paths: general, dense");
+  constexpr bool kKeyMask = kFast == kBwdFastKeyMask, kSoftcapFast = kFast == kBwdFastSoftcap;
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
@@ -289,9 +291,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         pin_registers(da);
       }
 
-      transposed_probs_and_grads<Elem, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
-                                                      n_block, Bc, key_row, sL + stage * Br,
-                                                      sDelta + stage * Br, t, kb.plain_keys);
+      transposed_probs_and_grads<Elem, kGeneral, kDK, kSoftcapFast>(
+          St, dPt, p, tf, scale_log2, b, h, r0, Br, n_block, Bc, key_row, sL + stage * Br,
+          sDelta + stage * Br, t, kb.plain_keys);
       // The gradient products take P^T / dS^T packed from the score registers. Those and the
       // accumulators were written by ordinary instructions: pinned ahead of the fence that orders
       // them before the wgmma reads.
@@ -350,10 +352,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 #endif
 }
 
-template <class Tr, bool kGeneral, bool kExtents, bool kKeyMask>
+template <class Tr, bool kGeneral, bool kExtents, int kFast>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dq_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st) {
 #ifdef FLASHMOD_SM90A
+  static_assert(kFast == kBwdFastNone || (kGeneral && !kExtents), "fast paths: general, dense");
+  constexpr bool kKeyMask = kFast == kBwdFastKeyMask, kSoftcapFast = kFast == kBwdFastSoftcap;
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
@@ -459,7 +463,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       pin_registers(da);
     }
 
-    probs_and_grads<Elem, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t, plain_keys);
+    probs_and_grads<Elem, kGeneral, kSoftcapFast>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t,
+                                                  plain_keys);
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) pack_a<Elem>(da[kk], S, kk);
     pin_registers(dQ);

@@ -36,34 +36,33 @@ struct BwdConfigSm90 {
   using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, kT.q_cols, kT.q_ctas, kT.q_stages, kT.q_overlap != 0>;
 };
 
-template <class KV, bool kGeneral, int kWhich, bool kExtents, bool kKeyMask>
+template <class KV, bool kGeneral, int kWhich, bool kExtents, int kFast>
 cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   const int64_t blocks = bwd_dkdv_ctas(p, KV::Bc);
-  return cuda::launch_kernel(
-      attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kKeyMask>, blocks,
-      KV::kNThreads, KV::kSmemBytes, stream, p, st);
+  return cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kFast>,
+                             blocks, KV::kNThreads, KV::kSmemBytes, stream, p, st);
 }
 
 template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
-          bool kKeyMask = false>
+          int kFast = kBwdFastNone>
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   using Cfg = BwdConfigSm90<Elem, kHeadDim, kTile>;
   using KV = typename Cfg::KV;
   using Q = typename Cfg::Q;
   cudaError_t err;
   if constexpr (Cfg::kSplit == 1) {
-    err = launch_dkdv<KV, kGeneral, kBwdOnlyDV, kExtents, kKeyMask>(p, st, stream);
+    err = launch_dkdv<KV, kGeneral, kBwdOnlyDV, kExtents, kFast>(p, st, stream);
     if (err == cudaSuccess)
-      err = launch_dkdv<KV, kGeneral, kBwdOnlyDK, kExtents, kKeyMask>(p, st, stream);
+      err = launch_dkdv<KV, kGeneral, kBwdOnlyDK, kExtents, kFast>(p, st, stream);
   } else if constexpr (Cfg::kSplit == 2) {
-    err = launch_dkdv<KV, kGeneral, kBwdPair, kExtents, kKeyMask>(p, st, stream);
+    err = launch_dkdv<KV, kGeneral, kBwdPair, kExtents, kFast>(p, st, stream);
   } else {
-    err = launch_dkdv<KV, kGeneral, kBwdBoth, kExtents, kKeyMask>(p, st, stream);
+    err = launch_dkdv<KV, kGeneral, kBwdBoth, kExtents, kFast>(p, st, stream);
   }
   if (err != cudaSuccess) return err;
   const int64_t q_blocks = bwd_dq_ctas(p, Q::Br);
-  return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral, kExtents, kKeyMask>,
-                             q_blocks, Q::kNThreads, Q::kSmemBytes, stream, p, st);
+  return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral, kExtents, kFast>, q_blocks,
+                             Q::kNThreads, Q::kSmemBytes, stream, p, st);
 }
 
 }  // namespace sm90
@@ -84,11 +83,14 @@ cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStat
     }
   }
   if (!general) return sm90::launch_bwd<Elem, kHeadDim, kTile, false, false>(p, st, stream);
-  // Key-padding masks on their own variants (bwd_sm90_kernel.h: kKeyMask), built for the default
-  // tile of each head dim only, as the variable-length ones; other tiles take them the general way.
+  // Key-padding masks and mask-free soft caps on variants of their own (bwd_sm90_kernel.h: kFast),
+  // built for the default tile of each head dim only, as the variable-length ones; other tiles
+  // take them the general way.
   if constexpr (kBwdSm90Tiles[kTile].is_default) {
     if (key_padding_mask(p))
-      return sm90::launch_bwd<Elem, kHeadDim, kTile, true, false, true>(p, st, stream);
+      return sm90::launch_bwd<Elem, kHeadDim, kTile, true, false, kBwdFastKeyMask>(p, st, stream);
+    if (p.mask_kind == MaskKind::kNone && p.softcap > 0.0 && p.scale > 0.0)
+      return sm90::launch_bwd<Elem, kHeadDim, kTile, true, false, kBwdFastSoftcap>(p, st, stream);
   }
   return sm90::launch_bwd<Elem, kHeadDim, kTile, true, false>(p, st, stream);
 }
