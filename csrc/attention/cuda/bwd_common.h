@@ -27,12 +27,11 @@ enum BwdWhich : int { kBwdBoth = 0, kBwdOnlyDV = 1, kBwdOnlyDK = 2, kBwdPair = 3
 // general variant keeps its registers): kBwdFastKeyMask, bool key-padding masks (vote_key_mask
 // below); kBwdFastSoftcap, a soft cap without a mask tensor: key blocks the window shows whole
 // compute the capped probabilities and their derivative without the per-element window and mask
-// tests (capped_probs_and_grads).
+// tests (capped_prob).
 enum BwdFastPath : int { kBwdFastNone = 0, kBwdFastKeyMask = 1, kBwdFastSoftcap = 2 };
 
-// P and dS times the soft cap's derivative for one element of a block the window shows whole:
-// score qk, lse2 and delta of its query row. The general path's general_prob and grad_score
-// without the window and mask tests.
+// P of one element of a block the window shows whole (score qk, lse2 of its query row), and in
+// dcap the soft cap's derivative there: general_prob without the window and mask tests.
 __device__ __forceinline__ float capped_prob(const ScoreTransform& tf, float qk, float lse2,
                                              float& dcap) {
   const float capped = soft_cap(qk * tf.scale, tf.softcap, tf.inv_softcap);
