@@ -1,20 +1,27 @@
-"""Ring (context-parallel) attention: per-rank throughput and the share of communication hidden
-behind compute, across processes on one machine.
+"""Ring (context-parallel) attention: time to result against one device, the share of communication
+hidden behind compute, and the result against one device's, across processes on one machine.
 
     python benchmarks/bench_ring.py                        # 2 ranks; NCCL with a GPU per rank, else gloo
     python benchmarks/bench_ring.py --world-size 4 --seqlens 4096,8192 --backend gloo
 
 For each sequence length N (the whole job's), every rank holds N / world_size tokens (zigzag slices
-for causal) and the forward of ``flashmod.distributed.ring_attention`` is timed against its two
-parts measured alone: the attention calls and merges of the ring's steps with no exchange ("compute"), and the
-K/V exchanges with no attention ("comm"). hidden = (compute + comm - ring) / comm, clamped to
-[0, 1]: 1 means the exchanges cost nothing on top of the compute. TFLOP/s per rank counts each
-rank's share of 4 * B * H * N * N * D (half for causal). Medians of ``--reps`` runs after warm-up.
+for causal). Measured, forward alone and forward + backward:
+- ring: ``flashmod.distributed.ring_attention`` across the ranks (the slowest rank's median);
+- compute: the same ring, through the same autograd function, with every exchange replaced by the
+  rank's own slices (every step's attention, merges and gradient sums, no communication);
+- comm: the ring's exchanges alone (forward: K/V; backward: K/V and the dK/dV sums, fp32 but for the
+  last hop home);
+- one device: ``flashmod.attention`` over the whole sequence on rank 0's device, the others idle.
+hidden = (compute + comm - ring) / comm, clamped to [0, 1]: 1 means the exchanges cost nothing on
+top of the compute. speedup = one device / ring. The ring's output (and gradients) are gathered and
+compared with the one-device run: the largest difference, against the largest value. TFLOP/s per
+rank counts each rank's share of 4 * B * H * N * N * D (half for causal; x 3.5 with the backward).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -24,60 +31,147 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flashmod.distributed import _Ring, ring_attention, shard_sequence
-from flashmod.merge_ops import merge_attention
-from flashmod.ops import attention_op
+import flashmod
+from flashmod.distributed import _arrived, _Ring, _RingAttention, ring_attention, shard_sequence, unshard_sequence
 
 
-def _median_seconds(fn, device: torch.device, reps: int) -> float:
-    fn()
+class _NoExchangeRing(_Ring):
+    """The ring's plan without its communication: every step reuses the rank's own slices."""
+
+    def exchange(self, send, recv_like_rank):
+        return [], list(send)
+
+
+def _median_seconds(fn, device: torch.device, reps: int, timed_here: bool = True) -> tuple[float, list[float]]:
+    """The slowest rank's median (the job finishes when the last rank does) and every rank's."""
+    if timed_here:
+        fn()  # warm-up
     times = []
     for _ in range(reps):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        fn()
+        if timed_here:
+            fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    # Every rank reports the slowest rank's time: the job finishes when the last rank does.
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    mine = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    per_rank = [t.item() for t in every]
+    return max(per_rank), per_rank
 
 
-def measure(n: int, rank: int, world_size: int, args: argparse.Namespace, device: torch.device, dtype) -> None:
-    full = [torch.randn(args.batch, args.heads, n, args.head_dim, dtype=dtype, device=device) for _ in range(3)]
-    q, k, v = (shard_sequence(t, 2, rank, world_size, args.causal).contiguous() for t in full)
-    ring = _Ring(None, q.shape[2], device, args.causal)
+def _gathered(local: torch.Tensor, world_size: int, causal: bool) -> torch.Tensor:
+    parts = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(parts, local.contiguous())
+    return unshard_sequence(parts, 2, causal)
 
-    def compute_only():
-        # The ring's attention calls and merges on the local K/V, without the exchanges.
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:3], float("-inf"), device=device)
-        for step in range(world_size):
-            plan = ring.step_plan(step)
-            if plan is not None:
-                rows, keys, causal = plan
-                o, l_part = attention_op(q[:, :, rows], k[:, :, keys], v[:, :, keys], None, None, causal, False)
-                out[:, :, rows], lse[:, :, rows] = merge_attention([out[:, :, rows], o], [lse[:, :, rows], l_part])
 
-    def comm_only():
+def _relative_difference(ours: torch.Tensor, single: torch.Tensor) -> float:
+    return ((ours.float() - single.float()).abs().max() / single.float().abs().max()).item()
+
+
+def measure(n: int, rank: int, world_size: int, args, device: torch.device, dtype) -> dict:
+    b, h, d, causal = args.batch, args.heads, args.head_dim, args.causal
+    gen = torch.Generator(device=device).manual_seed(n)  # every rank draws the same full problem
+    full = [torch.randn(b, h, n, d, dtype=dtype, device=device, generator=gen) for _ in range(4)]
+    q, k, v, grad = (shard_sequence(t, 2, rank, world_size, causal).contiguous() for t in full)
+    ring = _Ring(None, q.shape[2], device, causal)
+    local_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    window = (-1, -1)
+
+    def ring_forward():
+        return ring_attention(q, k, v, causal=causal)
+
+    def ring_training_step():
+        for t in local_leaves:
+            t.grad = None
+        ring_attention(*local_leaves, causal=causal).backward(grad)
+
+    def compute_forward():
+        return _RingAttention.apply(q, k, v, None, causal, None, 0.0, window, _NoExchangeRing)
+
+    def compute_training_step():
+        for t in local_leaves:
+            t.grad = None
+        out, _ = _RingAttention.apply(*local_leaves, None, causal, None, 0.0, window, _NoExchangeRing)
+        out.backward(grad)
+
+    def comm_kv():
         kv = [k, v]
         for step in range(world_size - 1):
             requests, kv = ring.exchange(kv, ring.source(step + 1))
             for request in requests:
                 request.wait()
 
-    t_ring = _median_seconds(lambda: ring_attention(q, k, v, causal=args.causal), device, args.reps)
-    t_compute = _median_seconds(compute_only, device, args.reps)
-    t_comm = _median_seconds(comm_only, device, args.reps)
-    hidden = min(1.0, max(0.0, (t_compute + t_comm - t_ring) / t_comm)) if t_comm > 0 else 1.0
-    flops = 4 * args.batch * args.heads * n * n * args.head_dim * (0.5 if args.causal else 1.0) / world_size
+    sums = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+    last_hop = [torch.zeros_like(k), torch.zeros_like(v)]
+
+    def comm_training_step():
+        comm_kv()  # the forward's
+        kv, sums_in_flight = [k, v], None  # then the backward's, in its order
+        for step in range(world_size):
+            kv_in_flight = ring.exchange(kv, ring.source(step + 1)) if step < world_size - 1 else None
+            acc = sums if sums_in_flight is None else _arrived(sums_in_flight)
+            sums_in_flight = ring.exchange(last_hop if step == world_size - 1 else acc, ring.source(step + 1))
+            if kv_in_flight is not None:
+                kv = _arrived(kv_in_flight)
+        _arrived(sums_in_flight)
+
+    single_leaves = [t.clone().requires_grad_() for t in full[:3]] if rank == 0 else None
+
+    def single_forward():
+        return flashmod.attention(*full[:3], is_causal=causal)
+
+    def single_training_step():
+        for t in single_leaves:
+            t.grad = None
+        flashmod.attention(*single_leaves, is_causal=causal).backward(full[3])
+
+    reps = args.reps
+    row = {"n": n, "world_size": world_size}
+    for phase, ring_fn, compute_fn, comm_fn, single_fn, work in (
+        ("fwd", ring_forward, compute_forward, comm_kv, single_forward, 1.0),
+        ("fwdbwd", ring_training_step, compute_training_step, comm_training_step, single_training_step, 3.5),
+    ):
+        t_ring, ring_per_rank = _median_seconds(ring_fn, device, reps)
+        t_compute, compute_per_rank = _median_seconds(compute_fn, device, reps)
+        t_comm, _ = _median_seconds(comm_fn, device, reps)
+        t_single, _ = _median_seconds(single_fn, device, reps, timed_here=rank == 0)
+        hidden = min(1.0, max(0.0, (t_compute + t_comm - t_ring) / t_comm)) if t_comm > 0 else 1.0
+        flops = work * 4 * b * h * n * n * d * (0.5 if causal else 1.0) / world_size
+        row[phase] = {
+            "ring_ms": t_ring * 1e3,
+            "compute_ms": t_compute * 1e3,
+            "comm_ms": t_comm * 1e3,
+            "one_device_ms": t_single * 1e3,
+            "hidden": hidden,
+            "speedup": t_single / t_ring,
+            "tflops_per_rank": flops / t_ring / 1e12,
+            "ring_ms_per_rank": [t * 1e3 for t in ring_per_rank],
+            "compute_ms_per_rank": [t * 1e3 for t in compute_per_rank],
+        }
+
+    # The results against one device's, on the same inputs.
+    ring_training_step()
+    out, lse = ring_attention(q, k, v, causal=causal, return_lse=True)
+    gathered = {
+        "out": _gathered(out, world_size, causal),
+        "lse": _gathered(lse.unsqueeze(-1), world_size, causal).squeeze(-1),
+        **{f"d{name}": _gathered(t.grad, world_size, causal) for name, t in zip("qkv", local_leaves)},
+    }
     if rank == 0:
-        print(f"{n:>8} {t_ring * 1e3:>9.2f} {t_compute * 1e3:>11.2f} {t_comm * 1e3:>9.2f} "
-              f"{hidden:>7.2f} {flops / t_ring / 1e12:>13.2f}")  # fmt: skip
+        single_training_step()
+        single_out, single_lse = flashmod.attention(*full[:3], is_causal=causal, return_lse=True)
+        single = {"out": single_out, "lse": single_lse}
+        single.update({f"d{name}": t.grad for name, t in zip("qkv", single_leaves)})
+        row["max_difference_vs_one_device"] = {
+            name: _relative_difference(gathered[name], single[name]) for name in gathered
+        }
+    return row
 
 
 def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
@@ -87,16 +181,35 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(args.threads)
-    dist.init_process_group(args.backend, rank=rank, world_size=world_size)
+    dist.init_process_group(
+        args.backend, rank=rank, world_size=world_size, device_id=device if args.backend == "nccl" else None
+    )
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     try:
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        header = (
+            f"ring attention, {world_size} ranks over {args.backend} ({where}), {args.dtype}, "
+            f"B {args.batch}, H {args.heads}, D {args.head_dim}, causal {args.causal}"
+        )
+        rows = []
         if rank == 0:
-            where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-            print(f"ring attention, {world_size} ranks over {args.backend} ({where}), {args.dtype}, "
-                  f"B {args.batch}, H {args.heads}, D {args.head_dim}, causal {args.causal}")  # fmt: skip
-            print(f"{'N':>8} {'ring ms':>9} {'compute ms':>11} {'comm ms':>9} {'hidden':>7} {'TFLOP/s/rank':>13}")
+            print(header)
+            print(f"{'N':>8} {'phase':>7} {'ring ms':>9} {'compute':>9} {'comm':>8} {'hidden':>7} "
+                  f"{'1 device':>9} {'speedup':>8} {'TFLOP/s/rank':>13}")  # fmt: skip
         for n in (int(x) for x in args.seqlens.split(",")):
-            measure(n, rank, world_size, args, device, dtype)
+            row = measure(n, rank, world_size, args, device, dtype)
+            if rank == 0:
+                for phase in ("fwd", "fwdbwd"):
+                    r = row[phase]
+                    print(f"{n:>8} {phase:>7} {r['ring_ms']:>9.2f} {r['compute_ms']:>9.2f} {r['comm_ms']:>8.2f} "
+                          f"{r['hidden']:>7.2f} {r['one_device_ms']:>9.2f} {r['speedup']:>8.2f} "
+                          f"{r['tflops_per_rank']:>13.1f}")  # fmt: skip
+                diffs = ", ".join(f"{k} {v:.1e}" for k, v in row["max_difference_vs_one_device"].items())
+                print(f"{'':>8} max |ring - one device| / max |one device|: {diffs}", flush=True)
+                rows.append(row)
+        if rank == 0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump({"header": header, "torch": torch.__version__, "rows": rows}, f, indent=1)
     finally:
         dist.destroy_process_group()
 
@@ -121,6 +234,7 @@ def main() -> None:
     parser.add_argument("--causal", type=int, default=1, help="1: causal (zigzag slices), 0: full attention")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank (gloo)")
     parser.add_argument("--reps", type=int, default=5, help="timed runs per measurement (the median is reported)")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
     args.causal = bool(args.causal)
     if args.backend is None:

@@ -164,29 +164,82 @@ def _rows(t: Tensor, rows: slice) -> Tensor:
     return t[:, :, rows]
 
 
+def _ring_forward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, scale, softcap: float) -> tuple[Tensor, Tensor]:
+    """The ring's forward: each step's attention calls on the visiting K/V, merged through the lse,
+    with the next step's K/V in flight meanwhile. Returns this rank's rows of (out, lse)."""
+    out = lse = None  # nothing merged yet
+    k_cur, v_cur = k, v
+    for step in range(ring.world_size):
+        kv_in_flight = None
+        if step < ring.world_size - 1:
+            kv_in_flight = ring.exchange([k_cur, v_cur], ring.source(step + 1))
+        for rows, keys, step_causal, wl, wr in ring.step_calls(step):
+            o_part, lse_part = attention_op(
+                _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys), None, scale, step_causal, False,
+                wl, wr, softcap,
+            )  # fmt: skip
+            if out is None and rows == slice(None):
+                out, lse = o_part, lse_part  # the first share of every row needs no merge pass
+                continue
+            if out is None:
+                out, lse = _nothing_seen(q)
+            merged_o, merged_lse = merge_attention([_rows(out, rows), o_part], [lse[:, :, rows], lse_part])
+            out[:, :, rows] = merged_o
+            lse[:, :, rows] = merged_lse
+        if kv_in_flight is not None:
+            k_cur, v_cur = _arrived(kv_in_flight)
+    if out is None:  # no key was visible to any local query
+        out, lse = _nothing_seen(q)
+    return out, lse
+
+
+def _ring_backward(
+    ring: _Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, scale, softcap: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The ring's backward: dQ of this rank's rows (fp32), dK/dV of its K/V slice (k's and v's dtype)."""
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    # Two exchanges a step, both behind the step's backward kernels: the next step's K/V leave
+    # before the kernels start, and the fp32 sums of dK/dV that travel with them arrive while the
+    # next step's kernels run (they are added after). After the last step, one more hop brings
+    # each rank's sums home; they are complete then, so they travel rounded to k's and v's dtype,
+    # as the caller gets them (half the bytes of the one exchange nothing hides).
+    k_cur, v_cur = k, v
+    sums_in_flight = None
+    for step in range(ring.world_size):
+        kv_in_flight = None
+        if step < ring.world_size - 1:
+            kv_in_flight = ring.exchange([k_cur, v_cur], ring.source(step + 1))
+        key_parts = []
+        for rows, keys, step_causal, wl, wr in ring.step_calls(step):
+            dq_part, dk_part, dv_part, _ = torch.ops.flashmod.attention_backward(
+                _rows(grad_out, rows), None, _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys),
+                _rows(out, rows), lse[:, :, rows], None, scale, step_causal, False, wl, wr, softcap,
+            )  # fmt: skip
+            dq[:, :, rows] += dq_part
+            key_parts.append((keys, dk_part, dv_part))
+        if sums_in_flight is None:
+            dk_sum = torch.zeros_like(k_cur, dtype=torch.float32)
+            dv_sum = torch.zeros_like(v_cur, dtype=torch.float32)
+        else:
+            dk_sum, dv_sum = _arrived(sums_in_flight)
+        for keys, dk_part, dv_part in key_parts:
+            dk_sum[:, :, keys] += dk_part
+            dv_sum[:, :, keys] += dv_part
+        if step == ring.world_size - 1:
+            dk_sum, dv_sum = dk_sum.to(k.dtype), dv_sum.to(v.dtype)
+        sums_in_flight = ring.exchange([dk_sum, dv_sum], ring.source(step + 1))
+        if kv_in_flight is not None:
+            k_cur, v_cur = _arrived(kv_in_flight)
+    dk, dv = _arrived(sums_in_flight)
+    return dq, dk, dv
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, softcap, window):
-        ring = _Ring(group, q.shape[2], q.device, causal, window)
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        k_cur, v_cur = k, v
-        for step in range(ring.world_size):
-            pending = None
-            if step < ring.world_size - 1:
-                pending = ring.exchange([k_cur, v_cur], ring.source(step + 1))
-            for rows, keys, step_causal, wl, wr in ring.step_calls(step):
-                o_part, lse_part = attention_op(
-                    _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys), None, scale, step_causal, False,
-                    wl, wr, softcap,
-                )  # fmt: skip
-                merged_o, merged_lse = merge_attention([_rows(out, rows), o_part], [lse[:, :, rows], lse_part])
-                out[:, :, rows] = merged_o
-                lse[:, :, rows] = merged_lse
-            if pending is not None:
-                requests, (k_cur, v_cur) = pending
-                for request in requests:
-                    request.wait()
+    def forward(ctx, q, k, v, group, causal, scale, softcap, window, ring_type=_Ring):
+        # ring_type: benchmarks/bench_ring.py swaps in a ring without exchanges to time the compute.
+        ring = ring_type(group, q.shape[2], q.device, causal, window)
+        out, lse = _ring_forward(ring, q, k, v, scale, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale, ctx.softcap = ring, scale, softcap
         ctx.mark_non_differentiable(lse)
@@ -195,33 +248,22 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        ring: _Ring = ctx.ring
-        grad_out = grad_out.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        # K/V travel with the fp32 sums of their gradients; after the last step one more hop brings
-        # each sum home.
-        k_cur, v_cur = k, v
-        dk_cur = torch.zeros_like(k, dtype=torch.float32)
-        dv_cur = torch.zeros_like(v, dtype=torch.float32)
-        for step in range(ring.world_size):
-            for rows, keys, step_causal, wl, wr in ring.step_calls(step):
-                dq_part, dk_part, dv_part, _ = torch.ops.flashmod.attention_backward(
-                    _rows(grad_out, rows), None, _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys),
-                    _rows(out, rows), lse[:, :, rows], None, ctx.scale, step_causal, False, wl, wr, ctx.softcap,
-                )  # fmt: skip
-                dq[:, :, rows] += dq_part
-                dk_cur[:, :, keys] += dk_part
-                dv_cur[:, :, keys] += dv_part
-            last = step == ring.world_size - 1
-            send = [dk_cur, dv_cur] if last else [k_cur, v_cur, dk_cur, dv_cur]
-            requests, received = ring.exchange(send, ring.source(step + 1))
-            for request in requests:
-                request.wait()
-            if last:
-                dk_cur, dv_cur = received
-            else:
-                k_cur, v_cur, dk_cur, dv_cur = received
-        return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None, None, None
+        dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out, lse, grad_out.contiguous(), ctx.scale, ctx.softcap)
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
+
+
+def _nothing_seen(q: Tensor) -> tuple[Tensor, Tensor]:
+    """The output and lse of rows that have seen no key yet: 0 and -inf."""
+    return torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+
+
+def _arrived(in_flight: tuple[list, list[Tensor]]) -> list[Tensor]:
+    """Waits for an exchange's requests (on a GPU: orders the current stream after them) and returns
+    its receive buffers."""
+    requests, buffers = in_flight
+    for request in requests:
+        request.wait()
+    return buffers
 
 
 def ring_attention(

@@ -1,5 +1,6 @@
-"""Ring (context-parallel) attention on torch.distributed with gloo: 2 and 4 CPU processes, each
-compared with single-process flashmod attention over the full sequence, forward and gradients."""
+"""Ring (context-parallel) attention on torch.distributed: 2-4 processes, gloo on CPUs and NCCL with
+a GPU per process (where the machine has them), each compared with attention over the full sequence
+in one process, forward and gradients."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ CASES = [
     (3, False, 97, 2, 2, torch.float32, (5, 30)),
     (4, False, 131, 2, 1, torch.float32, (-1, 7)),
 ]
+# The same through NCCL, a GPU per rank: the CUDA kernels' low-precision paths, head dims their
+# tensor-core tiles take and lengths whose per-rank slices end mid-tile.
+NCCL_CASES = [
+    (2, False, 203, 4, 4, torch.bfloat16, (-1, -1), 64),
+    (2, True, 1023, 4, 2, torch.bfloat16, (-1, -1), 128),
+    (2, True, 517, 4, 1, torch.float16, (-1, -1), 40),
+    (2, True, 333, 4, 2, torch.bfloat16, (50, -1), 128),
+    (4, True, 1023, 8, 2, torch.bfloat16, (-1, -1), 128),
+    (4, False, 401, 4, 4, torch.float16, (-1, -1), 111),
+]
 
 
 def _free_port() -> int:
@@ -36,18 +47,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, case: tuple, errors) -> None:
+def _worker(rank: int, world_size: int, port: int, case: tuple, errors, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device(f"cuda:{rank}")
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
-        _, causal, seqlen, hq, hkv, dtype, window = case
+        _, causal, seqlen, hq, hkv, dtype, window, *head_dim = case
+        d = head_dim[0] if head_dim else 40
         gen = torch.Generator().manual_seed(1234)  # every rank draws the same full problem
-        q = torch.randn(2, hq, seqlen, 40, generator=gen).to(dtype)
-        k = torch.randn(2, hkv, seqlen, 40, generator=gen).to(dtype)
-        v = torch.randn(2, hkv, seqlen, 40, generator=gen).to(dtype)
-        grad = torch.randn(2, hq, seqlen, 40, generator=gen).to(dtype)
-        scale = 0.3
+        q = torch.randn(2, hq, seqlen, d, generator=gen).to(dtype)
+        k = torch.randn(2, hkv, seqlen, d, generator=gen).to(dtype)
+        v = torch.randn(2, hkv, seqlen, d, generator=gen).to(dtype)
+        grad = torch.randn(2, hq, seqlen, d, generator=gen).to(dtype)
+        scale = 0.3 if d == 40 else d**-0.5
 
         # The truth in fp64, and plain attention in the inputs' precision, whose error against the
         # truth bounds ours (the low-precision rule: 2x forward, 3x gradients).
@@ -61,13 +77,14 @@ def _worker(rank: int, world_size: int, port: int, case: tuple, errors) -> None:
         ref = flashmod.attention_reference(*exact, scale=scale, is_causal=causal, **window_opts)[0]
         ref.backward(grad.double())
 
+        # The truth and plain attention come from the CPU; the ring runs on this rank's device.
         shard = lambda t: shard_sequence(t, 2, rank, world_size, causal)  # noqa: E731
-        local = [shard(t).clone().requires_grad_() for t in (q, k, v)]
+        local = [shard(t).to(device).requires_grad_() for t in (q, k, v)]
         out = ring_attention(*local, causal=causal, scale=scale, window_size=window)
-        out.backward(shard(grad))
+        out.backward(shard(grad).to(device))
 
         # Each rank checks its own rows of the output and its slices of the gradients.
-        got = [out.detach()] + [t.grad for t in local]
+        got = [out.detach().cpu()] + [t.grad.cpu() for t in local]
         want = [shard(expected.detach())] + [shard(t.grad) for t in full]
         exact_vals = [shard(ref.detach())] + [shard(t.grad) for t in exact]
         for name, g, w, e in zip(("out", "dq", "dk", "dv"), got, want, exact_vals):
@@ -78,6 +95,10 @@ def _worker(rank: int, world_size: int, port: int, case: tuple, errors) -> None:
             *(t.detach().transpose(1, 2) for t in local), causal=causal, softmax_scale=scale, window_size=window
         )
         torch.testing.assert_close(bshd.transpose(1, 2), out.detach(), rtol=0, atol=0)
+
+        # The same ring run again gives the same bits (no order-dependent reduction across ranks).
+        again = ring_attention(*(t.detach() for t in local), causal=causal, scale=scale, window_size=window)
+        torch.testing.assert_close(again, out.detach(), rtol=0, atol=0)
     except BaseException as e:  # reported to the parent, which fails the test
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
@@ -86,18 +107,33 @@ def _worker(rank: int, world_size: int, port: int, case: tuple, errors) -> None:
 
 
 def _case_id(case: tuple) -> str:
-    world_size, causal, seqlen, hq, hkv, dtype, window = case
+    world_size, causal, seqlen, hq, hkv, dtype, window, *head_dim = case
     band = "" if window == (-1, -1) else f"-window{window[0]}_{window[1]}"
-    return f"w{world_size}-{'causal' if causal else 'full'}-n{seqlen}-{hq}x{hkv}-{str(dtype)[6:]}{band}"
+    dim = f"-d{head_dim[0]}" if head_dim else ""
+    return f"w{world_size}-{'causal' if causal else 'full'}-n{seqlen}-{hq}x{hkv}-{str(dtype)[6:]}{band}{dim}"
+
+
+def _run_ring_case(case: tuple, backend: str) -> None:
+    errors = mp.get_context("spawn").SimpleQueue()
+    world_size = case[0]
+    mp.start_processes(
+        _worker, args=(world_size, _free_port(), case, errors, backend), nprocs=world_size, start_method="spawn"
+    )
+    assert errors.empty(), errors.get()
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_ring_attention_matches_single_process(case):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    world_size = case[0]
-    mp.start_processes(_worker, args=(world_size, _free_port(), case, errors), nprocs=world_size, start_method="spawn")
-    assert errors.empty(), errors.get()
+    _run_ring_case(case, "gloo")
+
+
+@pytest.mark.parametrize("case", NCCL_CASES, ids=_case_id)
+def test_ring_attention_over_nccl_matches_single_process(case):
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        pytest.skip("needs CUDA and NCCL")
+    if torch.cuda.device_count() < case[0]:
+        pytest.skip(f"needs {case[0]} GPUs, this machine has {torch.cuda.device_count()}")
+    _run_ring_case(case, "nccl")
 
 
 @pytest.mark.parametrize("causal", [False, True])
