@@ -42,26 +42,34 @@ class _NoExchangeRing(_Ring):
         return [], list(send)
 
 
-def _median_seconds(fn, device: torch.device, reps: int, timed_here: bool = True) -> tuple[float, list[float]]:
-    """The slowest rank's median (the job finishes when the last rank does) and every rank's."""
+def _medians(fns, device: torch.device, reps: int, timed_here: bool = True) -> list[tuple[float, list[float]]]:
+    """Each of ``fns``'s median time over ``reps`` runs after a warm-up, as (the slowest rank's, every
+    rank's): the job finishes when the last rank does. The runs of ``fns`` are interleaved, so that
+    a drift of the clocks moves each alike (the ring and its compute differ by ~1 %). A rank with
+    ``timed_here`` False only keeps pace with the others' barriers."""
     if timed_here:
-        fn()  # warm-up
-    times = []
+        for fn in fns:
+            fn()  # warm-up
+    times = [[] for _ in fns]
     for _ in range(reps):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        if timed_here:
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    mine = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    per_rank = [t.item() for t in every]
-    return max(per_rank), per_rank
+        for fn, fn_times in zip(fns, times):
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            if timed_here:
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            fn_times.append(time.perf_counter() - start)
+    results = []
+    for fn_times in times:
+        mine = torch.tensor([statistics.median(fn_times)], dtype=torch.float64, device=device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        per_rank = [t.item() for t in every]
+        results.append((max(per_rank), per_rank))
+    return results
 
 
 def _gathered(local: torch.Tensor, world_size: int, causal: bool) -> torch.Tensor:
@@ -137,10 +145,9 @@ def measure(n: int, rank: int, world_size: int, args, device: torch.device, dtyp
         ("fwd", ring_forward, compute_forward, comm_kv, single_forward, 1.0),
         ("fwdbwd", ring_training_step, compute_training_step, comm_training_step, single_training_step, 3.5),
     ):
-        t_ring, ring_per_rank = _median_seconds(ring_fn, device, reps)
-        t_compute, compute_per_rank = _median_seconds(compute_fn, device, reps)
-        t_comm, _ = _median_seconds(comm_fn, device, reps)
-        t_single, _ = _median_seconds(single_fn, device, reps, timed_here=rank == 0)
+        (t_ring, ring_per_rank), (t_compute, compute_per_rank) = _medians([ring_fn, compute_fn], device, reps)
+        ((t_comm, _),) = _medians([comm_fn], device, reps)
+        ((t_single, _),) = _medians([single_fn], device, reps, timed_here=rank == 0)
         hidden = min(1.0, max(0.0, (t_compute + t_comm - t_ring) / t_comm)) if t_comm > 0 else 1.0
         flops = work * 4 * b * h * n * n * d * (0.5 if causal else 1.0) / world_size
         row[phase] = {
@@ -184,12 +191,15 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
     dist.init_process_group(
         args.backend, rank=rank, world_size=world_size, device_id=device if args.backend == "nccl" else None
     )
+    if args.round_robin_dense_steps:
+        flashmod.distributed._WHOLE_KEY_RANGE = -1
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     try:
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         header = (
             f"ring attention, {world_size} ranks over {args.backend} ({where}), {args.dtype}, "
             f"B {args.batch}, H {args.heads}, D {args.head_dim}, causal {args.causal}"
+            + (", dense steps round-robin" if args.round_robin_dense_steps else "")
         )
         rows = []
         if rank == 0:
@@ -235,6 +245,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank (gloo)")
     parser.add_argument("--reps", type=int, default=5, help="timed runs per measurement (the median is reported)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--round-robin-dense-steps",
+        action="store_true",
+        help="A/B aid: the ring's dense forward steps without the right bound that makes the Hopper "
+        "kernel claim tiles dynamically (flashmod/distributed.py: _WHOLE_KEY_RANGE)",
+    )
     args = parser.parse_args()
     args.causal = bool(args.causal)
     if args.backend is None:
