@@ -72,10 +72,13 @@ def _medians(fns, device: torch.device, reps: int, timed_here: bool = True) -> l
     return results
 
 
-def _gathered(local: torch.Tensor, world_size: int, causal: bool) -> torch.Tensor:
-    parts = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(parts, local.contiguous())
-    return unshard_sequence(parts, 2, causal)
+def _gathered(local: torch.Tensor, lengths: list[int], causal: bool) -> torch.Tensor:
+    """The whole sequence from every rank's slice along dim 2 (slices may differ by a token)."""
+    longest = max(lengths)
+    padded = torch.nn.functional.pad(local, (0, 0, 0, longest - local.shape[2])).contiguous()
+    parts = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(parts, padded)
+    return unshard_sequence([part[:, :, :length] for part, length in zip(parts, lengths)], 2, causal)
 
 
 def _relative_difference(ours: torch.Tensor, single: torch.Tensor) -> float:
@@ -116,7 +119,6 @@ def measure(n: int, rank: int, world_size: int, args, device: torch.device, dtyp
                 request.wait()
 
     sums = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
-    last_hop = [torch.zeros_like(k), torch.zeros_like(v)]
 
     def comm_training_step():
         comm_kv()  # the forward's
@@ -124,7 +126,9 @@ def measure(n: int, rank: int, world_size: int, args, device: torch.device, dtyp
         for step in range(world_size):
             kv_in_flight = ring.exchange(kv, ring.source(step + 1)) if step < world_size - 1 else None
             acc = sums if sums_in_flight is None else _arrived(sums_in_flight)
-            sums_in_flight = ring.exchange(last_hop if step == world_size - 1 else acc, ring.source(step + 1))
+            if step == world_size - 1:  # the finished sums go home in k's and v's dtype
+                acc = [acc[0].to(k.dtype), acc[1].to(v.dtype)]
+            sums_in_flight = ring.exchange(acc, ring.source(step + 1))
             if kv_in_flight is not None:
                 kv = _arrived(kv_in_flight)
         _arrived(sums_in_flight)
@@ -165,10 +169,11 @@ def measure(n: int, rank: int, world_size: int, args, device: torch.device, dtyp
     # The results against one device's, on the same inputs.
     ring_training_step()
     out, lse = ring_attention(q, k, v, causal=causal, return_lse=True)
+    lengths = ring.local_lens
     gathered = {
-        "out": _gathered(out, world_size, causal),
-        "lse": _gathered(lse.unsqueeze(-1), world_size, causal).squeeze(-1),
-        **{f"d{name}": _gathered(t.grad, world_size, causal) for name, t in zip("qkv", local_leaves)},
+        "out": _gathered(out, lengths, causal),
+        "lse": _gathered(lse.unsqueeze(-1), lengths, causal).squeeze(-1),
+        **{f"d{name}": _gathered(t.grad, lengths, causal) for name, t in zip("qkv", local_leaves)},
     }
     if rank == 0:
         single_training_step()
