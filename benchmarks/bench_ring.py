@@ -197,7 +197,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         args.backend, rank=rank, world_size=world_size, device_id=device if args.backend == "nccl" else None
     )
     if args.round_robin_dense_steps:
-        flashmod.distributed._WHOLE_KEY_RANGE = -1
+        flashmod.distributed._BOUND_DENSE_STEPS = False
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     try:
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -254,7 +254,7 @@ def main() -> None:
         "--round-robin-dense-steps",
         action="store_true",
         help="A/B aid: the ring's dense forward steps without the right bound that makes the Hopper "
-        "kernel claim tiles dynamically (flashmod/distributed.py: _WHOLE_KEY_RANGE)",
+        "kernel claim tiles dynamically (flashmod/distributed.py: _BOUND_DENSE_STEPS)",
     )
     args = parser.parse_args()
     args.causal = bool(args.causal)

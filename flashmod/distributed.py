@@ -164,12 +164,13 @@ def _rows(t: Tensor, rows: slice) -> Tensor:
     return t[:, :, rows]
 
 
-# A right window bound past every key hides nothing, and on Hopper it makes the forward's
-# persistent kernel claim tiles as its CTAs free up rather than deal them round-robin. A step runs
-# beside the next step's exchange, whose NCCL kernels hold some SMs for a while; a round-robin CTA
-# that starts late on such an SM delays the whole call by as much (4 H200s, N = 128k causal, the
-# forward: 35.3 ms against 31.5 with one CTA per tile, 29.6 without exchanges).
-_WHOLE_KEY_RANGE = 1 << 62
+# Dense forward steps get a right window bound past every key: it hides nothing, and on Hopper it
+# makes the forward's persistent kernel claim tiles as its CTAs free up rather than deal them
+# round-robin. A step runs beside the next step's exchange, whose NCCL kernels hold some SMs for a
+# while; a round-robin CTA that starts late on such an SM delays the whole call by as much (4
+# H100s, N = 128k causal, the forward: 36.9 -> 32.0 ms; benchmarks/results/design/merge-and-ring.md).
+# False only for bench_ring.py's A/B.
+_BOUND_DENSE_STEPS = True
 
 
 def _ring_forward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, scale, softcap: float) -> tuple[Tensor, Tensor]:
@@ -182,8 +183,8 @@ def _ring_forward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, scale, softcap: 
         if step < ring.world_size - 1:
             kv_in_flight = ring.exchange([k_cur, v_cur], ring.source(step + 1))
         for rows, keys, step_causal, wl, wr in ring.step_calls(step):
-            if q.is_cuda and not step_causal and wl < 0 and wr < 0:
-                wr = _WHOLE_KEY_RANGE
+            if _BOUND_DENSE_STEPS and q.is_cuda and not step_causal and wl < 0 and wr < 0:
+                wr = _rows(k_cur, keys).shape[2]  # top-left: query 0 already sees every key
             o_part, lse_part = attention_op(
                 _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys), None, scale, step_causal, False,
                 wl, wr, softcap,

@@ -190,3 +190,20 @@ def test_flash_attn_func_window_side_over_all_keys_is_unbounded(device, window):
     torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
     if window == (-1, 3):
         assert (out[:, :4] != 0).any(dim=-1).all(), "the first queries see every key, as in flash-attn"
+
+
+@pytest.mark.parametrize("d", [40, 64, 111, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_window_right_past_every_key_changes_nothing(device, d, dtype):
+    """The op keeps a right bound at or past the last key (flash_attn_func maps it to -1): with
+    top-left alignment it hides no key, so the result is the unbounded call's, bit for bit.
+    ring_attention puts one on its dense steps to pick the Hopper forward's tile scheduler, and
+    2^40 checks that no 32-bit arithmetic truncates it."""
+    gen = torch.Generator(device=device).manual_seed(d)
+    q = torch.randn(2, 4, 333, d, device=device, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 2, 517, d, device=device, generator=gen).to(dtype) for _ in range(2))
+    out, lse = flashmod.ops.attention_op(q, k, v, bottom_right=False)
+    for window_right in (517, 600, 2**40):
+        bounded, bounded_lse = flashmod.ops.attention_op(q, k, v, bottom_right=False, window_right=window_right)
+        torch.testing.assert_close(bounded, out, rtol=0, atol=0, msg=f"window_right={window_right}")
+        torch.testing.assert_close(bounded_lse, lse, rtol=0, atol=0, msg=f"window_right={window_right}")
