@@ -264,10 +264,16 @@ def main() -> None:
     args.seqlens = args.seqlens or ("32768,65536,131072,262144" if on_gpu else "2048,4096")
     args.dtype = args.dtype or ("bf16" if on_gpu else "fp32")
     args.heads = args.heads or (16 if on_gpu else 4)
+    spawn_ranks(worker, args)
+
+
+def spawn_ranks(fn, args: argparse.Namespace) -> None:
+    """Runs ``fn(rank, world_size, port, args)`` in ``args.world_size`` fresh processes on one machine
+    (``port``: a free one for the process group's rendezvous). tools/ring_timeline.py shares it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(worker, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")
+    mp.start_processes(fn, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")
 
 
 if __name__ == "__main__":

@@ -19,15 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
-from flashmod.distributed import ring_attention, shard_sequence
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from bench_ring import spawn_ranks  # noqa: E402
+
+from flashmod.distributed import ring_attention, shard_sequence  # noqa: E402
 
 
 def _union_ms(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
@@ -121,10 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     if torch.cuda.device_count() < args.world_size:
         raise SystemExit(f"needs {args.world_size} GPUs, this machine has {torch.cuda.device_count()}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(worker, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")
+    spawn_ranks(worker, args)
 
 
 if __name__ == "__main__":
