@@ -164,11 +164,12 @@ def _rows(t: Tensor, rows: slice) -> Tensor:
     return t[:, :, rows]
 
 
-# Dense forward steps get a right window bound past every key: it hides nothing, and on Hopper it
+# Dense forward steps on Hopper get a right window bound past every key: it hides nothing, and it
 # makes the forward's persistent kernel claim tiles as its CTAs free up rather than deal them
-# round-robin. A step runs beside the next step's exchange, whose NCCL kernels hold some SMs for a
-# while; a round-robin CTA that starts late on such an SM delays the whole call by as much (4
-# H100s, N = 128k causal, the forward: 36.9 -> 32.0 ms; benchmarks/results/design/merge-and-ring.md).
+# round-robin (the other GPUs' forward kernels take one CTA per tile and would only pay the
+# window's checks). A step runs beside the next step's exchange, whose NCCL kernels hold some SMs
+# for a while; a round-robin CTA that starts late on such an SM delays the whole call by as much
+# (4 H100s, N = 128k causal, the forward: 36.9 -> 32.0 ms; benchmarks/results/design/merge-and-ring.md).
 # False only for bench_ring.py's A/B.
 _BOUND_DENSE_STEPS = True
 
@@ -177,13 +178,14 @@ def _ring_forward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, scale, softcap: 
     """The ring's forward: each step's attention calls on the visiting K/V, merged through the lse,
     with the next step's K/V in flight meanwhile. Returns this rank's rows of (out, lse)."""
     out = lse = None  # nothing merged yet
+    bound_dense = _BOUND_DENSE_STEPS and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
     k_cur, v_cur = k, v
     for step in range(ring.world_size):
         kv_in_flight = None
         if step < ring.world_size - 1:
             kv_in_flight = ring.exchange([k_cur, v_cur], ring.source(step + 1))
         for rows, keys, step_causal, wl, wr in ring.step_calls(step):
-            if _BOUND_DENSE_STEPS and q.is_cuda and not step_causal and wl < 0 and wr < 0:
+            if bound_dense and not step_causal and wl < 0 and wr < 0:
                 wr = _rows(k_cur, keys).shape[2]  # top-left: query 0 already sees every key
             o_part, lse_part = attention_op(
                 _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys), None, scale, step_causal, False,
