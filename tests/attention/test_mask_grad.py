@@ -168,8 +168,12 @@ def test_mask_derivatives_under_torch_func(device):
     w = torch.randn_like(q)
     tol = {"rtol": 1e-7, "atol": 1e-7} if device == "cpu" else {"rtol": 1e-4, "atol": 1e-5}
 
-    def loss(fn):
-        return lambda m: (fn(q, k, v, m, is_causal=True)[0] * w).sum()
+    def loss(fn, dt=dtype):
+        qq, kk, vv, ww = (x.to(dt) for x in (q, k, v, w))
+        return lambda m: (fn(qq, kk, vv, m, is_causal=True)[0] * ww).sum()
+
+    def second_derivative(fn, dt=dtype):
+        return grad(lambda m: grad(loss(fn, dt))(m).pow(2).sum())(mask.to(dt))
 
     torch.testing.assert_close(grad(loss(flashmod.attention_op))(mask), grad(loss(attention_reference))(mask), **tol)
     t = torch.randn_like(mask)
@@ -180,22 +184,14 @@ def test_mask_derivatives_under_torch_func(device):
     per_sample = vmap(grad(loss(flashmod.attention_op)))(masks)
     for i in range(3):
         torch.testing.assert_close(per_sample[i], grad(loss(attention_reference))(masks[i]), **tol)
-    second = grad(lambda m: grad(loss(flashmod.attention_op))(m).pow(2).sum())(mask)
+    second = second_derivative(flashmod.attention_op)
     if device == "cpu":
-        second_ref = grad(lambda m: grad(loss(attention_reference))(m).pow(2).sum())(mask)
-        torch.testing.assert_close(second, second_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(second, second_derivative(attention_reference), rtol=1e-5, atol=1e-6)
         return
 
     # fp32 on the GPU: judged as every gradient is, against fp64 (within 3x plain fp32's error).
     # A fixed atol of 1e-6 against the fp32 reference failed once by rounding alone (1.4e-6 on an
     # element of 0.0145, seed 242315579).
-    def second_by_reference(dt):
-        qq, kk, vv, ww = (x.to(dt) for x in (q, k, v, w))
-
-        def first(m):
-            return grad(lambda m: (attention_reference(qq, kk, vv, m, is_causal=True)[0] * ww).sum())(m)
-
-        return grad(lambda m: first(m).pow(2).sum())(mask.to(dt))
-
-    truth, plain = second_by_reference(torch.float64), second_by_reference(torch.float32)
+    truth = second_derivative(attention_reference, torch.float64)
+    plain = second_derivative(attention_reference, torch.float32)
     assert_within_rule(second, truth, plain, 3.0, torch.float32, "second derivative")
