@@ -9,8 +9,8 @@ for causal). Measured, forward alone and forward + backward:
 - ring: ``flashmod.distributed.ring_attention`` across the ranks (the slowest rank's median);
 - compute: the same ring, through the same autograd function, with every exchange replaced by the
   rank's own slices (every step's attention, merges and gradient sums, no communication);
-- comm: the ring's exchanges alone (forward: K/V; backward: K/V and the dK/dV sums, fp32 but for the
-  last hop home);
+- comm: the ring's exchanges alone (forward: K/V; backward, the other way round: K/V and the dK/dV
+  sums, in k's dtype after their first step, fp32 after the others);
 - one device: ``flashmod.attention`` over the whole sequence on rank 0's device, the others idle.
 hidden = (compute + comm - ring) / comm, clamped to [0, 1]: 1 means the exchanges cost nothing on
 top of the compute. speedup = one device / ring. The ring's output (and gradients) are gathered and
@@ -38,7 +38,7 @@ from flashmod.distributed import _arrived, _Ring, _RingAttention, ring_attention
 class _NoExchangeRing(_Ring):
     """The ring's plan without its communication: every step reuses the rank's own slices."""
 
-    def exchange(self, send, recv_like_rank):
+    def exchange(self, send, recv_like_rank, backward=False):
         return [], list(send)
 
 
@@ -118,20 +118,21 @@ def measure(n: int, rank: int, world_size: int, args, device: torch.device, dtyp
             for request in requests:
                 request.wait()
 
-    sums = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
-
     def comm_training_step():
-        comm_kv()  # the forward's
-        kv, sums_in_flight = [k, v], None  # then the backward's, in its order
-        for step in range(world_size):
-            kv_in_flight = ring.exchange(kv, ring.source(step + 1)) if step < world_size - 1 else None
-            acc = sums if sums_in_flight is None else _arrived(sums_in_flight)
-            if step == world_size - 1:  # the finished sums go home in k's and v's dtype
-                acc = [acc[0].to(k.dtype), acc[1].to(v.dtype)]
-            sums_in_flight = ring.exchange(acc, ring.source(step + 1))
-            if kv_in_flight is not None:
-                kv = _arrived(kv_in_flight)
-        _arrived(sums_in_flight)
+        comm_kv()  # the forward's; then the backward's, in its order (flashmod.distributed._ring_backward)
+        last = world_size - 1
+        kv_in_flight = ring.exchange([k, v], ring.source(last), backward=True) if last > 0 else None
+        sums_in_flight = None
+        for step in range(last, 0, -1):
+            kv = _arrived(kv_in_flight)
+            kv_in_flight = ring.exchange(kv, ring.source(step - 1), backward=True) if step > 1 else None
+            if sums_in_flight is None:  # a dense step's one part, in k's dtype
+                sums = [torch.zeros_like(t) for t in kv]
+            else:
+                sums = [t.float() for t in _arrived(sums_in_flight)]
+            sums_in_flight = ring.exchange(sums, ring.source(step - 1), backward=True)
+        if sums_in_flight is not None:
+            _arrived(sums_in_flight)
 
     single_leaves = [t.clone().requires_grad_() for t in full[:3]] if rank == 0 else None
 
@@ -193,8 +194,16 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(args.threads)
+    options = None
+    if args.nccl_max_ctas:  # the SMs NCCL's kernels may take at once (its config.maxCTAs)
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.max_ctas = args.nccl_max_ctas
     dist.init_process_group(
-        args.backend, rank=rank, world_size=world_size, device_id=device if args.backend == "nccl" else None
+        args.backend,
+        rank=rank,
+        world_size=world_size,
+        device_id=device if args.backend == "nccl" else None,
+        pg_options=options,
     )
     if args.round_robin_dense_steps:
         flashmod.distributed._BOUND_DENSE_STEPS = False
@@ -205,6 +214,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
             f"ring attention, {world_size} ranks over {args.backend} ({where}), {args.dtype}, "
             f"B {args.batch}, H {args.heads}, D {args.head_dim}, causal {args.causal}"
             + (", dense steps round-robin" if args.round_robin_dense_steps else "")
+            + (f", NCCL max_ctas {args.nccl_max_ctas}" if args.nccl_max_ctas else "")
         )
         rows = []
         if rank == 0:
@@ -256,11 +266,20 @@ def main() -> None:
         help="A/B aid: the ring's dense forward steps without the right bound that makes the Hopper "
         "kernel claim tiles dynamically (flashmod/distributed.py: _BOUND_DENSE_STEPS)",
     )
+    parser.add_argument(
+        "--nccl-max-ctas",
+        type=int,
+        default=0,
+        help="create the process group with ProcessGroupNCCL.Options().config.max_ctas = this "
+        "(fewer SMs for NCCL's kernels beside the attention; 0: NCCL's default)",
+    )
     args = parser.parse_args()
     args.causal = bool(args.causal)
     if args.backend is None:
         args.backend = "nccl" if gpus >= args.world_size else "gloo"
     on_gpu = args.backend == "nccl"
+    if args.nccl_max_ctas and not on_gpu:
+        parser.error("--nccl-max-ctas needs the nccl backend")
     args.seqlens = args.seqlens or ("32768,65536,131072,262144" if on_gpu else "2048,4096")
     args.dtype = args.dtype or ("bf16" if on_gpu else "fp32")
     args.heads = args.heads or (16 if on_gpu else 4)

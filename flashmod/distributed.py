@@ -2,10 +2,10 @@
 
 Each rank holds a slice of the sequence. K/V slices travel around the ring of ranks with
 point-to-point sends overlapped with the local attention, and the partial results are merged exactly
-through their log-sum-exps (:func:`flashmod.merge_attention`). The backward runs the ring again:
-K/V travel with their gradient accumulators, and every rank adds its queries' share with the
-single-device backward kernel (``flashmod::attention_backward`` against the merged output and lse,
-which makes each share exact without renormalizing).
+through their log-sum-exps (:func:`flashmod.merge_attention`). The backward runs the ring again, in
+the other direction: K/V travel with their gradient sums, and every rank adds its queries' share with
+the single-device backward kernel (``flashmod::attention_backward`` against the merged output and
+lse, which makes each share exact without renormalizing).
 
 Placement: non-causal attention takes contiguous slices. Causal attention splits the sequence into
 ``2 * world_size`` chunks and gives rank ``r`` chunks ``r`` and ``2 * world_size - 1 - r`` (zigzag),
@@ -102,25 +102,56 @@ class _Ring:
         """The rank whose K/V slice this rank holds at ``step``."""
         return (self.rank - step) % self.world_size
 
-    def exchange(self, send: list[Tensor], recv_like_rank: int) -> tuple[list, list[Tensor]]:
-        """Starts sending ``send`` to the next rank and receiving the previous rank's tensors (shaped as
-        rank ``recv_like_rank``'s slice along dim 2). Returns the requests and the receive buffers."""
+    def exchange(self, send: list[Tensor], recv_like_rank: int, backward: bool = False) -> tuple[list, list[Tensor]]:
+        """Starts sending ``send`` to the next rank and receiving the previous rank's tensors (the other
+        way round when ``backward``), shaped as rank ``recv_like_rank``'s slice along dim 2 and typed
+        as ``send``. Returns the requests and the receive buffers."""
         buffers = []
         for t in send:
             shape = list(t.shape)
             shape[2] = self.local_lens[recv_like_rank]
             buffers.append(torch.empty(shape, dtype=t.dtype, device=t.device))
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, b, self.prev, self.group) for b in buffers]
+        to, source = (self.prev, self.next) if backward else (self.next, self.prev)
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, b, source, self.group) for b in buffers]
         return dist.batch_isend_irecv(ops), buffers
+
+    @property
+    def banded(self) -> bool:
+        """Whether steps are planned chunk pair by chunk pair (sliding windows), not one dense call."""
+        return not (self.window_left < 0 and self.window_right < 0 or self.causal and self.window_left < 0)
 
     def step_calls(self, step: int) -> list[tuple[slice, slice, bool, int, int]]:
         """This step's attention calls: (query rows, key rows of the visiting slice, causal, window_left,
         window_right), each a top-left aligned call of the single-device op."""
-        if self.window_left < 0 and self.window_right < 0 or self.causal and self.window_left < 0:
+        if not self.banded:
             plan = self._dense_plan(step)
             return [] if plan is None else [(*plan, -1, -1)]
-        return self._banded_calls(step)
+        return self._banded_calls(step, self.chunks[self.rank])
+
+    def own_step_in_two(self) -> tuple[list, list]:
+        """Step 0's calls (the rank's own K/V) split by query rows into a first part and the rest, each
+        a list like :meth:`step_calls`'s. The backward runs the first part while the first visiting K/V
+        arrive and the rest last, while the sums of its own dK/dV come home. Causal: the first chunk's
+        causal square (a quarter of the step), then the second chunk's rows, which see every key up to
+        their own (a right window bound of the first chunk's length, top-left)."""
+        if self.world_size == 1:
+            return self.step_calls(0), []
+        rows = self.local_lens[self.rank]
+        if self.banded:
+            start, length, offset = self.chunks[self.rank][0]
+            half = length // 2
+            first = [(start, half, offset)]
+            rest = [(start + half, length - half, offset + half), *self.chunks[self.rank][1:]]
+            return self._banded_calls(0, first), self._banded_calls(0, rest)
+        if self.causal:
+            h = self.first_len[self.rank]
+            first, rest = [(slice(0, h), slice(0, h), True, -1, -1)], [(slice(h, None), slice(None), False, -1, h)]
+        else:
+            h = rows // 2
+            first, rest = [(slice(0, h), slice(None), False, -1, -1)], [(slice(h, None), slice(None), False, -1, -1)]
+        # A rank with fewer than two rows has nothing to split off.
+        return [c for c in first if 0 < h], [c for c in rest if h < rows]
 
     def _dense_plan(self, step: int) -> tuple[slice, slice, bool] | None:
         """Full or causal attention: one call per step (zigzag placement makes every step after the
@@ -135,14 +166,17 @@ class _Ring:
         # src > rank: only the local second chunk lies after the visiting slice, and after all of it
         return slice(self.first_len[self.rank], None), slice(None), False
 
-    def _banded_calls(self, step: int) -> list[tuple[slice, slice, bool, int, int]]:
-        """Sliding windows: one call per (local query chunk, visiting key chunk) pair whose band meets.
+    def _banded_calls(
+        self, step: int, query_chunks: list[tuple[int, int, int]]
+    ) -> list[tuple[slice, slice, bool, int, int]]:
+        """Sliding windows: one call per (query chunk, visiting key chunk) pair whose band meets, for
+        ``query_chunks`` of this rank's (global start, length, offset in its slice).
         Query i (global a + i) sees key j (global b + j) iff j - i lies in [d - wl, d + wr], d = a - b.
         The op's band is centred on j - i = 0, so keys left of a band that starts above 0 and queries
         above a band that ends below 0 are sliced off (they see nothing), which re-centres it."""
         calls = []
         wl, wr = self.window_left, self.window_right
-        for a, lq, q_off in self.chunks[self.rank]:
+        for a, lq, q_off in query_chunks:
             for b, lk, k_off in self.chunks[self.source(step)]:
                 d = a - b
                 low = d - wl if wl >= 0 else None
@@ -209,42 +243,61 @@ def _ring_forward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, scale, softcap: 
 def _ring_backward(
     ring: _Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, scale, softcap: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The ring's backward: dQ of this rank's rows (fp32), dK/dV of its K/V slice (k's and v's dtype)."""
+    """The ring's backward: dQ of this rank's rows (fp32), dK/dV of its K/V slice (k's and v's dtype).
+
+    The forward saw the slices of ranks r, r - 1, ..., r + 1 in turn; the backward visits them the
+    other way round, r + 1 first and its own last, with K/V and the dK/dV sums travelling to rank
+    r - 1. So each slice's sums end their trip at its owner, added to its own share of the last
+    kernels, and no transfer is left after them. Every exchange runs beside kernels:
+    - the own slice's first part of rows (:meth:`_Ring.own_step_in_two`) while rank r + 1's K/V
+      arrive;
+    - each visiting slice while the next one's K/V arrive, and while the sums so far of its own
+      dK/dV arrive from rank r + 1 (added after its kernels, then sent on);
+    - the rest of the own slice's rows while its sums come home.
+    The sums leave a visiting slice's first visit as the one bf16 part they are (dense steps, one
+    call), and in fp32 once they add several parts.
+    """
     dq = torch.zeros_like(q, dtype=torch.float32)
-    # Two exchanges a step, both behind the step's backward kernels: the next step's K/V leave
-    # before the kernels start, and the fp32 sums of dK/dV that travel with them arrive while the
-    # next step's kernels run (they are added after). After the last step, one more hop brings
-    # each rank's sums home; they are complete then, so they travel rounded to k's and v's dtype,
-    # as the caller gets them (half the bytes of the one exchange nothing hides).
-    k_cur, v_cur = k, v
-    sums_in_flight = None
-    for step in range(ring.world_size):
-        kv_in_flight = None
-        if step < ring.world_size - 1:
-            kv_in_flight = ring.exchange([k_cur, v_cur], ring.source(step + 1))
-        key_parts = []
-        for rows, keys, step_causal, wl, wr in ring.step_calls(step):
+
+    def backward_calls(calls, k_cur: Tensor, v_cur: Tensor) -> list[tuple[slice, Tensor, Tensor]]:
+        parts = []
+        for rows, keys, step_causal, wl, wr in calls:
             dq_part, dk_part, dv_part, _ = torch.ops.flashmod.attention_backward(
                 _rows(grad_out, rows), None, _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys),
                 _rows(out, rows), lse[:, :, rows], None, scale, step_causal, False, wl, wr, softcap,
             )  # fmt: skip
             dq[:, :, rows] += dq_part
-            key_parts.append((keys, dk_part, dv_part))
+            parts.append((keys, dk_part, dv_part))
+        return parts
+
+    def add_parts(sums: list[Tensor], parts) -> list[Tensor]:
+        for keys, dk_part, dv_part in parts:
+            sums[0][:, :, keys] += dk_part
+            sums[1][:, :, keys] += dv_part
+        return sums
+
+    last = ring.world_size - 1
+    own_first, own_rest = ring.own_step_in_two()
+    kv_in_flight = ring.exchange([k, v], ring.source(last), backward=True) if last > 0 else None
+    own_parts = backward_calls(own_first, k, v)
+    sums_in_flight = None
+    for step in range(last, 0, -1):
+        k_cur, v_cur = _arrived(kv_in_flight)
+        kv_in_flight = ring.exchange([k_cur, v_cur], ring.source(step - 1), backward=True) if step > 1 else None
+        parts = backward_calls(ring.step_calls(step), k_cur, v_cur)
         if sums_in_flight is None:
-            dk_sum = torch.zeros_like(k_cur, dtype=torch.float32)
-            dv_sum = torch.zeros_like(v_cur, dtype=torch.float32)
+            sum_dtype = torch.float32 if ring.banded else None  # a dense step's one part, exactly
+            sums = [torch.zeros_like(k_cur, dtype=sum_dtype), torch.zeros_like(v_cur, dtype=sum_dtype)]
         else:
-            dk_sum, dv_sum = _arrived(sums_in_flight)
-        for keys, dk_part, dv_part in key_parts:
-            dk_sum[:, :, keys] += dk_part
-            dv_sum[:, :, keys] += dv_part
-        if step == ring.world_size - 1:
-            dk_sum, dv_sum = dk_sum.to(k.dtype), dv_sum.to(v.dtype)
-        sums_in_flight = ring.exchange([dk_sum, dv_sum], ring.source(step + 1))
-        if kv_in_flight is not None:
-            k_cur, v_cur = _arrived(kv_in_flight)
-    dk, dv = _arrived(sums_in_flight)
-    return dq, dk, dv
+            sums = [t.float() for t in _arrived(sums_in_flight)]
+        sums_in_flight = ring.exchange(add_parts(sums, parts), ring.source(step - 1), backward=True)
+    own_parts += backward_calls(own_rest, k, v)
+    if sums_in_flight is None:
+        sums = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+    else:
+        sums = [t.float() for t in _arrived(sums_in_flight)]
+    dk, dv = add_parts(sums, own_parts)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):

@@ -31,6 +31,10 @@ CASES = [
     (4, True, 203, 2, 1, torch.float32, (40, -1)),
     (3, False, 97, 2, 2, torch.float32, (5, 30)),
     (4, False, 131, 2, 1, torch.float32, (-1, 7)),
+    # Slices of one or two rows, and empty chunks: nothing left to split off the own slice's rows.
+    (4, True, 9, 2, 1, torch.float32, (-1, -1)),
+    (3, False, 4, 2, 2, torch.float32, (1, 1)),
+    (4, True, 11, 2, 1, torch.float32, (3, -1)),
 ]
 # The same through NCCL, a GPU per rank: the CUDA kernels' low-precision paths, head dims their
 # tensor-core tiles take and lengths whose per-rank slices end mid-tile.
