@@ -6,9 +6,11 @@ hidden behind compute, and the result against one device's, across processes on 
 
 For each sequence length N (the whole job's), every rank holds N / world_size tokens (zigzag slices
 for causal). Measured, forward alone and forward + backward:
-- ring: ``flashmod.distributed.ring_attention`` across the ranks (the slowest rank's median);
-- compute: the same ring, through the same autograd function, with every exchange replaced by the
-  rank's own slices (every step's attention, merges and gradient sums, no communication);
+- ring: ``flashmod.distributed.ring_attention`` across the ranks (the median over runs of the
+  slowest rank's time);
+- compute: the same ring, through the same autograd function, with every exchange replaced by what
+  it would receive, cut beforehand from the whole problem (every step's attention on the same data,
+  merges and gradient sums, no communication);
 - comm: the ring's exchanges alone (forward: K/V; backward, the other way round: K/V and the dK/dV
   sums, in k's dtype after their first step, fp32 after the others);
 - one device: ``flashmod.attention`` over the whole sequence on rank 0's device, the others idle.
@@ -36,17 +38,49 @@ from flashmod.distributed import _arrived, _Ring, _RingAttention, ring_attention
 
 
 class _NoExchangeRing(_Ring):
-    """The ring's plan without its communication: every step reuses the rank's own slices."""
+    """The ring's plan without its communication. Each exchange hands over at once what it would
+    have received: the K/V slices, cut from the whole problem that every rank of the benchmark holds
+    (so the kernels see the ring's data and shapes; an earlier version reused the rank's own slices,
+    and the forward kernel ran 7 % slower on them), and for fp32 gradient sums a buffer kept per
+    rank. The sums' values are wrong; only the time counts."""
+
+    kv_by_rank: list[list[torch.Tensor]]  # set by no_exchange_ring()
+    sums_by_rank: dict[int, list[torch.Tensor]]
 
     def exchange(self, send, recv_like_rank, backward=False):
-        return [], list(send)
+        kv = self.kv_by_rank[recv_like_rank]
+        if all(t.dtype == kv[0].dtype for t in send):  # K/V, or the sums' first hop in k's dtype
+            return [], kv[: len(send)]
+        if recv_like_rank not in self.sums_by_rank:
+            self.sums_by_rank[recv_like_rank] = [torch.zeros_like(t, dtype=send[0].dtype) for t in kv]
+        return [], self.sums_by_rank[recv_like_rank][: len(send)]
+
+
+def no_exchange_ring(k_full: torch.Tensor, v_full: torch.Tensor, world_size: int, causal: bool):
+    """A ring type for ``_RingAttention.apply`` that times the compute alone (:class:`_NoExchangeRing`),
+    given the whole sequence's K/V (B, H, N, D)."""
+    kv_by_rank = [
+        [shard_sequence(t, 2, r, world_size, causal).contiguous() for t in (k_full, v_full)] for r in range(world_size)
+    ]
+
+    sums_by_rank = {}
+
+    def make(*args):
+        ring = _NoExchangeRing(*args)
+        ring.kv_by_rank, ring.sums_by_rank = kv_by_rank, sums_by_rank
+        return ring
+
+    return make
 
 
 def _medians(fns, device: torch.device, reps: int, timed_here: bool = True) -> list[tuple[float, list[float]]]:
-    """Each of ``fns``'s median time over ``reps`` runs after a warm-up, as (the slowest rank's, every
-    rank's): the job finishes when the last rank does. The runs of ``fns`` are interleaved, so that
-    a drift of the clocks moves each alike (the ring and its compute differ by ~1 %). A rank with
-    ``timed_here`` False only keeps pace with the others' barriers."""
+    """Each of ``fns``'s time over ``reps`` runs after a warm-up, as (the job's, every rank's median).
+    The job's time is the median over runs of the slowest rank's time in that run: a job's step
+    ends when its last rank does. (The max of the ranks' medians reads low when the ranks' slow runs
+    differ: by 1-4 ms at 2 ranks and 128k for the compute alone, whose ranks do not wait for each
+    other, so the ring looked that much slower than its compute.) The runs of ``fns`` are
+    interleaved, so that a drift of the clocks moves each alike. A rank with ``timed_here`` False
+    only keeps pace with the others' barriers."""
     if timed_here:
         for fn in fns:
             fn()  # warm-up
@@ -64,11 +98,12 @@ def _medians(fns, device: torch.device, reps: int, timed_here: bool = True) -> l
             fn_times.append(time.perf_counter() - start)
     results = []
     for fn_times in times:
-        mine = torch.tensor([statistics.median(fn_times)], dtype=torch.float64, device=device)
+        mine = torch.tensor(fn_times, dtype=torch.float64, device=device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
-        per_rank = [t.item() for t in every]
-        results.append((max(per_rank), per_rank))
+        by_rank = [t.tolist() for t in every]
+        job = statistics.median(max(run) for run in zip(*by_rank))
+        results.append((job, [statistics.median(rank_times) for rank_times in by_rank]))
     return results
 
 
@@ -102,13 +137,15 @@ def measure(n: int, rank: int, world_size: int, args, device: torch.device, dtyp
             t.grad = None
         ring_attention(*local_leaves, causal=causal).backward(grad)
 
+    compute_ring = no_exchange_ring(full[1], full[2], world_size, causal)
+
     def compute_forward():
-        return _RingAttention.apply(q, k, v, None, causal, None, 0.0, window, _NoExchangeRing)
+        return _RingAttention.apply(q, k, v, None, causal, None, 0.0, window, compute_ring)
 
     def compute_training_step():
         for t in local_leaves:
             t.grad = None
-        out, _ = _RingAttention.apply(*local_leaves, None, causal, None, 0.0, window, _NoExchangeRing)
+        out, _ = _RingAttention.apply(*local_leaves, None, causal, None, 0.0, window, compute_ring)
         out.backward(grad)
 
     def comm_kv():
