@@ -41,7 +41,7 @@ class _NoExchangeRing(_Ring):
     """The ring's plan without its communication. Each exchange hands over at once what it would
     have received: the K/V slices, cut from the whole problem that every rank of the benchmark holds
     (so the kernels see the ring's data and shapes; an earlier version reused the rank's own slices,
-    and the forward kernel ran 7 % slower on them), and for fp32 gradient sums a buffer kept per
+    and the forward kernel ran 6.5 % slower on them), and for fp32 gradient sums a buffer kept per
     rank. The sums' values are wrong; only the time counts."""
 
     kv_by_rank: list[list[torch.Tensor]]  # set by no_exchange_ring()
