@@ -155,6 +155,81 @@ def test_shard_unshard_round_trip(world_size, causal):
         torch.testing.assert_close(parts[0], torch.cat([chunks[0], chunks[-1]], dim=2))
 
 
+def _ring_plans(monkeypatch, n: int, world_size: int, causal: bool, window: tuple[int, int]) -> list:
+    """Every rank's _Ring for a sequence of ``n`` tokens, built without a process group (the rank,
+    the world size and the all_gather of slice lengths answered from the placement)."""
+    from flashmod.distributed import _Ring
+
+    lens = [shard_sequence(torch.empty(1, 1, n, 1), 2, r, world_size, causal).shape[2] for r in range(world_size)]
+    rings = []
+    for rank in range(world_size):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
+
+        def all_gather(outputs, _mine, group=None):
+            for t, length in zip(outputs, lens):
+                t.fill_(length)
+
+        monkeypatch.setattr(dist, "all_gather", all_gather)
+        rings.append(_Ring(None, lens[rank], torch.device("cpu"), causal, window))
+    return rings
+
+
+def _covered(ring, calls_by_step: list[tuple[int, list]], n: int) -> torch.Tensor:
+    """How many times each (local query, global key) pair is computed by the calls, each a top-left
+    aligned call of the single-device op over the visiting slice of its step."""
+
+    def positions(rank: int) -> torch.Tensor:
+        return torch.cat([torch.arange(start, start + length) for start, length, _ in ring.chunks[rank]])
+
+    counts = torch.zeros(ring.local_lens[ring.rank], n, dtype=torch.int64)
+    q_pos = torch.arange(ring.local_lens[ring.rank])
+    for step, calls in calls_by_step:
+        k_pos = positions(ring.source(step))
+        for rows, keys, causal, wl, wr in calls:
+            i = torch.arange(len(q_pos))[rows][:, None] - (rows.start or 0)
+            j = torch.arange(len(k_pos))[keys][None, :] - (keys.start or 0)
+            seen = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
+            if causal:
+                seen &= j <= i
+            if wl >= 0:
+                seen &= j >= i - wl
+            if wr >= 0:
+                seen &= j <= i + wr
+            for a, row in enumerate(q_pos[rows].tolist()):
+                counts[row, k_pos[keys][seen[a]]] += 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    "causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (3, -1)), (False, (2, 5)), (False, (-1, 0))]
+)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 5, 9, 16, 23])
+def test_ring_plans_compute_every_visible_pair_once(monkeypatch, n, world_size, causal, window):
+    """The forward's steps and the backward's (the own slice split in two, the visiting slices) each
+    compute every (query, key) pair the mask shows exactly once, and no other, on every rank: slices
+    of 0-2 rows, empty chunks, windows narrower than a chunk."""
+    if n < world_size:
+        pytest.skip("fewer tokens than ranks")
+    wl, wr = window[0], (0 if causal else window[1])
+    p, t = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = torch.ones(n, n, dtype=torch.bool)
+    if wl >= 0:
+        visible &= t >= p - wl
+    if wr >= 0:
+        visible &= t <= p + wr
+    for ring in _ring_plans(monkeypatch, n, world_size, causal, window):
+        rows = torch.cat([torch.arange(start, start + length) for start, length, _ in ring.chunks[ring.rank]])
+        expected = visible[rows].long()
+        forward = [(step, ring.step_calls(step)) for step in range(world_size)]
+        first, rest = ring.own_step_in_two()
+        backward = [(0, first), (0, rest)] + [(step, ring.step_calls(step)) for step in range(1, world_size)]
+        for name, plan in (("forward", forward), ("backward", backward)):
+            got = _covered(ring, plan, n)
+            assert torch.equal(got, expected), (name, ring.rank, got.tolist(), expected.tolist())
+
+
 def test_ring_attention_requires_initialized_process_group():
     q = torch.randn(1, 2, 8, 16)
     if dist.is_initialized():
