@@ -349,7 +349,9 @@ def ring_attention(
     ``causal``) and gets its queries' rows of the full attention, as single-device
     ``flashmod.attention`` over the whole sequence would give them. GQA (fewer k/v heads) and softcap
     and sliding windows work as in the single-device op; causal is top-left aligned over the full
-    sequence (SDPA's ``is_causal``). Differentiable with respect to q, k and v.
+    sequence (SDPA's ``is_causal``). Differentiable with respect to q, k and v. Each call first
+    gathers the ranks' slice lengths (one ``all_gather`` and a host synchronization), so the slices
+    may differ in length; then the exchanges run beside the attention kernels.
 
     Args:
         q: ``(B, Hq, S_local, D)``; k, v: ``(B, Hkv, S_local, D)``, this rank's slices.
