@@ -31,13 +31,18 @@ from flashmod.distributed import ring_attention, shard_sequence
 RING_ATTENTION = "fmod_ring"
 
 
-def ring_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **_):
+def ring_attention_forward(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, ring_seqlen=None, **_
+):
     """transformers AttentionInterface function: causal attention over the whole (sharded) sequence.
     transformers' mask describes only this rank's slice and is not used: the ring applies causality
-    over global positions."""
+    over global positions. ``ring_seqlen`` (the whole sequence's length, passed to the model's forward,
+    which hands it on to every layer's attention) spares each layer's call a host synchronization."""
     if dropout:
         raise NotImplementedError("fmod_ring: attention dropout is not supported")
-    out = ring_attention(query, key, value, causal=True, scale=scaling, softcap=float(softcap or 0.0))
+    out = ring_attention(
+        query, key, value, causal=True, scale=scaling, softcap=float(softcap or 0.0), seqlen=ring_seqlen
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -81,7 +86,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, resu
         positions = torch.arange(args.seqlen, device=device).expand(2, -1)
         local = {name: shard_sequence(t, 1, rank, world_size, causal=True) for name, t in
                  (("ids", ids), ("positions", positions), ("targets", targets))}  # fmt: skip
-        logits = ring(input_ids=local["ids"], position_ids=local["positions"]).logits
+        logits = ring(input_ids=local["ids"], position_ids=local["positions"], ring_seqlen=args.seqlen).logits
         local_sum = lm_loss_sum(logits, local["targets"])
         (local_sum / count).backward()
         loss_ring = local_sum.detach().clone()

@@ -61,10 +61,17 @@ def unshard_sequence(parts: list[Tensor], dim: int, causal: bool = False) -> Ten
 
 
 class _Ring:
-    """Who sends to whom, and the slice lengths every rank holds (one all_gather of ints)."""
+    """Who sends to whom, and the slice lengths every rank holds: from the whole sequence's length
+    when the caller gives it, else from one all_gather of ints (a host synchronization)."""
 
     def __init__(
-        self, group, local_len: int, device: torch.device, causal: bool, window: tuple[int, int] = (-1, -1)
+        self,
+        group,
+        local_len: int,
+        device: torch.device,
+        causal: bool,
+        window: tuple[int, int] = (-1, -1),
+        seqlen: int | None = None,
     ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
@@ -73,9 +80,21 @@ class _Ring:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         self.next = ranks[(self.rank + 1) % self.world_size]
         self.prev = ranks[(self.rank - 1) % self.world_size]
-        lens = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
-        dist.all_gather(lens, torch.tensor([local_len], dtype=torch.int64, device=device), group=group)
-        self.local_lens = [int(t.item()) for t in lens]
+        if seqlen is None:
+            lens = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
+            dist.all_gather(lens, torch.tensor([local_len], dtype=torch.int64, device=device), group=group)
+            self.local_lens = [int(t.item()) for t in lens]
+        else:
+            chunk = _chunk_lengths(seqlen, 2 * self.world_size if causal else self.world_size)
+            self.local_lens = [
+                sum(chunk[c] for c in _rank_chunks(r, self.world_size, causal)) for r in range(self.world_size)
+            ]
+            if self.local_lens[self.rank] != local_len:
+                raise ValueError(
+                    f"ring_attention: seqlen={seqlen} places {self.local_lens[self.rank]} tokens on rank "
+                    f"{self.rank} of {self.world_size} (shard_sequence(..., causal={causal})), but its "
+                    f"q, k and v hold {local_len}"
+                )
         self.causal = causal
         # The band of visible keys around each query's global position (-1: unbounded side).
         self.window_left, self.window_right = window[0], (0 if causal else window[1])
@@ -302,9 +321,9 @@ def _ring_backward(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, softcap, window, ring_type=_Ring):
+    def forward(ctx, q, k, v, group, causal, scale, softcap, window, ring_type=_Ring, seqlen=None):
         # ring_type: benchmarks/bench_ring.py swaps in a ring without exchanges to time the compute.
-        ring = ring_type(group, q.shape[2], q.device, causal, window)
+        ring = ring_type(group, q.shape[2], q.device, causal, window, seqlen)
         out, lse = _ring_forward(ring, q, k, v, scale, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale, ctx.softcap = ring, scale, softcap
@@ -315,7 +334,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out, lse, grad_out.contiguous(), ctx.scale, ctx.softcap)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
 def _nothing_seen(q: Tensor) -> tuple[Tensor, Tensor]:
@@ -342,6 +361,7 @@ def ring_attention(
     softcap: float = 0.0,
     return_lse: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    seqlen: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over a sequence split across the ranks of ``group`` (SDPA layout ``(B, H, S, D)``).
 
@@ -349,9 +369,10 @@ def ring_attention(
     ``causal``) and gets its queries' rows of the full attention, as single-device
     ``flashmod.attention`` over the whole sequence would give them. GQA (fewer k/v heads) and softcap
     and sliding windows work as in the single-device op; causal is top-left aligned over the full
-    sequence (SDPA's ``is_causal``). Differentiable with respect to q, k and v. Each call first
-    gathers the ranks' slice lengths (one ``all_gather`` and a host synchronization), so the slices
-    may differ in length; then the exchanges run beside the attention kernels.
+    sequence (SDPA's ``is_causal``). Differentiable with respect to q, k and v. The slices may differ
+    in length: without ``seqlen`` each call first gathers them (one ``all_gather`` and a host
+    synchronization, which stops the host from queueing work ahead of the GPU); with it, they follow
+    from the placement and nothing waits.
 
     Args:
         q: ``(B, Hq, S_local, D)``; k, v: ``(B, Hkv, S_local, D)``, this rank's slices.
@@ -362,6 +383,9 @@ def ring_attention(
         return_lse: also return the float32 log-sum-exp ``(B, Hq, S_local)``.
         window_size: ``(left, right)`` sliding window over global positions: query ``i`` sees keys
             ``i - left <= j <= i + right`` (``-1``: unbounded side; causal sets ``right = 0``).
+        seqlen: the whole sequence's length, the same on every rank, with the slices placed by
+            :func:`shard_sequence` (checked against this rank's slice). Skips the per-call gather of
+            the slice lengths.
     """
     if (
         not isinstance(window_size, (tuple, list))
@@ -369,6 +393,8 @@ def ring_attention(
         or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
     ):
         raise ValueError(f"ring_attention: window_size must be a pair of ints >= -1 (left, right), got {window_size!r}")
+    if seqlen is not None and (not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1):
+        raise ValueError(f"ring_attention: seqlen must be a positive int (the whole sequence's length), got {seqlen!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention: torch.distributed must be initialized (dist.init_process_group)")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -381,7 +407,7 @@ def ring_attention(
             "ring_attention: q, k and v must hold the same sequence slice, got lengths "
             f"q {q.shape[2]}, k {k.shape[2]}, v {v.shape[2]}"
         )
-    out, lse = _RingAttention.apply(q, k, v, group, causal, scale, softcap, tuple(window_size))
+    out, lse = _RingAttention.apply(q, k, v, group, causal, scale, softcap, tuple(window_size), _Ring, seqlen)
     return (out, lse) if return_lse else out
 
 
@@ -395,12 +421,13 @@ def ring_flash_attn_func(
     group: dist.ProcessGroup | None = None,
     return_lse: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    seqlen: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`ring_attention` in flash-attn's layout: q ``(B, S_local, Hq, D)``, k/v ``(B, S_local, Hkv, D)``;
     shard along dim 1. Returns ``(B, S_local, Hq, D)`` (and the lse ``(B, Hq, S_local)``)."""
     result = ring_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, causal, softmax_scale, softcap, True,
-        window_size,
+        window_size, seqlen,
     )  # fmt: skip
     out, lse = result
     return (out.transpose(1, 2), lse) if return_lse else out.transpose(1, 2)

@@ -103,9 +103,14 @@ def _worker(rank: int, world_size: int, port: int, case: tuple, errors, backend:
         )
         torch.testing.assert_close(bshd.transpose(1, 2), out.detach(), rtol=0, atol=0)
 
-        # The same ring run again gives the same bits (no order-dependent reduction across ranks).
-        again = ring_attention(*(t.detach() for t in local), causal=causal, scale=scale, window_size=window)
-        torch.testing.assert_close(again, out.detach(), rtol=0, atol=0)
+        # The same ring run again gives the same bits (no order-dependent reduction across ranks), also
+        # with the whole sequence's length given instead of gathered.
+        again_leaves = [t.detach().clone().requires_grad_() for t in local]
+        again = ring_attention(*again_leaves, causal=causal, scale=scale, window_size=window, seqlen=seqlen)
+        again.backward(shard(grad).to(device))
+        for first, second in zip([out] + local, [again] + again_leaves):
+            torch.testing.assert_close(second.detach() if second is again else second.grad,
+                                       first.detach() if first is out else first.grad, rtol=0, atol=0)  # fmt: skip
     except BaseException as e:  # reported to the parent, which fails the test
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
@@ -155,23 +160,21 @@ def test_shard_unshard_round_trip(world_size, causal):
         torch.testing.assert_close(parts[0], torch.cat([chunks[0], chunks[-1]], dim=2))
 
 
+def _placed_lengths(n: int, world_size: int, causal: bool) -> list[int]:
+    return [shard_sequence(torch.empty(1, 1, n, 1), 2, r, world_size, causal).shape[2] for r in range(world_size)]
+
+
 def _ring_plans(monkeypatch, n: int, world_size: int, causal: bool, window: tuple[int, int]) -> list:
-    """Every rank's _Ring for a sequence of ``n`` tokens, built without a process group (the rank,
-    the world size and the all_gather of slice lengths answered from the placement)."""
+    """Every rank's _Ring for a sequence of ``n`` tokens, built without a process group: the rank and
+    the world size answered here, the slice lengths from ``seqlen`` (checked against each slice's)."""
     from flashmod.distributed import _Ring
 
-    lens = [shard_sequence(torch.empty(1, 1, n, 1), 2, r, world_size, causal).shape[2] for r in range(world_size)]
+    lens = _placed_lengths(n, world_size, causal)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
     rings = []
     for rank in range(world_size):
         monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
-        monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
-
-        def all_gather(outputs, _mine, group=None):
-            for t, length in zip(outputs, lens):
-                t.fill_(length)
-
-        monkeypatch.setattr(dist, "all_gather", all_gather)
-        rings.append(_Ring(None, lens[rank], torch.device("cpu"), causal, window))
+        rings.append(_Ring(None, lens[rank], torch.device("cpu"), causal, window, seqlen=n))
     return rings
 
 
@@ -228,6 +231,29 @@ def test_ring_plans_compute_every_visible_pair_once(monkeypatch, n, world_size, 
         for name, plan in (("forward", forward), ("backward", backward)):
             got = _covered(ring, plan, n)
             assert torch.equal(got, expected), (name, ring.rank, got.tolist(), expected.tolist())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_seqlen_that_does_not_place_this_slice_is_rejected(monkeypatch, causal):
+    """A ``seqlen`` whose placement gives this rank another slice length than its q/k/v hold is an
+    error naming both, not a mismatched exchange."""
+    from flashmod.distributed import _Ring
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    right = _placed_lengths(40, 3, causal)[1]
+    _Ring(None, right, torch.device("cpu"), causal, seqlen=40)
+    wrong = 41 if causal else 43  # one more token on rank 1 than 40 gives it
+    assert _placed_lengths(wrong, 3, causal)[1] == right + 1
+    with pytest.raises(ValueError, match=rf"seqlen={wrong} places {right + 1} tokens on rank 1 of 3 .* hold {right}"):
+        _Ring(None, right, torch.device("cpu"), causal, seqlen=wrong)
+
+
+@pytest.mark.parametrize("seqlen", [0, -3, 2.0, True, "64"])
+def test_ring_attention_rejects_a_bad_seqlen(seqlen):
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="seqlen must be a positive int"):
+        ring_attention(q, q, q, seqlen=seqlen)
 
 
 def test_ring_attention_requires_initialized_process_group():
