@@ -156,13 +156,13 @@ class _Ring:
         their own (a right window bound of the first chunk's length, top-left)."""
         if self.world_size == 1:
             return self.step_calls(0), []
-        rows = self.local_lens[self.rank]
         if self.banded:
             start, length, offset = self.chunks[self.rank][0]
             half = length // 2
             first = [(start, half, offset)]
             rest = [(start + half, length - half, offset + half), *self.chunks[self.rank][1:]]
             return self._banded_calls(0, first), self._banded_calls(0, rest)
+        rows = self.local_lens[self.rank]
         if self.causal:
             h = self.first_len[self.rank]
             first, rest = [(slice(0, h), slice(0, h), True, -1, -1)], [(slice(h, None), slice(None), False, -1, h)]

@@ -3,8 +3,9 @@
     python tools/ring_timeline.py [--world-size 2] [--seqlen 131072] [--steps 3] [--trace-dir DIR]
 
 Every rank profiles ``--steps`` training steps (forward + backward, causal, zigzag slices) of
-``ring_attention``, then of the same ring with its exchanges replaced by the rank's own slices
-(bench_ring.py's compute), after warm-up steps of each, and reports from the kernel timelines:
+``ring_attention``, then of the same ring with each exchange replaced by what it would receive, cut
+beforehand from the whole problem (bench_ring.py's compute), after warm-up steps of each, and
+reports from the kernel timelines:
 - wall time a step (host clock, synchronized), the kernels' span, the compute kernels' busy time
   (the union of their intervals) and idle time (the span outside it);
 - each NCCL kernel's start, duration and how much of it ran beside compute kernels;
