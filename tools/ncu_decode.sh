@@ -4,8 +4,10 @@
 # the FLASHMOD_* knobs of the environment: duration, DRAM bytes, instructions and the stall
 # sampling per SASS instruction (tools/ncu_stall_table.py), caches flushed before the profiled
 # launch as bench_serve.py's cold-L2 timing does. Needs a built tree (gpu_check.sh). Keeps one text
-# file per (mode, size) in $OUT.
-# Usage: SIZES="1024 4096" MODES="dense kvcache" bash tools/ncu_decode.sh
+# file per (mode, size) in $OUT. Modes: dense, kvcache (contiguous cache), paged16 (16-token pages
+# in random order, as bench_serve.py draws them), paged16order (the same pages in sequence order:
+# the contiguous cache's addresses through the paged code path).
+# Usage: SIZES="1024 4096" MODES="dense kvcache paged16 paged16order" bash tools/ncu_decode.sh
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -22,11 +24,20 @@ kc, vc = (torch.randn(b, s, hkv, d, device='cuda', dtype=torch.bfloat16) for _ i
 q = torch.randn(b, 1, hq, d, device='cuda', dtype=torch.bfloat16)
 kn, vn = (torch.randn(b, 1, hkv, d, device='cuda', dtype=torch.bfloat16) for _ in range(2))
 lens = torch.full((b,), s - 1, dtype=torch.int32, device='cuda')
+table = None
+if '$mode'.startswith('paged16'):
+    n = s // 16
+    order = torch.arange(b * n, device='cuda') if '$mode' == 'paged16order' else torch.randperm(b * n, device='cuda')
+    table = order.view(b, n).int()
+    kp, vp = (torch.empty(b * n, 16, hkv, d, device='cuda', dtype=torch.bfloat16) for _ in range(2))
+    kp[table.long()] = kc.view(b, n, 16, hkv, d)
+    vp[table.long()] = vc.view(b, n, 16, hkv, d)
+    kc, vc = kp, vp
 for _ in range(3):
     if '$mode' == 'dense':
         flashmod.attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2))
     else:
-        flashmod.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens)
+        flashmod.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table)
 torch.cuda.synchronize()
 " >"$rep.log" 2>&1 || { tail -5 "$rep.log"; continue; }
   ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep.csv" 2>"$rep.err"
