@@ -14,6 +14,9 @@
 //   FLASHMOD_SM90_WS_PERSISTENT=0     the warp-specialized kernel on one CTA per tile (default:
 //                                     a persistent grid, dynamically scheduled under a right
 //                                     window bound)
+//   FLASHMOD_SM90_WS_TMA_STORE=0      the warp-specialized kernel's warps store the output
+//                                     themselves (default: through the copy engine where the
+//                                     output has a tensor map)
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
 //                                     BWD_SM90_TILES); a name not built for the head dim is an
 //                                     error

@@ -17,6 +17,9 @@ struct FwdLaunchFlags {
   // run_attention_fwd_sm90_ws: one CTA per tile for every call (FLASHMOD_SM90_WS_PERSISTENT=0;
   // tests and benchmarks compare it with the persistent grid).
   int one_tile_per_cta = 0;
+  // run_attention_fwd_sm90_ws: the epilogue may store through the copy engine (default; 0:
+  // FLASHMOD_SM90_WS_TMA_STORE=0); the launch keeps it only where the output has a tensor map.
+  int out_tma = 0;
 };
 
 // Device memory for a launch that needs scratch space, so the kernel files stay torch-free:

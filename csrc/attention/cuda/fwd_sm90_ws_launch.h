@@ -73,7 +73,7 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
   const int64_t rows_q = varlen ? p.packed_rows_q : p.seqlen_q;
   const int64_t rows_k = varlen ? p.packed_rows_k : p.seqlen_k;
   constexpr bool kBf16 = std::is_same_v<typename Tr::Elem, __nv_bfloat16>;
-  CUtensorMap tm_q, tm_k, tm_v;
+  CUtensorMap tm_q, tm_k, tm_v, tm_o;
   if (!encode_rows_tensor_map(&tm_q, kBf16, p.q, batch, p.heads_q, rows_q, p.head_dim,
                               p.q_batch_stride, p.q_head_stride, p.q_row_stride, Tr::Br) ||
       !encode_rows_tensor_map(&tm_k, kBf16, p.k, batch, p.heads_kv, rows_k, p.head_dim,
@@ -81,6 +81,14 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
       !encode_rows_tensor_map(&tm_v, kBf16, p.v, batch, p.heads_kv, rows_k, p.head_dim,
                               p.v_batch_stride, p.v_head_stride, p.v_row_stride, Tr::Bc))
     return cudaSuccess;
+  // The output through the copy engine, in boxes of one consumer warp's 16 rows (the kernel's
+  // store_out_rows_tma), where TMA takes it; otherwise (and for packed rows) the warps store it.
+  FwdLaunchFlags launch_flags = flags;
+  launch_flags.out_tma =
+      flags.out_tma && !varlen && Tr::kStageOut &&
+      encode_rows_tensor_map(&tm_o, kBf16, p.out, batch, p.heads_q, rows_q, p.head_dim,
+                             p.out_batch_stride, p.out_head_stride, p.out_row_stride, 16);
+  if (!launch_flags.out_tma) tm_o = tm_q;  // passed, never read
   launched = true;
   // Persistent (one CTA per SM, or per tile where there are fewer tiles): the next tile's loads
   // hide under the current one's epilogue (H100, N = 1k: +9% at D = 128, +18% at D = 64).
@@ -108,7 +116,7 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
   }
   auto launch = [&](auto kernel) {
     return cuda::launch_kernel(kernel, grid, Tr::kNThreads, Tr::kSmemBytes, stream, tm_q, tm_k,
-                               tm_v, p, flags, sched);
+                               tm_v, tm_o, p, launch_flags, sched);
   };
   const bool capped = p.softcap > 0.0;
   if (varlen)

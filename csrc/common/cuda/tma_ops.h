@@ -32,6 +32,31 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// The reverse of tma_load_4d: one box from shared memory at src (laid out as tma_load_4d leaves
+// it) to the tensor at coordinates (c0 .. c3); elements outside the tensor are not written. The
+// copy runs on after the call: tma_store_commit closes this thread's group of stores, and
+// tma_store_wait_read<0> waits until they have read shared memory (before src is written again).
+// The writing threads order their shared stores before it with fence_proxy_async_smem.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int c0, int c1,
+                                             int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+// Until the stores are done (written to global memory), not only read.
+__device__ __forceinline__ void tma_store_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
 // A barrier's arrive without the wait: counts this warp's threads toward `threads` on barrier id
 // and goes on (the signalling half of a producer/consumer hand-off between warpgroups).
 __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
