@@ -29,7 +29,8 @@
 //     (three consumers under a causal bound: a block before the tile's last), passing the
 //     turns of the rest without a matmul. The epilogue stages each warp's rows in a
 //     shared-memory area of its own, so it needs no barrier either (D = 256, whose shared memory
-//     has room for 8 rows a warp: two halves in turn).
+//     has room for 8 rows a warp: two halves in turn), and at D <= 128 hands them to the copy
+//     engine (a TMA store) instead of copying them out itself.
 // Nothing waits on the whole CTA after the barrier initialization. Rows past seqlen_q and keys
 // past seqlen_k arrive as zeros (the tensor maps bound each (batch, head)'s rows) and are masked as
 // in the FlashAttention-2-style kernel (fwd_sm90_kernel.h), whose softmax and epilogue code this
