@@ -39,10 +39,16 @@ def text_sizes(cubin: bytes) -> dict[str, int]:
 
 
 def compile_unit(unit: pathlib.Path, arch: str) -> tuple[str, dict[str, int]]:
-    """ptxas's -v report for one unit (flags as setup.py's, plus -Xptxas -v) and its kernels' sizes."""
+    """ptxas's -v report for one unit (flags as setup.py's, plus -Xptxas -v) and its kernels' sizes.
+    Device code only (-cubin): an error of the host pass (e.g. a device-only function named outside
+    its architecture guard) shows in the build, or in `nvcc -c` of the unit."""
     with tempfile.TemporaryDirectory() as tmp:
+        # The defines torch's CUDAExtension adds to every nvcc call (no implicit half/bfloat16
+        # conversions): without them a unit compiles here that the build then rejects.
         cmd = [
             "nvcc", "-std=c++17", "-O3", "--use_fast_math", "--expt-relaxed-constexpr",
+            "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+            "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
             f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", "-cubin", str(unit),
             "-o", f"{tmp}/unit.cubin",
         ]  # fmt: skip
