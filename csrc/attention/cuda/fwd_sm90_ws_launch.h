@@ -107,8 +107,13 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   if (varlen || !flags.one_tile_per_cta) grid = tiles < sms ? tiles : sms;
-  // A grid of one CTA has nothing to balance.
-  if (varlen || (!flags.one_tile_per_cta && p.window_right >= 0 && grid > 1)) {
+  // Tiles differ in cost under a right window bound, and also where a head's last query block is
+  // partial (N not a multiple of Br: every power of two at D = 64, Br = 192). Round-robin then
+  // hands CTA k the query blocks k mod (blocks per head) whenever that count divides the grid
+  // (D = 64, N = 1k-4k on 132 SMs: 22 CTAs got only the short last tiles, the other 110 only
+  // full ones), so those calls take the counter too. A grid of one CTA has nothing to balance.
+  const bool uneven = p.window_right >= 0 || rows_q % Tr::Br != 0;
+  if (varlen || (!flags.one_tile_per_cta && uneven && grid > 1)) {
     int* counters = nullptr;
     err = acquire_zeroed_counters(ws, 2, stream, counters);
     if (err != cudaSuccess) return err;
