@@ -92,7 +92,7 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
   launched = true;
   // Persistent (one CTA per SM, or per tile where there are fewer tiles): the next tile's loads
   // hide under the current one's epilogue (H100, N = 1k: +9% at D = 128, +18% at D = 64).
-  // Without a right window bound tiles cost about the same and go round-robin. Under one
+  // Tiles of equal cost (no right window bound, whole query blocks) go round-robin. Under one
   // (causal) a static round-robin left SMs idle behind the long diagonal tiles (-2 to -7%
   // against one CTA per tile), so there a counter hands tiles out as CTAs free up, each head's
   // longest first: +3-11% against one CTA per tile (H100, bf16 causal, N = 1k-16k). An order
