@@ -5,6 +5,7 @@
 # answers: how a faster contender is built (tiles per CTA, CTAs per SM), not only that it is faster.
 # One profiled call per contender after two warm-up calls; clocks as found. Needs a built tree.
 # Usage: SHAPE="16 32 1024 64" CAUSAL=True bash tools/ncu_contenders.sh   (B H N D; output in $OUT)
+#   EXTRA_METRICS: more ncu metrics, comma-separated (e.g. lts__t_sector_hit_rate.pct,dram__bytes_read.sum)
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -16,6 +17,7 @@ metrics="$metrics,launch__shared_mem_per_block_dynamic,launch__occupancy_limit_r
 metrics="$metrics,launch__occupancy_limit_shared_mem,sm__warps_active.avg.pct_of_peak_sustained_active"
 metrics="$metrics,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed"
 for m in $pipes; do metrics="$metrics,$m.avg.pct_of_peak_sustained_active"; done
+[[ -n ${EXTRA_METRICS:-} ]] && metrics="$metrics,$EXTRA_METRICS"
 rep="$OUT/ncu-contenders-$B-$H-$N-$D-$causal.txt"
 for who in flashmod CUDNN FLASH; do
   echo "== $who B $B H $H N $N D $D causal $causal" | tee -a "$rep"
