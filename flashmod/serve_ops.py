@@ -465,16 +465,30 @@ def flash_attn_with_kvcache(
     first ``cache_seqlens[b] + S_new`` keys of each row (the whole cache without ``cache_seqlens``).
     ``cache_batch_idx`` (int32 ``(B)``) maps rows to cache rows. ``causal`` is bottom-right. No host
     synchronization and no value-dependent allocation: CUDA-graph capturable. Returns ``out``
-    ``(B, Sq, Hq, D)``, and with ``return_lse`` also ``lse (B, Hq, Sq)`` fp32. Not differentiable.
+    ``(B, Sq, Hq, D)``, and with ``return_lse`` also ``lse (B, Hq, Sq)`` fp32. Not differentiable:
+    inputs that require grad (under grad mode) are an error.
     """
     op = "flashmod.flash_attn_with_kvcache"
     check_tensor_types(
         op, ("k", "v", "cache_batch_idx", "block_table"), q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
         cache_batch_idx=cache_batch_idx, block_table=block_table,
     )  # fmt: skip
-    # As flash-attn, a window side is judged against the cache's capacity, not a row's length.
-    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    # Not differentiable (as flash-attn's): refuse inputs that want gradients rather than return
+    # an output whose backward would drop them.
+    wants_grad = [n for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
+                  if t is not None and t.requires_grad]  # fmt: skip
+    if wants_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op}: not differentiable, got {', '.join(wants_grad)} requiring grad; call it under "
+            "torch.no_grad() (decoding) or train through flash_attn_func / flash_attn_varlen_func"
+        )
+    # As flash-attn, a window side is judged against the cache's capacity, not a row's length
+    # (shapes the op rejects get any value here: its own checks name them).
+    pages = block_table.shape[1] if block_table is not None and block_table.dim() == 2 else 1
+    capacity = (k_cache.shape[1] if k_cache.dim() > 1 else 0) * pages
     left, right = unbounded_past(check_window(op, window_size), capacity)
+    if isinstance(cache_seqlens, bool):
+        raise TypeError(f"{op}: cache_seqlens must be an int or an int32 tensor, got a bool")
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     out, lse = torch.ops.flashmod.attention_kvcache(

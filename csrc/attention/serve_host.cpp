@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "../common/error_message.h"
 #include "../common/scalar_kind_of.h"
@@ -261,8 +262,10 @@ PreparedServe prepare_attention_kvcache(
   check_attention_options(prefix, scale, window_left, window_right, softcap);
 
   PreparedServe r;
-  // Values, where reading them costs no device sync: every write and read stays in the cache.
+  // Values, where reading them costs no device sync: every write and read stays in the cache,
+  // and no appended token lands where another batch row (or the row itself, elsewhere) reads.
   if (q_in.device().is_cpu()) {
+    std::vector<int64_t> used(B, capacity);  // keys each row reads: cache_seqlens[b] + s_new
     if (cache_seqlens.has_value()) {
       const at::Tensor c = cache_seqlens->contiguous();
       for (int64_t b = 0; b < B; ++b) {
@@ -271,25 +274,51 @@ PreparedServe prepare_attention_kvcache(
                     error_message(prefix, "cache_seqlens[", b, "] = ", n, " plus the ", s_new,
                                   " new tokens must fit the cache's ", capacity,
                                   " slots per row (and be >= 0)"));
+        used[b] = n + s_new;
       }
     }
     if (cache_batch_idx.has_value()) {
       const at::Tensor c = cache_batch_idx->contiguous();
+      const int32_t* idx = c.data_ptr<int32_t>();
+      std::vector<int64_t> first_row(k_cache.size(0), -1);
       for (int64_t b = 0; b < B; ++b) {
-        const int64_t i = c.data_ptr<int32_t>()[b];
+        const int64_t i = idx[b];
         TORCH_CHECK(i >= 0 && i < k_cache.size(0),
                     error_message(prefix, "cache_batch_idx[", b, "] = ", i,
                                   " is not a row of k_cache (", k_cache.size(0), " rows)"));
+        // Rows may share a cache row to read it, not to append to it.
+        TORCH_CHECK(s_new == 0 || first_row[i] < 0,
+                    error_message(prefix, "cache_batch_idx[", first_row[i],
+                                  "] and cache_batch_idx[", b, "] are both ", i,
+                                  ": appending k/v needs a cache row of its own per batch row"));
+        first_row[i] = b;
       }
     }
     if (paged) {
+      // Only the pages a row reads are looked up (the columns past them may hold anything, e.g.
+      // -1 padding); a page the append writes to must be read by no other row or column.
       const at::Tensor t = block_table->contiguous();
       const int32_t* bt = t.data_ptr<int32_t>();
-      for (int64_t i = 0; i < t.numel(); ++i) {
-        TORCH_CHECK(bt[i] >= 0 && bt[i] < k_cache.size(0),
-                    error_message(prefix, "block_table entry ", bt[i], " (row ", i / t.size(1),
-                                  ", column ", i % t.size(1), ") is not a page of k_cache (",
-                                  k_cache.size(0), " pages)"));
+      const int64_t page = k_cache.size(1), columns = t.size(1);
+      std::vector<int32_t> readers(k_cache.size(0), 0);
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t j = 0; j < (used[b] + page - 1) / page; ++j) {
+          const int32_t e = bt[b * columns + j];
+          TORCH_CHECK(e >= 0 && e < k_cache.size(0),
+                      error_message(prefix, "block_table entry ", e, " (row ", b, ", column ", j,
+                                    ") is not a page of k_cache (", k_cache.size(0), " pages)"));
+          ++readers[e];
+        }
+      }
+      for (int64_t b = 0; b < B && s_new > 0; ++b) {
+        for (int64_t j = (used[b] - s_new) / page; j < (used[b] + page - 1) / page; ++j) {
+          const int32_t e = bt[b * columns + j];
+          TORCH_CHECK(
+              readers[e] == 1,
+              error_message(prefix, "block_table row ", b, " appends to page ", e, " (column ", j,
+                            "), which other rows or columns also read: "
+                            "a page written by the append must be the row's own"));
+        }
       }
     }
   }

@@ -290,6 +290,79 @@ def test_kvcache_rejects_bad_inputs(device):
         assert torch.equal(k_cache, before), "a refused call wrote to the cache"
 
 
+def test_kvcache_block_table_past_the_used_pages_is_not_read(device):
+    """Servers pad block tables (e.g. with -1): only the pages a row reads, cache_seqlens + the new
+    tokens, are looked up."""
+    dtype = kvcache_dtypes(device)[-1]
+    page, hkv, d = 16, 2, 64
+    k_pool, v_pool = make_cache(8, page, hkv, d, dtype, device)
+    q = torch.randn(2, 1, 4, d, dtype=dtype, device=device)
+    kn, vn = (torch.randn(2, 1, hkv, d, dtype=dtype, device=device) for _ in range(2))
+    seqlens = torch.tensor([3, 20], dtype=torch.int32, device=device)  # one page, two pages
+    full = torch.tensor([[5, 6, 7], [2, 0, 1]], dtype=torch.int32, device=device)
+    padded = torch.tensor([[5, -1, -1], [2, 0, -1]], dtype=torch.int32, device=device)
+    kp, vp = k_pool.clone(), v_pool.clone()
+    want = flashmod.flash_attn_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=seqlens, block_table=full)
+    got = flashmod.flash_attn_with_kvcache(q, k_pool, v_pool, kn, vn, cache_seqlens=seqlens, block_table=padded)
+    assert torch.equal(got, want)
+    assert torch.equal(k_pool, kp) and torch.equal(v_pool, vp), "the same append into the same pages"
+
+
+def test_kvcache_rejects_appends_that_other_rows_read():
+    """Two batch rows appending to one cache row (cache_batch_idx), or a row appending to a page
+    another row reads, would each attend to the other's new keys: refused where the values can be
+    read without a device sync (CPU; on CUDA it is the caller's error, as is an overflow)."""
+    dtype, d = torch.float32, 16
+    k_cache, v_cache = make_cache(4, 32, 1, d, dtype, "cpu")
+    q = torch.randn(2, 1, 2, d, dtype=dtype)
+    kn, vn = (torch.randn(2, 1, 1, d, dtype=dtype) for _ in range(2))
+    seqlens = torch.tensor([10, 20], dtype=torch.int32)
+    shared = torch.tensor([3, 3], dtype=torch.int32)
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match=r"cache_batch_idx\[0\] and cache_batch_idx\[1\] are both 3"):
+        flashmod.flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn, cache_seqlens=seqlens, cache_batch_idx=shared)
+    assert torch.equal(k_cache, before), "a refused call wrote to the cache"
+    # Reading one cache row from two batch rows is fine (a shared prefix).
+    out = flashmod.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_batch_idx=shared)
+    for b in range(2):
+        ks, vs = k_cache[3, : int(seqlens[b])], v_cache[3, : int(seqlens[b])]
+        truth, _ = reference(q[b], ks, vs, opts_of("plain"), torch.float64)
+        assert torch.allclose(out[b].double(), truth, atol=1e-5), f"row {b}"
+    # Pages: a shared first page read by both rows, each appending into a page of its own...
+    k_pool, v_pool = make_cache(6, 8, 1, d, dtype, "cpu")
+    pages = torch.tensor([5, 2], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [0, 4]], dtype=torch.int32)
+    out = flashmod.flash_attn_with_kvcache(q, k_pool, v_pool, kn, vn, cache_seqlens=pages + 6, block_table=table)
+    assert torch.equal(k_pool[1, 3], kn[0, 0]) and torch.equal(k_pool[4, 0], kn[1, 0])
+    # ...but not into the shared page, nor into a page another row reads.
+    for table, seqlens, page in (([[0, 1], [0, 4]], [5, 9], 0), ([[0, 1], [4, 1]], [9, 12], 1)):
+        before = k_pool.clone()
+        with pytest.raises(RuntimeError, match=f"appends to page {page} .* which other rows or columns also read"):
+            flashmod.flash_attn_with_kvcache(
+                q, k_pool, v_pool, kn, vn, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
+                block_table=torch.tensor(table, dtype=torch.int32),
+            )  # fmt: skip
+        assert torch.equal(k_pool, before), "a refused call wrote to the cache"
+
+
+def test_kvcache_is_not_differentiable_and_says_so(device):
+    dtype = kvcache_dtypes(device)[-1]
+    k_cache, v_cache = make_cache(2, 32, 2, 16, dtype, device)
+    q = torch.randn(2, 1, 4, 16, dtype=dtype, device=device, requires_grad=True)
+    seqlens = torch.tensor([3, 8], dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match="not differentiable, got q requiring grad"):
+        flashmod.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    with torch.no_grad():
+        out = flashmod.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    assert not out.requires_grad
+    with pytest.raises(TypeError, match="cache_seqlens must be an int or an int32 tensor, got a bool"):
+        flashmod.flash_attn_with_kvcache(q.detach(), k_cache, v_cache, cache_seqlens=True)
+    with pytest.raises(RuntimeError, match="block_table must be a 2-D tensor"):
+        flashmod.flash_attn_with_kvcache(
+            q.detach(), k_cache, v_cache, block_table=torch.zeros(2, dtype=torch.int32, device=device)
+        )
+
+
 def test_serving_ops_compile_fullgraph(device):
     dtype = torch.bfloat16
     lq = [5, 0, 17]
