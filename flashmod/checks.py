@@ -135,7 +135,17 @@ def check_window(op: str, window_size: object) -> tuple[int, int]:
     ok = ok and all(isinstance(w, (numbers.Integral, torch.SymInt)) and not isinstance(w, bool) for w in window_size)
     if not ok:
         raise TypeError(f"{op}: window_size must be a pair of ints (left, right), -1 = unbounded, got {window_size!r}")
-    return operator.index(window_size[0]), operator.index(window_size[1])
+    return unbounded_if_huge(operator.index(window_size[0])), unbounded_if_huge(operator.index(window_size[1]))
+
+
+# A window side past this many keys reaches every key of any tensor; as -1 it stays clear of int64's
+# end in the kernels' index arithmetic (row + offset + side) and fits the ops' int64 arguments.
+HUGE_WINDOW = 1 << 62
+
+
+def unbounded_if_huge(side: int) -> int:
+    """``side``, or -1 (unbounded) for a side of more than ``HUGE_WINDOW`` keys."""
+    return -1 if isinstance(side, int) and side > HUGE_WINDOW else side
 
 
 def check_dropout(op: str, name: str, dropout_p: object) -> float:

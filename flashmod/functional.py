@@ -16,7 +16,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .checks import check_dropout, check_tensor_types, check_window, unbounded_past
-from .ops import attention_op, autocast_attention_args
+from .ops import attention_op, autocast_attention_args, check_attention_call
 from .reference import attention_reference
 from .softmax_ops import matmul_softmax
 
@@ -37,6 +37,7 @@ def attention_bhsd(
     dropout_p = check_dropout("flashmod", "dropout", dropout_p)
     if dropout_p > 0.0:
         q, k, v, attn_mask = autocast_attention_args((q, k, v, attn_mask))
+        check_attention_call(q, k, v, attn_mask, scale, window[0], window[1], softcap)
         out, lse = attention_reference(
             q, k, v, attn_mask, scale, is_causal, bottom_right, window[0], window[1], softcap, dropout_p
         )

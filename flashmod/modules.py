@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .checks import check_tensor_types
+from .checks import unbounded_past
 from .functional import attention_bhsd, attention_weights, check_bshd, check_dropout, check_window
 from .reference import attention_reference
 
@@ -29,7 +30,8 @@ class FlashAttention(nn.Module):
             ``"bhsd"`` (SDPA), bottom-right for ``"bshd"`` (flash-attn; right for KV-cache decode).
         softmax_scale: default ``1 / sqrt(head_dim)``.
         dropout: attention dropout, applied only in training mode (reference fallback).
-        window_size: ``(left, right)`` sliding window, -1 = unbounded.
+        window_size: ``(left, right)`` sliding window, -1 = unbounded; with ``"bshd"`` a side that
+            reaches over all keys is unbounded too (flash-attn's rule, as ``flash_attn_func``).
         softcap: if > 0, scores become ``softcap * tanh(score / softcap)``.
         layout: ``"bshd"`` for ``(batch, seq, heads, head_dim)`` inputs and output (flash-attn's),
             ``"bhsd"`` for ``(batch, heads, seq, head_dim)`` (SDPA's).
@@ -99,7 +101,8 @@ class FlashAttention(nn.Module):
             self.softmax_scale,
             self.causal,
             self.layout == "bshd",
-            self.window_size,
+            # bshd is flash-attn's convention, its window rule included (as flash_attn_func).
+            unbounded_past(self.window_size, k.shape[2]) if self.layout == "bshd" else self.window_size,
             self.softcap,
         )
         return out.transpose(1, 2) if self.layout == "bshd" else out

@@ -34,6 +34,7 @@ from .checks import (
     check_same_device,
     check_same_dtype,
     check_tensor_types,
+    unbounded_if_huge,
 )
 from .reference import attention_backward_chunked, attention_jvp_chunked
 
@@ -500,6 +501,7 @@ def attention_op(
 
     Unlike the operator, it also takes a value head dim other than q's and k's (as SDPA does)."""
     check_tensor_types("flashmod.attention", ("attn_mask",), q=q, k=k, v=v, attn_mask=attn_mask)
+    window_left, window_right = unbounded_if_huge(window_left), unbounded_if_huge(window_right)
     if isinstance(scale, Tensor):
         q, scale = _tensor_scale(q, scale)
     if _value_head_dim_differs(q, k, v):
@@ -515,6 +517,28 @@ def attention_op(
     if not torch.compiler.is_compiling():
         return apply_function(AttentionFunction, *args)
     return torch.ops.flashmod.attention(*args)
+
+
+def check_attention_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    scale: float | Tensor | None,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> None:
+    """The checks ``attention_op`` gets from the op, for the calls that bypass it (dropout runs the
+    reference): the same errors for the same bad inputs. A value head dim other than q's passes, as
+    in ``attention_op``."""
+    check_tensor_types("flashmod.attention", ("attn_mask",), q=q, k=k, v=v, attn_mask=attn_mask)
+    if isinstance(scale, Tensor):
+        _tensor_scale(q, scale)
+        scale = None
+    if _value_head_dim_differs(q, k, v):
+        v = v.new_empty(()).expand(*v.shape[:3], q.shape[3])  # v's dtype, device and extents, q's head dim
+    _check_inputs(q, k, v, attn_mask, scale, window_left, window_right, softcap)
 
 
 def _tensor_scale(q: Tensor, scale: Tensor) -> tuple[Tensor, float]:

@@ -75,6 +75,12 @@ void check_attention_options(const char* prefix, std::optional<double> scale, in
               flashmod::error_message(prefix, "scale must be finite, got ", scale.value_or(0.0)));
 }
 
+void set_window(AttentionParams& p, bool is_causal, int64_t window_left, int64_t window_right) {
+  const int64_t reach = p.seqlen_q + p.seqlen_k;
+  p.window_left = window_left >= reach ? -1 : window_left;
+  p.window_right = is_causal ? 0 : window_right >= reach ? -1 : window_right;
+}
+
 namespace {
 
 // The checks and fix-ups the forward and the backward share: q, k, v, the mask and the options.
@@ -124,8 +130,7 @@ PreparedInputs prepare_inputs(const char* op, const char* prefix, const at::Tens
     p.mask_row_stride = r.mask.stride(2), p.mask_col_stride = r.mask.stride(3);
   }
 
-  p.window_left = window_left;
-  p.window_right = is_causal ? 0 : window_right;  // causal: nothing right of the diagonal
+  set_window(p, is_causal, window_left, window_right);
   p.diag_offset = bottom_right ? p.seqlen_k - p.seqlen_q : 0;
   p.bottom_right = bottom_right;
   p.lse_batch_stride = p.heads_q * p.seqlen_q, p.lse_head_stride = p.seqlen_q;

@@ -25,6 +25,12 @@ struct PreparedAttention {
 void check_attention_options(const char* prefix, std::optional<double> scale, int64_t window_left,
                              int64_t window_right, double softcap);
 
+// The window sides into p (after its seqlen_q / seqlen_k: for packed or cached calls their
+// maxima): a side reaching past every key of every query (>= seqlen_q + seqlen_k, whatever the
+// diagonal's offset) is unbounded (-1), so the kernels' index arithmetic (row + offset + side)
+// stays far from int64's end. Causal: nothing right of the diagonal.
+void set_window(AttentionParams& p, bool is_causal, int64_t window_left, int64_t window_right);
+
 PreparedAttention prepare_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const std::optional<at::Tensor>& attn_mask,
                                     std::optional<double> scale, bool is_causal, bool bottom_right,

@@ -147,8 +147,7 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q_in, const at::Tensor&
   p.cu_seqlens_q = r.cu_seqlens_q.data_ptr<int32_t>();
   p.cu_seqlens_k = r.cu_seqlens_k.data_ptr<int32_t>();
   p.packed_rows_q = r.q.size(0), p.packed_rows_k = r.k.size(0);
-  p.window_left = window_left;
-  p.window_right = is_causal ? 0 : window_right;
+  set_window(p, is_causal, window_left, window_right);
   p.bottom_right = true;
   p.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   p.softcap = softcap;
@@ -385,8 +384,7 @@ PreparedServe prepare_attention_kvcache(
     p.k_page_stride = p.k_batch_stride, p.v_page_stride = p.v_batch_stride;
     p.k_batch_stride = p.v_batch_stride = 0;
   }
-  p.window_left = window_left;
-  p.window_right = is_causal ? 0 : window_right;
+  set_window(p, is_causal, window_left, window_right);
   p.bottom_right = true;
   p.diag_offset = p.seqlen_k - p.seqlen_q;
   p.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));

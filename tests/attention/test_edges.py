@@ -4,6 +4,8 @@ scales, and flash-attn's rule for a window side reaching over every key."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -198,7 +200,8 @@ def test_window_right_past_every_key_changes_nothing(device, d, dtype):
     """The op keeps a right bound at or past the last key (flash_attn_func maps it to -1): with
     top-left alignment it hides no key, so the result is the unbounded call's, bit for bit.
     ring_attention puts one on its dense steps to pick the Hopper forward's tile scheduler, and
-    2^40 checks that no 32-bit arithmetic truncates it."""
+    2^40 checks that no 32-bit arithmetic truncates it (sides of Nq + Nk keys and more are
+    unbounded before any kernel sees them: the next test)."""
     gen = torch.Generator(device=device).manual_seed(d)
     q = torch.randn(2, 4, 333, d, device=device, generator=gen).to(dtype)
     k, v = (torch.randn(2, 2, 517, d, device=device, generator=gen).to(dtype) for _ in range(2))
@@ -207,3 +210,69 @@ def test_window_right_past_every_key_changes_nothing(device, d, dtype):
         bounded, bounded_lse = flashmod.ops.attention_op(q, k, v, bottom_right=False, window_right=window_right)
         torch.testing.assert_close(bounded, out, rtol=0, atol=0, msg=f"window_right={window_right}")
         torch.testing.assert_close(bounded_lse, lse, rtol=0, atol=0, msg=f"window_right={window_right}")
+
+
+@pytest.mark.parametrize("bottom_right", [False, True])
+def test_window_sides_past_every_key_are_unbounded_up_to_int64s_end(device, bottom_right):
+    """A side of Nq + Nk keys or more reaches every key in either alignment: it is the unbounded
+    call's answer bit for bit, also at int64's end (where row + offset + side would wrap and hide
+    every key) and past it (Python ints the op's int64 arguments cannot take)."""
+    q, k, v = qkv(device, nq=13, nk=5)
+    for causal in (False, True):
+        out, lse = torch.ops.flashmod.attention(q, k, v, None, None, causal, bottom_right)
+        for side in (18, 2**62, sys.maxsize):
+            for wl, wr in ((side, -1), (-1, side), (side, side)):
+                got, got_lse = torch.ops.flashmod.attention(q, k, v, None, None, causal, bottom_right, wl, wr)
+                torch.testing.assert_close(got, out, rtol=0, atol=0, msg=f"window ({wl}, {wr})")
+                torch.testing.assert_close(got_lse, lse, rtol=0, atol=0, msg=f"window ({wl}, {wr})")
+    out, lse = flashmod.attention(q, k, v, return_lse=True)
+    for window in ((sys.maxsize, 2**70), (2**70, -1)):
+        got, got_lse = flashmod.attention(q, k, v, window_size=window, return_lse=True)
+        torch.testing.assert_close(got, out, rtol=0, atol=0)
+        torch.testing.assert_close(got_lse, lse, rtol=0, atol=0)
+        # The dropout path (the reference) too: its lse does not depend on what is dropped.
+        _, dropped_lse = flashmod.attention(q, k, v, window_size=window, dropout_p=0.5, return_lse=True)
+        torch.testing.assert_close(dropped_lse, lse, rtol=1e-5, atol=1e-5)
+
+
+BAD_CALLS = {
+    "int dtype": (
+        lambda q, k, v: (q.int(), k.int(), v.int()),
+        {},
+        "q must be float32, float16, bfloat16 or float64, got torch.int32",
+    ),
+    "mixed dtypes": (lambda q, k, v: (q.half(), k, v), {}, "k must have q's dtype"),
+    "rank": (lambda q, k, v: (q[0], k[0], v[0]), {}, "q must be a 4-D tensor"),
+    "gqa ratio": (lambda q, k, v: (q[:, :3], k, v), {}, "multiple of"),
+    "head dim": (lambda q, k, v: (q, k[..., :8], v[..., :8]), {}, "k and v must have q's head_dim"),
+    "mask shape": (lambda q, k, v: (q, k, v), {"attn_mask": torch.ones(3, 3, dtype=torch.bool)}, "attn_mask"),
+    "mask dtype": (
+        lambda q, k, v: (q, k, v),
+        {"attn_mask": torch.zeros(9, 11, dtype=torch.int64)},
+        "attn_mask must be",
+    ),
+    "softcap": (lambda q, k, v: (q, k, v), {"softcap": -2.0}, "softcap must be a finite number >= 0"),
+    "scale": (lambda q, k, v: (q, k, v), {"scale": float("nan")}, "scale must be finite"),
+    "window": (lambda q, k, v: (q, k, v), {"window_size": (-5, -7)}, "window_left must be >= -1"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_CALLS))
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_dropout_checks_its_inputs_as_the_op_does(bad, dropout_p):
+    """With dropout the reference runs instead of the op: the same bad inputs raise the same errors."""
+    make, kwargs, message = BAD_CALLS[bad]
+    q, k, v = make(*qkv("cpu"))
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=message):
+        flashmod.attention(q, k, v, dropout_p=dropout_p, **kwargs)
+
+
+def test_flash_attention_module_in_bshd_takes_flash_attns_window_rule():
+    """FlashAttention(layout="bshd") answers as flash_attn_func: a side over all keys is unbounded."""
+    q = torch.randn(1, 12, 2, 16)
+    k, v = torch.randn(1, 5, 2, 16), torch.randn(1, 5, 2, 16)
+    for window in ((-1, 5), (7, -1), (6, 9), (2, 1)):
+        module = flashmod.FlashAttention(window_size=window)
+        torch.testing.assert_close(
+            module(q, k, v), flashmod.flash_attn_func(q, k, v, window_size=window), rtol=0, atol=0
+        )

@@ -219,6 +219,20 @@ def test_softmax_neg_inf_rows_and_nan(device):
             torch.testing.assert_close(yt[:, 3], torch.softmax(x[3], -1))
 
 
+def test_fp64_nan_anywhere_makes_the_row_nan():
+    """The fp64 row (softmax and matmul_softmax): a NaN first, after -infs only, or alone spreads to
+    the whole row as torch's does, never drops out (a NaN row of matmul_softmax's a is not a row of
+    zeros, which would read as a masked row)."""
+    inf, nan = float("inf"), float("nan")
+    for row in ([nan], [nan, 0.0, 1.0], [-inf, nan, 1.0], [-inf, -inf, nan], [0.5, nan, -inf]):
+        y = flashmod.softmax(torch.tensor(row, dtype=torch.float64), 0)
+        assert torch.isnan(y).all(), f"{row} -> {y}"
+    a = torch.randn(1, 1, 3, 8, dtype=torch.float64)
+    a[0, 0, 1, 0] = nan
+    y = flashmod.matmul_softmax(a, torch.randn(1, 1, 4, 8, dtype=torch.float64))
+    assert torch.isnan(y[0, 0, 1]).all() and not torch.isnan(y[0, 0, [0, 2]]).any()
+
+
 def test_softmax_empty(device):
     for shape, dim in (((0, 7), -1), ((7, 0), -1), ((3, 0, 5), 1), ((0,), 0)):
         x = torch.randn(shape, device=device)

@@ -240,10 +240,16 @@ void softmax_row_f64(const double* x, double* y, int64_t n, double scale) {
   double m = -inf, s = 0.0;
   for (int64_t j = 0; j < n; ++j) {  // the online normalizer, one element at a time
     const double v = x[j] * scale;
+    // A NaN anywhere makes the whole row NaN (as torch.softmax); std::max would drop one that
+    // comes before any finite value, and the -inf skip below one after only -infs.
+    if (std::isnan(v)) {
+      std::fill(y, y + n, std::numeric_limits<double>::quiet_NaN());
+      return;
+    }
     const double m_new = std::max(m, v);
     if (m_new == -inf) continue;
     s = s * std::exp(m - m_new) + std::exp(v - m_new);
-    m = std::isnan(v) ? v : m_new;
+    m = m_new;
   }
   if (m == -inf) {
     std::fill(y, y + n, 0.0);
