@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .checks import check_tensor_types
-from .checks import unbounded_past
+from .checks import check_tensor_types, unbounded_past
 from .functional import attention_bhsd, attention_weights, check_bshd, check_dropout, check_window
 from .reference import attention_reference
 

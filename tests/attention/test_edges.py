@@ -176,6 +176,10 @@ def test_tensor_scale_works_eager_and_compiled(device):
     torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=1e-5)
     with pytest.raises(TypeError, match="scale must be a float or a 0-d float tensor"):
         flashmod.attention(q, k, v, scale=torch.ones(2))
+    for bad in (float("nan"), float("inf")):
+        for grad in (False, True):
+            with pytest.raises(RuntimeError, match="scale must be finite"):
+                flashmod.attention(q, k, v, scale=torch.tensor(bad, device=device, requires_grad=grad))
 
 
 @pytest.mark.parametrize("window", [(-1, 3), (3, -1), (5, 7), (-1, 2)])
