@@ -29,7 +29,7 @@ inline KvAddressing kv_addressing(const AttentionParams& p, int key_block) {
 // sequence's K/V, plus the head's offset) into the smem tile at smem_base, zero-filling the rest,
 // like Plan::load (kDense tiles use Plan::load itself: load_kv_tile). kSequences and kBlockPages
 // only: the tile's rows are one run of rows (kBlockPages: first_key starts a key block, which
-// lies in one page); kRowPages tiles go through load_kv_rows.
+// lies in one page); kRowPages tiles go through load_cached_rows_by_page.
 template <KvAddressing kAddr, class Plan, typename Elem>
 __device__ __forceinline__ void load_kv_block(const Plan& plan, uint32_t smem_base,
                                               const Elem* base, const AttentionParams& s,
@@ -56,18 +56,71 @@ struct KvRowSources {
   int new_from;
 };
 
+// K and V rows [first_key, first_key + valid_rows) of a tile that holds no appended keys, for
+// pages smaller than a key block (kRowPages), zero-filling the rest. Each thread's rows step by the
+// plan's row step, so within a page its K and V sources advance by a constant; it reads the block
+// table and recomputes them only where its next row lies in another page (with 16-token pages and
+// 8-row steps every other row, at the same step in every thread). K and V share the entry, read
+// through the read-only path (the kernel never writes the table). Looking each row's page up and
+// recomputing its 64-bit offsets (load_rows_with_new_keys' walk) made a 16k-token decode step
+// execute 43 % more instructions than the contiguous cache's, 4.4 % slower on the same addresses
+// (Nsight Compute, H100, session 17). Walking by page: the same speed on an H100, +2.5-4 % at
+// 16k-64k-token caches on an H200, whose faster memory leaves the instructions exposed (session 18).
+template <class Plan, typename Elem>
+__device__ __forceinline__ void load_cached_rows_by_page(const Plan& plan, uint32_t sk, uint32_t sv,
+                                                         const Elem* k, const Elem* v,
+                                                         const AttentionParams& s, int first_key,
+                                                         int valid_rows) {
+  if (!plan.active) return;
+  const uint32_t page_size = static_cast<uint32_t>(s.page_size);
+  const uint32_t j0 = static_cast<uint32_t>(first_key + plan.row0);
+  // One page before the first row's: the first step of the walk seeks it.
+  uint32_t page_idx = j0 / page_size - 1;
+  uint32_t in_page = j0 - page_idx * page_size;
+  const Elem *ks = k, *vs = v;
+  const int64_t k_step = Plan::kRowStep * s.k_row_stride, v_step = Plan::kRowStep * s.v_row_stride;
+  if (plan.src_bytes == 0) valid_rows = 0;  // a chunk past head_dim: zeros only
+  // Not unrolled past one swizzle period: unrolled, each step's copy of the seek made the decode
+  // kernel's code outgrow the instruction cache (4544 -> 5504 SASS instructions).
+#pragma unroll 1
+  for (int it0 = 0; it0 < Plan::kIters; it0 += Plan::kPeriod) {
+#pragma unroll
+    for (int ip = 0; ip < Plan::kPeriod; ++ip) {
+      const int it = it0 + ip, row = plan.row0 + it * Plan::kRowStep;
+      const bool valid = row < valid_rows;
+      if (in_page >= page_size) {
+        do {  // more than one page per step only for pages shorter than the row step
+          in_page -= page_size;
+          ++page_idx;
+        } while (in_page >= page_size);
+        // A row past the valid ones reads no entry (the table may end before the tile does).
+        const int64_t page = valid ? __ldg(s.block_table + page_idx) : 0;
+        ks = k + page * s.k_page_stride + in_page * s.k_row_stride + plan.col;
+        vs = v + page * s.v_page_stride + in_page * s.v_row_stride + plan.col;
+      }
+      const uint32_t off = plan.soff[ip] + it * Plan::kStepBytes;  // chunk_offset(it)
+      const int bytes = valid ? plan.src_bytes : 0;
+      cp_async_16(sk + off, valid ? ks : k, bytes);
+      cp_async_16(sv + off, valid ? vs : v, bytes);
+      in_page += Plan::kRowStep;
+      ks += k_step;
+      vs += v_step;
+    }
+  }
+}
+
 // K and V rows [first_key, first_key + valid_rows) row by row into the smem tiles at sk / sv
-// (zero-filling the rest), for pages smaller than a key block (kRowPages); with kNewRows, keys
-// from src.new_from on come from the fused append's new rows. Each thread walks its rows with one
-// 32-bit division per tile, stepping (page, row in page) by the plan's row step: a 64-bit divide
-// and remainder per row and per tensor, as kv_row_offset does, was most of the instructions of a
-// 16-token-page decode step. K and V share the row's block-table entry, read once through the
-// read-only path (the kernel never writes the table).
-template <bool kNewRows, class Plan, typename Elem>
-__device__ __forceinline__ void load_kv_rows(const Plan& plan, uint32_t sk, uint32_t sv,
-                                             const KvRowSources<Elem>& src,
-                                             const AttentionParams& s, int first_key,
-                                             int valid_rows) {
+// (zero-filling the rest), for the one tile of a fused-append decode step that holds new keys when
+// pages are smaller than a key block (kRowPages): keys from src.new_from on come from the new
+// keys/values. Each thread walks its rows with one 32-bit division per tile, stepping (page, row
+// in page) by the plan's row step: a 64-bit divide and remainder per row and per tensor, as
+// kv_row_offset does, was most of the instructions of a 16-token-page decode step. K and V share
+// the row's block-table entry, read once through the read-only path.
+template <class Plan, typename Elem>
+__device__ __forceinline__ void load_rows_with_new_keys(const Plan& plan, uint32_t sk, uint32_t sv,
+                                                        const KvRowSources<Elem>& src,
+                                                        const AttentionParams& s, int first_key,
+                                                        int valid_rows) {
   if (!plan.active) return;
   const uint32_t page_size = static_cast<uint32_t>(s.page_size);
   // Block-table index and row in page of this thread's row.
@@ -81,15 +134,13 @@ __device__ __forceinline__ void load_kv_rows(const Plan& plan, uint32_t sk, uint
     const bool valid = row < valid_rows && plan.src_bytes > 0;
     // Selects, not branches: one straight copy loop (the decode kernel's code has to fit the
     // instruction cache). A row past the valid ones copies zero bytes from any address.
-    const bool cached = valid && !(kNewRows && j >= src.new_from);
+    const bool cached = valid && j < src.new_from;
     const int64_t page = cached ? __ldg(s.block_table + page_idx) : 0;
     const Elem* ks = src.k + page * s.k_page_stride + in_page * s.k_row_stride + plan.col;
     const Elem* vs = src.v + page * s.v_page_stride + in_page * s.v_row_stride + plan.col;
-    if constexpr (kNewRows) {
-      if (valid && !cached) {
-        ks = src.k_new + (j - src.new_from) * s.kn_row_stride + plan.col;
-        vs = src.v_new + (j - src.new_from) * s.vn_row_stride + plan.col;
-      }
+    if (valid && !cached) {
+      ks = src.k_new + (j - src.new_from) * s.kn_row_stride + plan.col;
+      vs = src.v_new + (j - src.new_from) * s.vn_row_stride + plan.col;
     }
     if (!valid) ks = src.k, vs = src.v;
     const int bytes = valid ? plan.src_bytes : 0;
@@ -113,7 +164,12 @@ __device__ __forceinline__ void load_kv_tile(const Plan& plan, uint32_t sk, uint
   const int valid = min(kBc, static_cast<int>(s.seqlen_k) - n * kBc);
   const int64_t row0 = static_cast<int64_t>(n) * kBc;
   if constexpr (kAddr == kRowPages) {
-    load_kv_rows<kNewRows>(plan, sk, sv, src, s, n * kBc, valid);
+    // The tile that holds the appended keys (one per sequence) walks its rows one by one; every
+    // other tile page by page.
+    if (kNewRows && src.new_from < n * kBc + valid)
+      load_rows_with_new_keys(plan, sk, sv, src, s, n * kBc, valid);
+    else
+      load_cached_rows_by_page(plan, sk, sv, src.k, src.v, s, n * kBc, valid);
   } else if constexpr (kAddr != kDense && kNewRows) {
     // Rows before new_from from the cache (one run: kSequences, or one page: kBlockPages), the
     // rest from the new keys/values (none when the call appends nothing: new_from = seqlen_k).

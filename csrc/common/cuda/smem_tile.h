@@ -65,6 +65,8 @@ struct TileCopyPlan {
   static constexpr int kPeriod = kRowStep % 8 == 0 ? 1 : 8 / kRowStep;
   static_assert(kThreads % kLanesPerRow == 0 && kRows % kRowStep == 0, "even split");
   static_assert(kIters % kPeriod == 0, "whole swizzle periods");
+  // Bytes between the chunks of consecutive copy steps, past the swizzle (chunk_offset).
+  static constexpr uint32_t kStepBytes = 2 * kRowStep * kHeadDim;
 
   int row0;                // first row this thread copies
   int col;                 // first element of its chunk
@@ -88,7 +90,7 @@ struct TileCopyPlan {
 
   // Byte offset in the tile of the chunk that copy iteration `it` (0..kIters-1) writes.
   __device__ __forceinline__ uint32_t chunk_offset(int it) const {
-    return soff[it % kPeriod] + 2 * it * kRowStep * kHeadDim;
+    return soff[it % kPeriod] + it * kStepBytes;
   }
 
   // Copies rows [0, valid_rows) x columns [0, head_dim) of the global tile at gmem into the smem

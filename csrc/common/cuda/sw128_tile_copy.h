@@ -22,6 +22,8 @@ struct Sw128TileCopy {
   static_assert(kThreads % kChunks == 0 && kRows % kRowStep == 0, "even split");
   static_assert(8 % kRowStep == 0 || kRowStep % 8 == 0, "the swizzle period divides the steps");
   static_assert(kIters % kPeriod == 0, "whole swizzle periods");
+  // Bytes between the chunks of consecutive copy steps, past the swizzle (chunk_offset).
+  static constexpr uint32_t kStepBytes = kRowStep * 128;
 
   // Every thread takes part (paged_kv.h's per-row loads ask).
   static constexpr bool active = true;
@@ -40,7 +42,7 @@ struct Sw128TileCopy {
 
   // Shared-memory offset (from the tile's base) of this thread's chunk in copy step it.
   __device__ __forceinline__ uint32_t chunk_offset(int it) const {
-    return soff[it % kPeriod] + it * kRowStep * 128;
+    return soff[it % kPeriod] + it * kStepBytes;
   }
 
   // Rows [0, valid_rows) x columns [0, head_dim) from gmem; the rest of the tile is zero-filled
