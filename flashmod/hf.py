@@ -43,6 +43,8 @@ masks give the same results):
   for models such as GPT-2 that do not forward the flag but record what the attention returns); with
   dropout in training they are the probabilities before dropout;
 * rows with no visible key (the padding queries of left-padded batches) have output 0 and zero gradients;
+* attention sinks (``s_aux``, gpt-oss) scale each row's output by ``sigmoid(lse - sink)`` (the kernel's
+  log-sum-exp; the same as the sink joining the softmax), also in packed sequences and the returned weights;
 * packed sequences (training without padding: transformers' ``cu_seq_lens_q/k`` + ``max_length_q/k`` kwargs, or
   one row whose ``position_ids`` restart at 0 with transformers' block-diagonal mask) run
   :func:`flashmod.flash_attn_varlen_func`: each sequence attends to itself only, causal per sequence, and the
@@ -214,18 +216,20 @@ def hf_attention_forward(
         softcap: logit soft-capping (``softcap * tanh(score / softcap)``) before the mask; None or 0 = off.
         is_causal: overrides ``module.is_causal`` when given.
         **kwargs: ``output_attentions`` (return the weights), ``position_bias`` (additive bias folded into the
-            mask); other transformers kwargs (``position_ids``, ``use_cache``, ...) are ignored.
+            mask), ``s_aux`` (attention sinks, gpt-oss: one logit per query head that joins each row's softmax);
+            other transformers kwargs (``position_ids``, ``use_cache``, ...) are ignored.
 
     Returns:
         ``(output (B, Nq, Hq, D) contiguous, weights (B, Hq, Nq, Nk) or None)``.
 
     Raises:
-        NotImplementedError: for attention sinks (``s_aux``) and paged (continuous-batching) caches.
+        NotImplementedError: for paged (continuous-batching) caches.
     """
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
-            f"flashmod ({HF_ATTN_IMPLEMENTATION}): attention sinks (s_aux, e.g. gpt-oss) are not supported; "
-            "use attn_implementation='eager'"
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and (not isinstance(sinks, Tensor) or sinks.shape != (query.shape[1],)):
+        raise ValueError(
+            f"flashmod ({HF_ATTN_IMPLEMENTATION}): s_aux (attention sinks) must be a tensor of one logit per "
+            f"query head, ({query.shape[1]},), got {sinks.shape if isinstance(sinks, Tensor) else type(sinks).__name__}"
         )
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
@@ -271,21 +275,39 @@ def hf_attention_forward(
         if sliding_window:
             window = (sliding_window - 1, -1) if is_causal else (sliding_window, sliding_window)
         hq, hkv, d = query.shape[1], key.shape[1], query.shape[3]
-        out = flash_attn_varlen_func(
+        out, lse = flash_attn_varlen_func(
             query.transpose(1, 2).reshape(-1, hq, d), key.transpose(1, 2).reshape(-1, hkv, d),
             value.transpose(1, 2).reshape(-1, hkv, d), *packed, softmax_scale=scaling,
-            causal=bool(is_causal), window_size=window, softcap=cap,
+            causal=bool(is_causal), window_size=window, softcap=cap, return_lse=True,
         )  # fmt: skip
+        if sinks is not None:
+            out = (out.float() * _sink_factor(lse, sinks, 0).t().unsqueeze(-1)).to(out.dtype)
         return out.reshape(query.shape[0], -1, hq, d), None
 
-    out, _ = attention_bhsd(query, key, value, mask, float(dropout), scaling, causal, bottom_right, window, cap)
+    out, lse = attention_bhsd(query, key, value, mask, float(dropout), scaling, causal, bottom_right, window, cap)
+    factor = None
+    if sinks is not None:
+        factor = _sink_factor(lse, sinks, 1).unsqueeze(-1)
+        out = (out.float() * factor).to(out.dtype)
 
     weights = None
     if _attentions_requested(module, kwargs):
         weights = attention_weights(query, key, value, mask, scaling, causal, bottom_right, window, cap)
+        if factor is not None:
+            weights = (weights.float() * factor).to(weights.dtype)
     # The op's output keeps q's memory layout, which for transformers' transposed projections is already
     # (B, S, H, D): this transpose + contiguous is then free.
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _sink_factor(lse: Tensor, sinks: Tensor, head_dim_of_lse: int) -> Tensor:
+    """Attention sinks (gpt-oss's ``s_aux``): one logit per query head that joins every row's softmax and
+    brings no value, so each probability of the row shrinks by ``sum / (sum + e^sink)``, i.e. the output by
+    ``sigmoid(lse - sink)`` (0 for a row without visible keys, whose lse is -inf). Gradients reach the sinks
+    and, through the lse, the scores. ``lse`` fp32 with its heads on dim ``head_dim_of_lse``."""
+    shape = [1] * lse.dim()
+    shape[head_dim_of_lse] = -1
+    return torch.sigmoid(lse - sinks.to(torch.float32).view(shape))
 
 
 # ----------------------------------------------------------------------------------------------------------

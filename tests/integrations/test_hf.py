@@ -44,6 +44,11 @@ def _config(family: str):
             **common, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
             sliding_window=5, attn_logit_softcapping=1.5, final_logit_softcapping=30.0,
         )  # fmt: skip
+    if family == "gpt_oss":  # attention sinks (s_aux), alternating sliding/full layers, a tiny MoE
+        return transformers.GptOssConfig(
+            **common, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+            num_local_experts=4, num_experts_per_tok=2,
+        )  # fmt: skip
     if family == "gpt2":
         return transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
@@ -57,7 +62,7 @@ def _config(family: str):
     raise ValueError(family)
 
 
-CAUSAL = ["llama", "llama_gqa", "qwen2", "qwen3", "mistral", "gemma2", "gpt2"]
+CAUSAL = ["llama", "llama_gqa", "qwen2", "qwen3", "mistral", "gemma2", "gpt_oss", "gpt2"]
 FAMILIES = CAUSAL + ["bert"]
 
 
@@ -66,6 +71,11 @@ def _build(family: str, device: str, dtype: torch.dtype = torch.float32, impl: s
     config = _config(family)
     auto = transformers.AutoModel if family == "bert" else transformers.AutoModelForCausalLM
     model = auto.from_config(config, attn_implementation=impl)
+    if family == "gpt_oss":  # sinks of the size of the scores, so that they move the answers
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data = torch.randn(
+                config.num_attention_heads, generator=torch.Generator().manual_seed(4)
+            )
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -226,8 +236,10 @@ def test_patch_unpatch_and_context_manager():
 def test_unsupported_features_raise_clearly():
     q = torch.randn(1, 2, 3, 8)
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="sinks"):
-        fhf.hf_attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+    with pytest.raises(
+        ValueError, match=r"s_aux \(attention sinks\) must be a tensor of one logit per query head, \(2,\)"
+    ):
+        fhf.hf_attention_forward(module, q, q, q, None, s_aux=torch.zeros(3))
     with pytest.raises(ValueError, match="4-D"):
         fhf.hf_attention_forward(module, q[0], q[0], q[0], None)
     with pytest.raises(RuntimeError, match="broadcastable"):
@@ -286,7 +298,7 @@ def test_logits_fp32_match_eager(family, device):
     assert _max_err(ours, ref, valid) <= 1e-4 * ref[valid].abs().max().item()
 
 
-@pytest.mark.parametrize("family", ["llama_gqa", "gemma2", "gpt2", "bert"])
+@pytest.mark.parametrize("family", ["llama_gqa", "gemma2", "gpt_oss", "gpt2", "bert"])
 def test_output_attentions_match_eager(family, device):
     model = _build(family, device)
     ids, mask = _inputs(family, device)

@@ -25,9 +25,17 @@ def _model(family: str, device: str):
         config = transformers.LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=2)
     elif family == "mistral":  # a window shorter than the longest sequence
         config = transformers.MistralConfig(**common, num_attention_heads=4, num_key_value_heads=2, sliding_window=5)
+    elif family == "gpt_oss":  # attention sinks on every layer
+        config = transformers.GptOssConfig(
+            **common, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+            num_local_experts=4, num_experts_per_tok=2,
+        )  # fmt: skip
     else:
         raise ValueError(family)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=flashmod.HF_ATTN_IMPLEMENTATION)
+    if family == "gpt_oss":
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data = torch.randn(4, generator=torch.Generator().manual_seed(4))
     return model.to(device).train()
 
 
@@ -53,7 +61,7 @@ def _loss_and_grads(model, **inputs):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["llama_gqa", "mistral"])
+@pytest.mark.parametrize("family", ["llama_gqa", "mistral", "gpt_oss"])
 @pytest.mark.parametrize("varlen_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
 def test_packed_training_matches_padded_batch(device, family, varlen_kwargs):
     model = _model(family, device)
