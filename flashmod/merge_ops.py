@@ -86,16 +86,22 @@ def _merge_setup_context(ctx, inputs, output) -> None:
 
 
 def _merge_backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-    # With w_i = exp(lse_i - lse): d out / d out_i = w_i, d lse / d lse_i = w_i and
+    # With w_i = exp(lse_i - lse) (merged lse): d out / d out_i = w_i, d lse / d lse_i = w_i and
     # d out / d lse_i = w_i (out_i - out), so
     #   grad out_i = w_i grad_out,   grad lse_i = w_i (<grad_out, out_i - out> + grad_lse).
     saved = ctx.saved_tensors
-    outs, lses, (out, lse) = saved[: ctx.parts], saved[ctx.parts : 2 * ctx.parts], saved[2 * ctx.parts :]
+    outs, lses, (out, _) = saved[: ctx.parts], saved[ctx.parts : 2 * ctx.parts], saved[2 * ctx.parts :]
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    # The weights as the kernels form them, relative to the largest lse (exp(lse_i - lse) would sum to
+    # more than 1 where |lse| dwarfs the log of the sum, e.g. rows a huge finite additive mask hides).
+    stacked = torch.stack([lse_i.to(acc) for lse_i in lses])
+    top = stacked.amax(0)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    scaled = torch.exp(stacked - top)
+    total = scaled.sum(0)
+    weights = scaled / torch.where(total == 0, torch.ones_like(total), total)
     grads_out, grads_lse = [], []
-    for o_i, lse_i in zip(outs, lses):
-        w = torch.exp(lse_i.to(acc) - finite_lse.to(acc))
+    for o_i, lse_i, w in zip(outs, lses, weights):
         w = torch.where(torch.isneginf(lse_i), torch.zeros_like(w), w)
         g_lse = torch.zeros_like(w) if grad_lse is None else w * grad_lse.to(acc)
         if grad_out is None:

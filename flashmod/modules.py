@@ -139,7 +139,8 @@ class FlashMultiheadAttention(nn.Module):
         * ``key_padding_mask`` ``(B, S)``: bool **True = padding (ignored)**, or additive float;
         * ``attn_mask`` ``(L, S)`` or ``(B * num_heads, L, S)``: bool **True = not allowed**, or additive float;
         * ``is_causal``: hint that ``attn_mask`` is the causal mask (required with it, as in torch); the kernel
-          then applies causality itself and skips the mask;
+          then applies causality itself and skips the mask (not with ``add_bias_kv`` / ``add_zero_attn``,
+          whose appended key the padded mask shows to every query);
         * ``need_weights``: also return the attention probabilities, averaged over heads if
           ``average_attn_weights`` (``(B, L, S)``, else ``(B, num_heads, L, S)``);
         * ``dropout`` on the probabilities in training mode.
@@ -242,6 +243,13 @@ class FlashMultiheadAttention(nn.Module):
         dtype: torch.dtype,
     ) -> Tensor | None:
         """torch's masks (True = masked out) as one flashmod mask (True = attend, or additive), (B, H|1, L, S)."""
+        for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+            if m is not None and m.dtype != torch.bool and not m.is_floating_point():
+                # An integer mask would otherwise be added to the scores (1 = pad would add +1).
+                raise TypeError(
+                    f"FlashMultiheadAttention: {name} must be bool (True = masked out) or floating point "
+                    f"(added to the scores), as in nn.MultiheadAttention; got {m.dtype}"
+                )
         masks = []
         if attn_mask is not None:
             if attn_mask.dim() == 2:
@@ -332,7 +340,10 @@ class FlashMultiheadAttention(nn.Module):
             attn_mask = F.pad(attn_mask, (0, 1)) if attn_mask is not None else None
             key_padding_mask = F.pad(key_padding_mask, (0, 1)) if key_padding_mask is not None else None
 
-        # is_causal promises attn_mask is the causal mask: the kernel applies it (and skips work) instead.
+        # is_causal promises attn_mask is the causal mask: the kernel applies it (and skips work) instead,
+        # unless a key was appended (add_bias_kv, add_zero_attn): the padded mask shows it to every query,
+        # which the kernel's diagonal would hide from all but the last.
+        is_causal = is_causal and self.bias_k is None and not self.add_zero_attn
         mask = self._combined_mask(None if is_causal else attn_mask, key_padding_mask, batch, seqlen_q, q.dtype)
         dropout = self.dropout if self.training else 0.0
         weights = None

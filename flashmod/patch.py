@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .hf import HF_ATTN_IMPLEMENTATION, register
 from .modules import FlashMultiheadAttention
@@ -45,8 +46,14 @@ _STATE_ATTR = "_flashmod_patch_state"
 
 
 def _is_plain_mha(module: nn.Module) -> bool:
-    # Subclasses that override forward have their own semantics: leave them alone.
-    return isinstance(module, nn.MultiheadAttention) and type(module).forward is nn.MultiheadAttention.forward
+    # Subclasses that override forward have their own semantics: leave them alone. So are modules with
+    # parametrized weights (weight norm, spectral norm, ...): the weight is computed from the parameter
+    # on every access, which a swapped module holding one computed copy would freeze.
+    return (
+        isinstance(module, nn.MultiheadAttention)
+        and type(module).forward is nn.MultiheadAttention.forward
+        and not parametrize.is_parametrized(module)
+    )
 
 
 def _hf_models(model: nn.Module) -> list[nn.Module]:

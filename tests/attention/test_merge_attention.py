@@ -54,6 +54,38 @@ def test_empty_partials_contribute_nothing_and_empty_rows_stay_empty(device):
     assert torch.isfinite(out).all()
 
 
+def test_weights_sum_to_one_at_huge_lse(device):
+    """Rows a huge finite additive mask hides (HF's finfo.min masks) have |lse| ~ 1e9 or more, where
+    lse + log(sum) rounds to lse: the merge (and its gradients) must weigh each part relative to the
+    largest lse, not to the rounded merged one, or the weights sum to 2 and the output doubles."""
+    q = torch.randn(1, 2, 4, 16, device=device, requires_grad=True)
+    k, v = (torch.randn(1, 2, 30, 16, device=device) for _ in range(2))
+    mask = torch.zeros(4, 30, device=device)
+    mask[1] = -1e9  # row 1 sees every key at -1e9: the softmax is still uniform over them
+    mask[2, :20] = -3e38
+    out_full, _ = flashmod.attention_op(q, k, v, mask)
+    parts = [flashmod.attention_op(q, k[:, :, s], v[:, :, s], mask[:, s]) for s in _splits(30, 3)]
+    out, _ = merge_attention([o for o, _ in parts], [lse for _, lse in parts])
+    torch.testing.assert_close(out, out_full, rtol=1e-5, atol=1e-5)
+    # The gradients where the scores are well conditioned in fp32 (a -1e9 shift leaves q k^T below
+    # the scores' ulp, there and in the full op alike).
+    rows = [0, 3]
+    (g,) = torch.autograd.grad(out[:, :, rows].square().sum(), q)
+    (g_full,) = torch.autograd.grad(out_full[:, :, rows].square().sum(), q)
+    torch.testing.assert_close(g, g_full, rtol=1e-4, atol=1e-5)
+    # Two equal parts at a huge lse: out = (o1 + o2) / 2, and the gradients are the formula's.
+    for parts_lse in ([-1e30, -1e30], [1000.0, 1000.0]):
+        o1, o2 = (torch.randn(1, 1, 1, 4, device=device, requires_grad=True) for _ in range(2))
+        lses = [torch.full((1, 1, 1), x, device=device, requires_grad=True) for x in parts_lse]
+        merged, _ = merge_attention([o1, o2], lses)
+        torch.testing.assert_close(merged, (o1 + o2) / 2, rtol=1e-6, atol=1e-6)
+        grad = torch.randn_like(merged)
+        g1, g2, gl1, _ = torch.autograd.grad(merged, [o1, o2, *lses], grad)
+        torch.testing.assert_close(g1, grad / 2)
+        torch.testing.assert_close(g2, grad / 2)
+        torch.testing.assert_close(gl1, ((grad * (o1 - merged)).sum(-1) / 2).detach())
+
+
 def test_nan_lse_propagates(device):
     o = torch.randn(1, 1, 3, 8, device=device)
     l1 = torch.randn(1, 1, 3, device=device)

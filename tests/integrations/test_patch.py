@@ -141,6 +141,41 @@ def test_mha_bad_calls_raise():
         ours(q, k, v, attn_mask=torch.zeros(2, S, S, dtype=torch.bool))
     with pytest.raises(TypeError):
         FlashMultiheadAttention.from_torch(nn.Linear(2, 2))
+    # Integer masks (1 = pad, as older torch code wrote them) would be added to the scores: torch refuses them.
+    for name in ("key_padding_mask", "attn_mask"):
+        shape = (B, S) if name == "key_padding_mask" else (S, S)
+        for dtype in (torch.uint8, torch.int64):
+            with pytest.raises(TypeError, match=f"{name} must be bool .* or floating point .* got {dtype}"):
+                ours(q, k, v, **{name: torch.zeros(shape, dtype=dtype)})
+
+
+@pytest.mark.parametrize(("add_bias_kv", "add_zero_attn"), [(True, False), (False, True)])
+def test_mha_causal_hint_keeps_the_appended_key_visible(device, add_bias_kv, add_zero_attn):
+    """With add_bias_kv / add_zero_attn the padded causal mask shows the appended key to every query
+    (torch's answer with weights or a padding mask); the kernel's own diagonal would hide it."""
+    ref, ours = _pair(device, batch_first=True, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
+    q, k, v = _qkv(device, True, True)
+    causal = nn.Transformer.generate_square_subsequent_mask(S, device=device)
+    out_ref, _ = ref(q, k, v, attn_mask=causal, need_weights=True)  # torch's masked answer, no hint
+    for need_weights in (False, True):
+        out, _ = ours(q, k, v, attn_mask=causal, is_causal=True, need_weights=need_weights)
+        torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_leaves_parametrized_attention_alone():
+    """A parametrized weight is computed from its parameter on every access: a swapped module would keep one
+    computed copy (training would stop reaching the parameter), so patch leaves such modules as they are."""
+    model = nn.Sequential(nn.MultiheadAttention(E, H, batch_first=True))
+    nn.utils.parametrize.register_parametrization(model[0], "in_proj_weight", _Scaled())
+    flashmod.patch(model)
+    assert not isinstance(model[0], FlashMultiheadAttention)
+    flashmod.unpatch(model)
+    assert nn.utils.parametrize.is_parametrized(model[0], "in_proj_weight")
+
+
+class _Scaled(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
 
 
 def test_mha_constructor_and_state_dict_compatible():

@@ -42,7 +42,11 @@ void merge_rows(const MergeParams& p) {
       Acc sum = 0;
       for (int i = 0; i < p.parts; ++i) sum += std::exp(static_cast<Acc>(p.lses[i][r]) - m);
       const Acc lse = m + std::log(sum);
-      for (int i = 0; i < p.parts; ++i) weight[i] = std::exp(static_cast<Acc>(p.lses[i][r]) - lse);
+      // Relative to the largest lse, not to the merged one: m + log(sum) rounds to m once |m|
+      // dwarfs log(sum) (rows a huge finite additive mask hides, lse ~ -1e9), and the weights
+      // exp(lse_i - lse) would then sum to more than 1.
+      for (int i = 0; i < p.parts; ++i)
+        weight[i] = std::exp(static_cast<Acc>(p.lses[i][r]) - m) / sum;
       std::fill(acc.begin(), acc.end(), Acc(0));
       for (int i = 0; i < p.parts; ++i) {
         if (weight[i] == Acc(0)) continue;  // no visible key (or negligible): never read

@@ -1,5 +1,5 @@
 // The merge_attention kernel. Memory-bound: each partial row is read once, the result written
-// once; the weights exp(lse_i - lse) come from the P lses of the row.
+// once; the weights exp(lse_i - lse) = exp(lse_i - max lse) / sum come from the P lses of the row.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math_constants.h>
@@ -45,9 +45,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock) merge_attention_kernel(const
 #pragma unroll
   for (int i = 0; i < kMaxMergeParts; ++i) sum += expf(lse_of[i] - m);  // exp(-inf) = 0
   const float lse = m + logf(sum);
+  // Relative to the largest lse (merge_cpu.cpp says why): exp(lse_i - m) / sum.
+  const float inv_sum = 1.f / sum;
   float weight[kMaxMergeParts];
 #pragma unroll
-  for (int i = 0; i < kMaxMergeParts; ++i) weight[i] = expf(lse_of[i] - lse);
+  for (int i = 0; i < kMaxMergeParts; ++i) weight[i] = expf(lse_of[i] - m) * inv_sum;
 
   for (int64_t c0 = static_cast<int64_t>(lane) * kVec; c0 < p.head_dim; c0 += kLanes * kVec) {
     float acc[kVec] = {};
