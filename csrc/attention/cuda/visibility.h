@@ -81,12 +81,8 @@ template <typename Elem>
 __device__ __forceinline__ bool apply_mask(const AttentionParams& p, int64_t off, float& x) {
   switch (p.mask_kind) {
     case MaskKind::kBool: return static_cast<const uint8_t*>(p.mask)[off] != 0;
-    case MaskKind::kAdditive:
-      x += finite_mask_value(to_float(static_cast<const Elem*>(p.mask)[off]));
-      return true;
-    case MaskKind::kAdditiveF32:
-      x += finite_mask_value(static_cast<const float*>(p.mask)[off]);
-      return true;
+    case MaskKind::kAdditive: x += to_float(static_cast<const Elem*>(p.mask)[off]); return true;
+    case MaskKind::kAdditiveF32: x += static_cast<const float*>(p.mask)[off]; return true;
     default: return true;
   }
 }

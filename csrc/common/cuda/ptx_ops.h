@@ -150,15 +150,6 @@ __device__ __forceinline__ void mma_3xtf32(float (&c)[4], const uint32_t (&a_hi)
 
 // Explicit conversions: torch builds with __CUDA_NO_HALF_CONVERSIONS__ (and the bf16 twin), so
 // the implicit ones do not exist there.
-// An additive mask value as a softmax in exp2 form can take it: a huge finite one (finfo.min masks,
-// -3.4e38) overflows to -inf once scaled by log2(e), and a row of only such keys then computes
-// exp2(-inf + inf) = NaN where SDPA's math gives finite weights. Floored at -1e38 it stays finite
-// scaled (a score's own size is far below the float spacing there, so nothing else changes); -inf
-// stays -inf.
-__device__ __forceinline__ float finite_mask_value(float v) {
-  return v == -__int_as_float(0x7f800000) ? v : fmaxf(v, -1e38f);
-}
-
 __device__ __forceinline__ float to_float(float x) {
   return x;
 }

@@ -61,10 +61,8 @@ __device__ __forceinline__ float apply_mask(float x, const MatmulSoftmaxParams& 
                                             float unit) {
   switch (p.mask_kind) {
     case MaskKind::kBool: return static_cast<const uint8_t*>(p.mask)[off] ? x : -INFINITY;
-    case MaskKind::kAdditive:
-      return x + finite_mask_value(to_float(static_cast<const T*>(p.mask)[off])) * unit;
-    case MaskKind::kAdditiveF32:
-      return x + finite_mask_value(static_cast<const float*>(p.mask)[off]) * unit;
+    case MaskKind::kAdditive: return x + to_float(static_cast<const T*>(p.mask)[off]) * unit;
+    case MaskKind::kAdditiveF32: return x + static_cast<const float*>(p.mask)[off] * unit;
     case MaskKind::kNone: break;
   }
   return x;
