@@ -153,7 +153,12 @@ def test_tiny_t5_trains_like_sdpa():
         curves[impl] = losses
     sdpa, ours = curves["sdpa"], curves[flashmod.HF_ATTN_IMPLEMENTATION]
     assert bias_grads["sdpa"].abs().max() > 0
-    torch.testing.assert_close(bias_grads[flashmod.HF_ATTN_IMPLEMENTATION], bias_grads["sdpa"], rtol=1e-6, atol=1e-9)
+    # The mask gradient is summed in an fp32 buffer (README): within 1e-6 of the gradient's scale, not of each
+    # element (a fixed atol of 1e-9 failed by 1.5e-9 on one small element, FLASHMOD_TEST_SEED=1263616748).
+    scale = bias_grads["sdpa"].abs().max().item()
+    torch.testing.assert_close(
+        bias_grads[flashmod.HF_ATTN_IMPLEMENTATION], bias_grads["sdpa"], rtol=1e-6, atol=1e-6 * scale
+    )
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(sdpa), rtol=1e-6, atol=1e-9)
     assert ours[-1] < ours[0]
 
