@@ -131,4 +131,8 @@ def merge_attention(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Ten
     """
     # An empty list has no tensor to dispatch on: the one check the C++ kernels cannot make.
     torch._check(len(outs) > 0, lambda: f"{_OP}outs must hold at least one partial output")
+    for name, items in (("outs", outs), ("lses", lses)):
+        for i, t in enumerate(items):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{_OP}{name}[{i}] must be a tensor, got {type(t).__name__}")
     return torch.ops.flashmod.merge_attention(list(outs), list(lses))

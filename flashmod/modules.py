@@ -305,6 +305,17 @@ class FlashMultiheadAttention(nn.Module):
             raise RuntimeError(
                 "FlashMultiheadAttention: need attn_mask if specifying the is_causal hint (as nn.MultiheadAttention)"
             )
+        if key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(
+                "FlashMultiheadAttention: query, key and value must all be batched (3-D) or all unbatched (2-D), "
+                f"got {query.dim()}-D, {key.dim()}-D and {value.dim()}-D"
+            )
+        for name, t, want in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+            if t.shape[-1] != want:
+                raise ValueError(
+                    f"FlashMultiheadAttention: {name} must have {want} features (embed_dim / kdim / vdim), "
+                    f"got {t.shape[-1]}"
+                )
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)

@@ -141,6 +141,12 @@ def test_mha_bad_calls_raise():
         ours(q, k, v, attn_mask=torch.zeros(2, S, S, dtype=torch.bool))
     with pytest.raises(TypeError):
         FlashMultiheadAttention.from_torch(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="all be batched .* got 2-D, 3-D and 3-D"):
+        ours(q[0], k, v)
+    with pytest.raises(ValueError, match=f"key must have {E} features .* got {E + 1}"):
+        ours(q, torch.randn(B, S, E + 1), v)
+    with pytest.raises(TypeError, match=r"outs\[1\] must be a tensor, got NoneType"):
+        flashmod.merge_attention([q, None], [q[..., 0], q[..., 0]])
     # Integer masks (1 = pad, as older torch code wrote them) would be added to the scores: torch refuses them.
     for name in ("key_padding_mask", "attn_mask"):
         shape = (B, S) if name == "key_padding_mask" else (S, S)
