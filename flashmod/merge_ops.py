@@ -101,8 +101,7 @@ def _merge_backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     total = scaled.sum(0)
     weights = scaled / torch.where(total == 0, torch.ones_like(total), total)
     grads_out, grads_lse = [], []
-    for o_i, lse_i, w in zip(outs, lses, weights):
-        w = torch.where(torch.isneginf(lse_i), torch.zeros_like(w), w)
+    for o_i, lse_i, w in zip(outs, lses, weights):  # a part with lse -inf has weight exp(-inf) = 0
         g_lse = torch.zeros_like(w) if grad_lse is None else w * grad_lse.to(acc)
         if grad_out is None:
             grads_out.append(None)
