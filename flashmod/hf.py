@@ -67,6 +67,7 @@ import torch
 from torch import Tensor, nn
 
 from .functional import attention_bhsd, attention_weights
+from .reference import HIDING_MASK_VALUE
 from .serve_ops import flash_attn_varlen_func
 
 HF_ATTN_IMPLEMENTATION = "fmod_attention"
@@ -181,7 +182,7 @@ def _packed_sequences(
         return None
     if mask is not None:
         corner = mask[..., -1, 0]
-        sees_first_key = corner.any() if corner.dtype == torch.bool else (corner > torch.finfo(corner.dtype).min).any()
+        sees_first_key = corner.any() if corner.dtype == torch.bool else (corner > HIDING_MASK_VALUE).any()
         if bool(sees_first_key):
             return None
     cu = torch.cat([starts.to(torch.int32), torch.tensor([n], dtype=torch.int32, device=starts.device)])

@@ -9,7 +9,9 @@ Semantics, shared with the kernels:
 
 * ``q (B, Hq, Nq, D)``, ``k``/``v (B, Hkv, Nk, D)``; q-head ``h`` reads kv-head ``h // (Hq // Hkv)``.
 * score = ``scale * q @ k^T``; if ``softcap > 0`` then ``softcap * tanh(score / softcap)``; then the
-  mask: bool (True = attend) or additive float, broadcastable to ``(B, Hq, Nq, Nk)``.
+  mask: bool (True = attend) or additive float, broadcastable to ``(B, Hq, Nq, Nk)``. An additive
+  value at or below ``HIDING_MASK_VALUE`` hides its key as ``False`` would (HF's ``finfo.min``,
+  ``-1e9``: a row of only such keys has no fp32 lse that still carries its row sum).
 * key ``j`` is visible to query ``i`` iff ``i + off - window_left <= j <= i + off + window_right``
   (a negative bound is unbounded), with ``off = Nk - Nq`` (bottom-right) or ``0`` (top-left);
   ``is_causal`` sets ``window_right = 0``.
@@ -23,6 +25,9 @@ import math
 
 import torch
 from torch import Tensor
+
+# Additive mask values at or below this hide their key (csrc/common/additive_mask.h says why).
+HIDING_MASK_VALUE = -32768.0
 
 # Elements of one backward chunk's (B, Hq, rows, Nk) score tensor: about 64 MB per fp32 buffer.
 BACKWARD_CHUNK_ELEMENTS = 1 << 24
@@ -80,7 +85,10 @@ def _masked_scores(
     if attn_mask is not None:
         m = attn_mask.expand(batch, heads_kv * group, seqlen_q, seqlen_k)[:, :, rows]
         m = _grouped(m, heads_kv)
-        s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.to(s.dtype)
+        if m.dtype == torch.bool:
+            s = s.masked_fill(~m, -math.inf)
+        else:
+            s = (s + m.to(s.dtype)).masked_fill(m <= HIDING_MASK_VALUE, -math.inf)
     visible = visible_keys(rows, seqlen_q, seqlen_k, window[0], window[1], bottom_right)
     if visible is not None:
         s = s.masked_fill(~visible, -math.inf)

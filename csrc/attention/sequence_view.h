@@ -5,13 +5,8 @@
 
 #include <cstdint>
 
+#include "../common/host_device.h"
 #include "attention_params.h"
-
-#if defined(__CUDACC__)
-#define FLASHMOD_HD __host__ __device__ __forceinline__
-#else
-#define FLASHMOD_HD inline
-#endif
 
 namespace flashmod {
 
@@ -141,4 +136,3 @@ FLASHMOD_HD int64_t kv_row_offset(const AttentionParams& s, int64_t j, int64_t p
 
 }  // namespace flashmod
 
-#undef FLASHMOD_HD

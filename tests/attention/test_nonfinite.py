@@ -2,7 +2,9 @@
 scores (from q, k or an additive mask) or a +inf score (from +-inf in q/k or a +inf mask entry)
 makes that row's output and lse NaN, forward and backward agreeing; NaN or inf behind a bool mask
 or outside the window is not seen; a row with no visible key (all masked, by a bool mask or -inf
-additive entries) is output 0, lse -inf, with zero gradients.
+additive entries) is output 0, lse -inf, with zero gradients. Additive entries at or below
+HIDING_MASK_VALUE (HF's finfo.min, -1e9) hide their key exactly as -inf does; entries above it
+(BERT's -1e4) stay numbers.
 
 Every kernel path runs: prefill and decode shapes, the split-KV decode, fp32/fp16/bf16 (and fp64
 on CPU); test_cpu_isa.py repeats this file under each forced CPU instruction set.
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import flashmod
-from flashmod.reference import attention_reference
+from flashmod.reference import HIDING_MASK_VALUE, attention_reference
 
 # (id, (B, Hq, Hkv, Nq, Nk, D)): prefill (several query blocks), decode (a few queries), long
 # decode keys (split-KV on both devices), GQA.
@@ -135,6 +137,61 @@ def test_nonfinite_all_masked_rows_stay_zero(device, shape):
             dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
             assert (dq[:, :, row] == 0).all()
             assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
+
+
+def hiding_values(mask_dtype):
+    """The threshold itself, fp16's min, -1e9 and the mask dtype's own min (HF's masks)."""
+    return [HIDING_MASK_VALUE, -65504.0, -1e9, torch.finfo(mask_dtype).min]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_nonfinite_hiding_mask_values_act_as_minus_inf(device, shape):
+    """A row of only hiding values is an all-masked row (output 0, lse -inf, zero gradients, where
+    the exp2 form gave NaN on CUDA and the fp32 lse gave P = 1 per key in the backward); results
+    and gradients equal those of the same mask with -inf in their place, bit for bit, and match the
+    fp64 reference."""
+    for dtype in dtypes_for(device):
+        mask_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        for value in hiding_values(mask_dtype):
+            q, k, v = make(device, dtype, shape[1])
+            nq, nk = q.shape[2], k.shape[2]
+            bias = torch.randn(q.shape[0], 1, nq, nk, device=device, dtype=mask_dtype)
+            hidden = torch.rand(q.shape[0], 1, nq, nk, device=device) < 0.3
+            hidden[:, :, 0] = True  # row 0 of every batch: every key hidden
+            results = []
+            for fill in (value, -math.inf):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out, lse = flashmod.attention_op(*leaves, bias.masked_fill(hidden, fill))
+                results.append((out, lse, *torch.autograd.grad(out.float().square().sum(), leaves)))
+            for name, ours, with_inf in zip(("out", "lse", "dq", "dk", "dv"), *results):
+                assert torch.equal(ours, with_inf), f"{dtype} {value}: {name} differs from -inf's"
+            out, lse, dq = results[0][:3]
+            assert (out[:, :, 0] == 0).all() and torch.isneginf(lse[:, :, 0]).all() and (dq[:, :, 0] == 0).all()
+            assert not any(torch.isnan(t).any() for t in results[0])
+            ref_out, ref_lse = reference(q, k, v, bias.masked_fill(hidden, value))
+            assert_rows(out, lse, ref_out, ref_lse, dtype)
+
+
+def test_nonfinite_values_above_the_threshold_stay_numbers(device):
+    """BERT's -1e4 on every key of a row shifts its scores and changes nothing else (exact math:
+    softmax(s - 1e4) = softmax(s)); in fp32 its lse keeps 2^-10 spacing, so gradients stay close."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    q, k, v = (t.requires_grad_() for t in make(device, dtype, (1, 2, 1, 17, 113, 40)))
+    mask = torch.randn(17, 113, device=device, dtype=dtype)
+    mask[3] -= 1e4
+    mask[5] = HIDING_MASK_VALUE + 8 + mask[5].clamp(-4, 4)  # just above the threshold: still numbers
+    out, lse = flashmod.attention_op(q, k, v, mask)
+    shifted = mask.clone()
+    shifted[3] += 1e4  # the same row without the shift: same output, lse 1e4 higher
+    ref_out, ref_lse = reference(q, k, v, shifted)
+    torch.testing.assert_close(out.double(), ref_out, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close((lse[:, :, 3] + 1e4).double(), ref_lse[:, :, 3], rtol=0, atol=2e-3)
+    assert (out[:, :, 5].abs().sum(-1) > 0).all() and torch.isfinite(lse[:, :, 5]).all()
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_grads = torch.autograd.grad(attention_reference(*leaves, shifted.double())[0].square().sum(), leaves)
+    for ours, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(ours.double(), ref, rtol=5e-3, atol=5e-3)
 
 
 def test_nonfinite_backward_agrees_with_forward(device):

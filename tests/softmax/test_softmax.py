@@ -15,6 +15,7 @@ import torch
 from tolerance import assert_within_rule
 
 import flashmod
+from flashmod.reference import HIDING_MASK_VALUE
 
 LOW = [torch.float32, torch.float16, torch.bfloat16]
 NEG_INF = float("-inf")
@@ -379,6 +380,25 @@ def test_matmul_softmax_masks(device):
         check_matmul_softmax(a, b, f"{dtype} additive", attn_mask=additive)
         if dtype in (torch.float16, torch.bfloat16):
             check_matmul_softmax(a, b, f"{dtype} fp32 additive", attn_mask=additive.float())
+
+
+def test_matmul_softmax_hiding_mask_values_act_as_minus_inf(device):
+    """Additive entries at or below HIDING_MASK_VALUE (HF's finfo.min, -1e9) hide their key as
+    -inf does: a row of them is zeros (finfo.min once overflowed to -inf on CUDA, or summed into
+    NaN), bit for bit the -inf mask's result."""
+    m, n, k = 37, 70, 32
+    for dtype in dtypes_for(device):
+        a = torch.randn(2, 3, m, k, device=device, dtype=dtype)
+        b = torch.randn(2, 3, n, k, device=device, dtype=dtype)
+        mask_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        bias = torch.randn(m, n, device=device, dtype=mask_dtype)
+        hidden = torch.rand(m, n, device=device) < 0.3
+        hidden[4] = True
+        with_inf = flashmod.matmul_softmax(a, b, attn_mask=bias.masked_fill(hidden, float("-inf")))
+        assert (with_inf[:, :, 4] == 0).all()
+        for value in (HIDING_MASK_VALUE, -1e9, torch.finfo(mask_dtype).min):
+            out = flashmod.matmul_softmax(a, b, attn_mask=bias.masked_fill(hidden, value))
+            assert torch.equal(out, with_inf), f"{dtype} {value}"
 
 
 @pytest.mark.parametrize("mnk", [(150, 200, 64), (70, 131, 128), (40, 72, 256)])

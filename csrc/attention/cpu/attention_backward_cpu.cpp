@@ -295,7 +295,7 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
         }
       } else {
         for (int64_t c = 0; c < cols; ++c) {
-          s_row[c] += mask_value<acc_t, scalar_t>(p, base + c * p.mask_col_stride);
+          add_mask_value(s_row[c], mask_value<acc_t, scalar_t>(p, base + c * p.mask_col_stride));
         }
       }
     }

@@ -180,7 +180,7 @@ void attention_cpu_fp64(const AttentionParams& p) {
                 if (p.mask_kind == MaskKind::kBool) {
                   if (!static_cast<const uint8_t*>(p.mask)[off]) s = neg_inf;
                 } else {  // additive masks of fp64 inputs are fp64
-                  s += static_cast<const double*>(p.mask)[off];
+                  add_mask_value(s, static_cast<const double*>(p.mask)[off]);
                 }
               }
             }

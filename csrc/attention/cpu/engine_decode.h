@@ -141,10 +141,10 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
               }
             } else if (p.mask_kind == MaskKind::kAdditive) {
               const auto* mk = static_cast<const T*>(p.mask) + base;
-              for (int64_t c = 0; c < cols; ++c) s[c] += Tag::to_float(mk[c * cs]);
+              for (int64_t c = 0; c < cols; ++c) add_mask_value(s[c], Tag::to_float(mk[c * cs]));
             } else {
               const auto* mk = static_cast<const float*>(p.mask) + base;
-              for (int64_t c = 0; c < cols; ++c) s[c] += mk[c * cs];
+              for (int64_t c = 0; c < cols; ++c) add_mask_value(s[c], mk[c * cs]);
             }
           }
         }

@@ -199,10 +199,10 @@ void transform_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t r0
         }
       } else if (p.mask_kind == MaskKind::kAdditive) {
         const auto* mk = static_cast<const typename Tag::storage*>(p.mask) + row;
-        for (int64_t c = 0; c < cols; ++c) s[c * kBr] += Tag::to_float(mk[c * cs]);
+        for (int64_t c = 0; c < cols; ++c) add_mask_value(s[c * kBr], Tag::to_float(mk[c * cs]));
       } else {
         const auto* mk = static_cast<const float*>(p.mask) + row;
-        for (int64_t c = 0; c < cols; ++c) s[c * kBr] += mk[c * cs];
+        for (int64_t c = 0; c < cols; ++c) add_mask_value(s[c * kBr], mk[c * cs]);
       }
     }
   }

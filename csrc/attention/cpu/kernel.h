@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "../../common/additive_mask.h"
 #include "../attention_params.h"
 
 namespace flashmod::cpu {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "../../common/additive_mask.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "../attention_params.h"
 
@@ -76,15 +77,19 @@ __device__ __forceinline__ RowWindow row_window(const AttentionParams& p, int64_
 }
 
 // Reads the mask tensor at element offset off: applies it to the score x (already scaled and
-// soft-capped) and returns false when a bool mask hides the key.
+// soft-capped) and returns false when the entry hides the key (a bool False, or an additive value
+// at or below kHidingMaskValue: additive_mask.h).
 template <typename Elem>
 __device__ __forceinline__ bool apply_mask(const AttentionParams& p, int64_t off, float& x) {
+  float value;
   switch (p.mask_kind) {
     case MaskKind::kBool: return static_cast<const uint8_t*>(p.mask)[off] != 0;
-    case MaskKind::kAdditive: x += to_float(static_cast<const Elem*>(p.mask)[off]); return true;
-    case MaskKind::kAdditiveF32: x += static_cast<const float*>(p.mask)[off]; return true;
+    case MaskKind::kAdditive: value = to_float(static_cast<const Elem*>(p.mask)[off]); break;
+    case MaskKind::kAdditiveF32: value = static_cast<const float*>(p.mask)[off]; break;
     default: return true;
   }
+  x += value;
+  return !mask_value_hides(value);
 }
 
 // softcap * tanh(x / softcap) with x / softcap = x * inv_softcap. tanh through exp2 keeps

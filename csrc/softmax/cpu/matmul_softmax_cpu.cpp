@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../../common/additive_mask.h"
 #include "../softmax_host.h"
 #include "softmax_cpu_kernels.h"
 
@@ -26,49 +27,35 @@ struct Working<double> {
   using type = double;
 };
 
-// Overwrites logits[0:n] with scale * logit + mask (additive) or -inf where a bool mask is false.
+// Overwrites logits[0:n] with scale * logit + mask (additive), or -inf where a bool mask is false
+// or an additive value hides the key (additive_mask.h).
 template <typename acc_t>
 void apply_mask(acc_t* logits, int64_t n, acc_t scale, const MatmulSoftmaxParams& p, int64_t b,
                 int64_t h, int64_t i) {
   const int64_t off = b * p.mask_batch_stride + h * p.mask_head_stride + i * p.mask_row_stride;
   const int64_t cs = p.mask_col_stride;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  const auto add = [&](const auto* mask) {
+    for (int64_t j = 0; j < n; ++j) {
+      logits[j] *= scale;
+      add_mask_value(logits[j], acc_t(mask[j * cs]));
+    }
+  };
   switch (p.mask_kind) {
     case MaskKind::kBool: {
       const auto* mask = static_cast<const uint8_t*>(p.mask) + off;
       for (int64_t j = 0; j < n; ++j) logits[j] = mask[j * cs] ? logits[j] * scale : neg_inf;
       break;
     }
-    case MaskKind::kAdditiveF32: {
-      const auto* mask = static_cast<const float*>(p.mask) + off;
-      for (int64_t j = 0; j < n; ++j) logits[j] = logits[j] * scale + mask[j * cs];
-      break;
-    }
-    case MaskKind::kAdditive: {
+    case MaskKind::kAdditiveF32: add(static_cast<const float*>(p.mask) + off); break;
+    case MaskKind::kAdditive:
       switch (p.dtype) {  // the mask has the inputs' dtype
-        case ScalarKind::kFloat32: {
-          const auto* mask = static_cast<const float*>(p.mask) + off;
-          for (int64_t j = 0; j < n; ++j) logits[j] = logits[j] * scale + acc_t(mask[j * cs]);
-          break;
-        }
-        case ScalarKind::kFloat64: {
-          const auto* mask = static_cast<const double*>(p.mask) + off;
-          for (int64_t j = 0; j < n; ++j) logits[j] = logits[j] * scale + acc_t(mask[j * cs]);
-          break;
-        }
-        case ScalarKind::kFloat16: {
-          const auto* mask = static_cast<const c10::Half*>(p.mask) + off;
-          for (int64_t j = 0; j < n; ++j) logits[j] = logits[j] * scale + acc_t(mask[j * cs]);
-          break;
-        }
-        case ScalarKind::kBFloat16: {
-          const auto* mask = static_cast<const c10::BFloat16*>(p.mask) + off;
-          for (int64_t j = 0; j < n; ++j) logits[j] = logits[j] * scale + acc_t(mask[j * cs]);
-          break;
-        }
+        case ScalarKind::kFloat32: add(static_cast<const float*>(p.mask) + off); break;
+        case ScalarKind::kFloat64: add(static_cast<const double*>(p.mask) + off); break;
+        case ScalarKind::kFloat16: add(static_cast<const c10::Half*>(p.mask) + off); break;
+        case ScalarKind::kBFloat16: add(static_cast<const c10::BFloat16*>(p.mask) + off); break;
       }
       break;
-    }
     case MaskKind::kNone: break;
   }
 }

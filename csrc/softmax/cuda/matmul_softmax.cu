@@ -28,6 +28,7 @@
 // Fallback (other depths or layouts): cuBLAS writes the raw logits into `out`
 // (logits_into_output on the host), then a normalize kernel scales, masks and normalizes each row
 // in place, caching the row in registers (one read, one write) unless it is very long.
+#include "../../common/additive_mask.h"
 #include "../../common/alignment.h"
 #include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
@@ -54,18 +55,20 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxDepth = 256;
 constexpr int kMaxDepthF32 = 128;  // 3xTF32: a's two halves must fit in registers
 
-// x with the mask element at offset `off` applied: -inf where a bool mask is false; plus the
-// value times `unit` (which converts it to x's units) for an additive mask.
+// x with the mask element at offset `off` applied: -inf where a bool mask is false or an additive
+// value hides the key (additive_mask.h); else plus the value times `unit` (which converts it to
+// x's units).
 template <typename T>
 __device__ __forceinline__ float apply_mask(float x, const MatmulSoftmaxParams& p, int64_t off,
                                             float unit) {
+  float value;
   switch (p.mask_kind) {
     case MaskKind::kBool: return static_cast<const uint8_t*>(p.mask)[off] ? x : -INFINITY;
-    case MaskKind::kAdditive: return x + to_float(static_cast<const T*>(p.mask)[off]) * unit;
-    case MaskKind::kAdditiveF32: return x + static_cast<const float*>(p.mask)[off] * unit;
-    case MaskKind::kNone: break;
+    case MaskKind::kAdditive: value = to_float(static_cast<const T*>(p.mask)[off]); break;
+    case MaskKind::kAdditiveF32: value = static_cast<const float*>(p.mask)[off]; break;
+    default: return x;
   }
-  return x;
+  return mask_value_hides(value) ? -INFINITY : x + value * unit;
 }
 
 // Scale, causal and mask of logit (i, j) of the CTA's (batch, head); -inf when j is not visible.
