@@ -119,7 +119,8 @@ def attention(
         query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hkv, Nk, D)`` with ``Hq % Hkv == 0``.
             Any strides with ``stride(-1) == 1`` (e.g. transposed ``(B, S, H, D)`` views) are used
             without copying.
-        attn_mask: bool (True = attend) or additive float, broadcastable to ``(B, Hq, Nq, Nk)``.
+        attn_mask: bool (True = attend) or additive float, broadcastable to ``(B, Hq, Nq, Nk)``;
+            additive entries at or below ``HIDING_MASK_VALUE`` (-32768) hide their key as ``-inf`` does.
         dropout_p: dropout on the probabilities (reference fallback when > 0).
         is_causal: causal mask aligned top-left (query ``i`` sees keys ``j <= i``), as SDPA.
             May be combined with ``attn_mask``.

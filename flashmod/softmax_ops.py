@@ -257,7 +257,8 @@ def matmul_softmax(
         scale: multiplies the logits; ``None`` means ``1 / sqrt(K)`` as in attention.
         is_causal: top-left causal mask (row ``i`` sees columns ``0..i``), like SDPA's ``is_causal``.
         attn_mask: bool (True = keep) or additive float mask broadcastable to ``(B, Ha, M, N)``;
-            for float16/bfloat16 inputs an additive mask may also be float32.
+            for float16/bfloat16 inputs an additive mask may also be float32. Additive entries at or
+            below -32768 (``flashmod.reference.HIDING_MASK_VALUE``) hide their key as ``-inf`` does.
 
     Returns:
         ``(B, Ha, M, N)`` contiguous probabilities; rows with no visible column are all zeros.
