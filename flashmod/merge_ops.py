@@ -14,12 +14,14 @@ context-parallel (ring) attention exact: see :mod:`flashmod.distributed`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (loading the library registers the operators)
+from .ops import has_tangent
 
 _OP = "flashmod.merge_attention: "
 _MERGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -122,11 +124,15 @@ def merge_attention(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Ten
     Args:
         outs: partial outputs, all of one shape ``(..., head_dim)`` and dtype (fp32, fp16, bf16; fp64
             on CPU), e.g. ``flashmod.attention_op`` outputs over different key ranges.
-        lses: their log-sum-exps, float32 of shape ``(...)`` (the ``lse`` that flashmod returns).
+        lses: their log-sum-exps, float32 of shape ``(...)``: ``outs``' shape without the head dim,
+            as ``flashmod.attention_op`` returns it. The serving functions return theirs in flash-attn's
+            layouts (``flash_attn_with_kvcache``: ``(B, Hq, Sq)`` for an ``(B, Sq, Hq, D)`` output;
+            ``flash_attn_varlen_func``: ``(Hq, total)``): transpose those to match first.
 
     Returns:
         ``(out, lse)``: the attention output over the union of the key sets (contiguous, the dtype of
-        ``outs``) and its float32 log-sum-exp. Differentiable with respect to ``outs`` and ``lses``.
+        ``outs``) and its float32 log-sum-exp. Differentiable with respect to ``outs`` and ``lses``, in
+        reverse and forward mode.
     """
     # An empty list has no tensor to dispatch on: the one check the C++ kernels cannot make.
     torch._check(len(outs) > 0, lambda: f"{_OP}outs must hold at least one partial output")
@@ -134,4 +140,32 @@ def merge_attention(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Ten
         for i, t in enumerate(items):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{_OP}{name}[{i}] must be a tensor, got {type(t).__name__}")
+    if has_tangent(*outs, *lses) or _under_functorch(*outs, *lses):
+        # The op's autograd is reverse mode only and would drop a tangent (a silent zero), and the op
+        # has no functorch rules (torch.func.grad, vmap): plain torch math has all of them.
+        _check_merge(outs, lses)
+        return _merge_math(outs, lses)
     return torch.ops.flashmod.merge_attention(list(outs), list(lses))
+
+
+def _under_functorch(*tensors: Tensor) -> bool:
+    """An input wrapped by a torch.func transform (grad, vmap, jacrev)."""
+    if torch.compiler.is_compiling():
+        return False
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
+def _merge_math(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """The merge in differentiable torch ops, with the kernels' weights exp(lse_i - max) / sum (empty
+    parts weigh 0; a row of only empty parts is (0, -inf)): forward-mode AD's path."""
+    acc = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
+    stacked = torch.stack([lse.to(acc) for lse in lses])
+    top = stacked.amax(0)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    scaled = torch.exp(stacked - top)
+    total = scaled.sum(0)
+    empty = total == 0
+    weights = scaled / torch.where(empty, torch.ones_like(total), total)
+    out = sum(w[..., None] * o.to(acc) for w, o in zip(weights, outs))
+    lse = torch.where(empty, torch.full_like(total, -math.inf), torch.log(total) + top)
+    return out.to(outs[0].dtype).contiguous(), lse.float()

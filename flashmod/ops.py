@@ -541,18 +541,19 @@ def check_attention_call(
     _check_inputs(q, k, v, attn_mask, scale, window_left, window_right, softcap)
 
 
-def _tensor_scale(q: Tensor, scale: Tensor) -> tuple[Tensor, float]:
+def _tensor_scale(q: Tensor, scale: Tensor, op: str = "flashmod.attention") -> tuple[Tensor, float]:
     """A 0-d tensor ``scale``: read as a float in eager code (and checked finite); folded into q
     (``q * scale``, the same scores) while torch.compile traces, where reading it would stop the
-    graph, or when it requires grad, so that it gets one."""
+    graph, or when it requires grad or carries a forward-mode tangent, so that it gets its
+    derivative."""
     if scale.dim() != 0 or not scale.is_floating_point():
-        raise TypeError(f"flashmod.attention: scale must be a float or a 0-d float tensor, got {scale!r}")
+        raise TypeError(f"{op}: scale must be a float or a 0-d float tensor, got {scale!r}")
     if torch.compiler.is_compiling():
         return q * scale.to(device=q.device, dtype=q.dtype), 1.0
     value = float(scale.detach())
     if not math.isfinite(value):  # the op's check, which a scale folded into q would not reach
-        raise RuntimeError(f"flashmod.attention: scale must be finite, got {value}")
-    if scale.requires_grad:
+        raise RuntimeError(f"{op}: scale must be finite, got {value}")
+    if scale.requires_grad or has_tangent(scale):
         return q * scale.to(device=q.device, dtype=q.dtype), 1.0
     return q, value
 

@@ -26,7 +26,7 @@ from .checks import (
     check_window,
     unbounded_past,
 )
-from .ops import CUDA_MAX_HEAD_DIM, attention_op, below_autograd, no_grad_needed
+from .ops import CUDA_MAX_HEAD_DIM, attention_op, below_autograd, has_tangent, no_grad_needed
 
 _VARLEN = "flashmod.attention_varlen"
 _KVCACHE = "flashmod.attention_kvcache"
@@ -209,23 +209,33 @@ def varlen_forward_padded(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    warn: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``attention_varlen``'s result through the dense attention op on a padded batch (each sequence
     right-aligned in ``max_seqlen`` rows, so the dense op's bottom-right diagonal is every sequence's
     own; a key-padding mask hides the padding keys), differentiable through the dense op's autograd.
-    Serves fp32 on CUDA, which has no per-sequence kernel (a warning says so); exact, no host sync, the
-    padding costs compute and memory."""
-    _warn_fp32_varlen_once()
+    Serves fp32 on CUDA, which has no per-sequence kernel (a warning says so), and forward-mode AD; exact,
+    no host sync, the padding costs compute and memory. A sequence longer than its ``max_seqlen`` (which
+    the caller promised it is not, and which only a host sync could check) gets NaN rows, not the rows of
+    its neighbours."""
+    if warn:
+        _warn_fp32_varlen_once()
     B = cu_seqlens_q.numel() - 1
     sq, pq = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
     sk, pk = _left_pad_index(cu_seqlens_k, k.shape[0], max_seqlen_k)
+    overlong = (pq < 0).new_zeros(B).index_put((sq,), pq < 0, accumulate=True)
+    overlong |= (pk < 0).new_zeros(B).index_put((sk,), pk < 0, accumulate=True)
+    pq, pk = pq.clamp(min=0), pk.clamp(min=0)
     key_ok = torch.zeros((B, max_seqlen_k), dtype=torch.bool, device=q.device)
     key_ok[sk, pk] = True
     out, lse = attention_op(
         _pad_to(q, sq, pq, B, max_seqlen_q), _pad_to(k, sk, pk, B, max_seqlen_k), _pad_to(v, sk, pk, B, max_seqlen_k),
         key_ok[:, None, None, :], scale, is_causal, True, window_left, window_right, softcap,
     )  # fmt: skip
-    return out.transpose(1, 2)[sq, pq], lse.transpose(1, 2)[sq, pq].t()
+    bad_rows = overlong[sq]
+    out = out.transpose(1, 2)[sq, pq].masked_fill(bad_rows[:, None, None], float("nan"))
+    lse = lse.transpose(1, 2)[sq, pq].masked_fill(bad_rows[:, None], float("nan"))
+    return out, lse.t()
 
 
 @functools.cache
@@ -433,6 +443,10 @@ def flash_attn_varlen_func(
     )  # fmt: skip
     if q.device.type == "cuda" and q.dtype == torch.float32:
         out, lse = varlen_forward_padded(*args)
+    elif has_tangent(q, k, v):
+        # Forward-mode AD: the variable-length op has a backward only (its autograd would drop the
+        # tangent, a silent zero), the dense op has a jvp, so the padded batch carries it.
+        out, lse = varlen_forward_padded(*args, warn=False)
     elif no_grad_needed(q, k, v):
         out, lse = below_autograd(torch.ops.flashmod.attention_varlen, *args)
     else:
@@ -475,13 +489,24 @@ def flash_attn_with_kvcache(
     )  # fmt: skip
     # Not differentiable (as flash-attn's): refuse inputs that want gradients rather than return
     # an output whose backward would drop them.
-    wants_grad = [n for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
-                  if t is not None and t.requires_grad]  # fmt: skip
-    if wants_grad and torch.is_grad_enabled():
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
+    wants_grad = [n for n, t in named if t is not None and t.requires_grad and torch.is_grad_enabled()]
+    wants_grad += [f"{n} (a forward-mode tangent)" for n, t in named if has_tangent(t) and n not in wants_grad]
+    if wants_grad:
         raise RuntimeError(
             f"{op}: not differentiable, got {', '.join(wants_grad)} requiring grad; call it under "
             "torch.no_grad() (decoding) or train through flash_attn_func / flash_attn_varlen_func"
         )
+    if k is not None:
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            # An expanded cache (stride 0 over rows) gives every batch row the same slots: one row's
+            # append would land in the keys another row reads (cache_batch_idx repeats are refused
+            # for the same reason).
+            if any(size > 1 and stride == 0 for size, stride in zip(cache.shape, cache.stride())):
+                raise RuntimeError(
+                    f"{op}: appending k/v writes {name} in place, so its rows must not share memory; got "
+                    f"an expanded {name} (a stride of 0) of strides {list(cache.stride())}"
+                )
     # As flash-attn, a window side is judged against the cache's capacity, not a row's length
     # (shapes the op rejects get any value here: its own checks name them).
     pages = block_table.shape[1] if block_table is not None and block_table.dim() == 2 else 1

@@ -27,6 +27,7 @@ from .checks import (
     check_tensor_types,
 )
 from .ops import (
+    _tensor_scale,
     apply_function,
     autocast_cast,
     autocast_dtype,
@@ -254,7 +255,8 @@ def matmul_softmax(
     Args:
         a: queries ``(B, Ha, M, K)``.
         b: keys ``(B, Hb, N, K)`` with ``Ha % Hb == 0`` (GQA: a-head ``h`` uses b-head ``h // (Ha // Hb)``).
-        scale: multiplies the logits; ``None`` means ``1 / sqrt(K)`` as in attention.
+        scale: multiplies the logits; ``None`` means ``1 / sqrt(K)`` as in attention. A 0-d tensor
+            works too and gets its gradient when it requires one.
         is_causal: top-left causal mask (row ``i`` sees columns ``0..i``), like SDPA's ``is_causal``.
         attn_mask: bool (True = keep) or additive float mask broadcastable to ``(B, Ha, M, N)``;
             for float16/bfloat16 inputs an additive mask may also be float32. Additive entries at or
@@ -266,6 +268,8 @@ def matmul_softmax(
         additive ``attn_mask`` (its gradient summed over its broadcast dimensions).
     """
     check_tensor_types("flashmod.matmul_softmax", ("attn_mask",), a=a, b=b, attn_mask=attn_mask)
+    if isinstance(scale, Tensor):  # as attention's: folded into a where it needs a derivative
+        a, scale = _tensor_scale(a, scale, "flashmod.matmul_softmax")
     args = (a, b, scale, is_causal, attn_mask)
     if autocast_dtype(a.device.type) is not None:
         args = _autocast_matmul_softmax_args(args)

@@ -33,12 +33,14 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024,2048,4096,8192,16384")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warm", action="store_true", help="no L2 flush before each call")
+    ap.add_argument("--splits", default=",".join(map(str, SPLITS[1:])), help="forced split counts to time")
     args = ap.parse_args()
+    splits = [0] + [int(s) for s in args.splits.split(",")]
     print(
         f"device: {torch.cuda.get_device_name()}; bf16 h32/8 d128 nq1; TFLOP/s = 4*B*Hq*Nq*Nk*D / t; "
         f"{'warm' if args.warm else 'cold'} L2"
     )
-    head = " ".join(f"{'s' + str(s) if s else 'heur':>7}" for s in SPLITS)
+    head = " ".join(f"{'s' + str(s) if s else 'heur':>7}" for s in splits)
     print(f"{'B':>3} {'nk':>6} {'FLASH':>7} {head}   best (x heur)   heur = s?")
     for b in map(int, args.batches.split(",")):
         for nk in map(int, args.sizes.split(",")):
@@ -52,10 +54,10 @@ def main() -> None:
                     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
             fns = {"FLASH": flash}
-            for s in SPLITS:
+            for s in splits:
                 fns[s] = with_env(f"FLASHMOD_DECODE_SPLITS={s}", lambda q=q, k=k, v=v: attention_op(q, k, v))
             seconds = median_times(fns, "cuda", warmup=5, reps=args.reps, isolate=not args.warm)
-            forced = {s: seconds[s] for s in SPLITS if s}
+            forced = {s: seconds[s] for s in splits if s}
             best = min(forced, key=forced.get)
             same = [s for s in forced if abs(forced[s] - seconds[0]) / seconds[0] < 0.01]
             print(

@@ -182,6 +182,25 @@ def test_tensor_scale_works_eager_and_compiled(device):
                 flashmod.attention(q, k, v, scale=torch.tensor(bad, device=device, requires_grad=grad))
 
 
+def test_tensor_scale_carries_its_forward_mode_tangent(device):
+    """A 0-d tensor scale with a forward-mode tangent (dual tensors do not require grad, so it was
+    read as a float and the tangent dropped) gets the reference's jvp."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    q, k, v = qkv(device, dtype=dtype)
+    scale = torch.tensor(0.3, device=device, dtype=dtype)
+
+    def ours(s):
+        return flashmod.attention(q, k, v, scale=s)
+
+    def ref(s):
+        return attention_reference(q.double(), k.double(), v.double(), scale=s.double())[0]
+
+    _, tangent = torch.func.jvp(ours, (scale,), (torch.ones_like(scale),))
+    _, want = torch.func.jvp(ref, (scale,), (torch.ones_like(scale),))
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(tangent.double(), want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("window", [(-1, 3), (3, -1), (5, 7), (-1, 2)])
 def test_flash_attn_func_window_side_over_all_keys_is_unbounded(device, window):
     """flash-attn's mha_fwd sets a window side >= seqlen_k to -1 (unbounded)."""

@@ -39,6 +39,35 @@ def test_merge_of_key_splits_equals_full_attention(device, dtype, parts):
     assert out.dtype == dtype and lse.dtype == torch.float32
 
 
+def test_merge_under_torch_func_equals_full_attention(device):
+    """Forward-mode AD (the op's autograd is reverse mode only: a tangent was dropped, a silent zero),
+    torch.func.grad and vmap through a merge of key splits agree with attention over all keys."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    q, k, v = (torch.randn(1, 2, 17, 40, device=device, dtype=dtype) for _ in range(3))
+    tangents = tuple(torch.randn_like(t) for t in (q, k, v))
+
+    def merged(q, k, v):
+        parts = [flashmod.attention_op(q, k[:, :, s], v[:, :, s]) for s in _splits(17, 3)]
+        return merge_attention([o for o, _ in parts], [lse for _, lse in parts])[0]
+
+    def full(q, k, v):
+        return flashmod.attention_op(q, k, v)[0]
+
+    # The parts' lse is fp32 for fp64 inputs too: the merge's weights carry ~1e-7 of its rounding.
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    (out, tangent), (want, want_tangent) = (torch.func.jvp(f, (q, k, v), tangents) for f in (merged, full))
+    torch.testing.assert_close(out, want, **tol)
+    torch.testing.assert_close(tangent, want_tangent, **tol)
+    grads = torch.func.grad(lambda *a: merged(*a).square().sum(), argnums=(0, 1, 2))(q, k, v)
+    want_grads = torch.func.grad(lambda *a: full(*a).square().sum(), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, **tol)
+    stacked = [torch.stack([t, 2 * t, -t]) for t in (q, k, v)]  # three different problems
+    batched = torch.func.vmap(merged)(*stacked)
+    for i in range(3):
+        torch.testing.assert_close(batched[i], full(*(t[i] for t in stacked)), **tol)
+
+
 def test_empty_partials_contribute_nothing_and_empty_rows_stay_empty(device):
     o1 = torch.randn(1, 2, 5, 8, device=device)
     l1 = torch.randn(1, 2, 5, device=device)

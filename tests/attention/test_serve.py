@@ -136,6 +136,48 @@ def test_padded_path_agrees_with_the_varlen_op():
             assert torch.allclose(a, b, rtol=0, atol=1e-12), f"d{name}: {(a - b).abs().max().item():.3e}"
 
 
+def test_varlen_forward_mode_ad_matches_each_sequence(device):
+    """torch.func.jvp through flash_attn_varlen_func carries the tangent (the varlen op has a backward
+    only: its autograd returned a silent zero) and equals the dense jvp of each sequence alone."""
+    lq, lk = LENGTHS["cross"]
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 40, dtype, device)
+    tangents = tuple(torch.randn_like(t) for t in (q, k, v))
+    opts = opts_of("causal")
+
+    def varlen(q, k, v):
+        return flashmod.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), **opts)
+
+    _, tangent = torch.func.jvp(varlen, (q, k, v), tangents)
+    assert tangent.abs().max() > 0
+    for b in range(len(lq)):
+        rq, rk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        if rq.start == rq.stop:
+            continue
+
+        def one(q, k, v):
+            return flashmod.flash_attn_func(q[None], k[None], v[None], **opts)[0]
+
+        _, want = torch.func.jvp(one, (q[rq], k[rk], v[rk]), (tangents[0][rq], tangents[1][rk], tangents[2][rk]))
+        torch.testing.assert_close(tangent[rq], want, rtol=1e-5, atol=1e-6)
+
+
+def test_padded_path_gives_nan_rows_for_a_sequence_past_its_max_seqlen():
+    """A max_seqlen below a real length (the caller's promise broken; CUDA cannot check it without a
+    host sync) gives that sequence NaN rows on the padded path, not wrapped-around neighbours."""
+    lq, lk = [3, 7, 2], [4, 7, 5]
+    q, k, v, cq, ck = make_varlen(lq, lk, 2, 2, 16, torch.float32, "cpu")
+    for max_q, max_k in ((5, 7), (7, 5)):
+        out, lse = varlen_forward_padded(q, k, v, cq, ck, max_q, max_k, warn=False)
+        bad = slice(3, 10)  # sequence 1's rows
+        assert torch.isnan(out[bad]).all() and torch.isnan(lse[:, bad]).all()
+        fine = torch.ones(q.shape[0], dtype=torch.bool)
+        fine[bad] = False
+        want, want_lse = varlen_forward_padded(q, k, v, cq, ck, 7, 7, warn=False)
+        torch.testing.assert_close(out[fine], want[fine], rtol=0, atol=0)
+        torch.testing.assert_close(lse[:, fine], want_lse[:, fine], rtol=0, atol=0)
+
+
 def test_varlen_rejects_bad_cu_seqlens(device):
     q, k, v, cq, ck = make_varlen([3, 4], [3, 4], 2, 2, 16, torch.bfloat16, device)
     call = flashmod.flash_attn_varlen_func
@@ -361,6 +403,29 @@ def test_kvcache_is_not_differentiable_and_says_so(device):
         flashmod.flash_attn_with_kvcache(
             q.detach(), k_cache, v_cache, block_table=torch.zeros(2, dtype=torch.int32, device=device)
         )
+
+
+def test_kvcache_refuses_forward_mode_tangents_and_expanded_caches_it_appends_to(device):
+    """Two ways the call once answered silently: a forward-mode tangent (dropped: a zero tangent)
+    and an expanded cache (stride 0 over rows), where one row's append lands in another's keys."""
+    dtype = kvcache_dtypes(device)[-1]
+    k_cache, v_cache = make_cache(2, 32, 2, 16, dtype, device)
+    q = torch.randn(2, 1, 4, 16, dtype=dtype, device=device)
+    seqlens = torch.tensor([3, 8], dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match=r"not differentiable, got q \(a forward-mode tangent\)"):
+        torch.func.jvp(
+            lambda q: flashmod.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens), (q,), (q,)
+        )
+    shared_k, shared_v = (t[:1].expand(2, -1, -1, -1) for t in (k_cache, v_cache))
+    kn, vn = (torch.randn(2, 1, 2, 16, dtype=dtype, device=device) for _ in range(2))
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="appending k/v writes k_cache in place, so its rows must not share"):
+        flashmod.flash_attn_with_kvcache(q, shared_k, shared_v, kn, vn, cache_seqlens=seqlens)
+    assert torch.equal(k_cache, before)
+    # Reading an expanded cache without appending is fine: every row sees the same keys.
+    out = flashmod.flash_attn_with_kvcache(q, shared_k, shared_v, cache_seqlens=seqlens)
+    want = flashmod.flash_attn_with_kvcache(q, shared_k.contiguous(), shared_v.contiguous(), cache_seqlens=seqlens)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 def test_serving_ops_compile_fullgraph(device):

@@ -382,6 +382,23 @@ def test_matmul_softmax_masks(device):
             check_matmul_softmax(a, b, f"{dtype} fp32 additive", attn_mask=additive.float())
 
 
+def test_matmul_softmax_tensor_scale_gets_its_gradient(device):
+    """A 0-d tensor scale that requires grad gets d/dscale (it was read as a float, its gradient
+    None), eager and compiled; a tensor of another shape is a clear error."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    a, b = torch.randn(1, 2, 17, 40, device=device, dtype=dtype), torch.randn(1, 2, 23, 40, device=device, dtype=dtype)
+    weights = torch.randn(1, 2, 17, 23, device=device, dtype=dtype)
+    for fn in (flashmod.matmul_softmax, torch.compile(flashmod.matmul_softmax, fullgraph=True, backend="aot_eager")):
+        scale = torch.tensor(0.4, device=device, dtype=dtype, requires_grad=True)
+        (g,) = torch.autograd.grad((fn(a, b, scale) * weights).sum(), scale)
+        s_ref = scale.detach().double().requires_grad_()
+        want = torch.softmax(s_ref * a.double() @ b.double().transpose(-1, -2), -1)
+        (g_ref,) = torch.autograd.grad((want * weights.double()).sum(), s_ref)
+        torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(TypeError, match="flashmod.matmul_softmax: scale must be a float or a 0-d float tensor"):
+        flashmod.matmul_softmax(a, b, torch.ones(2))
+
+
 def test_matmul_softmax_hiding_mask_values_act_as_minus_inf(device):
     """Additive entries at or below HIDING_MASK_VALUE (HF's finfo.min, -1e9) hide their key as
     -inf does: a row of them is zeros (finfo.min once overflowed to -inf on CUDA, or summed into
