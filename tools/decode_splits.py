@@ -1,6 +1,6 @@
 """Decode split-KV sweep (a tuning aid): flashmod at forced split counts vs SDPA FLASH, one process.
 
-    python tools/decode_splits.py [--batches 1,2,4,8,16] [--sizes 1024,...] [--warm]
+    python tools/decode_splits.py [--batches 1,2,4,8,16] [--sizes 1024,...] [--splits 1,2,4,...] [--warm]
 
 Shapes: bf16, Hq = 32, Hkv = 8, D = 128, Nq = 1, B and Nk swept. FLASHMOD_DECODE_SPLITS=n forces
 n splits (heur: the heuristic in csrc/attention/cuda/decode_heuristics.h choose_splits, whose

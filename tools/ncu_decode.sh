@@ -7,7 +7,8 @@
 # file per (mode, size) in $OUT. Modes: dense, kvcache (contiguous cache), paged16 (16-token pages
 # in random order, as bench_serve.py draws them), paged16order (the same pages in sequence order:
 # the contiguous cache's addresses through the paged code path).
-# Usage: SIZES="1024 4096" MODES="dense kvcache paged16 paged16order" bash tools/ncu_decode.sh
+# Usage: SIZES="1024 4096" MODES="dense kvcache paged16 paged16order" BATCH=8 bash tools/ncu_decode.sh
+#   EXTRA_METRICS: more --metrics, comma-separated, printed with the others
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -16,10 +17,10 @@ for mode in ${MODES:-dense kvcache}; do
   rep="$OUT/dec-$mode-$s"
   timeout 150 ncu --clock-control none --kernel-name regex:attention_fwd_kernel --launch-skip 2 \
     --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SourceCounters --section LaunchStats \
-    --metrics dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum,sm__cycles_active.avg,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum,sm__cycles_active.avg,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum${EXTRA_METRICS:+,$EXTRA_METRICS} \
     --import-source no -f -o "$rep" python -c "
 import torch, flashmod
-b, hq, hkv, d, s = 8, 32, 8, 128, $s
+b, hq, hkv, d, s = ${BATCH:-8}, 32, 8, 128, $s
 kc, vc = (torch.randn(b, s, hkv, d, device='cuda', dtype=torch.bfloat16) for _ in range(2))
 q = torch.randn(b, 1, hq, d, device='cuda', dtype=torch.bfloat16)
 kn, vn = (torch.randn(b, 1, hkv, d, device='cuda', dtype=torch.bfloat16) for _ in range(2))
@@ -43,7 +44,7 @@ torch.cuda.synchronize()
   ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep.csv" 2>"$rep.err"
   ncu -i "$rep.ncu-rep" --page details >"$rep.txt" 2>&1
   echo "== $mode $s"
-  grep -E "Duration|DRAM Through|Registers Per|Grid Size|dram__bytes|smsp__inst_executed|sm__cycles_active|local_op|Warp Cycles Per Issued|Stack" "$rep.txt" | head -16
+  grep -E "Duration|DRAM Through|Registers Per|Grid Size|dram__bytes|smsp__inst_executed|sm__cycles_active|local_op|Warp Cycles Per Issued|Stack|Elapsed Cycles${EXTRA_METRICS:+|${EXTRA_METRICS//,/|}}" "$rep.txt" | head -24
   python tools/ncu_stall_table.py "$rep.csv" 22 >> "$rep.txt"
   python tools/ncu_stall_table.py "$rep.csv" 22 | head -40
   rm -f "$rep.ncu-rep" "$rep.err" "$rep.log" "$rep.csv"

@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerance import assert_within_rule
 
 import flashmod
 from flashmod.reference import HIDING_MASK_VALUE, attention_reference
@@ -184,7 +185,11 @@ def test_nonfinite_values_above_the_threshold_stay_numbers(device):
     shifted = mask.clone()
     shifted[3] += 1e4  # the same row without the shift: same output, lse 1e4 higher
     ref_out, ref_lse = reference(q, k, v, shifted)
-    torch.testing.assert_close(out.double(), ref_out, rtol=2e-4, atol=2e-4)
+    # Scores near -32768 carry fp32's spacing there (2^-8), as in plain fp32 attention: the rule.
+    truth, _ = reference(q.detach(), k.detach(), v.detach(), mask)
+    plain, _ = attention_reference(q.detach(), k.detach(), v.detach(), mask, compute_dtype=dtype)
+    assert_within_rule(out.detach(), truth, plain, 2.0, dtype, "out")
+    torch.testing.assert_close(out[:, :, 3].double(), ref_out[:, :, 3], rtol=2e-3, atol=2e-3)
     torch.testing.assert_close((lse[:, :, 3] + 1e4).double(), ref_lse[:, :, 3], rtol=0, atol=2e-3)
     assert (out[:, :, 5].abs().sum(-1) > 0).all() and torch.isfinite(lse[:, :, 5]).all()
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))

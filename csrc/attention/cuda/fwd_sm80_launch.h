@@ -109,6 +109,8 @@ int decode_ctas_per_sm(Kernel kernel, int threads, int smem, std::atomic<int>* c
   return n;
 }
 
+static_assert(kMaxSplits <= kMaxCombinedSplits, "the combine's warp holds every split's weight");
+
 template <class Tr>
 cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
                           const DecodeOptions& opt, const DeviceWorkspace& ws,

@@ -15,26 +15,41 @@
 
 namespace flashmod::cuda_kernels {
 
+// Splits one combine can merge: each lane of the row's warp holds the lse and weight of up to
+// kSplitsPerLane of them (the host caps splits at kMaxSplits, decode_heuristics.h).
+constexpr int kSplitsPerLane = 4;  // the selects below name w[0..3]
+constexpr int kMaxCombinedSplits = 32 * kSplitsPerLane;
+
 // Merges the splits of one row: with M = max_s lse_s, lse = M + log(sum_s exp(lse_s - M)) and
 // out = sum_s exp(lse_s - lse) O_s (each O_s normalized by its own sum, so the weights are the
-// splits' shares of the total). Splits with lse_s = -inf saw no visible key and are skipped
-// (their O_s is not even read); a row whose splits are all empty gets out = 0, lse = -inf. One
-// warp per row, lanes over 4-column groups; the splits are summed in index order by every lane,
-// so the result is deterministic and the same wherever it runs (the combine kernel below, or the
-// decode kernel's last CTA of a tile). Weights in double: a few hundred exps per row. row: the
-// flat (B, Hq, Nq) index of the row among rows; out / lse_out: where its result goes. The
-// partials are read through L2 (__ldcg): other CTAs wrote them during this kernel.
+// splits' shares of the total). Splits with lse_s = -inf saw no visible key and weigh 0 (left
+// out of the sum); a row whose splits are all empty gets out = 0, lse = -inf. One
+// warp per row. Lane l reads the lse of splits l, l + 32, ... at once and computes their weights
+// (in double: a few hundred exps per row); the max and the sum are warp reductions in a fixed
+// order. Then every lane sums its 4-column groups over the splits in index order, eight splits'
+// partials in flight at a time. Reading the splits one after another (a loop-carried L2 round trip
+// per split and pass) kept a 16-split row's combine at ~18 us on an H200, past the whole decode of
+// the other CTAs (B 1, 16k: 43 us per call with the combine fused, 26 us without it). The result
+// is deterministic and the same wherever it runs (the combine kernel below, or the decode
+// kernel's last CTA of a tile). row: the flat (B, Hq, Nq) index of the row among rows; out /
+// lse_out: where its result goes. The partials are read through L2 (__ldcg): other CTAs wrote them
+// during this kernel.
 template <typename Elem, int kHeadDim>
 __device__ __noinline__ void combine_split_row(const SplitKvArgs& sk, int64_t rows, int64_t row,
                                                Elem* out, float* lse_out, int head_dim, int lane) {
+  float ls[kSplitsPerLane];
   float m = -CUDART_INF_F;
   bool poisoned = false;  // a split with a NaN lse (a NaN or +inf visible score) makes the row NaN
-  for (int s = 0; s < sk.splits; ++s) {
-    const float ls = __ldcg(sk.lse + s * rows + row);
-    poisoned |= ls != ls;
-    m = fmaxf(m, ls);
+#pragma unroll
+  for (int i = 0; i < kSplitsPerLane; ++i) {
+    const int s = lane + 32 * i;
+    ls[i] = s < sk.splits ? __ldcg(sk.lse + s * rows + row) : -CUDART_INF_F;
+    poisoned |= ls[i] != ls[i];
+    m = fmaxf(m, ls[i]);
   }
-  if (poisoned) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (__any_sync(0xffffffffu, poisoned)) {
     for (int col = lane; col < head_dim; col += 32) out[col] = from_float<Elem>(CUDART_NAN_F);
     if (lane == 0) *lse_out = CUDART_NAN_F;
     return;
@@ -45,21 +60,43 @@ __device__ __noinline__ void combine_split_row(const SplitKvArgs& sk, int64_t ro
     return;
   }
   double sum = 0.0;
-  for (int s = 0; s < sk.splits; ++s)
-    sum += exp(static_cast<double>(__ldcg(sk.lse + s * rows + row)) - m);
+#pragma unroll
+  for (int i = 0; i < kSplitsPerLane; ++i) sum += exp(static_cast<double>(ls[i]) - m);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   const double lse = static_cast<double>(m) + log(sum);  // sum >= 1: the max split adds 1
-  for (int c0 = 4 * lane; c0 < kHeadDim; c0 += 128) {
+  float w[kSplitsPerLane];  // 0 for empty splits and lanes past the last split
+#pragma unroll
+  for (int i = 0; i < kSplitsPerLane; ++i)
+    w[i] = static_cast<float>(exp(static_cast<double>(ls[i]) - lse));
+  // Every lane runs every pass (the shuffles need the whole warp); at kHeadDim 64, lanes 16-31
+  // have no columns and only shuffle.
+  for (int base = 0; base < kHeadDim; base += 128) {
+    const int c0 = base + 4 * lane;
+    const bool mine = c0 < kHeadDim;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < sk.splits; ++s) {
-      const float ls = __ldcg(sk.lse + s * rows + row);
-      if (ls == -CUDART_INF_F) continue;
-      const float w = static_cast<float>(exp(static_cast<double>(ls) - lse));
-      const float4 o =
-          __ldcg(reinterpret_cast<const float4*>(sk.o + (s * rows + row) * kHeadDim + c0));
-      acc.x = fmaf(w, o.x, acc.x);
-      acc.y = fmaf(w, o.y, acc.y);
-      acc.z = fmaf(w, o.z, acc.z);
-      acc.w = fmaf(w, o.w, acc.w);
+    // Not unrolled (one copy of the loop body keeps the decode kernel's code small); the weights'
+    // register is picked by selects, not an indexed (local memory) array.
+#pragma unroll 1
+    for (int i = 0; i < kSplitsPerLane; ++i) {
+      const int first = 32 * i, count = min(32, sk.splits - first);
+      const float wi = i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3];
+#pragma unroll 8
+      for (int j = 0; j < count; ++j) {
+        // The same split on every lane: its weight comes from lane j. Every split's partial is
+        // read unconditionally, so the loads of eight splits overlap; a split of weight 0 (empty,
+        // or below fp32's range) is left out by the select.
+        const float ws = __shfl_sync(0xffffffffu, wi, j);
+        const float4 o = mine ? __ldcg(reinterpret_cast<const float4*>(
+                                    sk.o + ((first + j) * rows + row) * kHeadDim + c0))
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (ws != 0.f) {
+          acc.x = fmaf(ws, o.x, acc.x);
+          acc.y = fmaf(ws, o.y, acc.y);
+          acc.z = fmaf(ws, o.z, acc.z);
+          acc.w = fmaf(ws, o.w, acc.w);
+        }
+      }
     }
     if (c0 < head_dim) out[c0] = from_float<Elem>(acc.x);
     if (c0 + 1 < head_dim) out[c0 + 1] = from_float<Elem>(acc.y);
