@@ -87,6 +87,18 @@ def _merge_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*outs, *lses, *output)
 
 
+def _merge_weights(lses: Sequence[Tensor], acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The parts' weights as the kernels form them, exp(lse_i - top) / total with top the largest
+    finite lse (exp(lse_i - lse) would sum to more than 1 where |lse| dwarfs the log of the sum), and
+    total and top; empty parts (lse -inf) weigh 0, and a row of only empty parts has total 0."""
+    stacked = torch.stack([lse.to(acc) for lse in lses])
+    top = stacked.amax(0)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    scaled = torch.exp(stacked - top)
+    total = scaled.sum(0)
+    return scaled / torch.where(total == 0, torch.ones_like(total), total), total, top
+
+
 def _merge_backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     # With w_i = exp(lse_i - lse) (merged lse): d out / d out_i = w_i, d lse / d lse_i = w_i and
     # d out / d lse_i = w_i (out_i - out), so
@@ -94,14 +106,7 @@ def _merge_backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     saved = ctx.saved_tensors
     outs, lses, (out, _) = saved[: ctx.parts], saved[ctx.parts : 2 * ctx.parts], saved[2 * ctx.parts :]
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-    # The weights as the kernels form them, relative to the largest lse (exp(lse_i - lse) would sum to
-    # more than 1 where |lse| dwarfs the log of the sum, e.g. rows a huge finite additive mask hides).
-    stacked = torch.stack([lse_i.to(acc) for lse_i in lses])
-    top = stacked.amax(0)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    scaled = torch.exp(stacked - top)
-    total = scaled.sum(0)
-    weights = scaled / torch.where(total == 0, torch.ones_like(total), total)
+    weights, _, _ = _merge_weights(lses, acc)
     grads_out, grads_lse = [], []
     for o_i, lse_i, w in zip(outs, lses, weights):  # a part with lse -inf has weight exp(-inf) = 0
         g_lse = torch.zeros_like(w) if grad_lse is None else w * grad_lse.to(acc)
@@ -159,13 +164,7 @@ def _merge_math(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor,
     """The merge in differentiable torch ops, with the kernels' weights exp(lse_i - max) / sum (empty
     parts weigh 0; a row of only empty parts is (0, -inf)): forward-mode AD's path."""
     acc = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
-    stacked = torch.stack([lse.to(acc) for lse in lses])
-    top = stacked.amax(0)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    scaled = torch.exp(stacked - top)
-    total = scaled.sum(0)
-    empty = total == 0
-    weights = scaled / torch.where(empty, torch.ones_like(total), total)
+    weights, total, top = _merge_weights(lses, acc)
     out = sum(w[..., None] * o.to(acc) for w, o in zip(weights, outs))
-    lse = torch.where(empty, torch.full_like(total, -math.inf), torch.log(total) + top)
+    lse = torch.where(total == 0, torch.full_like(total, -math.inf), torch.log(total) + top)
     return out.to(outs[0].dtype).contiguous(), lse.float()
