@@ -17,6 +17,8 @@ visiting chunks), and step 0 is plain causal attention on the local slice.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -72,6 +74,7 @@ class _Ring:
         causal: bool,
         window: tuple[int, int] = (-1, -1),
         seqlen: int | None = None,
+        agreement: dict[str, int] | None = None,
     ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
@@ -81,9 +84,21 @@ class _Ring:
         self.next = ranks[(self.rank + 1) % self.world_size]
         self.prev = ranks[(self.rank - 1) % self.world_size]
         if seqlen is None:
-            lens = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
-            dist.all_gather(lens, torch.tensor([local_len], dtype=torch.int64, device=device), group=group)
-            self.local_lens = [int(t.item()) for t in lens]
+            # The slice lengths, and with them what every rank must pass alike (shapes, dtype,
+            # options): a mismatch would otherwise surface as a transport error on one rank and a
+            # reset connection or a hang on the others, or not at all (B and H swapped).
+            fields = agreement or {}
+            mine = torch.tensor([local_len, *fields.values()], dtype=torch.int64, device=device)
+            gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(gathered, mine, group=group)
+            rows = [t.tolist() for t in gathered]
+            self.local_lens = [row[0] for row in rows]
+            for i, name in enumerate(fields, start=1):
+                if any(row[i] != rows[0][i] for row in rows):
+                    raise ValueError(
+                        f"ring_attention: every rank must pass the same {name}, got "
+                        f"{[_shown(name, row[i]) for row in rows]} on ranks 0..{self.world_size - 1}"
+                    )
         else:
             chunk = _chunk_lengths(seqlen, 2 * self.world_size if causal else self.world_size)
             self.local_lens = [
@@ -319,11 +334,39 @@ def _ring_backward(
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _shown(name: str, value: int):
+    """A gathered agreement field as the caller passed it."""
+    if name == "dtype":
+        return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else value
+    if name in ("scale", "softcap"):
+        return struct.unpack("<d", struct.pack("<q", value))[0]
+    return value
+
+
+def _agreement(q: Tensor, k: Tensor, causal: bool, scale: float | None, softcap: float, window) -> dict[str, int]:
+    """What every rank of one ring call must share, as ints for the length gather."""
+    return {
+        "batch": q.shape[0], "q heads": q.shape[1], "k/v heads": k.shape[1], "head_dim": q.shape[3],
+        "dtype": _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, "causal": int(causal),
+        "window_size left": window[0], "window_size right": window[1],
+        "scale": _float_bits(-1.0 if scale is None else float(scale)), "softcap": _float_bits(float(softcap)),
+    }  # fmt: skip
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, softcap, window, ring_type=_Ring, seqlen=None):
         # ring_type: benchmarks/bench_ring.py swaps in a ring without exchanges to time the compute.
-        ring = ring_type(group, q.shape[2], q.device, causal, window, seqlen)
+        ring = ring_type(
+            group, q.shape[2], q.device, causal, window, seqlen, _agreement(q, k, causal, scale, softcap, window)
+        )
         out, lse = _ring_forward(ring, q, k, v, scale, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale, ctx.softcap = ring, scale, softcap
@@ -332,6 +375,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
+        if torch.is_grad_enabled():  # create_graph=True: a graph of the gradients is asked for
+            raise RuntimeError(
+                "ring_attention: double backward (create_graph=True) is not supported: the exchanges "
+                "between ranks are in no autograd graph, so the gradients' own derivatives would be wrong"
+            )
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out, lse, grad_out.contiguous(), ctx.scale, ctx.softcap)
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
@@ -369,10 +417,13 @@ def ring_attention(
     ``causal``) and gets its queries' rows of the full attention, as single-device
     ``flashmod.attention`` over the whole sequence would give them. GQA (fewer k/v heads) and softcap
     and sliding windows work as in the single-device op; causal is top-left aligned over the full
-    sequence (SDPA's ``is_causal``). Differentiable with respect to q, k and v. The slices may differ
-    in length: without ``seqlen`` each call first gathers them (one ``all_gather`` and a host
-    synchronization, which stops the host from queueing work ahead of the GPU); with it, they follow
-    from the placement and nothing waits.
+    sequence (SDPA's ``is_causal``). Differentiable with respect to q, k and v (first order: double
+    backward is an error). The slices may differ in length: without ``seqlen`` each call first gathers
+    them (one ``all_gather`` and a host synchronization, which stops the host from queueing work ahead
+    of the GPU), and with them checks that every rank passed the same batch, heads, head dim, dtype
+    and options; with ``seqlen``, they follow from the placement and nothing waits (nor is checked).
+    Strided k/v (e.g. views of ``(B, S, H, D)`` tensors) are made contiguous for the exchanges. The
+    partial results merge through their fp32 lse, so fp64 inputs get about fp32 accuracy (~1e-7).
 
     Args:
         q: ``(B, Hq, S_local, D)``; k, v: ``(B, Hkv, S_local, D)``, this rank's slices.
@@ -407,6 +458,18 @@ def ring_attention(
             "ring_attention: q, k and v must hold the same sequence slice, got lengths "
             f"q {q.shape[2]}, k {k.shape[2]}, v {v.shape[2]}"
         )
+    if k.shape[3] != q.shape[3] or v.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"ring_attention: q, k and v must share one head_dim, got q {q.shape[3]}, k {k.shape[3]}, v {v.shape[3]}"
+        )
+    if isinstance(scale, Tensor):
+        if scale.requires_grad:
+            raise TypeError("ring_attention: scale must be a float; a tensor scale that requires grad gets none here")
+        scale = float(scale)
+    # The K/V slices travel as flat buffers, received as contiguous (B, H, S, D): a strided view
+    # (a (B, S, H, D) transpose, a chunk of a fused qkv) is sent in its storage order, which gloo
+    # refuses and NCCL would deliver scrambled.
+    k, v = k.contiguous(), v.contiguous()
     out, lse = _RingAttention.apply(q, k, v, group, causal, scale, softcap, tuple(window_size), _Ring, seqlen)
     return (out, lse) if return_lse else out
 

@@ -235,3 +235,24 @@ def test_autograd_uses_the_fused_kernel(device):
     expected = fused_grads(q.detach(), k.detach(), v.detach(), grad_out, None, is_causal=True)
     for leaf, e in zip((q, k, v), expected):
         assert torch.equal(leaf.grad, e)
+
+
+def test_fp64_backward_of_a_key_share_under_the_merged_lse():
+    """Ring attention's backward: each share of the keys runs with the merged lse of all of them, and
+    the shares' gradients sum to the whole's. The fp64 CPU backward replaces a saved lse by its own
+    recomputation only where the saved one is that value rounded to fp32; a relative bound once took
+    a share holding all but 1e-3 of the mass for the whole row (dq 13 % off at lse ~1000)."""
+    q = torch.ones(1, 1, 4, 1, dtype=torch.float64)
+    k = torch.tensor([1000.0, 1000.0, 993.0, 993.0], dtype=torch.float64).view(1, 1, 4, 1)
+    v = torch.randn(1, 1, 4, 1, dtype=torch.float64)
+    out, lse = flashmod.attention_op(q, k, v, scale=1.0)
+    grad_out = torch.randn_like(out)
+
+    def backward(keys):
+        share_k, share_v = k[:, :, keys], v[:, :, keys]
+        return torch.ops.flashmod.attention_backward(grad_out, None, q, share_k, share_v, out, lse, None, 1.0)
+
+    whole, first, second = backward(slice(0, 4)), backward(slice(0, 2)), backward(slice(2, 4))
+    # The merged lse is fp32: the shares carry its rounding (~6e-8 x 1000), nothing like 13 %.
+    torch.testing.assert_close(first[0] + second[0], whole[0], rtol=1e-4, atol=1e-4 * whole[0].abs().max().item())
+    torch.testing.assert_close(torch.cat([first[2], second[2]], 2), whole[2], rtol=1e-4, atol=1e-9)

@@ -295,6 +295,47 @@ def test_ring_attention_under_torch_compile():
     assert errors.empty(), errors.get()
 
 
+def _edges_worker(rank: int, world_size: int, port: int, errors) -> None:
+    """What once answered wrongly or with another layer's error (session 19 audit): strided
+    (B, S, H, D) slices, double backward, a scale that requires grad, v's own head dim, and ranks
+    that disagree on shapes or options."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        gen = torch.Generator().manual_seed(11)
+        q, k, v = (torch.randn(1, 2, 13, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+        want = shard_sequence(flashmod.attention(q, k, v), 2, rank, world_size)
+        # The flash-attn layout's own contiguous tensors: their (B, H, S, D) views are strided.
+        bshd = [shard_sequence(t, 2, rank, world_size).transpose(1, 2).contiguous() for t in (q, k, v)]
+        torch.testing.assert_close(ring_flash_attn_func(*bshd).transpose(1, 2), want)
+        local = [shard_sequence(t, 2, rank, world_size).requires_grad_() for t in (q, k, v)]
+        with pytest.raises(RuntimeError, match="double backward .* is not supported"):
+            torch.autograd.grad(ring_attention(*local).square().sum(), local[0], create_graph=True)
+        with pytest.raises(TypeError, match="scale must be a float"):
+            ring_attention(*local, scale=torch.tensor(0.5, requires_grad=True))
+        with pytest.raises(ValueError, match="must share one head_dim, got q 8, k 8, v 16"):
+            ring_attention(local[0], local[1], torch.cat([local[2]] * 2, -1))
+        mine = [t.detach() for t in local]
+        with pytest.raises(ValueError, match=r"every rank must pass the same head_dim, got \[8, 4\]"):
+            ring_attention(*(t if rank == 0 else t[..., :4] for t in mine))
+        with pytest.raises(ValueError, match=r"every rank must pass the same causal, got \[0, 1\]"):
+            ring_attention(*mine, causal=rank == 1)
+        with pytest.raises(ValueError, match=r"every rank must pass the same dtype"):
+            ring_attention(*(t if rank == 0 else t.float() for t in mine))
+    except BaseException as e:  # reported to the parent, which fails the test
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_attention_edges_answer_right_or_raise_clearly():
+    errors = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_edges_worker, args=(2, _free_port(), errors), nprocs=2, start_method="spawn")
+    assert errors.empty(), errors.get()
+
+
 @pytest.mark.parametrize("window", [5, None, (1.7, 0), (-2, 3), (True, 1)])
 def test_ring_attention_rejects_a_bad_window_size(window):
     q = torch.randn(1, 2, 8, 16)

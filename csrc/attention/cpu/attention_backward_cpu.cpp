@@ -310,9 +310,11 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
 
   // The saved lse is fp32 even for fp64 inputs, and its rounding (~1e-7 relative) would scale
   // every fp64 gradient of the row by as much. For fp64 the lse over the keys this call sees is
-  // recomputed and replaces the saved one where the two agree to fp32 precision; where they differ
-  // more, the caller passed the lse of a larger key set (ring attention's merged lse, with these
-  // keys one share of it), and the saved value is the right one.
+  // recomputed and replaces the saved one where the saved one is that value rounded to fp32 (within
+  // one fp32 spacing of it); where they differ more, the caller passed the lse of a larger key set
+  // (ring attention's merged lse, with these keys one share of it), and the saved value is the
+  // right one. (A relative 4e-6 bound took a share holding all but 1e-3 of a row's mass at lse
+  // ~1000 for the row: the ring's fp64 dq came out 13 % off.)
   std::vector<acc_t> lse_rows(group * Nq);
   for (int64_t g = 0; g < group; ++g) {
     const float* saved = p.lse + (b * p.heads_q + hk * group + g) * Nq;
@@ -347,7 +349,9 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
           acc_t& saved = lse_rows[g * Nq + r0 + r];
           if (saved == neg_inf || row_max[r] == neg_inf) continue;
           const acc_t exact = row_max[r] + std::log(row_sum[r]);
-          if (std::abs(exact - saved) <= 4e-6 * std::max(acc_t(1), std::abs(saved))) saved = exact;
+          const float rounded = static_cast<float>(saved);
+          const acc_t spacing = std::ldexp(acc_t(1), std::ilogb(rounded) - 23);
+          if (std::abs(exact - saved) <= spacing) saved = exact;
         }
       }
     }
