@@ -4,6 +4,7 @@ in one process, forward and gradients."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -52,6 +53,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _process_group(rank: int, world_size: int, port: int, errors):
+    """A gloo group of world_size processes for a worker's body; its failure goes to the parent."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        yield
+    except BaseException as e:  # reported to the parent, which fails the test
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
 
 
 def _worker(rank: int, world_size: int, port: int, case: tuple, errors, backend: str = "gloo") -> None:
@@ -265,10 +281,7 @@ def test_ring_attention_requires_initialized_process_group():
 
 
 def _compiled_worker(rank: int, world_size: int, port: int, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with _process_group(rank, world_size, port, errors):
         gen = torch.Generator().manual_seed(7)
         q, k, v = (torch.randn(1, 2, 45, 32, generator=gen) for _ in range(3))
         local = [shard_sequence(t, 2, rank, world_size, True).requires_grad_() for t in (q, k, v)]
@@ -281,11 +294,6 @@ def _compiled_worker(rank: int, world_size: int, port: int, errors) -> None:
         torch.testing.assert_close(out, expected)
         for got, want in zip(local, eager):
             torch.testing.assert_close(got.grad, want.grad)
-    except BaseException as e:  # reported to the parent, which fails the test
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ring_attention_under_torch_compile():
@@ -299,10 +307,7 @@ def _edges_worker(rank: int, world_size: int, port: int, errors) -> None:
     """What once answered wrongly or with another layer's error (session 19 audit): strided
     (B, S, H, D) slices, double backward, a scale that requires grad, v's own head dim, and ranks
     that disagree on shapes or options."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with _process_group(rank, world_size, port, errors):
         gen = torch.Generator().manual_seed(11)
         q, k, v = (torch.randn(1, 2, 13, 8, generator=gen, dtype=torch.float64) for _ in range(3))
         want = shard_sequence(flashmod.attention(q, k, v), 2, rank, world_size)
@@ -323,11 +328,6 @@ def _edges_worker(rank: int, world_size: int, port: int, errors) -> None:
             ring_attention(*mine, causal=rank == 1)
         with pytest.raises(ValueError, match=r"every rank must pass the same dtype"):
             ring_attention(*(t if rank == 0 else t.float() for t in mine))
-    except BaseException as e:  # reported to the parent, which fails the test
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ring_attention_edges_answer_right_or_raise_clearly():
