@@ -17,8 +17,6 @@ visiting chunks), and step 0 is plain causal attention on the local slice.
 
 from __future__ import annotations
 
-import struct
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -74,7 +72,7 @@ class _Ring:
         causal: bool,
         window: tuple[int, int] = (-1, -1),
         seqlen: int | None = None,
-        agreement: dict[str, int] | None = None,
+        agreement: dict[str, float] | None = None,
     ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
@@ -87,12 +85,13 @@ class _Ring:
             # The slice lengths, and with them what every rank must pass alike (shapes, dtype,
             # options): a mismatch would otherwise surface as a transport error on one rank and a
             # reset connection or a hang on the others, or not at all (B and H swapped).
+            # float64 holds the ints exactly (all below 2^53) and the float options as they are.
             fields = agreement or {}
-            mine = torch.tensor([local_len, *fields.values()], dtype=torch.int64, device=device)
+            mine = torch.tensor([local_len, *fields.values()], dtype=torch.float64, device=device)
             gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
             dist.all_gather(gathered, mine, group=group)
             rows = [t.tolist() for t in gathered]
-            self.local_lens = [row[0] for row in rows]
+            self.local_lens = [int(row[0]) for row in rows]
             for i, name in enumerate(fields, start=1):
                 if any(row[i] != rows[0][i] for row in rows):
                     raise ValueError(
@@ -337,26 +336,20 @@ def _ring_backward(
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _shown(name: str, value: int):
+def _shown(name: str, value: float):
     """A gathered agreement field as the caller passed it."""
     if name == "dtype":
-        return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else value
-    if name in ("scale", "softcap"):
-        return struct.unpack("<d", struct.pack("<q", value))[0]
-    return value
+        return str(_DTYPES[int(value)]) if 0 <= value < len(_DTYPES) else value
+    return value if name in ("scale", "softcap") else int(value)
 
 
-def _agreement(q: Tensor, k: Tensor, causal: bool, scale: float | None, softcap: float, window) -> dict[str, int]:
-    """What every rank of one ring call must share, as ints for the length gather."""
+def _agreement(q: Tensor, k: Tensor, causal: bool, scale: float | None, softcap: float, window) -> dict[str, float]:
+    """What every rank of one ring call must share, gathered with the slice lengths."""
     return {
         "batch": q.shape[0], "q heads": q.shape[1], "k/v heads": k.shape[1], "head_dim": q.shape[3],
         "dtype": _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, "causal": int(causal),
         "window_size left": window[0], "window_size right": window[1],
-        "scale": _float_bits(-1.0 if scale is None else float(scale)), "softcap": _float_bits(float(softcap)),
+        "scale": -1.0 if scale is None else float(scale), "softcap": float(softcap),
     }  # fmt: skip
 
 

@@ -223,8 +223,7 @@ def varlen_forward_padded(
     B = cu_seqlens_q.numel() - 1
     sq, pq = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
     sk, pk = _left_pad_index(cu_seqlens_k, k.shape[0], max_seqlen_k)
-    overlong = (pq < 0).new_zeros(B).index_put((sq,), pq < 0, accumulate=True)
-    overlong |= (pk < 0).new_zeros(B).index_put((sk,), pk < 0, accumulate=True)
+    overlong = (cu_seqlens_q.diff() > max_seqlen_q) | (cu_seqlens_k.diff() > max_seqlen_k)
     pq, pk = pq.clamp(min=0), pk.clamp(min=0)
     key_ok = torch.zeros((B, max_seqlen_k), dtype=torch.bool, device=q.device)
     key_ok[sk, pk] = True
