@@ -50,33 +50,29 @@ inline int64_t decode_key_blocks(const AttentionParams& p, int bc) {
 // Split-KV heuristic. A decode grid has one CTA per (query block, head): often far fewer than
 // the SMs, so most of HBM's bandwidth idles while each CTA walks all of Nk. Splitting every CTA's
 // key blocks into `splits` runs multiplies the grid, but each split adds fixed costs (its Q load
-// and pipeline fill, a partial to write, and a share of the combine, which reads every split's
-// partial in turn). Measured on an H100 (tools/decode_splits.py, cold L2, bf16, Hq 32 / Hkv 8,
-// D 128, Nq 1, B 1-16, Nk 1k-64k; benchmarks/results/2026-11-26-h100-decode-splits-session12.txt):
-// - the base grid is one CTA per SM (`sms`): B 8 / 16 at 1k-2k ran 5-8 % faster on it than on
-//   every resident CTA's slot (`slots`, two per SM);
-// - splits beyond ~sqrt(key blocks) cost more in the combine than they gain: B 1 at 4k-16k and
-//   B 2 at 4k ran 1.17-1.46x faster on 8-16 splits than on the 16-32 that filled the slots;
-// - the slots are filled where each split still streams enough keys: >= 32 key blocks, or >= 16
-//   when that stays within half of sqrt(key blocks) splits (B 8 at 4k-64k and B 16 from 4k:
-//   1-6 % faster than one CTA per SM; B 2 at 16k 8 % slower, B 1 at 64k 10 % slower);
-// - each split keeps >= kMinBlocksPerSplit key blocks (256 keys).
-// Over the sweep's shapes this lands within 3 % of the best split count (the rule before it,
-// fill the slots: 0.69-1.00 of the best). The count depends on the shapes alone, never on the
-// K/V layout, so a paged cache gives bitwise the contiguous cache's result (at B 8, 1k-2k, 16-token
-// pages would rather fill the slots: 0.47 of the copy rate at 1k on 4 splits, 0.45 on these 2).
-// splits <= kMaxSplits bounds the workspace and the combine's loop. Last, the count is evened
-// out: with per = ceil(blocks / splits) blocks each, ceil(blocks / per) splits cover them with no
-// empty split.
-constexpr int64_t kMinBlocksPerSplit = 4;
+// and pipeline fill, a partial to write, and a share of the combine). Measured on an H100
+// (tools/decode_splits.py, cold L2, bf16, Hq 32 / Hkv 8, D 128, Nq 1, B 1-16, Nk 1k-64k;
+// benchmarks/results/2026-11-26-h100-decode-splits-session20.txt), with the combine spread over
+// a warp's lanes (split_combine.h, session 19):
+// - every resident CTA's slot (`slots`, two per SM) is worth filling: B 2 at 4k-64k, B 4 and 8
+//   at 1k-64k ran best, or within 1 % of it, on slots / ctas splits. The rule before (one CTA per
+//   SM unless each split streamed >= 32 key blocks, tuned when the combine read the splits one
+//   after another) left B 4 at 1k-4k and B 8 at 1k 4-5 % slower, B 1 at 1k 19 %;
+// - but no more than 2 sqrt(key blocks) splits: B 1 at 4k ran 16 splits 6 % faster than 32, at 1k
+//   8 splits 18 % faster than 32;
+// - each split keeps >= kMinBlocksPerSplit key blocks (128 keys).
+// The count depends on the shapes alone, never on the K/V layout, so a paged cache gives bitwise
+// the contiguous cache's result. splits <= kMaxSplits bounds the workspace and the combine's
+// warp. Last, the count is evened out: with per = ceil(blocks / splits) blocks each,
+// ceil(blocks / per) splits cover them with no empty split.
+constexpr int64_t kMinBlocksPerSplit = 2;
 constexpr int64_t kMaxSplits = 128;
-inline int choose_splits(int64_t ctas, int64_t key_blocks, int64_t sms, int64_t slots) {
+inline int choose_splits(int64_t ctas, int64_t key_blocks, int64_t slots) {
   if (ctas <= 0 || ctas >= slots) return 1;
   int64_t root = 1;  // ceil(sqrt(key_blocks))
   while (root * root < key_blocks) ++root;
-  int64_t s = sms / ctas < root ? sms / ctas : root;
-  const int64_t fill = slots / ctas, per_fill = key_blocks / fill;
-  if (fill > s && (per_fill >= 32 || (per_fill >= 16 && 2 * fill <= root))) s = fill;
+  int64_t s = slots / ctas;
+  if (s > 2 * root) s = 2 * root;
   if (s > key_blocks / kMinBlocksPerSplit) s = key_blocks / kMinBlocksPerSplit;
   if (s > kMaxSplits) s = kMaxSplits;
   if (s <= 1) return 1;
