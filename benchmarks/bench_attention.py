@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -57,15 +58,26 @@ DEFAULT_OUT_DIR = os.path.join("build", "bench")
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", dict], torch.Tensor]
 
 
+# Mask tensors a shape can carry (make_inputs builds them; every contender gets the same one):
+#   padding                  (B, 1, 1, Nk) bool key padding, each row keeping at least half its keys
+#   causal-padding           (B, 1, Nq, Nk) bool: causal and key padding in one mask, what transformers'
+#                            SDPA mask builder hands an attention function for a padded batch
+#   causal-padding-additive  the same as an additive mask in q's dtype (0 / finfo.min, eager style)
+#   random-additive          (B, 1, Nq, Nk) N(0, 1) biases in q's dtype, a quarter of them -inf
+MASK_KINDS = ("padding", "causal-padding", "causal-padding-additive", "random-additive")
+
+
 def shape(
     kind: str, dtype: str, b: int, hq: int, hkv: int, nq: int, nk: int, d: int, causal: bool, mask: bool,
-    window: int = -1, softcap: float = 0.0,
+    window: int = -1, softcap: float = 0.0, mask_kind: str = "padding",
 ):  # fmt: skip
     """One benchmark shape; ``window`` > 0: keys at most that far left of the (causal) diagonal;
-    ``softcap`` > 0: scores soft-capped (no SDPA backend takes one: flashmod runs alone)."""
+    ``softcap`` > 0: scores soft-capped (no SDPA backend takes one: flashmod runs alone); ``mask``:
+    a mask tensor of ``mask_kind`` (MASK_KINDS)."""
+    assert mask_kind in MASK_KINDS, mask_kind
     return dict(
         kind=kind, dtype=dtype, b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, causal=causal, mask=mask,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, mask_kind=mask_kind,
     )  # fmt: skip
 
 
@@ -105,7 +117,8 @@ def forward_flops(s: dict) -> float:
         pairs = n * (w + 1) - w * (w + 1) // 2
         return 4.0 * s["b"] * s["hq"] * pairs * s["d"]
     f = 4.0 * s["b"] * s["hq"] * s["nq"] * s["nk"] * s["d"]
-    return f / 2 if s["causal"] else f
+    causal_mask = s["mask"] and s.get("mask_kind", "padding").startswith("causal")
+    return f / 2 if s["causal"] or causal_mask else f
 
 
 def label(s: dict) -> str:
@@ -113,7 +126,9 @@ def label(s: dict) -> str:
     extra = (f" window{s['window']}" if s.get("window", -1) >= 0 else "") + (
         f" softcap{s['softcap']:g}" if s.get("softcap", 0) > 0 else ""
     )
-    return base + (" causal" if s["causal"] else "") + (" mask" if s["mask"] else "") + extra
+    mask_kind = s.get("mask_kind", "padding")
+    mask = (" mask" if mask_kind == "padding" else f" mask:{mask_kind}") if s["mask"] else ""
+    return base + (" causal" if s["causal"] else "") + mask + extra
 
 
 def make_inputs(s: dict, device: str, requires_grad: bool):
@@ -122,9 +137,18 @@ def make_inputs(s: dict, device: str, requires_grad: bool):
     k = torch.randn(s["b"], s["hkv"], s["nk"], s["d"], device=device, dtype=dt, requires_grad=requires_grad)
     v = torch.randn(s["b"], s["hkv"], s["nk"], s["d"], device=device, dtype=dt, requires_grad=requires_grad)
     mask = None
-    if s["mask"]:  # key padding, every row keeps at least half its keys
+    if s["mask"]:  # MASK_KINDS
+        kind = s.get("mask_kind", "padding")
         lengths = torch.randint(s["nk"] // 2, s["nk"] + 1, (s["b"],), device=device)
         mask = (torch.arange(s["nk"], device=device)[None] < lengths[:, None])[:, None, None, :]
+        if kind.startswith("causal-padding"):
+            causal = torch.ones(s["nq"], s["nk"], dtype=torch.bool, device=device).tril(s["nk"] - s["nq"])
+            mask = mask & causal
+        if kind == "causal-padding-additive":
+            mask = torch.zeros(mask.shape, dtype=dt, device=device).masked_fill(~mask, torch.finfo(dt).min)
+        if kind == "random-additive":
+            mask = torch.randn(s["b"], 1, s["nq"], s["nk"], device=device, dtype=dt)
+            mask = mask.masked_fill(torch.rand(mask.shape, device=device) < 0.25, -math.inf)
     return q, k, v, mask
 
 

@@ -3,14 +3,18 @@
     ./dev.sh bench                                  # on a machine without CUDA: this, forward
     PYTHONPATH=. python benchmarks/bench_cpu.py --mode fwdbwd
     PYTHONPATH=. python benchmarks/bench_cpu.py --smoke --mode fwdbwd   # tiny shapes: does it run
+    PYTHONPATH=. python benchmarks/bench_cpu.py --masks                 # every kind of mask tensor
 
 Both contenders use the same threads (printed; set OMP_NUM_THREADS or --threads) and run in the same
 interleaved rounds, so machine noise hits both alike; torch's SDPA picks its own CPU kernel (its
 flash kernel wherever it applies). The output names the CPU and the flashmod kernel its instruction
 set selects (csrc/attention/cpu/attention_cpu.cpp, pick_kernel). Shapes: B = 1, H = 8-16,
 N = 512-4096, D = 64/128, causal and not, fp32 and bf16; fwdbwd adds grouped-query (32/8 heads) and
-bool key-padding cases. Checks, timing, FLOPs (fwdbwd = 3.5x forward) and the table, JSON and plot
-are bench_attention.py's; peak memory is the RSS high-water mark of one call (benchmarks/harness.py).
+bool key-padding cases. --masks runs the mask group instead: each kind of mask tensor
+(bench_attention.MASK_KINDS: key padding, transformers' causal + padding mask as bool and additive, a
+dense additive bias) on B = 2, H = 8, N = 1024, D = 64 and B = 1, H = 16, N = 1024, D = 128 (causal
+masks count half the FLOPs). Checks, timing, FLOPs (fwdbwd = 3.5x forward) and the table, JSON and
+plot are bench_attention.py's; peak memory is the RSS high-water mark of one call (benchmarks/harness.py).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import os
 import platform
 
 import torch
-from bench_attention import DEFAULT_OUT_DIR, flashmod_attend, report, run, sdpa_attend, shape
+from bench_attention import DEFAULT_OUT_DIR, MASK_KINDS, flashmod_attend, report, run, sdpa_attend, shape
 from harness import cpu_name, track_rss_of_large_blocks
 
 import flashmod  # noqa: F401  (loads the operators)
@@ -33,6 +37,21 @@ QUICK_SHAPES = [(1, 16, 512, 64), (1, 8, 2048, 128)]
 SMOKE_SHAPES = [(1, 2, 64, 32)]
 # Environment variables that make a wider CPU run an instruction-set class's code (recorded as set).
 FORCING_KNOBS = ("FLASHMOD_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
+# --masks: (B, H, N, D) of the mask group, every MASK_KINDS entry on each.
+MASK_SHAPES = [(2, 8, 1024, 64), (1, 16, 1024, 128)]
+
+
+def mask_shapes(dtypes: list[str], smoke: bool) -> list[dict]:
+    """Attention behind each kind of mask tensor (bench_attention.MASK_KINDS), not causal by option."""
+    base = SMOKE_SHAPES if smoke else MASK_SHAPES
+    return [
+        shape("mask", dtype, b, h, h, n, n, d, False, True, mask_kind=kind)
+        for dtype in dtypes
+        for b, h, n, d in base
+        for kind in MASK_KINDS
+    ]
 
 
 def cpu_shapes(mode: str, dtypes: list[str], quick: bool, smoke: bool) -> list[dict]:
@@ -93,6 +112,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="timed rounds, the median is reported (default: 7, smoke 3)")
     ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the JSON and the plot go (default: %(default)s)")
     ap.add_argument("--tag", default=None, help="file name stem (default: <date>-cpu-<mode>)")
+    ap.add_argument("--masks", action="store_true", help="the mask group instead: every mask tensor kind")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -100,7 +120,8 @@ def main() -> None:
     reps = args.reps if args.reps is not None else (3 if args.smoke else 7)
 
     track_rss_of_large_blocks()
-    shapes = cpu_shapes(args.mode, args.dtypes.split(","), args.quick, args.smoke)
+    dtypes = args.dtypes.split(",")
+    shapes = mask_shapes(dtypes, args.smoke) if args.masks else cpu_shapes(args.mode, dtypes, args.quick, args.smoke)
     contenders = {"flashmod": flashmod_attend, "SDPA": sdpa_attend(None)}
     meta = dict(
         device=f"{cpu_name()} ({torch.get_num_threads()} threads)",
@@ -116,7 +137,8 @@ def main() -> None:
         f"torch {meta['torch']} ({meta['torch_cpu_capability']}); mode {args.mode}; {len(shapes)} shapes"
     )
     rows = run(shapes, contenders, "cpu", args.mode, warmup, reps)
-    tag = args.tag or f"{datetime.date.today().isoformat()}-cpu-{args.mode}{'-smoke' if args.smoke else ''}"
+    group = "-masks" if args.masks else ""
+    tag = args.tag or f"{datetime.date.today().isoformat()}-cpu-{args.mode}{group}{'-smoke' if args.smoke else ''}"
     report(rows, list(contenders), "cpu", args.mode, args.out_dir, tag, meta)
 
 

@@ -188,6 +188,53 @@ def test_float_mask_all_neg_inf_row(device):
     assert torch.isfinite(q.grad).all() and (q.grad[:, :, 2] == 0).all()
 
 
+def layout_mask(kind, layout, b, hq, nq, nk, dtype, device):
+    """A mask of `kind` (bool / additive in q's dtype / additive fp32) in `layout`: "rows" (B, 1, Nq, Nk)
+    contiguous, "keys-strided" the same values stored transposed (key stride != 1), "key-padding"
+    (B, 1, 1, Nk) expanded over the queries (row stride 0), "per-head" (B, Hq, Nq, Nk). Its hidden
+    entries form a causal staircase plus random holes, so whole tiles are hidden and others partly;
+    additive masks hide with -inf, finfo(fp32).min and -1e9 alike."""
+    rows = 1 if layout == "key-padding" else nq
+    heads = hq if layout == "per-head" else 1
+    visible = torch.rand(b, heads, rows, nk, device=device) > 0.2
+    if rows > 1:
+        visible &= torch.ones(rows, nk, dtype=torch.bool, device=device).tril(nk - nq)
+    if kind == "bool":
+        mask = visible
+    else:
+        hide = torch.tensor([-math.inf, torch.finfo(torch.float32).min, -1e9], device=device)
+        values = torch.randn(visible.shape, device=device)
+        mask = torch.where(visible, values, hide[torch.randint(0, 3, visible.shape, device=device)])
+        mask = mask.to(dtype if kind == "additive" else torch.float32)
+    if layout == "keys-strided":
+        mask = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if layout == "key-padding":
+        mask = mask.expand(b, 1, nq, nk)
+    return mask
+
+
+@pytest.mark.parametrize(
+    "dtype,kind",
+    [(torch.float32, "bool"), (torch.float32, "additive"), (torch.bfloat16, "bool")]
+    + [(torch.bfloat16, "additive"), (torch.bfloat16, "additive-fp32")],
+    ids=str,
+)
+@pytest.mark.parametrize("layout", ["rows", "keys-strided", "key-padding", "per-head"])
+@pytest.mark.parametrize("nq,nk,d", [(113, 203, 59), (203, 113, 40), (300, 300, 64)])
+def test_mask_layouts_match_reference(device, dtype, kind, layout, nq, nk, d):
+    """Every mask kind in every stride pattern the kernels read differently (the CPU transposes
+    row-major blocks in registers, broadcasts a key-padding row, walks strided keys one by one and
+    skips tiles the mask hides), on lengths that leave partial vector blocks and tiles."""
+    q, k, v = make_qkv(2, 4, 2, nq, nk, d, dtype, device)
+    mask = layout_mask(kind, layout, 2, 4, nq, nk, dtype, device)
+    out, lse = flashmod.attention_op(q, k, v, mask)
+    (out_truth, lse_truth), (out_plain, _) = references(q, k, v, mask, {}, dtype)
+    lse_plain32 = attention_reference(q, k, v, mask, compute_dtype=torch.float32)[1]
+    assert_within_rule(out, out_truth, out_plain, 2, dtype, "out")
+    assert_within_rule(lse, lse_truth, lse_plain32, 2, torch.float32, "lse")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_truth)), "fully masked rows differ"
+
+
 @pytest.mark.parametrize("b,nq,nk", [(0, 5, 7), (2, 0, 7), (2, 5, 0), (0, 0, 0)])
 def test_empty_dimensions(device, b, nq, nk):
     q, k, v = make_qkv(b, 4, 2, nq, nk, 32, torch.float32, device, requires_grad=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 SLICE = (
-    "cpu and (nonfinite or (forward_matches and "
-    "(plain or causal_bottom_right_mqa or bool_mask_empty_rows or softcap_causal)))"
+    "cpu and (nonfinite or mask_layouts or (forward_matches and "
+    "(plain or causal_bottom_right_mqa or bool_mask_empty_rows or softcap_causal or additive_mask)))"
 )
 
 

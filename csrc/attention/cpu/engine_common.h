@@ -6,6 +6,9 @@
 //   splat(s)           s in every lane
 //   fmadd(a, b, c)     a * b + c, fused where the ISA has FMA
 //   load_f16(p)        kW fp16 values at p widened to fp32
+//   load_u8(p)         kW bytes at p widened to int32 (GCC's __builtin_convertvector does it byte
+//   by
+//                      byte through scalar registers)
 //   hsum(v)            the sum of v's lanes
 //   kNV, kKB, kRB, kDV register tile shapes: Br = kNV * kW queries per task, kKB keys per
 //                      score register block, kRB rows x kDV vectors per P V register block
@@ -84,6 +87,33 @@ inline void storeu(float* p, vf v) {
 inline vf vmax(vf a, vf b) {
   return a > b ? a : b;
 }
+// Transposes a kW x kW block held as kW vectors (lane l of v[i] becomes lane i of v[l]). Stage kH
+// swaps bit kH of the vector index with bit kH of the lane index, one two-input shuffle per
+// vector: kW log2(kW) shuffles for kW * kW elements.
+template <int kH, int... L>
+constexpr vi butterfly_low(std::integer_sequence<int, L...>) {
+  return vi{((L & kH) ? kW + (L ^ kH) : L)...};
+}
+template <int kH, int... L>
+constexpr vi butterfly_high(std::integer_sequence<int, L...>) {
+  return vi{((L & kH) ? kW + L : (L ^ kH))...};
+}
+template <int kH = 1, class V>
+inline void transpose_block(V (&v)[kW]) {
+  if constexpr (kH < kW) {
+    constexpr vi low = butterfly_low<kH>(std::make_integer_sequence<int, kW>());
+    constexpr vi high = butterfly_high<kH>(std::make_integer_sequence<int, kW>());
+#pragma GCC unroll 16
+    for (int i = 0; i < kW; ++i) {
+      if (i & kH) continue;
+      const V a = v[i], b = v[i ^ kH];
+      v[i] = __builtin_shuffle(a, b, low);
+      v[i ^ kH] = __builtin_shuffle(a, b, high);
+    }
+    transpose_block<2 * kH>(v);
+  }
+}
+
 // A row's end of the online softmax, from its running max m and sum l: l == 0 means no visible
 // key (out 0, lse -inf); a NaN or +inf among the visible scores leaves l NaN (exp(NaN) and
 // exp(inf - inf) are NaN and stay in the sum), and the row's out and lse come out NaN, as in

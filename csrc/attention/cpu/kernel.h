@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>  // std::make_integer_sequence (a type: no code to merge across ISAs)
 
 #include "../../common/additive_mask.h"
 #include "../attention_params.h"

@@ -26,6 +26,9 @@ inline float hsum(vf v) {
 inline vf load_f16(const uint16_t* p) {
   return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+inline vi load_u8(const uint8_t* p) {
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
 
 // Scores: 6 keys x 2 vectors = 12 accumulators + 2 Q vectors + 1 broadcast of the 16 registers.
 // P V: 4 rows x 2 vectors = 8 accumulators + 4 broadcasts + 1 row of V.

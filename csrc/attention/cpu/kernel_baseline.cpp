@@ -26,6 +26,9 @@ inline vf load_f16(const uint16_t* p) {
   }
   return v;
 }
+inline vi load_u8(const uint8_t* p) {
+  return vi{p[0], p[1], p[2], p[3]};
+}
 
 constexpr int kNV = 2, kKB = 4, kRB = 4, kDV = 2;
 
