@@ -41,24 +41,6 @@ struct KernelInfo {
 
 // Query rows per decode task (every query head of a kv group times every query position).
 constexpr int64_t kDecodeRows = 8;
-// True when a bool mask hides every (query, key) pair of queries r0 .. r0 + rows - 1 and keys
-// c0 .. c0 + cols - 1 of (b, h): such a tile adds nothing (P = 0, dS = 0), so the forward and the
-// backward skip its matmuls and a padded batch costs what its real keys cost. A key-padding mask
-// (query stride 0) is read once per key; a tile with a visible pair usually ends the scan at its
-// first byte. static: each instruction-set TU keeps its own copy (see the note at the top).
-static inline bool bool_mask_hides_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t r0,
-                                        int64_t rows, int64_t c0, int64_t cols) {
-  if (p.mask_kind != MaskKind::kBool) return false;
-  const auto* m = static_cast<const uint8_t*>(p.mask) + b * p.mask_batch_stride +
-                  h * p.mask_head_stride + r0 * p.mask_row_stride + c0 * p.mask_col_stride;
-  const int64_t distinct_rows = p.mask_row_stride == 0 ? 1 : rows;
-  for (int64_t r = 0; r < distinct_rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      if (m[r * p.mask_row_stride + c * p.mask_col_stride]) return false;
-    }
-  }
-  return true;
-}
 
 inline int64_t decode_chunks(const AttentionParams& p) {
   return ((p.heads_q / p.heads_kv) * p.seqlen_q + kDecodeRows - 1) / kDecodeRows;
