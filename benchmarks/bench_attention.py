@@ -9,7 +9,8 @@
 Shapes follow the FlashAttention papers: B * N = 16k tokens, H * D = 2048, N = 512 .. 16k (1k .. 16k
 for fwdbwd), D = 64 / 128 / 256, causal and not; plus grouped-query prefill (32 query heads on 8
 key/value heads), bool key-padding masks, fp32, and (forward only) decode shapes (Nq = 1 .. 16
-against long KV caches). Every contender runs on the same inputs and is first checked against
+against long KV caches); --kinds masks (not a default) adds the other mask tensors of MASK_KINDS:
+transformers' causal + padding mask, bool and additive, and a dense additive bias. Every contender runs on the same inputs and is first checked against
 flashmod's result (outputs, and in fwdbwd the gradients); then all are timed in the same interleaved
 rounds (benchmarks/harness.py: median after warm-up, device time) and their peak memory measured.
 FLOPs: forward 4 * B * Hq * Nq * Nk * D, halved for causal; forward + backward 3.5x that (the
@@ -104,6 +105,9 @@ def cuda_shapes(mode: str, quick: bool) -> list[dict]:
             shapes.append(shape("gqa", "bf16", 16384 // n, 32, 8, n, n, 128, causal, False))
     for n in (1024, 4096):
         shapes.append(shape("padding", "bf16", 8, 16, 16, n, n, 128, False, True))
+    for n in (1024, 4096):  # mask tensors (MASK_KINDS; "padding" above is the first): not in the default kinds
+        for kind in MASK_KINDS[1:]:
+            shapes.append(shape("masks", "bf16", 16384 // n, 16, 16, n, n, 128, False, True, mask_kind=kind))
     for n in (4096, 16384):  # sliding window (Mistral-style 1k causal band): SDPA needs a band mask
         shapes.append(shape("window", "bf16", 16384 // n, 16, 16, n, n, 128, True, False, window=1024))
     for n in (1024, 4096):  # soft-capped scores (Gemma 2's 50.0)
