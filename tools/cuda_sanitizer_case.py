@@ -42,6 +42,11 @@ def main() -> None:
             attention_op(q, k, v, is_causal=True, bottom_right=False)
             attention_op(q, k, v, mask, softcap=5.0, window_left=20, window_right=3)
             attention_op(q, k, v, mask, is_causal=True)  # bool mask alone: the wgmma kernel's bit path
+            # A causal staircase as an additive mask: hidden, clear and mixed tiles (mask_tiles.h).
+            stairs = torch.ones(nq, nk, dtype=torch.bool, device="cuda").tril(nk - nq)
+            additive = torch.zeros(nq, nk, device="cuda", dtype=dtype).masked_fill(~stairs, float("-inf"))
+            attention_op(q, k, v, additive)
+            attention_op(q, k, v, stairs & mask)
         if dtype != torch.float32:  # the persistent sm_90 kernel: more tiles than SMs, some empty
             q, k = (torch.randn(1, 150, n, 64, device="cuda", dtype=dtype) for n in (200, 150))
             attention_op(q, k, k, is_causal=True)

@@ -106,12 +106,13 @@ class Family:
 # which adds generated/bwd_sm80_<dtype>_hd<D>.cu and FLASHMOD_BWD_SM80_VARIANTS / kBwdSm80HeadDims.
 FAMILIES = (
     Family("fwd_sm80", "fwd_sm80_launch.h", HEAD_DIMS, (
-        "run_attention_fwd(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
+        "run_attention_fwd(const AttentionParams&, const FwdLaunchFlags&, const DeviceWorkspace&, cudaStream_t)",
         "run_attention_fwd_decode(const AttentionParams&, const FwdLaunchFlags&, const DecodeOptions&, "
         "const DeviceWorkspace&, cudaStream_t)",
     )),
     Family("fwd_sm90", "fwd_sm90_launch.h", (64, 128, 256), (
-        "run_attention_fwd_sm90(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t)",
+        "run_attention_fwd_sm90(const AttentionParams&, const FwdLaunchFlags&, const DeviceWorkspace&, "
+        "cudaStream_t)",
     )),
     Family("fwd_sm90_ws", "fwd_sm90_ws_launch.h", (64, 128, 256), (
         "run_attention_fwd_sm90_ws(const AttentionParams&, const FwdLaunchFlags&, const DeviceWorkspace&, "

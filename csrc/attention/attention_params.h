@@ -96,6 +96,16 @@ struct AttentionParams {
   int64_t vn_batch_stride = 0, vn_head_stride = 0, vn_row_stride = 0;
   int64_t seqlen_new = 0;
   bool bottom_right = true;
+
+  // CUDA, with a mask tensor: the class of every (query block, key block) tile of it at the
+  // launched kernel's Br x Bc (cuda/mask_tiles.h: hidden, clear or mixed), filled by a pre-pass on
+  // the launch's stream; mask_tiles_br / _bc say which tile shape, and a kernel of another shape
+  // ignores them. Tile (m, n) of (b, h) is mask_tiles[b * mask_tiles_batch_stride +
+  // h * mask_tiles_head_stride + m * mask_tiles_k_blocks + n] (strides 0 where the mask
+  // broadcasts).
+  const uint8_t* mask_tiles = nullptr;
+  int64_t mask_tiles_batch_stride = 0, mask_tiles_head_stride = 0, mask_tiles_k_blocks = 0;
+  int32_t mask_tiles_br = 0, mask_tiles_bc = 0;
 };
 
 // The backward's description: the forward's fields (q, k, v, out, lse, mask, window, scale,

@@ -192,18 +192,21 @@ def layout_mask(kind, layout, b, hq, nq, nk, dtype, device):
     """A mask of `kind` (bool / additive in q's dtype / additive fp32) in `layout`: "rows" (B, 1, Nq, Nk)
     contiguous, "keys-strided" the same values stored transposed (key stride != 1), "key-padding"
     (B, 1, 1, Nk) expanded over the queries (row stride 0), "per-head" (B, Hq, Nq, Nk). Its hidden
-    entries form a causal staircase plus random holes, so whole tiles are hidden and others partly;
-    additive masks hide with -inf, finfo(fp32).min and -1e9 alike."""
+    entries form a causal staircase plus random holes in the second half of the keys, so tiles are
+    hidden, clear or mixed; additive masks hide with -inf, finfo(fp32).min and -1e9 alike."""
     rows = 1 if layout == "key-padding" else nq
     heads = hq if layout == "per-head" else 1
-    visible = torch.rand(b, heads, rows, nk, device=device) > 0.2
+    # Holes and nonzero biases only in the second half of the keys: the first half's tiles below
+    # the staircase are clear (every key shown, nothing added), which the CUDA kernels skip masking.
+    second_half = torch.arange(nk, device=device) >= nk // 2
+    visible = (torch.rand(b, heads, rows, nk, device=device) > 0.2) | ~second_half
     if rows > 1:
         visible &= torch.ones(rows, nk, dtype=torch.bool, device=device).tril(nk - nq)
     if kind == "bool":
         mask = visible
     else:
         hide = torch.tensor([-math.inf, torch.finfo(torch.float32).min, -1e9], device=device)
-        values = torch.randn(visible.shape, device=device)
+        values = torch.randn(visible.shape, device=device) * second_half
         mask = torch.where(visible, values, hide[torch.randint(0, 3, visible.shape, device=device)])
         mask = mask.to(dtype if kind == "additive" else torch.float32)
     if layout == "keys-strided":
@@ -220,11 +223,12 @@ def layout_mask(kind, layout, b, hq, nq, nk, dtype, device):
     ids=str,
 )
 @pytest.mark.parametrize("layout", ["rows", "keys-strided", "key-padding", "per-head"])
-@pytest.mark.parametrize("nq,nk,d", [(113, 203, 59), (203, 113, 40), (300, 300, 64)])
+@pytest.mark.parametrize("nq,nk,d", [(113, 203, 59), (203, 113, 40), (300, 300, 64), (130, 257, 96), (500, 700, 128)])
 def test_mask_layouts_match_reference(device, dtype, kind, layout, nq, nk, d):
     """Every mask kind in every stride pattern the kernels read differently (the CPU transposes
     row-major blocks in registers, broadcasts a key-padding row, walks strided keys one by one and
-    skips tiles the mask hides), on lengths that leave partial vector blocks and tiles."""
+    skips tiles the mask hides; CUDA classifies tiles as hidden, clear or mixed first), on lengths
+    that leave partial vector blocks and tiles."""
     q, k, v = make_qkv(2, 4, 2, nq, nk, d, dtype, device)
     mask = layout_mask(kind, layout, 2, 4, nq, nk, dtype, device)
     out, lse = flashmod.attention_op(q, k, v, mask)

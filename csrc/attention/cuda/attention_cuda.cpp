@@ -68,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
     if (run_decode(p, flags, padded, q.options(), stream, err)) {
       // run_decode launched it
     } else if (use_sm90_ws_kernel(padded)) {
-      TorchWorkspace workspace(q.options(), stream);  // the tile scheduler's counter
+      TorchWorkspace workspace(q.options(), stream);  // the tile scheduler's counter, mask tiles
       const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
       switch (key) {
 #define FLASHMOD_SM90_WS_CASE(Elem, kind, D)                                      \
@@ -79,19 +79,23 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
 #undef FLASHMOD_SM90_WS_CASE
       }
     } else if (use_sm90_kernel(padded)) {
+      TorchWorkspace workspace(q.options(), stream);  // a mask tensor's tile classes
+      const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
       switch (key) {
-#define FLASHMOD_SM90_CASE(Elem, kind, D)                                  \
-  case cuda_kernels::variant_key(ScalarKind::kind, D):                     \
-    err = cuda_kernels::run_attention_fwd_sm90<Elem, D>(p, flags, stream); \
+#define FLASHMOD_SM90_CASE(Elem, kind, D)                                      \
+  case cuda_kernels::variant_key(ScalarKind::kind, D):                         \
+    err = cuda_kernels::run_attention_fwd_sm90<Elem, D>(p, flags, ws, stream); \
     break;
         FLASHMOD_FWD_SM90_VARIANTS(FLASHMOD_SM90_CASE)
 #undef FLASHMOD_SM90_CASE
       }
     } else {
+      TorchWorkspace workspace(q.options(), stream);  // a mask tensor's tile classes
+      const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
       switch (key) {
-#define FLASHMOD_SM80_CASE(Elem, kind, D)                             \
-  case cuda_kernels::variant_key(ScalarKind::kind, D):                \
-    err = cuda_kernels::run_attention_fwd<Elem, D>(p, flags, stream); \
+#define FLASHMOD_SM80_CASE(Elem, kind, D)                                 \
+  case cuda_kernels::variant_key(ScalarKind::kind, D):                    \
+    err = cuda_kernels::run_attention_fwd<Elem, D>(p, flags, ws, stream); \
     break;
         FLASHMOD_FWD_SM80_VARIANTS(FLASHMOD_SM80_CASE)
 #undef FLASHMOD_SM80_CASE

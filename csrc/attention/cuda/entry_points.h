@@ -51,15 +51,17 @@ inline cudaError_t acquire_zeroed_counters(const DeviceWorkspace& ws, size_t cou
 // q/k/v row starts to be 16-byte aligned (cp.async). Returns the first CUDA error of the set-up
 // or the launch; cudaErrorInvalidConfiguration, launching nothing, when the grid would pass 2^31
 // blocks.
+// ws holds the classes of a mask tensor's tiles (mask_tiles.h; one byte per tile; a workspace
+// without alloc leaves every tile mixed).
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd(const AttentionParams& p, const FwdLaunchFlags& flags,
-                              cudaStream_t stream);
+                              const DeviceWorkspace& ws, cudaStream_t stream);
 
 // The Hopper variant (wgmma, sm_90a machine code only) for kHeadDim = 64, 128 and 256; same
-// contract.
+// contract. ws holds the classes of a mask tensor's tiles (mask_tiles.h; one byte per tile).
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_sm90(const AttentionParams& p, const FwdLaunchFlags& flags,
-                                   cudaStream_t stream);
+                                   const DeviceWorkspace& ws, cudaStream_t stream);
 
 // The warp-specialized Hopper variant (TMA loads, ping-ponged consumer warpgroups; sm_90a machine
 // code only) for kHeadDim = 64 and 128: plain scores (causal and windows included, GQA) on tensors

@@ -18,6 +18,7 @@
 #include "entry_points.h"
 #include "fwd_epilogue.h"
 #include "kernel_traits.h"
+#include "mask_tiles.h"
 #include "online_softmax.h"
 #include "paged_kv.h"
 #include "score_mask.h"
@@ -114,6 +115,11 @@ __global__ void __launch_bounds__(Tr::kNThreads)
                                           p.out_row_stride, gLse, head_dim);
     }
   };
+  // Prefill with a mask tensor: its hidden tiles at either end are not visited, and its clear
+  // ones are not masked (mask_tiles.h).
+  const uint8_t* mask_classes =
+      !kDecode && kGeneral ? mask_tile_row(p, b, h, tile.m_block, Br, Bc) : nullptr;
+  skip_hidden_tiles(mask_classes, range);
   // Prefill: a tile without visible keys writes its rows' 0 / -inf and leaves. Decode runs the
   // empty range through the kernel instead (no key loads, no loop iteration; the epilogue and
   // the split partial write 0 / -inf for rows with l = 0): one copy of the fused append and of
@@ -253,7 +259,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
     // Scores -> logit units, hiding invisible keys.
     mask_scores<Elem, kGeneral>(S, p, tf, b, h, r0 + warp_row0, row_first, row_last, n, Bc, lane,
-                                pos_of);
+                                pos_of, tile_needs_mask(mask_classes, n));
 
     softmax.update(S, O, c);
 

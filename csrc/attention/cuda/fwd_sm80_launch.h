@@ -65,7 +65,13 @@ auto pick_fwd_kernel(bool general, KvAddressing addr) {
 }
 
 template <class Tr>
-cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cudaStream_t stream) {
+cudaError_t launch_fwd(const AttentionParams& params, const FwdLaunchFlags& flags,
+                       const DeviceWorkspace& ws, cudaStream_t stream) {
+  AttentionParams p = params;
+  if (!has_sequence_extents(p)) {
+    const cudaError_t err = classify_mask_tiles<typename Tr::Elem>(p, Tr::Br, Tr::Bc, ws, stream);
+    if (err != cudaSuccess) return err;
+  }
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
   auto kernel = pick_fwd_kernel<Tr, false>(general, kv_addressing(p, Tr::Bc));
   return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads, Tr::kSmemBytes, stream, p,
@@ -74,8 +80,8 @@ cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cu
 
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd(const AttentionParams& p, const FwdLaunchFlags& flags,
-                              cudaStream_t stream) {
-  return launch_fwd<typename FwdConfig<Elem, kHeadDim>::Traits>(p, flags, stream);
+                              const DeviceWorkspace& ws, cudaStream_t stream) {
+  return launch_fwd<typename FwdConfig<Elem, kHeadDim>::Traits>(p, flags, ws, stream);
 }
 
 // ---------------------------------------------------------------------------------------------

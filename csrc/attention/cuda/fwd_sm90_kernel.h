@@ -23,6 +23,7 @@
 #include "cta_tile.h"
 #include "entry_points.h"
 #include "fwd_epilogue.h"
+#include "mask_tiles.h"
 #include "online_softmax.h"
 #include "paged_kv.h"
 #include "score_mask.h"
@@ -109,7 +110,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   float* gLse = gp.lse;
   const int64_t b = tile.b, h = tile.h;
 
-  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+  KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+  // A mask tensor's tiles (mask_tiles.h): its hidden ones at either end are not visited, and its
+  // clear ones are not masked.
+  const uint8_t* mask_classes =
+      kGeneral || kBoolMask ? mask_tile_row(p, b, h, tile.m_block, Br, Bc) : nullptr;
+  skip_hidden_tiles(mask_classes, range);
   if (range.lo >= range.hi) {
     write_rows_without_keys<kThreads>(p, gO, gLse, rows_q, tid);
     return;
@@ -171,10 +177,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // Mask and online softmax of block n's scores, then O += P V_j issued and committed with P
   // packed straight from the S registers into pa; the caller waits.
   auto softmax_and_issue_pv = [&](float (&Sx)[1][NT][4], uint32_t (&pa)[Bc / 16][4], int n,
-                                  const BoolMaskBits<1, NT>& mask_bits) {
-    mask_scores<Elem, kGeneral>(Sx, p, tf, b, h, r0 + warp_row0, r0, r0 + Br - 1, n, Bc, lane,
-                                [](int64_t i) { return i; });
-    if constexpr (kBoolMask) mask_bits.apply(Sx);
+                                  const BoolMaskBits<1, NT>& mask_bits, bool masked) {
+    mask_scores<Elem, kGeneral>(
+        Sx, p, tf, b, h, r0 + warp_row0, r0, r0 + Br - 1, n, Bc, lane, [](int64_t i) { return i; },
+        masked);
+    if constexpr (kBoolMask) {
+      if (masked) mask_bits.apply(Sx);
+    }
     softmax.update(Sx, O, c);
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) {
@@ -217,14 +226,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       if (next < range.hi) load_kv(next, (next - range.lo) % Tr::kStages);
       cp_async_commit();
     }
+    const bool masked = tile_needs_mask(mask_classes, n);
     BoolMaskBits<1, NT> mask_bits;
-    if constexpr (kBoolMask) mask_bits.load(p, b, h, r0 + warp_row0, n, Bc, lane);
+    if constexpr (kBoolMask) {
+      if (masked) mask_bits.load(p, b, h, r0 + warp_row0, n, Bc, lane);
+    }
     float S[1][NT][4];
     issue_scores(S, n);
     wgmma_wait<0>();
     pin_registers(S[0]);
     uint32_t pa[Bc / 16][4];
-    softmax_and_issue_pv(S, pa, n, mask_bits);
+    softmax_and_issue_pv(S, pa, n, mask_bits, masked);
     wgmma_wait<0>();
     pin_registers(O[0]);
     pin_registers(pa);

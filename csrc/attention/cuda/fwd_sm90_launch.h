@@ -52,7 +52,13 @@ auto pick_fwd_kernel_sm90(bool general) {
 }
 
 template <class Tr>
-cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cudaStream_t stream) {
+cudaError_t launch_fwd(const AttentionParams& params, const FwdLaunchFlags& flags,
+                       const DeviceWorkspace& ws, cudaStream_t stream) {
+  AttentionParams p = params;
+  if (!has_sequence_extents(p)) {
+    const cudaError_t err = classify_mask_tiles<typename Tr::Elem>(p, Tr::Br, Tr::Bc, ws, stream);
+    if (err != cudaSuccess) return err;
+  }
   // Plain: raw scores, scale folded into exp2. Bool mask alone: the same plus prefetched mask bits.
   // Anything else (additive masks, soft cap, scale <= 0): every score transformed.
   const bool transformed = p.softcap > 0.0 || !(p.scale > 0.0);
@@ -76,8 +82,9 @@ cudaError_t launch_fwd(const AttentionParams& p, const FwdLaunchFlags& flags, cu
 
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_sm90(const AttentionParams& p, const FwdLaunchFlags& flags,
-                                   cudaStream_t stream) {
-  return sm90::launch_fwd<typename sm90::FwdConfigSm90<Elem, kHeadDim>::Traits>(p, flags, stream);
+                                   const DeviceWorkspace& ws, cudaStream_t stream) {
+  return sm90::launch_fwd<typename sm90::FwdConfigSm90<Elem, kHeadDim>::Traits>(p, flags, ws,
+                                                                                stream);
 }
 
 }  // namespace flashmod::cuda_kernels

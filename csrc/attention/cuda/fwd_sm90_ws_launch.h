@@ -148,7 +148,7 @@ cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchF
     if (launched) return err;
   }
   // The tensors or options TMA or this kernel cannot take: the FlashAttention-2-style kernel.
-  return run_attention_fwd_sm90<Elem, kHeadDim>(p, flags, stream);
+  return run_attention_fwd_sm90<Elem, kHeadDim>(p, flags, ws, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

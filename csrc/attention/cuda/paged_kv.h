@@ -65,7 +65,8 @@ struct KvRowSources {
 // recomputing its 64-bit offsets (load_rows_with_new_keys' walk) made a 16k-token decode step
 // execute 43 % more instructions than the contiguous cache's, 4.4 % slower on the same addresses
 // (Nsight Compute, H100, session 17). Walking by page: the same speed on an H100, +2.5-4 % at
-// 16k-64k-token caches on an H200, whose faster memory leaves the instructions exposed (session 18).
+// 16k-64k-token caches on an H200, whose faster memory leaves the instructions exposed (session
+// 18).
 template <class Plan, typename Elem>
 __device__ __forceinline__ void load_cached_rows_by_page(const Plan& plan, uint32_t sk, uint32_t sv,
                                                          const Elem* k, const Elem* v,

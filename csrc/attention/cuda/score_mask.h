@@ -51,12 +51,13 @@ __device__ __forceinline__ void mask_outside_windows(float (&S)[MT][NT][4],
 // warp_row0: row index of the warp's first row; block_pos_first/last: the query positions the
 // CTA's rows span (for the block-level test); key_block: index of the Bc-wide key block;
 // pos_of(row): the query position of a row (the row itself, except for GQA-packed decode rows).
+// use_mask: false where the block's mask entries are all "show, add nothing" (mask_tiles.h).
 template <typename Elem, bool kGeneral, int MT, int NT, class PosOf>
 __device__ __forceinline__ void mask_scores(float (&S)[MT][NT][4], const AttentionParams& p,
                                             const ScoreTransform& tf, int64_t b, int64_t h,
                                             int64_t warp_row0, int64_t block_pos_first,
                                             int64_t block_pos_last, int key_block, int Bc, int lane,
-                                            PosOf pos_of) {
+                                            PosOf pos_of, bool use_mask = true) {
   const int g = lane >> 2, key0 = key_block * Bc + 2 * (lane & 3);
   if constexpr (kGeneral) {
 #pragma unroll
@@ -78,7 +79,7 @@ __device__ __forceinline__ void mask_scores(float (&S)[MT][NT][4], const Attenti
             float x = S[mi][ni][2 * hh + e] * tf.scale;
             if (tf.softcap > 0.f) x = soft_cap(x, tf.softcap, tf.inv_softcap);
             bool visible = win.contains(j);
-            if (visible && p.mask_kind != MaskKind::kNone)
+            if (visible && use_mask && p.mask_kind != MaskKind::kNone)
               visible = apply_mask<Elem>(p, mask_row + j * p.mask_col_stride, x);
             S[mi][ni][2 * hh + e] = visible ? x : -CUDART_INF_F;
           }

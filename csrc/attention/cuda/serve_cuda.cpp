@@ -64,7 +64,7 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
     switch (key) {
 #define FLASHMOD_SERVE_PREFILL_SM90(E, kind, D)        \
   case cuda_kernels::variant_key(ScalarKind::kind, D): \
-    return cuda_kernels::run_attention_fwd_sm90<E, D>(p, flags, stream);
+    return cuda_kernels::run_attention_fwd_sm90<E, D>(p, flags, {}, stream);
       FLASHMOD_FWD_SM90_VARIANTS(FLASHMOD_SERVE_PREFILL_SM90)
 #undef FLASHMOD_SERVE_PREFILL_SM90
     }
@@ -72,7 +72,7 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
   switch (key) {
 #define FLASHMOD_SERVE_PREFILL(E, kind, D)             \
   case cuda_kernels::variant_key(ScalarKind::kind, D): \
-    return cuda_kernels::run_attention_fwd<E, D>(p, flags, stream);
+    return cuda_kernels::run_attention_fwd<E, D>(p, flags, {}, stream);
     FLASHMOD_FWD_SM80_VARIANTS(FLASHMOD_SERVE_PREFILL)
 #undef FLASHMOD_SERVE_PREFILL
   }

@@ -3,7 +3,7 @@
 
 // clang-format off
 namespace flashmod::cuda_kernels {
-template cudaError_t run_attention_fwd<__nv_bfloat16, 224>(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t);
+template cudaError_t run_attention_fwd<__nv_bfloat16, 224>(const AttentionParams&, const FwdLaunchFlags&, const DeviceWorkspace&, cudaStream_t);
 template cudaError_t run_attention_fwd_decode<__nv_bfloat16, 224>(const AttentionParams&, const FwdLaunchFlags&, const DecodeOptions&, const DeviceWorkspace&, cudaStream_t);
 }  // namespace flashmod::cuda_kernels
 // clang-format on

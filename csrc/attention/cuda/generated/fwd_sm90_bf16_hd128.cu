@@ -3,6 +3,6 @@
 
 // clang-format off
 namespace flashmod::cuda_kernels {
-template cudaError_t run_attention_fwd_sm90<__nv_bfloat16, 128>(const AttentionParams&, const FwdLaunchFlags&, cudaStream_t);
+template cudaError_t run_attention_fwd_sm90<__nv_bfloat16, 128>(const AttentionParams&, const FwdLaunchFlags&, const DeviceWorkspace&, cudaStream_t);
 }  // namespace flashmod::cuda_kernels
 // clang-format on
