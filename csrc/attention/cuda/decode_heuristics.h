@@ -60,18 +60,22 @@ inline int64_t decode_key_blocks(const AttentionParams& p, int bc) {
 //   after another) left B 4 at 1k-4k and B 8 at 1k 4-5 % slower, B 1 at 1k 19 %;
 // - but no more than 2 sqrt(key blocks) splits: B 1 at 4k ran 16 splits 6 % faster than 32, at 1k
 //   8 splits 18 % faster than 32;
-// - each split keeps >= kMinBlocksPerSplit key blocks (128 keys).
+// - each split keeps >= kMinBlocksPerSplit key blocks (128 keys);
+// - where the grid already holds more CTAs than half the SMs, the second slot pays only for
+//   splits of >= 16 key blocks: B 16 at 1k ran one split 6 % faster than two, at 2k-4k two
+//   within 1.5 % or ahead (`2026-11-26-h100-decode-splits-b8-16-session20.txt`).
 // The count depends on the shapes alone, never on the K/V layout, so a paged cache gives bitwise
 // the contiguous cache's result. splits <= kMaxSplits bounds the workspace and the combine's
 // warp. Last, the count is evened out: with per = ceil(blocks / splits) blocks each,
 // ceil(blocks / per) splits cover them with no empty split.
 constexpr int64_t kMinBlocksPerSplit = 2;
 constexpr int64_t kMaxSplits = 128;
-inline int choose_splits(int64_t ctas, int64_t key_blocks, int64_t slots) {
+inline int choose_splits(int64_t ctas, int64_t key_blocks, int64_t sms, int64_t slots) {
   if (ctas <= 0 || ctas >= slots) return 1;
   int64_t root = 1;  // ceil(sqrt(key_blocks))
   while (root * root < key_blocks) ++root;
   int64_t s = slots / ctas;
+  if (2 * ctas > sms && key_blocks < 16 * s) s = 1;
   if (s > 2 * root) s = 2 * root;
   if (s > key_blocks / kMinBlocksPerSplit) s = key_blocks / kMinBlocksPerSplit;
   if (s > kMaxSplits) s = kMaxSplits;

@@ -132,7 +132,7 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
     static std::atomic<int> per_sm_cache[2][4][kMaxCachedDevices];
     const int per_sm =
         decode_ctas_per_sm(kernel, Tr::kNThreads, Tr::kSmemBytes, per_sm_cache[general][addr]);
-    splits = choose_splits(ctas, decode_key_blocks(p, Tr::Bc),
+    splits = choose_splits(ctas, decode_key_blocks(p, Tr::Bc), opt.num_sms,
                            static_cast<int64_t>(opt.num_sms) * per_sm);
   }
   if (ctas * splits > cuda::kMaxGridBlocks) return cudaErrorInvalidConfiguration;
