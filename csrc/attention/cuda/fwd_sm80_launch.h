@@ -68,10 +68,8 @@ template <class Tr>
 cudaError_t launch_fwd(const AttentionParams& params, const FwdLaunchFlags& flags,
                        const DeviceWorkspace& ws, cudaStream_t stream) {
   AttentionParams p = params;
-  if (!has_sequence_extents(p)) {
-    const cudaError_t err = classify_mask_tiles<typename Tr::Elem>(p, Tr::Br, Tr::Bc, ws, stream);
-    if (err != cudaSuccess) return err;
-  }
+  const cudaError_t err = classify_mask_tiles<typename Tr::Elem>(p, Tr::Br, Tr::Bc, ws, stream);
+  if (err != cudaSuccess) return err;
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
   auto kernel = pick_fwd_kernel<Tr, false>(general, kv_addressing(p, Tr::Bc));
   return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads, Tr::kSmemBytes, stream, p,

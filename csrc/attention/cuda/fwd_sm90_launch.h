@@ -55,10 +55,8 @@ template <class Tr>
 cudaError_t launch_fwd(const AttentionParams& params, const FwdLaunchFlags& flags,
                        const DeviceWorkspace& ws, cudaStream_t stream) {
   AttentionParams p = params;
-  if (!has_sequence_extents(p)) {
-    const cudaError_t err = classify_mask_tiles<typename Tr::Elem>(p, Tr::Br, Tr::Bc, ws, stream);
-    if (err != cudaSuccess) return err;
-  }
+  const cudaError_t err = classify_mask_tiles<typename Tr::Elem>(p, Tr::Br, Tr::Bc, ws, stream);
+  if (err != cudaSuccess) return err;
   // Plain: raw scores, scale folded into exp2. Bool mask alone: the same plus prefetched mask bits.
   // Anything else (additive masks, soft cap, scale <= 0): every score transformed.
   const bool transformed = p.softcap > 0.0 || !(p.scale > 0.0);

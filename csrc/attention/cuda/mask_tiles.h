@@ -17,6 +17,7 @@
 #include "../../common/cuda/kernel_launch.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "../attention_params.h"
+#include "../sequence_view.h"
 #include "entry_points.h"
 #include "visibility.h"
 
@@ -83,13 +84,14 @@ __global__ void __launch_bounds__(256)
 }
 
 // Classifies p's mask at Br x Bc into workspace memory and points p.mask_tiles at it (no-op
-// without a mask tensor, or on an empty call). Elem: the additive mask's storage when
-// kAdditive. One read of the mask per call, in the launch's stream order.
+// without a mask tensor, for per-sequence extents, which take none, or on an empty call). Elem:
+// the additive mask's storage when kAdditive. One read of the mask per call, in the launch's
+// stream order.
 template <typename Elem>
 cudaError_t classify_mask_tiles(AttentionParams& p, int Br, int Bc, const DeviceWorkspace& ws,
                                 cudaStream_t stream) {
-  if (p.mask_kind == MaskKind::kNone || p.seqlen_q == 0 || p.seqlen_k == 0 || p.batch == 0 ||
-      p.heads_q == 0 || ws.alloc == nullptr)
+  if (p.mask_kind == MaskKind::kNone || has_sequence_extents(p) || p.seqlen_q == 0 ||
+      p.seqlen_k == 0 || p.batch == 0 || p.heads_q == 0 || ws.alloc == nullptr)
     return cudaSuccess;
   const int64_t q_blocks = (p.seqlen_q + Br - 1) / Br, k_blocks = (p.seqlen_k + Bc - 1) / Bc;
   const int64_t mask_batches = p.mask_batch_stride != 0 ? p.batch : 1;
