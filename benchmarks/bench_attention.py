@@ -10,10 +10,11 @@ Shapes follow the FlashAttention papers: B * N = 16k tokens, H * D = 2048, N = 5
 for fwdbwd), D = 64 / 128 / 256, causal and not; plus grouped-query prefill (32 query heads on 8
 key/value heads), bool key-padding masks, fp32, and (forward only) decode shapes (Nq = 1 .. 16
 against long KV caches); --kinds masks (not a default) adds the other mask tensors of MASK_KINDS:
-transformers' causal + padding mask, bool and additive, and a dense additive bias. Every contender runs on the same inputs and is first checked against
-flashmod's result (outputs, and in fwdbwd the gradients); then all are timed in the same interleaved
-rounds (benchmarks/harness.py: median after warm-up, device time) and their peak memory measured.
-FLOPs: forward 4 * B * Hq * Nq * Nk * D, halved for causal; forward + backward 3.5x that (the
+transformers' causal + padding mask, bool and additive, and a dense additive bias. Every contender
+runs on the same inputs and is first checked against flashmod's result (outputs, and in fwdbwd the
+gradients); then all are timed in the same interleaved rounds (benchmarks/harness.py: median after
+warm-up, device time) and their peak memory measured. FLOPs: forward 4 * B * Hq * Nq * Nk * D,
+halved for causal (and for causal mask tensors); forward + backward 3.5x that (the
 backward's five matmuls, one of them the recomputed scores, against the forward's two). Prints a
 table and writes <out-dir>/<tag>.json and <tag>.png.
 """
