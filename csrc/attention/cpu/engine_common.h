@@ -6,9 +6,8 @@
 //   splat(s)           s in every lane
 //   fmadd(a, b, c)     a * b + c, fused where the ISA has FMA
 //   load_f16(p)        kW fp16 values at p widened to fp32
-//   load_u8(p)         kW bytes at p widened to int32 (GCC's __builtin_convertvector does it byte
-//   by
-//                      byte through scalar registers)
+//   load_u8(p)         kW bytes at p widened to int32 (GCC's __builtin_convertvector widens
+//                      them one by one through scalar registers)
 //   hsum(v)            the sum of v's lanes
 //   kNV, kKB, kRB, kDV register tile shapes: Br = kNV * kW queries per task, kKB keys per
 //                      score register block, kRB rows x kDV vectors per P V register block

@@ -185,6 +185,17 @@ constexpr int64_t mask_elem_bytes(MaskKind kind) {
                                        : 4;
 }
 
+// Calls f with the mask kind as a compile-time constant (std::integral_constant), for a mask
+// tensor.
+template <class F>
+decltype(auto) with_mask_kind(MaskKind kind, F&& f) {
+  switch (kind) {
+    case MaskKind::kBool: return f(std::integral_constant<MaskKind, MaskKind::kBool>{});
+    case MaskKind::kAdditive: return f(std::integral_constant<MaskKind, MaskKind::kAdditive>{});
+    default: return f(std::integral_constant<MaskKind, MaskKind::kAdditiveF32>{});
+  }
+}
+
 // kW mask entries of one query row from `m` on, as additive biases: the entry itself, -inf where
 // it hides its key (bool false, or an additive value at or below kHidingMaskValue). NaN stays NaN.
 template <class Tag, MaskKind kKind>
@@ -283,21 +294,23 @@ bool mask_hides_tile_of(const AttentionParams& p, const uint8_t* base, int64_t r
   return true;
 }
 
+// The mask's first entry for queries from r0 and keys from c0 of (b, h), as bytes.
+template <class Tag>
+const uint8_t* mask_tile_base(const AttentionParams& p, int64_t b, int64_t h, int64_t r0,
+                              int64_t c0) {
+  return static_cast<const uint8_t*>(p.mask) + (b * p.mask_batch_stride + h * p.mask_head_stride +
+                                                r0 * p.mask_row_stride + c0 * p.mask_col_stride) *
+                                                   mask_elem_bytes<Tag>(p.mask_kind);
+}
+
 template <class Tag>
 bool mask_hides_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t r0, int64_t rows,
                      int64_t c0, int64_t cols) {
-  const int64_t elem_bytes = mask_elem_bytes<Tag>(p.mask_kind);
-  const auto* base =
-      static_cast<const uint8_t*>(p.mask) + (b * p.mask_batch_stride + h * p.mask_head_stride +
-                                             r0 * p.mask_row_stride + c0 * p.mask_col_stride) *
-                                                elem_bytes;
-  switch (p.mask_kind) {
-    case MaskKind::kNone: return false;
-    case MaskKind::kBool: return mask_hides_tile_of<Tag, MaskKind::kBool>(p, base, rows, cols);
-    case MaskKind::kAdditive:
-      return mask_hides_tile_of<Tag, MaskKind::kAdditive>(p, base, rows, cols);
-    default: return mask_hides_tile_of<Tag, MaskKind::kAdditiveF32>(p, base, rows, cols);
-  }
+  if (p.mask_kind == MaskKind::kNone) return false;
+  const uint8_t* base = mask_tile_base<Tag>(p, b, h, r0, c0);
+  return with_mask_kind(p.mask_kind, [&](auto kind) {
+    return mask_hides_tile_of<Tag, decltype(kind)::value>(p, base, rows, cols);
+  });
 }
 
 // Applies the soft cap, the mask and the window to S_ij (before the softmax) for queries
@@ -312,9 +325,7 @@ void transform_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t r0
   if (p.mask_kind != MaskKind::kNone) {
     const int64_t elem_bytes = mask_elem_bytes<Tag>(p.mask_kind);
     const int64_t rs = p.mask_row_stride, cs = p.mask_col_stride;
-    const auto* base =
-        static_cast<const uint8_t*>(p.mask) +
-        (b * p.mask_batch_stride + h * p.mask_head_stride + r0 * rs + c0 * cs) * elem_bytes;
+    const uint8_t* base = mask_tile_base<Tag>(p, b, h, r0, c0);
     if (rs == 0) {
       // One mask row for every query (a key-padding mask): one bias per key, splat over the lanes.
       for (int64_t c = 0; c < cols; ++c) {
@@ -323,15 +334,9 @@ void transform_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t r0
         for (int64_t i = 0; i < kBr; i += kW) storeu(s + i, add_biases(loadu(s + i), bias));
       }
     } else if (cs == 1) {
-      switch (p.mask_kind) {
-        case MaskKind::kBool:
-          add_mask_rows_transposed<Tag, MaskKind::kBool>(p, base, rows, cols, S);
-          break;
-        case MaskKind::kAdditive:
-          add_mask_rows_transposed<Tag, MaskKind::kAdditive>(p, base, rows, cols, S);
-          break;
-        default: add_mask_rows_transposed<Tag, MaskKind::kAdditiveF32>(p, base, rows, cols, S);
-      }
+      with_mask_kind(p.mask_kind, [&](auto kind) {
+        add_mask_rows_transposed<Tag, decltype(kind)::value>(p, base, rows, cols, S);
+      });
     } else {
       for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* row = base + r * rs * elem_bytes;

@@ -11,7 +11,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <utility>  // std::make_integer_sequence (a type: no code to merge across ISAs)
+#include <type_traits>  // std::integral_constant (types only: no code to merge across ISAs)
+#include <utility>      // std::make_integer_sequence
 
 #include "../../common/additive_mask.h"
 #include "../attention_params.h"
