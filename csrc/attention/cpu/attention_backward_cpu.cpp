@@ -165,15 +165,28 @@ acc_t mask_value(const AttentionParams& p, int64_t off) {
 }
 
 // Adds mask entries m[0], m[cs], ... (cols of them) into a row of logits, -inf where an entry
-// hides its key. One loop per storage type with the test a select, so that GCC vectorizes the
-// contiguous case (the per-element kind test kept it scalar: fwd+bwd with a dense additive mask
-// ran at 0.66-0.81x torch).
+// hides its key (bool false, additive values at or below kHidingMaskValue). Both sides are computed
+// and then selected, so that GCC vectorizes the contiguous loop: as branches (GCC keeps them for a
+// float compare that may trap, hence no-trapping-math here; nothing reads the FP exception flags),
+// a mask with a quarter of its keys hidden at random took the backward from 36 to 60 ms (fp32,
+// AVX2, B 2, H 8, N 1024, D 64).
 template <typename acc_t, typename Stored>
-void add_mask_row(acc_t* s_row, const Stored* m, int64_t cs, int64_t cols) {
+__attribute__((optimize("no-trapping-math"))) void add_mask_row(acc_t* __restrict s_row,
+                                                                const Stored* __restrict m,
+                                                                int64_t cs, int64_t cols) {
+  constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  auto masked = [](acc_t s, Stored entry) {
+    if constexpr (std::is_same_v<Stored, uint8_t>) {
+      return entry != 0 ? s : neg_inf;
+    } else {
+      const acc_t value = static_cast<acc_t>(entry), sum = s + value;
+      return value <= static_cast<acc_t>(kHidingMaskValue) ? neg_inf : sum;
+    }
+  };
   if (cs == 1) {
-    for (int64_t c = 0; c < cols; ++c) add_mask_value(s_row[c], static_cast<acc_t>(m[c]));
+    for (int64_t c = 0; c < cols; ++c) s_row[c] = masked(s_row[c], m[c]);
   } else {
-    for (int64_t c = 0; c < cols; ++c) add_mask_value(s_row[c], static_cast<acc_t>(m[c * cs]));
+    for (int64_t c = 0; c < cols; ++c) s_row[c] = masked(s_row[c], m[c * cs]);
   }
 }
 
@@ -326,10 +339,7 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
       const int64_t base = b * p.mask_batch_stride + h * p.mask_head_stride +
                            i * p.mask_row_stride + c0 * p.mask_col_stride;
       if (p.mask_kind == MaskKind::kBool) {
-        const auto* m = static_cast<const uint8_t*>(p.mask) + base;
-        for (int64_t c = 0; c < cols; ++c) {
-          if (!m[c * p.mask_col_stride]) s_row[c] = neg_inf;
-        }
+        add_mask_row(s_row, static_cast<const uint8_t*>(p.mask) + base, p.mask_col_stride, cols);
       } else if (p.mask_kind == MaskKind::kAdditiveF32) {
         add_mask_row(s_row, static_cast<const float*>(p.mask) + base, p.mask_col_stride, cols);
       } else {
