@@ -9,6 +9,7 @@ determinism and stream/graph behaviour; on an H100/H200 every tile variant of th
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -16,6 +17,9 @@ import pytest
 import torch
 from test_attention_backward import check_grads, fused_grads, make_inputs, reference_grads
 from tolerance import assert_within_rule
+
+import flashmod
+from flashmod.reference import attention_reference
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -255,6 +259,69 @@ def test_key_padding_masks(dtype, d, opts):
     q, k, v = make_inputs(DEV, dtype, 6, 4, 2, 203, 333, d)
     for mask in key_padding_masks(6, 333):
         check_grads(q, k, v, attn_mask=mask, **opts)
+
+
+def tiled_masks(b, hq, nq, nk, dtype):
+    """Masks whose 64 x 64 tiles are hidden, clear and mixed (the classes the fp16/bf16 backward
+    skips, runs plainly and masks element by element: bwd_common.h, bwd_tile_class): transformers'
+    causal + padding mask as (B, 1, Nq, Nk) bool, with right- and left-padded rows (a left-padded
+    row's first queries see no key) and one row padded to nothing; the same as an additive 0 / -inf
+    mask in q's dtype; a per-head causal band of its own width per head in fp32 (a GQA group's
+    heads hide different tiles, so the dK/dV walk takes their union); and packed documents
+    (block-diagonal, causal inside): hidden tiles inside the walks."""
+    lengths = torch.tensor([nk, nk - 70, 0, 130], device=DEV)[:b]
+    keys = torch.arange(nk, device=DEV)
+    right = keys[None] < lengths[:, None]
+    left = keys[None] >= (nk - lengths)[:, None]
+    padding = torch.where((torch.arange(b, device=DEV) % 2 == 1)[:, None], left, right)
+    causal = torch.ones(nq, nk, dtype=torch.bool, device=DEV).tril(nk - nq)
+    hf = causal & padding[:, None, None, :]
+    additive = torch.zeros(hf.shape, device=DEV, dtype=dtype).masked_fill(~hf, -math.inf)
+    rows = torch.arange(nq, device=DEV)[:, None] + (nk - nq)
+    width = torch.tensor([40, 100, 200, 1000][:hq] + [64] * max(0, hq - 4), device=DEV)
+    band = torch.where((rows >= keys) & (rows - keys < width[:, None, None]), 0.0, -math.inf)
+    band = (band + 0.5 * torch.randn(b, hq, nq, nk, device=DEV)).float()
+    doc_q, doc_k = (rows - (nk - nq)) * 3 // nq, keys * 3 // nk  # 3 documents
+    documents = (doc_q == doc_k) & causal
+    return {"hf_bool": hf, "hf_additive": additive, "per_head_band": band, "documents": documents}
+
+
+# Every other mask goes through tile classes (classify_bwd_mask_tiles): hidden tiles at the ends
+# of a walk are dropped, clear ones take the plain code, mixed ones the per-element mask; on the
+# Hopper kernels (64, 128, 256) and the portable ones (96; and all four with FLASHMOD_DISABLE_SM90),
+# whose tiles (32 to 128 rows) nest in the classified 64 x 64 ones or tile them.
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
+def test_tile_classified_masks(monkeypatch, dtype, d, portable):
+    if portable:
+        monkeypatch.setenv("FLASHMOD_DISABLE_SM90", "1")
+    q, k, v = make_inputs(DEV, dtype, 4, 4, 2, 203, 333, d)
+    for name, mask in tiled_masks(4, 4, 203, 333, dtype).items():
+        check_grads(q, k, v, attn_mask=mask)
+        if name == "hf_bool":  # with a soft cap the clear tiles stay on the general code
+            check_grads(q, k, v, attn_mask=mask, softcap=5.0)
+
+
+def test_tile_classified_mask_gradient():
+    """A learned bias under a causal + padding staircase: the mask's own gradient (written by the
+    general code, never the plain one) stays within the rule, and is 0 on the hidden tiles the
+    kernels skip."""
+    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 333, 128)
+    hf = tiled_masks(2, 4, 203, 333, torch.float32)["hf_bool"]
+    bias = torch.randn(2, 4, 203, 333, device=DEV).masked_fill(~hf, -math.inf)
+    grad_out = torch.randn_like(q)
+
+    def mask_grad(fn, *inputs, **kw):
+        m = inputs[3].clone().requires_grad_()
+        out = fn(*inputs[:3], m, **kw)[0]
+        return torch.autograd.grad(out, m, grad_out.to(out.dtype))[0]
+
+    ours = mask_grad(flashmod.attention_op, q, k, v, bias)
+    truth = mask_grad(attention_reference, q.double(), k.double(), v.double(), bias.double())
+    plain = mask_grad(attention_reference, q, k, v, bias.bfloat16(), compute_dtype=torch.bfloat16)
+    assert_within_rule(ours, truth, plain, 3, torch.bfloat16, "mask grad")
+    assert (ours[~hf.expand_as(ours)] == 0).all()
 
 
 @pytest.mark.parametrize("d", [64, 128])

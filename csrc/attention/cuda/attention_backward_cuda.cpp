@@ -74,7 +74,7 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
                                "flashmod.attention_backward: unsupported head_dim ", p.head_dim));
     }
   } else {
-    err = run_fused_backward("flashmod.attention_backward", p, st, stream);
+    err = run_fused_backward("flashmod.attention_backward", p, st, q.options(), stream);
   }
   TORCH_CHECK(err != cudaErrorInvalidConfiguration,
               flashmod::error_message("flashmod.attention_backward: too many blocks for one launch "

@@ -35,10 +35,18 @@ inline int bwd_sm90_tile(const char* op, int d) {
   return tile;
 }
 
-// dK/dV and dQ of fp16/bf16 p (st filled by run_attention_bwd_rowstats). An unsupported head dim
-// is an error naming op.
-inline cudaError_t run_fused_backward(const char* op, const AttentionBwdParams& p,
-                                      const cuda_kernels::BwdRowStats& st, cudaStream_t stream) {
+// dK/dV and dQ of fp16/bf16 p (st filled by run_attention_bwd_rowstats), after classifying a mask
+// tensor's tiles (cuda_kernels::classify_bwd_mask_tiles; FLASHMOD_BWD_MASK_TILES=0 leaves every
+// tile mixed) in workspace memory of `options`' device. An unsupported head dim is an error naming
+// op.
+inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
+                                      const cuda_kernels::BwdRowStats& st,
+                                      const at::TensorOptions& options, cudaStream_t stream) {
+  TorchWorkspace workspace(options, stream);  // the mask's tile classes, freed in stream order
+  if (p.mask_kind != MaskKind::kNone && env_flag("FLASHMOD_BWD_MASK_TILES", true)) {
+    const cudaError_t err = cuda_kernels::classify_bwd_mask_tiles(p, workspace.hooks(), stream);
+    if (err != cudaSuccess) return err;
+  }
   const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim);
   const int key = cuda_kernels::variant_key(p.dtype, padded);
   if (sm90_kernels_usable() && cuda_kernels::has_head_dim(cuda_kernels::kBwdSm90HeadDims, padded)) {

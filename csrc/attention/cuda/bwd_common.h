@@ -13,6 +13,7 @@
 #include "../../common/cuda/ptx_ops.h"
 #include "../attention_params.h"
 #include "entry_points.h"
+#include "mask_tiles.h"
 #include "score_mask.h"
 #include "visibility.h"
 
@@ -24,11 +25,12 @@ namespace flashmod::cuda_kernels {
 enum BwdWhich : int { kBwdBoth = 0, kBwdOnlyDV = 1, kBwdOnlyDK = 2, kBwdPair = 3 };
 
 // The Hopper kernels' general variants with a fast path of their own (a variant each, so that the
-// general variant keeps its registers): kBwdFastKeyMask, bool key-padding masks (vote_key_mask
-// below); kBwdFastSoftcap, a soft cap without a mask tensor: key blocks the window shows whole
+// general variant keeps its registers): kBwdFastMask, mask tensors whose blocks the kernel can
+// tell apart (bool key-padding masks by vote_key_mask, any other by the pre-pass's tile classes;
+// both below); kBwdFastSoftcap, a soft cap without a mask tensor: key blocks the window shows whole
 // compute the capped probabilities and their derivative without the per-element window and mask
 // tests (capped_prob).
-enum BwdFastPath : int { kBwdFastNone = 0, kBwdFastKeyMask = 1, kBwdFastSoftcap = 2 };
+enum BwdFastPath : int { kBwdFastNone = 0, kBwdFastMask = 1, kBwdFastSoftcap = 2 };
 
 // P of one element of a block the window shows whole (score qk, lse2 of its query row), and in
 // dcap the soft cap's derivative there: general_prob without the window and mask tests.
@@ -93,40 +95,111 @@ __device__ __forceinline__ KeyMaskVote vote_key_mask(const AttentionParams& p, i
   return {__any_sync(0xffffffffu, any) != 0, __all_sync(0xffffffffu, all) != 0};
 }
 
-// Whether a general-path block may take the plain elementwise code: a key-padding mask that shows
-// every key of the block, and nothing else that makes the path general (a soft cap, a scale <= 0,
-// a wanted mask gradient).
-__device__ __forceinline__ bool keys_take_plain_path(const AttentionBwdParams& p,
-                                                     const KeyMaskVote& v) {
-  return v.all && p.softcap == 0.0 && p.scale > 0.0 && p.grad_mask == nullptr;
+// Whether a block whose mask entries all show their keys and add nothing may take the plain
+// elementwise code: nothing else makes the path general (a soft cap, a scale <= 0, a wanted mask
+// gradient).
+__device__ __forceinline__ bool plain_transform_allowed(const AttentionBwdParams& p) {
+  return p.softcap == 0.0 && p.scale > 0.0 && p.grad_mask == nullptr;
 }
 
-// plain_keys of a dQ CTA's key block n (the dK/dV kernels take theirs from bwd_key_block).
-// kKeyMask: the kernel variant handles key-padding masks this way (a general variant without
-// per-sequence extents, which masks never come with).
-template <bool kGeneral, bool kKeyMask, int Bc>
-__device__ __forceinline__ bool plain_key_block(const AttentionBwdParams& p, int64_t b, int n) {
-  static_assert(!kKeyMask || kGeneral, "masks take the general variants");
-  if constexpr (kKeyMask) {
-    if (!key_padding_mask(p)) return false;
-    const int count = static_cast<int>(p.seqlen_k) - n * Bc;
-    return keys_take_plain_path(p, vote_key_mask<Bc>(p, b, n * Bc, count));
+// Any other mask tensor (an additive one, a per-query bool one: transformers' causal + padding
+// masks) through the classes of its kBwdMaskTile x kBwdMaskTile tiles (mask_tiles.h), classified
+// once per call (classify_bwd_mask_tiles), whatever the kernel's own tile: a kernel tile of whole
+// classified tiles is hidden or clear where all of them are, one inside a classified tile takes
+// its class (a mixed class only means the per-element mask). Blocks hidden at either end of a
+// walk are skipped, clear ones take the plain code, mixed ones the per-element mask; without the
+// classes every block of such a mask ran the per-element path, the causal half included.
+__device__ __forceinline__ bool bwd_mask_tiles(const AttentionParams& p) {
+  return p.mask_tiles != nullptr && p.mask_tiles_br == kBwdMaskTile &&
+         p.mask_tiles_bc == kBwdMaskTile;
+}
+
+// The class (MaskTileClass) of the Br x Bc tile at query block m, key block n of (b, h): rows and
+// keys past the sequence's end do not count (none of them: hidden).
+template <int Br, int Bc>
+__device__ __forceinline__ int bwd_tile_class(const AttentionParams& p, int64_t b, int64_t h, int m,
+                                              int n) {
+  constexpr int G = kBwdMaskTile;
+  static_assert(Br % G == 0 || G % Br == 0, "query tiles nest in the classified ones or tile them");
+  static_assert(Bc % G == 0 || G % Bc == 0, "key tiles nest in the classified ones or tile them");
+  constexpr int kRows = Br > G ? Br / G : 1, kCols = Bc > G ? Bc / G : 1;
+  const uint8_t* classes =
+      p.mask_tiles + b * p.mask_tiles_batch_stride + h * p.mask_tiles_head_stride;
+  const int k_blocks = static_cast<int>(p.mask_tiles_k_blocks);
+  const int q_blocks = static_cast<int>((p.seqlen_q + G - 1) / G);
+  const int r0 = m * Br / G, c0 = n * Bc / G;
+  int cls = -1;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      if (r0 + r >= q_blocks || c0 + c >= k_blocks) continue;
+      const int x = classes[static_cast<int64_t>(r0 + r) * k_blocks + c0 + c];
+      cls = cls < 0 || cls == x ? x : kTileMixed;
+    }
+  return cls < 0 ? kTileHidden : cls;
+}
+
+// [lo, hi) without the indices at either end where shown(i) is false (empty if it holds nowhere):
+// 32 candidates per round, one per lane, so the class reads overlap (a causal mask hides half of
+// a walk: one read at a time cost microseconds a CTA). Warp-uniform: every lane calls it.
+template <class Shown>
+__device__ __forceinline__ void trim_hidden_ends(int& lo, int& hi, Shown shown) {
+  const int lane = threadIdx.x % 32;
+  for (int base = lo;; base += 32) {
+    if (base >= hi) {
+      lo = hi;
+      return;
+    }
+    const unsigned vote = __ballot_sync(0xffffffffu, base + lane < hi && shown(base + lane));
+    if (vote != 0) {
+      lo = base + __ffs(vote) - 1;
+      break;
+    }
+  }
+  for (int top = hi - 1;; top -= 32) {  // shown(lo) holds: stops by lo
+    const unsigned vote = __ballot_sync(0xffffffffu, top - lane >= lo && shown(top - lane));
+    if (vote != 0) {
+      hi = top - (__ffs(vote) - 1) + 1;
+      return;
+    }
+  }
+}
+
+// plain_keys of a dQ CTA's key block n (the dK/dV kernels take theirs from bwd_key_block and
+// step_plain_keys), for the CTA's query block m of head h. kMask: the kernel variant tells mask
+// blocks apart (a general variant without per-sequence extents, which masks never come with).
+template <bool kGeneral, bool kMask, int Br, int Bc>
+__device__ __forceinline__ bool plain_key_block(const AttentionBwdParams& p, int64_t b, int64_t h,
+                                                int m, int n) {
+  static_assert(!kMask || kGeneral, "masks take the general variants");
+  if constexpr (kMask) {
+    if (!plain_transform_allowed(p)) return false;
+    if (key_padding_mask(p)) {
+      const int count = static_cast<int>(p.seqlen_k) - n * Bc;
+      return vote_key_mask<Bc>(p, b, n * Bc, count).all;
+    }
+    return bwd_mask_tiles(p) && bwd_tile_class<Br, Bc>(p, b, h, m, n) == kTileClear;
   }
   return !kGeneral;
 }
 
-// A dQ CTA's key blocks (kKeyMask, with a key-padding mask) without the ones at either end of the
-// range that show no key (a padded row's tail, or its head under left padding); hidden blocks
-// inside the range still run, their scores hidden by the per-element mask.
-template <bool kKeyMask, int Bc>
+// A dQ CTA's key blocks (kMask) without the ones at either end of the range that its query block
+// m of head h sees no key of (a padded row's tail, or its head under left padding; a causal
+// mask's upper triangle); hidden blocks inside the range still run, their scores hidden by the
+// per-element mask.
+template <bool kMask, int Br, int Bc>
 __device__ __forceinline__ KeyBlockRange shown_key_blocks(const AttentionParams& p, int64_t b,
-                                                          KeyBlockRange range) {
-  if constexpr (kKeyMask) {
+                                                          int64_t h, int m, KeyBlockRange range) {
+  if constexpr (kMask) {
     if (key_padding_mask(p)) {
       const int Nk = static_cast<int>(p.seqlen_k);
       auto shown = [&](int n) { return vote_key_mask<Bc>(p, b, n * Bc, Nk - n * Bc).any; };
       while (range.lo < range.hi && !shown(range.lo)) ++range.lo;
       while (range.hi > range.lo && !shown(range.hi - 1)) --range.hi;
+    } else if (bwd_mask_tiles(p)) {
+      trim_hidden_ends(range.lo, range.hi,
+                       [&](int n) { return bwd_tile_class<Br, Bc>(p, b, h, m, n) != kTileHidden; });
     }
   }
   return range;
@@ -298,17 +371,20 @@ __device__ __forceinline__ BwdKeyRows<Elem> key_rows(const AttentionBwdParams& p
 // sequence's view): keys [k0, k0 + rows_k) (rows_k <= 0: the block lies past the sequence's keys,
 // nothing to write), the (head, query block) steps that see them, and their K/V rows. Shared by
 // the three dK/dV kernels.
-// kKeyMask (plain_key_block) with a key-padding mask: a block none of whose keys the mask shows
-// gets no step (its gradients are zero), and plain_keys says whether the steps may take the plain
-// elementwise code (false in the other general variants, true in the plain ones).
+// kMask (plain_key_block): with a key-padding mask, a block none of whose keys the mask shows
+// gets no step (its gradients are zero), and plain_keys says whether every step may take the plain
+// elementwise code (false in the other general variants, true in the plain ones); with tile
+// classes, the query blocks at either end whose tiles are hidden for every head of the group get
+// no step, and step_plain_keys decides per step.
 template <typename Elem>
 struct BwdKeyBlock {
   int k0, rows_k;
   BwdSteps walk;
   BwdKeyRows<Elem> kv;
   bool plain_keys;
+  bool tile_classes;  // the steps take their plain_keys from the mask's tile classes
 };
-template <typename Elem, int Br, int Bc, bool kGeneral, bool kKeyMask>
+template <typename Elem, int Br, int Bc, bool kGeneral, bool kMask>
 __device__ __forceinline__ BwdKeyBlock<Elem> bwd_key_block(const AttentionBwdParams& p,
                                                            const BwdKeyTile& tile) {
   BwdKeyBlock<Elem> kb;
@@ -316,18 +392,46 @@ __device__ __forceinline__ BwdKeyBlock<Elem> bwd_key_block(const AttentionBwdPar
   kb.rows_k = min(Bc, static_cast<int>(p.seqlen_k) - kb.k0);
   // The group from p's own heads: the kernels' copy from the parameter bank gave ptxas a
   // worse allocation (sm_90a varlen dK/dV, D = 64: 208 bytes of spill instead of 4).
-  kb.walk = bwd_steps<Br>(p, kb.k0, kb.rows_k, p.heads_q / p.heads_kv);
+  const int64_t group = p.heads_q / p.heads_kv;
+  kb.walk = bwd_steps<Br>(p, kb.k0, kb.rows_k, group);
   kb.kv = key_rows<Elem>(p, tile.b, tile.hk, kb.k0);
-  static_assert(!kKeyMask || kGeneral, "masks take the general variants");
+  static_assert(!kMask || kGeneral, "masks take the general variants");
   kb.plain_keys = !kGeneral;
-  if constexpr (kKeyMask) {
+  kb.tile_classes = false;
+  if constexpr (kMask) {
     if (key_padding_mask(p)) {
       const KeyMaskVote vote = vote_key_mask<Bc>(p, tile.b, kb.k0, kb.rows_k);
       if (!vote.any) kb.walk.steps = 0;
-      kb.plain_keys = keys_take_plain_path(p, vote);
+      kb.plain_keys = vote.all && plain_transform_allowed(p);
+    } else if (bwd_mask_tiles(p)) {
+      // A mask shared by the heads (head stride 0) has one class per tile for all of them.
+      const int heads = p.mask_tiles_head_stride != 0 ? static_cast<int>(group) : 1;
+      int lo = kb.walk.m_lo, hi = kb.walk.m_lo + kb.walk.m_count;
+      trim_hidden_ends(lo, hi, [&](int m) {
+        bool shown = false;
+        for (int i = 0; i < heads && !shown; ++i)
+          shown = bwd_tile_class<Br, Bc>(p, tile.b, tile.hk * group + i, m, tile.n_block) !=
+                  kTileHidden;
+        return shown;
+      });
+      kb.walk.m_lo = lo;
+      kb.walk.m_count = hi - lo;
+      kb.walk.steps = static_cast<int>(group) * kb.walk.m_count;
+      kb.tile_classes = plain_transform_allowed(p);
     }
   }
   return kb;
+}
+
+// plain_keys of the dK/dV step over query block m of head h (kb's key block n_block).
+template <int Br, int Bc, bool kMask, typename Elem>
+__device__ __forceinline__ bool step_plain_keys(const BwdKeyBlock<Elem>& kb,
+                                                const AttentionParams& p, int64_t b, int64_t h,
+                                                int m, int n_block) {
+  if constexpr (kMask) {
+    if (kb.tile_classes) return bwd_tile_class<Br, Bc>(p, b, h, m, n_block) == kTileClear;
+  }
+  return kb.plain_keys;
 }
 
 // Starts copying a step's Br rows of lse2 and delta (query rows [r0, r0 + Br) of head h) into

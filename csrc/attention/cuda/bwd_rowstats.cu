@@ -1,4 +1,5 @@
-// The backward's row statistics (entry_points.h: BwdRowStats).
+// The backward's pre-passes: its row statistics (entry_points.h: BwdRowStats) and a mask
+// tensor's tile classes (classify_bwd_mask_tiles).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math_constants.h>
@@ -7,6 +8,8 @@
 #include "../../common/cuda/ptx_ops.h"
 #include "../sequence_view.h"
 #include "entry_points.h"
+#include "mask_tiles.h"
+#include "visibility.h"
 
 namespace flashmod::cuda_kernels {
 namespace {
@@ -86,6 +89,18 @@ cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdRow
       return cuda::launch_kernel(extents ? attention_bwd_rowstats_kernel<__half, true>
                                          : attention_bwd_rowstats_kernel<__half, false>,
                                  blocks, kThreads, 0, stream, p, st);
+  }
+}
+
+cudaError_t classify_bwd_mask_tiles(AttentionBwdParams& p, const DeviceWorkspace& ws,
+                                    cudaStream_t stream) {
+  if (key_padding_mask(p)) return cudaSuccess;
+  switch (p.dtype) {
+    case ScalarKind::kBFloat16:
+      return classify_mask_tiles<__nv_bfloat16>(p, kBwdMaskTile, kBwdMaskTile, ws, stream);
+    case ScalarKind::kFloat16:
+      return classify_mask_tiles<__half>(p, kBwdMaskTile, kBwdMaskTile, ws, stream);
+    default: return cudaSuccess;
   }
 }
 

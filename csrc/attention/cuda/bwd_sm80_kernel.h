@@ -78,9 +78,9 @@ template <class Tr, bool kGeneral, int kWhich, bool kExtents>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_bwd_dkdv_kernel(const AttentionBwdParams params, const BwdRowStats st) {
   using Elem = typename Tr::Elem;
-  // Key-padding masks skip hidden key blocks (bwd_common.h: vote_key_mask); masks come without
-  // per-sequence extents.
-  constexpr bool kKeyMask = kGeneral && !kExtents;
+  // Mask tensors skip the blocks they hide at a walk's ends and run the ones they show whole the
+  // plain way (bwd_common.h: kBwdFastMask); masks come without per-sequence extents.
+  constexpr bool kMask = kGeneral && !kExtents;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
   constexpr bool kDV = kWhich != kBwdOnlyDK, kDK = kWhich != kBwdOnlyDV;
@@ -101,8 +101,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int64_t hk = tile.hk, b = tile.b;
   const int64_t group = params.heads_q / params.heads_kv;
   const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
-  const BwdKeyBlock<Elem> kb = bwd_key_block < Elem, Br, Bc, kGeneral,
-                          kGeneral && !kExtents > (p, tile);
+  const BwdKeyBlock<Elem> kb = bwd_key_block<Elem, Br, Bc, kGeneral, kMask>(p, tile);
   if (kExtents && kb.rows_k <= 0) return;  // past this sequence's keys: no rows of it to write
   const int k0 = kb.k0, rows_k = kb.rows_k;
   const int m_lo = kb.walk.m_lo, m_count = kb.walk.m_count, steps = kb.walk.steps;
@@ -156,7 +155,10 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     cp_async_commit();
 
     const int64_t h = hk * group + s / m_count;
-    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+    const int m = m_lo + s % m_count;
+    const int64_t r0 = static_cast<int64_t>(m) * Br;
+    // Read ahead of the products, so a tile class's latency hides under them.
+    const bool plain_keys = step_plain_keys<Br, Bc, kMask>(kb, p, b, h, m, n_block);
     const uint32_t sQ_addr = sQ_addr0 + stage * kQStageBytes;
     const uint32_t sdO_addr = sdO_addr0 + stage * kQStageBytes;
     const float* lse2 = sL + stage * Br;
@@ -171,9 +173,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
       mma_abt<Elem, D, NT>(dPt, sV_addr, a_off, sdO_addr, b_off);
     }
 
-    transposed_probs_and_grads<Elem, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
-                                                    n_block, Bc, key_row, lse2, delta, t,
-                                                    kb.plain_keys);
+    transposed_probs_and_grads<Elem, kGeneral, kDK>(
+        St, dPt, p, tf, scale_log2, b, h, r0, Br, n_block, Bc, key_row, lse2, delta, t, plain_keys);
 
     if constexpr (kDV) mma_ab<Elem, D, NT>(dV, St, sdO_addr, bt_off);
     if constexpr (kDK) mma_ab<Elem, D, NT>(dK, dPt, sQ_addr, bt_off);
@@ -188,9 +189,9 @@ template <class Tr, bool kGeneral, bool kExtents>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_bwd_dq_kernel(const AttentionBwdParams params, const BwdRowStats st) {
   using Elem = typename Tr::Elem;
-  // Key-padding masks skip hidden key blocks (bwd_common.h: vote_key_mask); masks come without
-  // per-sequence extents.
-  constexpr bool kKeyMask = kGeneral && !kExtents;
+  // Mask tensors skip the blocks they hide at a walk's ends and run the ones they show whole the
+  // plain way (bwd_common.h: kBwdFastMask); masks come without per-sequence extents.
+  constexpr bool kMask = kGeneral && !kExtents;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
 
@@ -215,8 +216,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   }
   const int rows_q = min(Br, Nq - r0);
 
-  const KeyBlockRange range =
-      shown_key_blocks<kKeyMask, Bc>(p, b, key_block_range(p, r0, r0 + rows_q - 1, Bc));
+  const KeyBlockRange range = shown_key_blocks<kMask, Br, Bc>(
+      p, b, h, m_block, key_block_range(p, r0, r0 + rows_q - 1, Bc));
 
   const BwdQueryRows<Elem> gq = query_rows<Elem>(p, b, h, r0);
   const BwdKeyRows<Elem> gkv = key_rows<Elem>(p, b, hk, 0);
@@ -270,7 +271,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     mma_abt<Elem, D, NT>(S, sQ_addr, a_off, sK_addr, b_off);
     mma_abt<Elem, D, NT>(dP, sdO_addr, a_off, sV_addr, b_off);
 
-    const bool plain_keys = plain_key_block < kGeneral, kGeneral && !kExtents, Bc > (p, b, n);
+    const bool plain_keys = plain_key_block<kGeneral, kMask, Br, Bc>(p, b, h, m_block, n);
 
     probs_and_grads<Elem, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t, plain_keys);
     mma_ab<Elem, D, NT>(dQ, S, sK_addr, bt_off);

@@ -142,9 +142,10 @@ __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
 // kExtents (both kernels): a variable-length call, as in the portable kernels
 // (bwd_sm80_kernel.h): the grid comes from the upper bounds in params, each CTA works on
 // sequence_view_bwd(params, b), and one whose block lies past its sequence's end exits.
-// kFast (both kernels, a general variant; bwd_common.h: BwdFastPath): kBwdFastKeyMask, bool
-// key-padding masks skip the key blocks they hide and run the blocks they show whole through the
-// plain elementwise code (vote_key_mask); kBwdFastSoftcap, soft-capped scores without a mask
+// kFast (both kernels, a general variant; bwd_common.h: BwdFastPath): kBwdFastMask, mask tensors
+// skip the blocks they hide at either end of a walk and run the blocks they show whole, adding
+// nothing, through the plain elementwise code (key-padding masks by vote_key_mask, others by
+// their tile classes); kBwdFastSoftcap, soft-capped scores without a mask
 // tensor take capped_prob in blocks the window shows whole. Variants of their own: in the general
 // variant that the other soft caps and masks take, the plain code beside the general one spilled
 // (D = 128 dK/dV: 20 bytes; soft-capped fwd+bwd 3-4 % slower).
@@ -158,7 +159,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   static_assert((kWhich == kBwdPair) == (kThreads == 256 && Bc == 64),
                 "kBwdPair: two warpgroups over the same 64 keys");
   static_assert(kFast == kBwdFastNone || (kGeneral && !kExtents), "fast paths: general, dense");
-  constexpr bool kKeyMask = kFast == kBwdFastKeyMask, kSoftcapFast = kFast == kBwdFastSoftcap;
+  constexpr bool kMask = kFast == kBwdFastMask, kSoftcapFast = kFast == kBwdFastSoftcap;
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
@@ -178,7 +179,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const int64_t hk = tile.hk, b = tile.b;
   const int64_t group = params.heads_q / params.heads_kv;
   const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
-  const BwdKeyBlock<Elem> kb = bwd_key_block<Elem, Br, Bc, kGeneral, kKeyMask>(p, tile);
+  const BwdKeyBlock<Elem> kb = bwd_key_block<Elem, Br, Bc, kGeneral, kMask>(p, tile);
   if (kExtents && kb.rows_k <= 0) return;  // past this sequence's keys: no rows of it to write
   const int k0 = kb.k0, rows_k = kb.rows_k;
   const int m_lo = kb.walk.m_lo, m_count = kb.walk.m_count, steps = kb.walk.steps;
@@ -262,8 +263,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       cp_async_commit();
 
       const int64_t h = hk * group + step.head;
-      const int64_t r0 = static_cast<int64_t>(m_lo + step.block) * Br;
+      const int m = m_lo + step.block;
+      const int64_t r0 = static_cast<int64_t>(m) * Br;
       step.next(m_count);
+      // Read ahead of the products, so a tile class's latency hides under them.
+      const bool plain_keys = step_plain_keys<Br, Bc, kMask>(kb, p, b, h, m, n_block);
       const uint32_t stage_bytes = stage * Tr::kSmemQ;
 
       float St[NT][4], dPt[kDK ? NT : 1][4];
@@ -293,7 +297,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
       transposed_probs_and_grads<Elem, kGeneral, kDK, kSoftcapFast>(
           St, dPt, p, tf, scale_log2, b, h, r0, Br, n_block, Bc, key_row, sL + stage * Br,
-          sDelta + stage * Br, t, kb.plain_keys);
+          sDelta + stage * Br, t, plain_keys);
       // The gradient products take P^T / dS^T packed from the score registers. Those and the
       // accumulators were written by ordinary instructions: pinned ahead of the fence that orders
       // them before the wgmma reads.
@@ -357,7 +361,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dq_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st) {
 #ifdef FLASHMOD_SM90A
   static_assert(kFast == kBwdFastNone || (kGeneral && !kExtents), "fast paths: general, dense");
-  constexpr bool kKeyMask = kFast == kBwdFastKeyMask, kSoftcapFast = kFast == kBwdFastSoftcap;
+  constexpr bool kMask = kFast == kBwdFastMask, kSoftcapFast = kFast == kBwdFastSoftcap;
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
@@ -383,8 +387,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     if (r0 >= Nq) return;  // past this sequence's queries: no rows of it to write
   }
   const int rows_q = min(Br, Nq - r0);
-  const KeyBlockRange range =
-      shown_key_blocks<kKeyMask, Bc>(p, b, key_block_range(p, r0, r0 + rows_q - 1, Bc));
+  const KeyBlockRange range = shown_key_blocks<kMask, Br, Bc>(
+      p, b, h, tile.m_block, key_block_range(p, r0, r0 + rows_q - 1, Bc));
 
   const BwdQueryRows<Elem> gq = query_rows<Elem>(p, b, h, r0);
   const BwdKeyRows<Elem> gkv = key_rows<Elem>(p, b, hk, 0);
@@ -439,7 +443,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     }
     cp_async_commit();
     // Read ahead of the products, so the mask bytes' latency hides under them.
-    const bool plain_keys = plain_key_block<kGeneral, kKeyMask, Bc>(p, b, n);
+    const bool plain_keys = plain_key_block<kGeneral, kMask, Br, Bc>(p, b, h, tile.m_block, n);
 
     const uint32_t stage_bytes = stage * Tr::kSmemKV;
     float S[NT][4], dP[NT][4];

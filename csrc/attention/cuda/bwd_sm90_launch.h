@@ -83,12 +83,13 @@ cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStat
     }
   }
   if (!general) return sm90::launch_bwd<Elem, kHeadDim, kTile, false, false>(p, st, stream);
-  // Key-padding masks and mask-free soft caps on variants of their own (bwd_sm90_kernel.h: kFast),
-  // built for the default tile of each head dim only, as the variable-length ones; other tiles
-  // take them the general way.
+  // Masks whose blocks the kernels can tell apart (key-padding ones; others with tile classes)
+  // and mask-free soft caps on variants of their own (bwd_sm90_kernel.h: kFast), built for the
+  // default tile of each head dim only, as the variable-length ones; other tiles take them the
+  // general way.
   if constexpr (kBwdSm90Tiles[kTile].is_default) {
-    if (key_padding_mask(p))
-      return sm90::launch_bwd<Elem, kHeadDim, kTile, true, false, kBwdFastKeyMask>(p, st, stream);
+    if (key_padding_mask(p) || p.mask_tiles != nullptr)
+      return sm90::launch_bwd<Elem, kHeadDim, kTile, true, false, kBwdFastMask>(p, st, stream);
     if (p.mask_kind == MaskKind::kNone && p.softcap > 0.0 && p.scale > 0.0)
       return sm90::launch_bwd<Elem, kHeadDim, kTile, true, false, kBwdFastSoftcap>(p, st, stream);
   }

@@ -267,8 +267,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int64_t h = tile.h, b = tile.b, hk = tile.hk;
   const int r0 = tile.m_block * Br, rows_q = min(Br, Nq - r0);
 
-  const KeyBlockRange range =
-      shown_key_blocks<kGeneral, Bc>(p, b, key_block_range(p, r0, r0 + rows_q - 1, Bc));
+  const KeyBlockRange range = shown_key_blocks<kGeneral, Br, Bc>(
+      p, b, h, tile.m_block, key_block_range(p, r0, r0 + rows_q - 1, Bc));
 
   const BwdQueryRows<float> gq = query_rows<float>(p, b, h, r0);
   const BwdKeyRows<float> gkv = key_rows<float>(p, b, hk, 0);
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     float S[NT][4], dP[NT][4];
     tf32_bwd::product_abt<D, NT>(S, sQ_warp, sK_s, g, t);
     tf32_bwd::product_abt<D, NT>(dP, sdO_warp, sV + stage * kStream, g, t);
-    const bool plain_keys = plain_key_block<kGeneral, kGeneral, Bc>(p, b, n);
+    const bool plain_keys = plain_key_block<kGeneral, kGeneral, Br, Bc>(p, b, h, tile.m_block, n);
     probs_and_grads<float, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t, plain_keys);
     tf32_bwd::product_ab<D, NT>(dQ, S, sK_s, g, t);
   }

@@ -129,6 +129,14 @@ struct BwdRowStats {
 cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdRowStats& st,
                                        cudaStream_t stream);
 
+// The classes of p's mask tensor at kBwdMaskTile x kBwdMaskTile tiles (mask_tiles.h) for the
+// fp16/bf16 backward kernels (bwd_common.h: bwd_tile_class), in workspace memory that p.mask_tiles
+// then points at; nothing for calls without a mask, for key-padding masks (the kernels vote on
+// their key blocks), for fp32 and where ws cannot allocate (p unchanged: every tile then mixed).
+constexpr int kBwdMaskTile = 64;
+cudaError_t classify_bwd_mask_tiles(AttentionBwdParams& p, const DeviceWorkspace& ws,
+                                    cudaStream_t stream);
+
 // dK/dV and dQ of fp16/bf16 attention on tensor cores for head_dim <= kHeadDim, after
 // run_attention_bwd_rowstats filled st. Same alignment rules as run_attention_fwd (q, k, v,
 // grad_out rows 16-byte aligned). p.grad_mask, when set, must be zero-filled by the caller.
