@@ -92,8 +92,8 @@ def flashmod_cpu_kernel() -> str:
     avx2 = {"avx2", "fma", "f16c"} <= flags
     avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
     forced = os.environ.get("FLASHMOD_CPU_ISA", "")
-    if avx512 and not forced and {"amx_tile", "amx_bf16"} <= flags and _amx_granted():
-        return "amx (bf16 on AMX tiles, other dtypes on AVX-512)"
+    if avx512 and forced in ("", "amx") and {"amx_tile", "amx_bf16"} <= flags and _amx_granted():
+        return "amx (bf16: forward on AMX tiles, backward products on MKL's bf16 GEMM; other dtypes on AVX-512)"
     if avx512 and forced in ("", "avx512"):
         return "avx512"
     if avx2 and forced in ("", "avx512", "avx2"):

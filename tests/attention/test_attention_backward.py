@@ -124,6 +124,28 @@ def test_fully_masked_rows_give_zero_gradients(device):
     assert torch.all(dq[:, :, 5] == 0) and torch.all(dq[:, :, 40:] == 0)
 
 
+@pytest.mark.parametrize(
+    "opts",
+    [{"is_causal": True}, {"softcap": 5.0}, {"window_left": 40, "window_right": 3}, {"scale": 0.3}],
+    ids=["causal", "softcap", "window", "scale"],
+)
+def test_bf16_strided_gqa(device, opts):
+    """bf16 on the paths bf16 alone takes: on CPUs with AMX the products run on the tensors as they
+    are (MKL's bf16 GEMM reading (B, S, H, D) rows and a row-strided slice in place; P and dS rounded
+    to bf16), elsewhere on rows widened once per task. GQA 6/2, odd lengths and head dim, one row
+    whose every key is masked, a one-query call; within the rule like every other dtype."""
+    q = torch.randn(2, 203, 6, 59, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(2, 333, 2, 59, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.randn(2, 2, 333, 80, device=device, dtype=torch.bfloat16)[..., 3:62]
+    dq, dk, _ = check_grads(q, k, v, **opts)
+    assert dq.stride() == q.stride() and dk.stride() == k.stride()
+    mask = torch.rand(203, 333, device=device) > 0.3
+    mask[17] = False
+    dq, _, _ = check_grads(q, k, v, attn_mask=mask, **opts)
+    assert torch.all(dq[:, :, 17] == 0)
+    check_grads(q[:, :, :1], k, v, **opts)
+
+
 def test_strided_inputs(device):
     """(B, S, H, D) buffers viewed as (B, H, S, D), and a row-strided slice of a wider head_dim."""
     q = torch.randn(2, 113, 4, 64, device=device).transpose(1, 2)

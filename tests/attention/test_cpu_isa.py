@@ -112,3 +112,13 @@ def test_malformed_flag_is_an_error_naming_the_knob(value, repo_root):
     env.pop("FLASHMOD_CPU_ISA", None)
     out = attention_error(env, 3, repo_root)
     assert f"FLASHMOD_CPU_DECODE must be 0 or 1, got '{value}'" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+def test_forced_instruction_set_backward(isa, repo_root):
+    """The backward picks its elementwise code, and for bf16 its products, by the forward's kernel:
+    under each forced one the bf16 cases run on rows widened to fp32 (on AMX CPUs the default runs
+    them on MKL's bf16 GEMM instead)."""
+    backward_tests = str(Path(__file__).with_name("test_attention_backward.py"))
+    run_pytest_under_isa(isa, repo_root, backward_tests, "-k", "cpu and bf16_strided_gqa")

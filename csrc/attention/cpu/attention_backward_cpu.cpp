@@ -3,7 +3,9 @@
 //   dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = P o (dP - D_i) (o (1 - tanh^2) under softcap),
 //   dK_j += scale dS^T Q_i,  dQ_i += scale dS K_j.
 // The five products run through the BLAS torch links (sgemm_/dgemm_, single-threaded inside
-// at::parallel_for); the elementwise part is plain loops the compiler vectorizes.
+// at::parallel_for), bf16 on AMX CPUs through MKL's bf16 GEMM on the tensors themselves (P and dS
+// rounded to bf16 for the gradient products, as the GPU kernels have them); the elementwise part
+// is plain loops the compiler vectorizes.
 //
 // Determinism: one task is one (batch, kv head) and owns every gradient row it writes (dQ of its
 // query group, dK/dV of its kv head), walking key blocks, q heads and query blocks in a fixed
@@ -13,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -45,6 +48,14 @@ void dgemm_(const char* transa, const char* transb, const int* m, const int* n, 
             const double* beta, double* c, const int* ldc);
 }
 
+// MKL's bf16 x bf16 -> fp32 GEMM (CBLAS, LP64), which runs on the AMX tile unit where the CPU has
+// one. x86 torch wheels carry MKL inside libtorch_cpu; the weak reference is null where the BLAS
+// torch links has no such routine, and the bf16 backward then takes the fp32 products.
+extern "C" void cblas_gemm_bf16bf16f32(int layout, int trans_a, int trans_b, int m, int n, int k,
+                                       float alpha, const uint16_t* a, int lda, const uint16_t* b,
+                                       int ldb, float beta, float* c, int ldc)
+    __attribute__((weak));
+
 // BLAS wants ld >= the stored row length even when a single row makes the stride irrelevant.
 int leading_dim(int64_t ld, int64_t rows, int64_t row_length) {
   return static_cast<int>(rows == 1 ? std::max<int64_t>(row_length, 1) : ld);
@@ -65,6 +76,52 @@ void matmul_rows(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, ac
     sgemm_(&tb, &ta, &ni, &mi, &ki, &alpha, b, &ldb_i, a, &lda_i, &beta, c, &ldc_i);
   } else {
     dgemm_(&tb, &ta, &ni, &mi, &ki, &alpha, b, &ldb_i, a, &lda_i, &beta, c, &ldc_i);
+  }
+}
+
+// matmul_rows on bf16 operands with an fp32 C (cblas_gemm_bf16bf16f32, row-major itself).
+void matmul_rows_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                      const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ldb,
+                      float beta, float* c, int64_t ldc) {
+  constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+  const int lda_i = trans_a ? leading_dim(lda, k, m) : leading_dim(lda, m, k);
+  const int ldb_i = trans_b ? leading_dim(ldb, n, k) : leading_dim(ldb, k, n);
+  cblas_gemm_bf16bf16f32(
+      kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans, static_cast<int>(m),
+      static_cast<int>(n), static_cast<int>(k), alpha, reinterpret_cast<const uint16_t*>(a), lda_i,
+      reinterpret_cast<const uint16_t*>(b), ldb_i, beta, c, leading_dim(ldc, m, n));
+}
+
+// The products of a tile on whichever operands the task holds: acc_t rows (BLAS) or bf16 ones.
+template <typename acc_t>
+void tile_product(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, acc_t alpha,
+                  const acc_t* a, int64_t lda, const acc_t* b, int64_t ldb, acc_t beta, acc_t* c,
+                  int64_t ldc) {
+  matmul_rows<acc_t>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+void tile_product(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                  const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ldb,
+                  float beta, float* c, int64_t ldc) {
+  matmul_rows_bf16(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+// rows x cols of fp32 src (row stride src_ld) rounded to bf16 (nearest even; NaN stays NaN) into
+// dst (row stride dst_ld): P and dS as operands of the bf16 gradient products. Only called where
+// the CPU has AMX, hence AVX512-BF16.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void round_rows_to_bf16(
+    const float* src, int64_t src_ld, c10::BFloat16* dst, int64_t dst_ld, int64_t rows,
+    int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* in = src + r * src_ld;
+    auto* out = reinterpret_cast<uint16_t*>(dst + r * dst_ld);
+    for (int64_t c = 0; c < cols; c += 32) {
+      const int64_t left = cols - c;
+      const __mmask32 keep = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+      const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep), in + c);
+      const __m512 hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep >> 16), in + c + 16);
+      const __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);
+      _mm512_mask_storeu_epi16(out + c, keep, (__m512i)both);
+    }
   }
 }
 
@@ -147,7 +204,7 @@ FLASHMOD_BWD_ROW_OPS(baseline, , 4)
 const RowOps& row_ops() {
   static const RowOps ops = [] {
     const std::string isa = cpu::kernel_name();
-    if (isa == "amx" || isa == "avx512") return RowOps{probs_avx512, dscores_avx512};
+    if (isa == cpu::kAmxKernelName || isa == "avx512") return RowOps{probs_avx512, dscores_avx512};
     if (isa == "avx2") return RowOps{probs_avx2, dscores_avx2};
     return RowOps{probs_baseline, dscores_baseline};
   }();
@@ -214,10 +271,14 @@ bool mask_hides_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t r0,
   return true;
 }
 
-// scalar_t: the tensors' element type; acc_t: the math (float, double for fp64).
-template <typename scalar_t, typename acc_t>
+// scalar_t: the tensors' element type; acc_t: the math (float, double for fp64); op_t: the
+// products' operands, acc_t (fp16/bf16 rows widened once per task) or bf16 (the tensors as they
+// are; bf16_products_usable).
+template <typename scalar_t, typename acc_t, typename op_t = acc_t>
 void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
   constexpr bool widen = !std::is_same_v<scalar_t, acc_t>;
+  constexpr bool widen_operands = widen && std::is_same_v<op_t, acc_t>;
+  static_assert(std::is_same_v<op_t, acc_t> || std::is_same_v<op_t, scalar_t>, "operands");
   const int64_t D = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
@@ -225,11 +286,18 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
 
   // Tile buffers first, then (fp16/bf16) the widened rows of this task.
-  acc_t* S = scratch;          // Br x Bc: scores, then P
-  acc_t* dP = S + Br * Bc;     // Br x Bc: dP, then dS
-  acc_t* T = dP + Br * Bc;     // Br x Bc: tanh(raw / softcap)
-  acc_t* delta = T + Br * Bc;  // group x Nq: rowsum(dO o O) - grad_lse
+  acc_t* S = scratch;            // Br x Bc: scores, then P
+  acc_t* dP = S + Br * Bc;       // Br x Bc: dP, then dS
+  acc_t* T = dP + Br * Bc;       // Br x Bc: tanh(raw / softcap)
+  acc_t* low = T + Br * Bc;      // Br x Bc floats: P and dS in bf16 (op_t = bf16)
+  acc_t* delta = low + Br * Bc;  // group x Nq: rowsum(dO o O) - grad_lse
   acc_t* wide = delta + group * Nq;
+  // P and dS as the gradient products' A operand: the acc_t tiles, or their bf16 copies.
+  op_t* low_p = reinterpret_cast<op_t*>(low);
+  op_t* low_ds = low_p + Br * Bc;
+  const op_t* P_op = low_p;
+  const op_t* dS_op = low_ds;
+  if constexpr (std::is_same_v<op_t, acc_t>) P_op = S, dS_op = dP;
 
   const auto* Kin = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const auto* Vin = static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
@@ -269,14 +337,15 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
     }
   }
 
-  // Rows in acc_t. fp32/fp64 read the tensors in place and accumulate into the (zeroed)
-  // gradients; fp16/bf16 widen the task's rows once and narrow the gradients at the end.
-  const acc_t *K, *V;
+  // Operand rows in op_t, gradients in acc_t. fp32/fp64 read the tensors in place and accumulate
+  // into the (zeroed) gradients; fp16/bf16 accumulate into acc_t rows narrowed at the end, and
+  // widen the task's operand rows once unless the products take them as they are.
+  const op_t *K, *V;
   acc_t *dK, *dV;
   int64_t k_ld, v_ld, dk_ld, dv_ld, q_ld, do_ld, dq_ld;
-  std::vector<const acc_t*> Q(group), dO(group);
+  std::vector<const op_t*> Q(group), dO(group);
   std::vector<acc_t*> dQ(group);
-  if constexpr (widen) {
+  if constexpr (widen_operands) {
     auto widen_rows = [&](const scalar_t* src, int64_t stride, int64_t rows, acc_t* dst) {
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t d = 0; d < D; ++d) dst[r * D + d] = static_cast<acc_t>(src[r * stride + d]);
@@ -305,6 +374,18 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
       std::fill(dQ[g], dQ[g] + Nq * D, acc_t(0));
     }
     k_ld = v_ld = dk_ld = dv_ld = q_ld = do_ld = dq_ld = D;
+  } else if constexpr (widen) {  // bf16 operands in place, acc_t gradients
+    K = Kin, V = Vin;
+    dK = wide, dV = wide + Nk * D;
+    std::fill(dK, dK + 2 * Nk * D, acc_t(0));
+    for (int64_t g = 0; g < group; ++g) {
+      Q[g] = q_of(g), dO[g] = dout_of(g);
+      dQ[g] = wide + (2 * Nk + g * Nq) * D;
+      std::fill(dQ[g], dQ[g] + Nq * D, acc_t(0));
+    }
+    k_ld = p.k_row_stride, v_ld = p.v_row_stride, q_ld = p.q_row_stride;
+    do_ld = p.grad_out_row_stride;
+    dk_ld = dv_ld = dq_ld = D;
   } else {
     K = reinterpret_cast<const acc_t*>(Kin), V = reinterpret_cast<const acc_t*>(Vin);
     dK = reinterpret_cast<acc_t*>(dKout), dV = reinterpret_cast<acc_t*>(dVout);
@@ -377,8 +458,8 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
         std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
         for (int64_t c0 = 0; c0 < Nk; c0 += Bc) {
           const int64_t cols = std::min(Bc, Nk - c0);
-          matmul_rows<acc_t>(false, true, rows, cols, D, acc_t(1), Q[g] + r0 * q_ld, q_ld,
-                             K + c0 * k_ld, k_ld, acc_t(0), S, Bc);
+          tile_product(false, true, rows, cols, D, acc_t(1), Q[g] + r0 * q_ld, q_ld, K + c0 * k_ld,
+                       k_ld, acc_t(0), S, Bc);
           for (int64_t r = 0; r < rows; ++r) {
             acc_t* s_row = S + r * Bc;
             logits_row(h, r0 + r, c0, cols, false, s_row, T + r * Bc);
@@ -416,10 +497,10 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
       for (int64_t r0 = i_begin; r0 < i_end; r0 += Br) {
         const int64_t rows = std::min(Br, i_end - r0), r_last = r0 + rows - 1;
         if (mask_hides_tile<acc_t, scalar_t>(p, b, h, r0, rows, c0, cols)) continue;
-        const acc_t* Qi = Q[g] + r0 * q_ld;
-        const acc_t* dOi = dO[g] + r0 * do_ld;
-        matmul_rows<acc_t>(false, true, rows, cols, D, acc_t(1), Qi, q_ld, K + c0 * k_ld, k_ld,
-                           acc_t(0), S, Bc);
+        const op_t* Qi = Q[g] + r0 * q_ld;
+        const op_t* dOi = dO[g] + r0 * do_ld;
+        tile_product(false, true, rows, cols, D, acc_t(1), Qi, q_ld, K + c0 * k_ld, k_ld, acc_t(0),
+                     S, Bc);
         // Window bounds only matter on tiles the diagonal band's edges cross.
         const bool window_inside =
             (wr < 0 || c_last <= r0 + off + wr) && (wl < 0 || c0 >= r_last + off - wl);
@@ -445,10 +526,12 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
             for (int64_t c = 0; c < cols; ++c) s_row[c] = std::exp(s_row[c] - row_lse);
           }
         }
-        matmul_rows<acc_t>(true, false, cols, D, rows, acc_t(1), S, Bc, dOi, do_ld, acc_t(1),
-                           dV + c0 * dv_ld, dv_ld);
-        matmul_rows<acc_t>(false, true, rows, cols, D, acc_t(1), dOi, do_ld, V + c0 * v_ld, v_ld,
-                           acc_t(0), dP, Bc);
+        if constexpr (!std::is_same_v<op_t, acc_t>)
+          round_rows_to_bf16(S, Bc, low_p, Bc, rows, cols);
+        tile_product(true, false, cols, D, rows, acc_t(1), P_op, Bc, dOi, do_ld, acc_t(1),
+                     dV + c0 * dv_ld, dv_ld);
+        tile_product(false, true, rows, cols, D, acc_t(1), dOi, do_ld, V + c0 * v_ld, v_ld,
+                     acc_t(0), dP, Bc);
         for (int64_t r = 0; r < rows; ++r) {
           const acc_t d_i = delta[g * Nq + r0 + r];
           acc_t* dp_row = dP + r * Bc;
@@ -471,10 +554,12 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
             for (int64_t c = 0; c < cols; ++c) dp_row[c] *= acc_t(1) - t_row[c] * t_row[c];
           }
         }
-        matmul_rows<acc_t>(true, false, cols, D, rows, scale, dP, Bc, Qi, q_ld, acc_t(1),
-                           dK + c0 * dk_ld, dk_ld);
-        matmul_rows<acc_t>(false, false, rows, D, cols, scale, dP, Bc, K + c0 * k_ld, k_ld,
-                           acc_t(1), dQ[g] + r0 * dq_ld, dq_ld);
+        if constexpr (!std::is_same_v<op_t, acc_t>)
+          round_rows_to_bf16(dP, Bc, low_ds, Bc, rows, cols);
+        tile_product(true, false, cols, D, rows, scale, dS_op, Bc, Qi, q_ld, acc_t(1),
+                     dK + c0 * dk_ld, dk_ld);
+        tile_product(false, false, rows, D, cols, scale, dS_op, Bc, K + c0 * k_ld, k_ld, acc_t(1),
+                     dQ[g] + r0 * dq_ld, dq_ld);
       }
     }
   }
@@ -491,18 +576,29 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
   }
 }
 
-template <typename scalar_t, typename acc_t>
+// Whether bf16 calls take their products on bf16 operands (MKL's bf16 GEMM): where the forward
+// runs its AMX kernel (FLASHMOD_CPU_ISA included), so MKL has the tile unit too and the rounding of
+// P and dS is AVX512-BF16's. H = 8, N = 2048, D = 128, 2 threads: see the design log.
+bool bf16_products_usable() {
+  static const bool usable =
+      cblas_gemm_bf16bf16f32 != nullptr && std::string(cpu::kernel_name()) == cpu::kAmxKernelName;
+  return usable;
+}
+
+template <typename scalar_t, typename acc_t, typename op_t = acc_t>
 void backward_cpu(const AttentionBwdParams& p) {
-  constexpr int64_t kTileElements = 3 * Br * Bc;
+  constexpr int64_t kTileElements = 4 * Br * Bc;
   const int64_t group = p.heads_q / p.heads_kv;
   int64_t per_task = kTileElements + group * p.seqlen_q;
-  if (!std::is_same_v<scalar_t, acc_t>) {
-    per_task += (4 * p.seqlen_k + 3 * group * p.seqlen_q) * p.head_dim;
+  if constexpr (std::is_same_v<op_t, acc_t> && !std::is_same_v<scalar_t, acc_t>) {
+    per_task += (4 * p.seqlen_k + 3 * group * p.seqlen_q) * p.head_dim;  // operands widened
+  } else if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+    per_task += (2 * p.seqlen_k + group * p.seqlen_q) * p.head_dim;  // the gradients only
   }
   at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> scratch(per_task);
     for (int64_t task = begin; task < end; ++task)
-      backward_task<scalar_t, acc_t>(p, task, scratch.data());
+      backward_task<scalar_t, acc_t, op_t>(p, task, scratch.data());
   });
 }
 
@@ -533,7 +629,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
       case ScalarKind::kFloat32: backward_cpu<float, float>(p); break;
       case ScalarKind::kFloat64: backward_cpu<double, double>(p); break;
       case ScalarKind::kFloat16: backward_cpu<c10::Half, float>(p); break;
-      case ScalarKind::kBFloat16: backward_cpu<c10::BFloat16, float>(p); break;
+      case ScalarKind::kBFloat16:
+        if (bf16_products_usable()) {
+          backward_cpu<c10::BFloat16, float, c10::BFloat16>(p);
+        } else {
+          backward_cpu<c10::BFloat16, float>(p);
+        }
+        break;
     }
   }
   return {prepared.grad_q, prepared.grad_k, prepared.grad_v, prepared.grad_mask};

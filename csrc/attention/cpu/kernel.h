@@ -50,9 +50,11 @@ inline int64_t decode_partial_floats(const AttentionParams& p, int64_t splits) {
   return p.batch * p.heads_kv * decode_chunks(p) * splits * kDecodeRows * (p.head_dim + 2);
 }
 
-// The name of the forward kernel in use ("amx", "avx512", "avx2" or "baseline"): the backward
-// (attention_backward_cpu.cpp) picks its elementwise code by it. Defined in attention_cpu.cpp.
+// The name of the forward kernel in use (kAmxKernelName, "avx512", "avx2" or "baseline"): the
+// backward (attention_backward_cpu.cpp) picks its elementwise code and its products by it.
+// Defined in attention_cpu.cpp.
 const char* kernel_name();
+inline constexpr char kAmxKernelName[] = "amx-bf16";
 
 extern const KernelInfo kAmxBf16Kernel;  // bf16 on AMX tiles, the rest as kAvx512Kernel
 extern const KernelInfo kAvx512Kernel;

@@ -307,7 +307,7 @@ void run_tasks_amx(const AttentionParams& p, const void* shared, int64_t begin, 
 
 }  // namespace
 
-const KernelInfo kAmxBf16Kernel = {"amx-bf16",     kBr, &shared_bytes_amx, &prepare_amx,
+const KernelInfo kAmxBf16Kernel = {kAmxKernelName, kBr, &shared_bytes_amx, &prepare_amx,
                                    &run_tasks_amx, kW,  &decode_run,       &decode_merge};
 
 }  // namespace flashmod::cpu
