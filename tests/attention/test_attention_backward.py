@@ -175,8 +175,9 @@ def test_gradcheck(device):
     assert torch.autograd.gradcheck(out_only, (q, k, v))
 
 
-def test_deterministic(device):
-    q, k, v = make_inputs(device, torch.float32, 2, 8, 2, 203, 260, 64)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_deterministic(device, dtype):
+    q, k, v = make_inputs(device, dtype, 2, 8, 2, 203, 260, 64)
     grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 8, 203, device=device)
     first = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
     second = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
@@ -184,10 +185,15 @@ def test_deterministic(device):
         assert torch.equal(a, b)
 
 
-def test_same_at_any_thread_count():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 4, 2, 150), (1, 2, 1, 300)], ids=["tasks", "one_task"])
+def test_same_at_any_thread_count(dtype, shape):
+    """Bitwise the same on 1 thread and on torch's own count: more tasks than threads, and one task
+    (run inline, where the BLAS could thread itself)."""
+    b, hq, hkv, n = shape
     threads = torch.get_num_threads()
-    q, k, v = make_inputs("cpu", torch.float32, 2, 4, 2, 150, 150, 64)
-    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 4, 150)
+    q, k, v = make_inputs("cpu", dtype, b, hq, hkv, n, n, 64)
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(b, hq, n)
     try:
         torch.set_num_threads(1)
         single = fused_grads(q, k, v, grad_out, grad_lse)
