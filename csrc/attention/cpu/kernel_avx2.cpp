@@ -26,6 +26,10 @@ inline float hsum(vf v) {
 inline vf load_f16(const uint16_t* p) {
   return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+inline vf load_bf16(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (vf)_mm256_slli_epi32(wide, 16);
+}
 inline vi load_u8(const uint8_t* p) {
   return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }

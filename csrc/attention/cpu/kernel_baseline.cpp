@@ -26,6 +26,12 @@ inline vf load_f16(const uint16_t* p) {
   }
   return v;
 }
+inline vf load_bf16(const uint16_t* p) {
+  using vh = uint16_t __attribute__((vector_size(kW * 2)));
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vi) << 16);
+}
 inline vi load_u8(const uint8_t* p) {
   return vi{p[0], p[1], p[2], p[3]};
 }

@@ -21,6 +21,11 @@ inline float hsum(vf v) {
 inline vf load_f16(const uint16_t* p) {
   return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline vf load_bf16(const uint16_t* p) {
+  const __m512i wide =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (vf)_mm512_slli_epi32(wide, 16);
+}
 inline vi load_u8(const uint8_t* p) {
   return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
