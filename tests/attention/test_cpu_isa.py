@@ -62,7 +62,9 @@ def test_forced_instruction_set_matches_reference(isa, repo_root):
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_forced_instruction_set_backward_matches_reference(isa, repo_root):
-    """The fused backward's elementwise rows are compiled per ISA and follow FLASHMOD_CPU_ISA."""
+    """The fused backward's elementwise rows are compiled per ISA and follow FLASHMOD_CPU_ISA, and so
+    does its choice of products: under a forced ISA bf16 takes rows widened to fp32, where an AMX CPU's
+    default takes MKL's bf16 GEMM (test_bf16_strided_gqa among them)."""
     run_pytest_under_isa(isa, repo_root, str(Path(__file__).with_name("test_attention_backward.py")))
 
 
@@ -112,13 +114,3 @@ def test_malformed_flag_is_an_error_naming_the_knob(value, repo_root):
     env.pop("FLASHMOD_CPU_ISA", None)
     out = attention_error(env, 3, repo_root)
     assert f"FLASHMOD_CPU_DECODE must be 0 or 1, got '{value}'" in out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
-def test_forced_instruction_set_backward(isa, repo_root):
-    """The backward picks its elementwise code, and for bf16 its products, by the forward's kernel:
-    under each forced one the bf16 cases run on rows widened to fp32 (on AMX CPUs the default runs
-    them on MKL's bf16 GEMM instead)."""
-    backward_tests = str(Path(__file__).with_name("test_attention_backward.py"))
-    run_pytest_under_isa(isa, repo_root, backward_tests, "-k", "cpu and bf16_strided_gqa")
