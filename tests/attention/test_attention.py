@@ -191,7 +191,10 @@ def test_float_mask_all_neg_inf_row(device):
 def layout_mask(kind, layout, b, hq, nq, nk, dtype, device):
     """A mask of `kind` (bool / additive in q's dtype / additive fp32) in `layout`: "rows" (B, 1, Nq, Nk)
     contiguous, "keys-strided" the same values stored transposed (key stride != 1), "key-padding"
-    (B, 1, 1, Nk) expanded over the queries (row stride 0), "per-head" (B, Hq, Nq, Nk). Its hidden
+    (B, 1, 1, Nk) expanded over the queries (row stride 0), "per-head" (B, Hq, Nq, Nk), "padded-rows"
+    (B, 1, Nq, Nk) sliced from rows padded to a multiple of 16 keys and 16 more (16-byte aligned row
+    starts whatever Nk is: the Hopper kernel stages such additive masks in shared memory, the last
+    chunk of a row partly). Its hidden
     entries form a causal staircase plus random holes in the second half of the keys, so tiles are
     hidden, clear or mixed; additive masks hide with -inf, finfo(fp32).min and -1e9 alike."""
     rows = 1 if layout == "key-padding" else nq
@@ -213,6 +216,10 @@ def layout_mask(kind, layout, b, hq, nq, nk, dtype, device):
         mask = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
     if layout == "key-padding":
         mask = mask.expand(b, 1, nq, nk)
+    if layout == "padded-rows":
+        padded = torch.full((*mask.shape[:-1], (nk + 15) // 16 * 16 + 16), 7, dtype=mask.dtype, device=device)
+        padded[..., :nk] = mask
+        mask = padded[..., :nk]
     return mask
 
 
@@ -222,8 +229,12 @@ def layout_mask(kind, layout, b, hq, nq, nk, dtype, device):
     + [(torch.bfloat16, "additive"), (torch.bfloat16, "additive-fp32")],
     ids=str,
 )
-@pytest.mark.parametrize("layout", ["rows", "keys-strided", "key-padding", "per-head"])
-@pytest.mark.parametrize("nq,nk,d", [(113, 203, 59), (203, 113, 40), (300, 300, 64), (130, 257, 96), (500, 700, 128)])
+@pytest.mark.parametrize("layout", ["rows", "keys-strided", "key-padding", "per-head", "padded-rows"])
+@pytest.mark.parametrize(
+    "nq,nk,d",
+    [(113, 203, 59), (203, 113, 40), (300, 300, 64), (130, 257, 96), (500, 700, 128)]
+    + [(113, 256, 128), (77, 136, 64), (45, 200, 256)],  # Nk % 8 == 0: row-major masks are staged too
+)
 def test_mask_layouts_match_reference(device, dtype, kind, layout, nq, nk, d):
     """Every mask kind in every stride pattern the kernels read differently (the CPU transposes
     row-major blocks in registers, broadcasts a key-padding row, walks strided keys one by one and

@@ -20,6 +20,9 @@ struct FwdLaunchFlags {
   // run_attention_fwd_sm90_ws: the epilogue may store through the copy engine (default; 0:
   // FLASHMOD_SM90_WS_TMA_STORE=0); the launch keeps it only where the output has a tensor map.
   int out_tma = 0;
+  // run_attention_fwd_sm90: an additive mask's tiles staged in shared memory where its layout
+  // allows (default; 0: FLASHMOD_SM90_MASK_STAGING=0, each value read from global memory).
+  int staged_mask = 1;
 };
 
 // Device memory for a launch that needs scratch space, so the kernel files stay torch-free:

@@ -27,6 +27,7 @@
 #include "online_softmax.h"
 #include "paged_kv.h"
 #include "score_mask.h"
+#include "staged_mask.h"
 #include "visibility.h"
 
 namespace flashmod::cuda_kernels::sm90 {
@@ -51,6 +52,9 @@ struct FwdTraitsSm90 {
   static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of one K_j or one V_j
   // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
   static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV + 1024;
+  // With an additive mask staged beside K/V (staged_mask.h): one Br x Bc tile per stage.
+  using MaskTile = StagedMaskTile<Elem, Br, Bc, kNThreads>;
+  static constexpr int kSmemBytesStagedMask = kSmemBytes + kStages * MaskTile::kBytes;
 
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
   // O += P V is issued in column chunks of at most 128 (wgmma's N): one for D = 64 or 128, two for
@@ -60,20 +64,25 @@ struct FwdTraitsSm90 {
                 "whole 64-column swizzle blocks");
   static_assert(Bc == 64 || Bc == 128, "wgmma N of S");
   static_assert(kStages >= 2, "one buffer computing, at least one loading");
-  static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
+  static_assert(kSmemBytesStagedMask <= 227 * 1024, "sm_90's per-block shared-memory limit");
 };
 
 // kGeneral: an additive mask, a soft cap or a non-positive scale: every score is transformed
 // (score_mask.h). kBoolMask (only without kGeneral): a bool mask tensor, prefetched as bits per
 // key block; scores stay raw as on the plain path.
+// kStagedMask (only with kGeneral and kDense): an additive mask whose tiles are copied into shared
+// memory with K_j / V_j (staged_mask.h) rather than read per score from global memory.
 // kAddr != kDense: per-sequence extents (varlen, KV-cache lengths, paged K/V), as in the portable
 // kernel: the grid is sized from the upper bounds, each CTA works on sequence_view(params, b),
 // K/V blocks load through the block table when paged (paged_kv.h), and a CTA whose query block
 // lies past its sequence's end exits without writing.
-template <class Tr, bool kGeneral, bool kBoolMask, KvAddressing kAddr = kDense>
+template <class Tr, bool kGeneral, bool kBoolMask, KvAddressing kAddr = kDense,
+          bool kStagedMask = false>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_fwd_sm90_kernel(const AttentionParams params, const FwdLaunchFlags flags) {
   static_assert(!(kGeneral && kBoolMask), "the general path applies bool masks itself");
+  static_assert(!kStagedMask || (kGeneral && kAddr == kDense),
+                "a staged mask is an additive mask tensor, which only dense calls take");
 #ifdef FLASHMOD_SM90A
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
@@ -85,6 +94,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const uint32_t sQ_addr = (raw_addr + 1023) & ~1023u;
   const uint32_t sK_addr0 = sQ_addr + Tr::kSmemQ;                  // kStages buffers of K_j
   const uint32_t sV_addr0 = sK_addr0 + Tr::kStages * Tr::kSmemKV;  // kStages buffers of V_j
+  const uint32_t sM_addr0 = sV_addr0 + Tr::kStages * Tr::kSmemKV;  // kStagedMask: mask tiles
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw + (sQ_addr - raw_addr));
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -125,9 +135,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const Sw128TileCopy<Bc, D, kThreads> kv_copy(tid, head_dim);
   constexpr uint32_t kStageBytes = Tr::kSmemKV;
   const KvRowSources<Elem> kv_src{gK, gV, nullptr, nullptr, Nk};
+  using MaskTile = typename Tr::MaskTile;
   auto load_kv = [&](int n, int stage) {
     load_kv_tile<kAddr, false, Bc>(kv_copy, sK_addr0 + stage * kStageBytes,
                                    sV_addr0 + stage * kStageBytes, kv_src, p, n);
+    // A clear tile's values are all 0 and are not read (tile_needs_mask).
+    if constexpr (kStagedMask) {
+      if (tile_needs_mask(mask_classes, n))
+        MaskTile::load(sM_addr0 + stage * MaskTile::kBytes, p, b, h, r0, n, tid);
+    }
   };
 
   // Prologue: Q_i, then the first kStages-1 key blocks, one commit group each (empty groups past
@@ -178,9 +194,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // packed straight from the S registers into pa; the caller waits.
   auto softmax_and_issue_pv = [&](float (&Sx)[1][NT][4], uint32_t (&pa)[Bc / 16][4], int n,
                                   const BoolMaskBits<1, NT>& mask_bits, bool masked) {
-    mask_scores<Elem, kGeneral>(
-        Sx, p, tf, b, h, r0 + warp_row0, r0, r0 + Br - 1, n, Bc, lane, [](int64_t i) { return i; },
-        masked);
+    auto pos_of = [](int64_t i) { return i; };
+    if constexpr (kStagedMask) {
+      const MaskTile staged{sM_addr0 + ((n - range.lo) % Tr::kStages) * MaskTile::kBytes, r0};
+      mask_scores<Elem, kGeneral>(Sx, p, tf, b, h, r0 + warp_row0, r0, r0 + Br - 1, n, Bc, lane,
+                                  pos_of, masked, staged);
+    } else {
+      mask_scores<Elem, kGeneral>(Sx, p, tf, b, h, r0 + warp_row0, r0, r0 + Br - 1, n, Bc, lane,
+                                  pos_of, masked);
+    }
     if constexpr (kBoolMask) {
       if (masked) mask_bits.apply(Sx);
     }

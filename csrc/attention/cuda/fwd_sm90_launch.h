@@ -62,7 +62,11 @@ cudaError_t launch_fwd(const AttentionParams& params, const FwdLaunchFlags& flag
   const bool transformed = p.softcap > 0.0 || !(p.scale > 0.0);
   const bool bool_mask = p.mask_kind == MaskKind::kBool && !transformed;
   const bool general = transformed || (p.mask_kind != MaskKind::kNone && !bool_mask);
-  auto kernel = general     ? attention_fwd_sm90_kernel<Tr, true, false>
+  // An additive mask in the inputs' type with aligned rows: its tiles staged in shared memory.
+  const bool staged_mask = flags.staged_mask && general && additive_mask_stageable(p) &&
+                           kv_addressing(p, Tr::Bc) == kDense;
+  auto kernel = staged_mask ? attention_fwd_sm90_kernel<Tr, true, false, kDense, true>
+                : general   ? attention_fwd_sm90_kernel<Tr, true, false>
                 : bool_mask ? attention_fwd_sm90_kernel<Tr, false, true>
                             : attention_fwd_sm90_kernel<Tr, false, false>;
   switch (kv_addressing(p, Tr::Bc)) {
@@ -72,7 +76,8 @@ cudaError_t launch_fwd(const AttentionParams& params, const FwdLaunchFlags& flag
     default: break;
   }
   if (has_sequence_extents(p) && p.mask_kind != MaskKind::kNone) return cudaErrorInvalidValue;
-  return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads, Tr::kSmemBytes, stream, p,
+  return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads,
+                             staged_mask ? Tr::kSmemBytesStagedMask : Tr::kSmemBytes, stream, p,
                              flags);
 }
 

@@ -45,6 +45,13 @@ __device__ __forceinline__ void mask_outside_windows(float (&S)[MT][NT][4],
     }
 }
 
+// mask_scores' default mask source: each value loaded from p.mask in global memory where it is
+// used. (staged_mask.h's StagedMaskTile reads a tile staged in shared memory instead.)
+struct GlobalMaskValues {
+  static constexpr bool kStaged = false;
+  __device__ __forceinline__ float2 pair(int64_t, int) const { return {0.f, 0.f}; }
+};
+
 // kGeneral (a mask tensor, a soft cap or a non-positive scale): every score is scaled, capped
 // and masked. Otherwise scores stay raw q.k (the scale is folded into the softmax's exp2) and
 // only key blocks that straddle the window or seqlen_k pay for per-element checks.
@@ -52,12 +59,15 @@ __device__ __forceinline__ void mask_outside_windows(float (&S)[MT][NT][4],
 // CTA's rows span (for the block-level test); key_block: index of the Bc-wide key block;
 // pos_of(row): the query position of a row (the row itself, except for GQA-packed decode rows).
 // use_mask: false where the block's mask entries are all "show, add nothing" (mask_tiles.h).
-template <typename Elem, bool kGeneral, int MT, int NT, class PosOf>
+// staged: where an additive mask's values come from (GlobalMaskValues or a StagedMaskTile).
+template <typename Elem, bool kGeneral, int MT, int NT, class PosOf,
+          class MaskSource = GlobalMaskValues>
 __device__ __forceinline__ void mask_scores(float (&S)[MT][NT][4], const AttentionParams& p,
                                             const ScoreTransform& tf, int64_t b, int64_t h,
                                             int64_t warp_row0, int64_t block_pos_first,
                                             int64_t block_pos_last, int key_block, int Bc, int lane,
-                                            PosOf pos_of, bool use_mask = true) {
+                                            PosOf pos_of, bool use_mask = true,
+                                            const MaskSource& staged = {}) {
   const int g = lane >> 2, key0 = key_block * Bc + 2 * (lane & 3);
   if constexpr (kGeneral) {
 #pragma unroll
@@ -72,17 +82,29 @@ __device__ __forceinline__ void mask_scores(float (&S)[MT][NT][4], const Attenti
         const int64_t mask_row =
             b * p.mask_batch_stride + h * p.mask_head_stride + ic * p.mask_row_stride;
 #pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
+        for (int ni = 0; ni < NT; ++ni) {
+          float2 staged_values = {0.f, 0.f};
+          if constexpr (MaskSource::kStaged) {
+            if (use_mask) staged_values = staged.pair(i, ni * 8 + 2 * (lane & 3));
+          }
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int j = key0 + ni * 8 + e;
             float x = S[mi][ni][2 * hh + e] * tf.scale;
             if (tf.softcap > 0.f) x = soft_cap(x, tf.softcap, tf.inv_softcap);
             bool visible = win.contains(j);
-            if (visible && use_mask && p.mask_kind != MaskKind::kNone)
+            if constexpr (MaskSource::kStaged) {
+              const float value = e == 0 ? staged_values.x : staged_values.y;
+              if (visible && use_mask) {
+                x += value;
+                visible = !mask_value_hides(value);
+              }
+            } else if (visible && use_mask && p.mask_kind != MaskKind::kNone) {
               visible = apply_mask<Elem>(p, mask_row + j * p.mask_col_stride, x);
+            }
             S[mi][ni][2 * hh + e] = visible ? x : -CUDART_INF_F;
           }
+        }
       }
   } else if (!key_block_unmasked(p, block_pos_first, block_pos_last, key_block, Bc)) {
 #pragma unroll

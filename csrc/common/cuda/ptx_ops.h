@@ -47,13 +47,19 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "memory");
 }
 
-// 16-byte shared-memory load and store. volatile + memory clobber, as ldmatrix: they must stay
+// Shared-memory loads and stores. volatile + memory clobber, as ldmatrix: they must stay
 // between the barriers that order them with the other threads' accesses.
 __device__ __forceinline__ void lds_128(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr)
                : "memory");
+}
+
+__device__ __forceinline__ uint32_t lds_32(uint32_t addr) {
+  uint32_t r;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(r) : "r"(addr) : "memory");
+  return r;
 }
 
 __device__ __forceinline__ void sts_32(uint32_t addr, uint32_t r) {
