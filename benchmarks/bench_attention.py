@@ -109,6 +109,8 @@ def cuda_shapes(mode: str, quick: bool) -> list[dict]:
     for n in (1024, 4096):  # mask tensors (MASK_KINDS; "padding" above is the first): not in the default kinds
         for kind in MASK_KINDS[1:]:
             shapes.append(shape("masks", "bf16", 16384 // n, 16, 16, n, n, 128, False, True, mask_kind=kind))
+        for d, h in ((64, 32), (256, 16)):  # the dense bias at the other head dims
+            shapes.append(shape("masks", "bf16", 16384 // n, h, h, n, n, d, False, True, mask_kind="random-additive"))
     for n in (4096, 16384):  # sliding window (Mistral-style 1k causal band): SDPA needs a band mask
         shapes.append(shape("window", "bf16", 16384 // n, 16, 16, n, n, 128, True, False, window=1024))
     for n in (1024, 4096):  # soft-capped scores (Gemma 2's 50.0)

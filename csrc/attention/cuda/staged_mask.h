@@ -67,12 +67,23 @@ struct StagedMaskTile {
     }
   }
 
-  // The values at query position i (a row of the tile) and the block's keys col and col + 1
-  // (col even), as floats.
-  __device__ __forceinline__ float2 pair(int64_t i, int col) const {
+  // A lane's place in the tile row of query position i: the address of its word (keys
+  // 2 * (lane % 4), + 1) in the row's chunk 0, and the row's swizzle.
+  struct Row {
+    uint32_t addr, swizzle;
+  };
+  __device__ __forceinline__ Row row(int64_t i, int lane) const {
     const int r = static_cast<int>(i - row_first);
-    const uint32_t word =
-        lds_32(tile + r * (Bc * 2) + (((col / 8) ^ (r % 8)) * 16) + (col % 8) * 2);
+    return {tile + r * (Bc * 2) + (lane % 4) * 4, static_cast<uint32_t>(r % 8) * 16};
+  }
+
+  // The lane's two values in chunk ni (keys 8 ni + 2 (lane % 4), + 1) of a row, as floats; zeros
+  // where !staged (a clear tile, not copied: the load runs anyway and its word is dropped, since a
+  // load under a branch compiled to a branch per load). With ni a compile-time constant, one xor
+  // and one add per load.
+  __device__ __forceinline__ static float2 pair(const Row& row, int ni, bool staged) {
+    uint32_t word = lds_32(row.addr + (ni / 8) * 128 + (((ni % 8) * 16) ^ row.swizzle));
+    word = staged ? word : 0u;
     if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
       return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&word));
     } else {
