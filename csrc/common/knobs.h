@@ -20,6 +20,9 @@
 //   FLASHMOD_SM90_MASK_STAGING=0      the FlashAttention-2-style wgmma kernel reads an additive
 //                                     mask per score from global memory, not from tiles staged
 //                                     in shared memory with K/V (staged_mask.h)
+//   FLASHMOD_BWD_ADDITIVE_FAST=0      the Hopper backward takes additive masks in q's dtype through
+//                                     the general path (no staged dK/dV tiles, no batched dQ
+//                                     loads; bwd_common.h)
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
 //                                     BWD_SM90_TILES); a name not built for the head dim is an
 //                                     error

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_attention import layout_mask
 from test_attention_backward import check_grads, fused_grads, make_inputs, reference_grads
 from tolerance import assert_within_rule
 
@@ -322,6 +323,23 @@ def test_tile_classified_mask_gradient():
     plain = mask_grad(attention_reference, q, k, v, bias.bfloat16(), compute_dtype=torch.bfloat16)
     assert_within_rule(ours, truth, plain, 3, torch.bfloat16, "mask grad")
     assert (ours[~hf.expand_as(ours)] == 0).all()
+
+
+# Additive masks in q's dtype without a soft cap take fast paths of their own at D = 128 on the
+# Hopper kernels (bwd_common.h): the dK/dV kernel reads tiles staged in shared memory where the
+# rows are 16-byte aligned (bwd_stages_mask), the dQ kernel batches its global loads in any layout.
+# Layouts that stage (Nk % 8 == 0; rows padded past an odd Nk, the last chunk partial) and ones
+# that do not (keys strided, key-padding rows broadcast with an odd Nk), per-head masks under GQA,
+# causal and not (the staged path's window test), odd query counts (rows past Nq zero-filled).
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("layout", ["rows", "padded-rows", "keys-strided", "per-head", "key-padding"])
+@pytest.mark.parametrize(("nq", "nk"), [(203, 256), (130, 333)])
+def test_additive_mask_layouts(dtype, d, layout, nq, nk):
+    q, k, v = make_inputs(DEV, dtype, 2, 4, 2, nq, nk, d)
+    mask = layout_mask("additive", layout, 2, 4, nq, nk, dtype, DEV)
+    check_grads(q, k, v, attn_mask=mask)
+    check_grads(q, k, v, attn_mask=mask, is_causal=True)
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -43,6 +43,7 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
                                       const cuda_kernels::BwdRowStats& st,
                                       const at::TensorOptions& options, cudaStream_t stream) {
   TorchWorkspace workspace(options, stream);  // the mask's tile classes, freed in stream order
+  p.additive_fast = env_flag("FLASHMOD_BWD_ADDITIVE_FAST", true);
   if (p.mask_kind != MaskKind::kNone && env_flag("FLASHMOD_BWD_MASK_TILES", true)) {
     const cudaError_t err = cuda_kernels::classify_bwd_mask_tiles(p, workspace.hooks(), stream);
     if (err != cudaSuccess) return err;

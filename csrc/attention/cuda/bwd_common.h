@@ -15,6 +15,7 @@
 #include "entry_points.h"
 #include "mask_tiles.h"
 #include "score_mask.h"
+#include "staged_mask.h"
 #include "visibility.h"
 
 namespace flashmod::cuda_kernels {
@@ -66,6 +67,33 @@ __device__ __forceinline__ float general_prob(const AttentionBwdParams& p, const
 // key cannot leak in; a NaN P (a NaN score) stays NaN.
 __device__ __forceinline__ float grad_score(float prob, float dp, float delta) {
   return prob == 0.f ? 0.f : prob * (dp - delta);
+}
+
+// An additive mask in the inputs' type without a soft cap (a bias, ALiBi, transformers' eager
+// masks): the common general case, which takes additive_prob. general_prob's per-score soft-cap
+// branch and its load under the window test put a branch between every two mask loads, so each
+// load's L2 latency was waited for before the next was issued (D = 128 dense bias, fwd+bwd
+// 100 TFLOP/s against CUDNN's 273). Here the loads are unconditional (keys clamped to the last
+// real one, whose value the window test then ignores) and branch-free, so ptxas issues them
+// together.
+__device__ __forceinline__ bool additive_fast_path(const AttentionBwdParams& p,
+                                                   const ScoreTransform& tf) {
+  return p.mask_kind == MaskKind::kAdditive && !(tf.softcap > 0.f) && p.additive_fast;
+}
+
+// Whether the Hopper dK/dV kernel stages p's mask tiles in shared memory (staged_mask.h): an
+// additive_fast_path mask whose rows allow it and whose gradient is not wanted. Host (the launch's
+// shared-memory size) and kernel decide alike.
+FLASHMOD_HD bool bwd_stages_mask(const AttentionBwdParams& p) {
+  return p.mask_kind == MaskKind::kAdditive && !(p.softcap > 0.0) && p.grad_mask == nullptr &&
+         p.additive_fast && additive_mask_stageable(p);
+}
+
+// general_prob for additive_fast_path: value is the mask entry of (i, j), visible the window test.
+__device__ __forceinline__ float additive_prob(const ScoreTransform& tf, float qk, float value,
+                                               bool visible, float lse2) {
+  visible = visible && !mask_value_hides(value);
+  return visible ? exp2f(fmaf(fmaf(qk, tf.scale, value), 1.4426950408889634f, -lse2)) : 0.f;
 }
 
 // Bool key-padding masks on the general path. The mask hides whole keys, so most key blocks are
@@ -484,16 +512,51 @@ __device__ __forceinline__ void store_dq(const AttentionBwdParams& p, int64_t b,
                             vec);
 }
 
+// transposed_probs_and_grads on a staged mask (bwd_stages_mask): tile holds the step's mask
+// tile in shared memory (rows: the step's queries, columns: the key block's keys), so the scores'
+// values cost one shared-memory load each instead of a dependent global one. kWindowTest false:
+// the window shows the whole block and its keys are real.
+template <typename Elem, bool kDK, bool kWindowTest, int NT, int NTD, class MaskTile>
+__device__ __forceinline__ void transposed_additive(float (&St)[NT][4], float (&dPt)[NTD][4],
+                                                    const AttentionBwdParams& p,
+                                                    const ScoreTransform& tf, int64_t r0, int k0,
+                                                    const int (&key_row)[2], const float* lse2,
+                                                    const float* delta, int t,
+                                                    const MaskTile& tile) {
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int qc = 8 * ni + 2 * t + c;
+      const float l2 = lse2[qc], dl = kDK ? delta[qc] : 0.f;
+      RowWindow win{0, 0};
+      if constexpr (kWindowTest)
+        win = row_window(p, r0 + qc < p.seqlen_q ? r0 + qc : p.seqlen_q - 1);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int e = 2 * hh + c;
+        const bool shown = !kWindowTest || win.contains(key_row[hh]);
+        const float prob = additive_prob(tf, St[ni][e], tile.at(qc, key_row[hh] - k0), shown, l2);
+        St[ni][e] = prob;
+        if constexpr (kDK) dPt[ni][e] = grad_score(prob, dPt[ni][e], dl);
+      }
+    }
+}
+
 // The dK/dV kernels' step: S^T (keys x queries) becomes P^T in place and, with kDK, dP^T becomes
 // dS^T times the soft cap's derivative (dS itself goes to p.grad_mask when it is wanted). Element
 // (ni, e): key key_row[e / 2], query r0 + 8 ni + 2 t + e % 2; lse2/delta are the step's Br rows.
 // plain_keys: the general path's block may take the plain code (keys_take_plain_path).
 // kSoftcapFast (kBwdFastSoftcap variants): blocks the window shows whole take capped_prob.
-template <typename Elem, bool kGeneral, bool kDK, bool kSoftcapFast = false, int NT, int NTD>
+// kStagedMask (a Hopper dK/dV variant that stages masks): with a bwd_stages_mask mask, staged is
+// the step's mask tile in shared memory.
+template <typename Elem, bool kGeneral, bool kDK, bool kSoftcapFast = false,
+          bool kStagedMask = false, int NT, int NTD, class MaskTile = GlobalMaskValues>
 __device__ __forceinline__ void transposed_probs_and_grads(
     float (&St)[NT][4], float (&dPt)[NTD][4], const AttentionBwdParams& p, const ScoreTransform& tf,
     float scale_log2, int64_t b, int64_t h, int64_t r0, int Br, int n_block, int Bc,
-    const int (&key_row)[2], const float* lse2, const float* delta, int t, bool plain_keys) {
+    const int (&key_row)[2], const float* lse2, const float* delta, int t, bool plain_keys,
+    const MaskTile& staged = {}) {
   const int Nk = static_cast<int>(p.seqlen_k);
   const int k0 = n_block * Bc;
   const bool window_whole = key_block_unmasked(p, r0, r0 + Br - 1, n_block, Bc) && k0 + Bc <= Nk;
@@ -538,6 +601,18 @@ __device__ __forceinline__ void transposed_probs_and_grads(
   const int64_t mask_head = b * p.mask_batch_stride + h * p.mask_head_stride;
   float* gmask =
       p.grad_mask ? p.grad_mask + ((b * p.heads_q + h) * p.seqlen_q) * p.seqlen_k : nullptr;
+  if constexpr (kStagedMask) {
+    if (bwd_stages_mask(p)) {
+      if (window_whole) {
+        transposed_additive<Elem, kDK, false>(St, dPt, p, tf, r0, k0, key_row, lse2, delta, t,
+                                              staged);
+      } else {
+        transposed_additive<Elem, kDK, true>(St, dPt, p, tf, r0, k0, key_row, lse2, delta, t,
+                                             staged);
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
@@ -596,7 +671,8 @@ __device__ __forceinline__ LaneRows lane_rows(const AttentionBwdParams& p, const
 
 // The dQ kernels' step: S (queries x keys of block n) becomes dS times the soft cap's derivative.
 // plain_keys as in transposed_probs_and_grads.
-template <typename Elem, bool kGeneral, bool kSoftcapFast = false, int NT>
+template <typename Elem, bool kGeneral, bool kSoftcapFast = false, bool kAdditiveFast = false,
+          int NT>
 __device__ __forceinline__ void probs_and_grads(float (&S)[NT][4], const float (&dP)[NT][4],
                                                 const AttentionBwdParams& p,
                                                 const ScoreTransform& tf, float scale_log2,
@@ -629,6 +705,24 @@ __device__ __forceinline__ void probs_and_grads(float (&S)[NT][4], const float (
         S[ni][e] = prob * (dP[ni][e] - rows.delta[hh]);
       }
     return;
+  }
+  if constexpr (kGeneral && kAdditiveFast) {
+    if (additive_fast_path(p, tf)) {
+      const Elem* mask = static_cast<const Elem*>(p.mask);
+      const int Nk = static_cast<int>(p.seqlen_k);
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e >> 1, j = key0 + 8 * ni + (e & 1);
+          const float value =
+              to_float(mask[rows.mask_row[hh] + min(j, Nk - 1) * p.mask_col_stride]);
+          const float prob =
+              additive_prob(tf, S[ni][e], value, rows.win[hh].contains(j), rows.lse2[hh]);
+          S[ni][e] = grad_score(prob, dP[ni][e], rows.delta[hh]);
+        }
+      return;
+    }
   }
 #pragma unroll
   for (int ni = 0; ni < NT; ++ni)

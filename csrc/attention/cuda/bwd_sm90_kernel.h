@@ -137,6 +137,30 @@ __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
 #endif
 }
 
+// Whether a dK/dV variant stages a bwd_stages_mask mask's tiles in shared memory: general ones
+// that mask tensors reach, with one step of prefetch (the tile is waited for with the step's
+// other copies) and one warpgroup, at D = 128 only. There the dQ kernel's batched global loads
+// (additive_fast_variant) spilled 40-56 bytes in this kernel (255 registers); at D = 64 staging
+// spills too (the mask variant 0 -> 64 bytes under its 3-CTA cap of 168 registers).
+template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast>
+constexpr bool dkdv_stages_mask() {
+  constexpr bool staged = kGeneral && !kExtents && kFast != kBwdFastSoftcap && Tr::kAhead == 1 &&
+                          kWhich != kBwdPair && Tr::kHeadDim == 128;
+  static_assert(
+      !staged || Tr::kMinBlocks * (Tr::kSmemBytes + Tr::Br * Tr::Bc * 2 + 1024) <= 228 * 1024,
+      "the staged mask tile keeps kMinBlocks CTAs per SM");
+  return staged;
+}
+
+// Whether a variant takes bwd_common.h's additive_fast_path: general ones that mask tensors reach
+// (not variable-length or mask-free soft-cap variants), at D = 128 only: its batched mask loads
+// spill at D = 64 (the dQ kernel's 128-register cap: 36-44 bytes) and D = 256 (dK/dV +120-250
+// bytes), also in the mask variant that transformers' causal + padding masks take.
+template <bool kGeneral, bool kExtents, int kFast, int kHeadDim>
+constexpr bool additive_fast_variant() {
+  return kGeneral && !kExtents && kFast != kBwdFastSoftcap && kHeadDim == 128;
+}
+
 // kWhich (bwd_common.h): dK and dV together, or, where the two D-wide accumulators do not fit one
 // warpgroup's registers (D = 256), one of them per launch or one per warpgroup of the CTA.
 // kExtents (both kernels): a variable-length call, as in the portable kernels
@@ -160,6 +184,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
                 "kBwdPair: two warpgroups over the same 64 keys");
   static_assert(kFast == kBwdFastNone || (kGeneral && !kExtents), "fast paths: general, dense");
   constexpr bool kMask = kFast == kBwdFastMask, kSoftcapFast = kFast == kBwdFastSoftcap;
+  constexpr bool kStageMask = dkdv_stages_mask<Tr, kGeneral, kWhich, kExtents, kFast>();
+  using MaskTile = StagedMaskTile<Elem, Br, Bc, kThreads>;
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
@@ -170,6 +196,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const uint32_t sdO_addr0 = sQ_addr0 + kStages * Tr::kSmemQ;  // kStages stages
   float* sL = reinterpret_cast<float*>(smem_raw + (sdO_addr0 + kStages * Tr::kSmemQ - raw_addr));
   float* sDelta = sL + kStages * Br;
+  // kStageMask: one Br x Bc mask tile, the step's (staged_mask.h), refilled for the next step once
+  // every warp has read it (a second stage would not fit two CTAs per SM at D = 128).
+  const uint32_t sMask_addr = smem_addr(sDelta + kStages * Br);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
   const int g = lane >> 2, t = lane & 3;
@@ -214,6 +243,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   for (int a = 0; a < kAhead; ++a) {
     if (a < steps) load_step({a / m_count, a % m_count}, a);
     cp_async_commit();
+  }
+  const bool stage_mask = kStageMask && bwd_stages_mask(params);
+  if constexpr (kStageMask) {
+    if (stage_mask && steps > 0)
+      MaskTile::load(sMask_addr, p, b, hk * group, static_cast<int64_t>(m_lo) * Br, n_block, tid);
+    cp_async_commit();  // step 0 waits for every group (kAhead 1)
   }
 
   // A: this warpgroup's 64 rows of K_j / V_j (K-major). B of the score products: Q_i / dO_i
@@ -295,9 +330,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         pin_registers(da);
       }
 
-      transposed_probs_and_grads<Elem, kGeneral, kDK, kSoftcapFast>(
+      transposed_probs_and_grads<Elem, kGeneral, kDK, kSoftcapFast, kStageMask>(
           St, dPt, p, tf, scale_log2, b, h, r0, Br, n_block, Bc, key_row, sL + stage * Br,
-          sDelta + stage * Br, t, plain_keys);
+          sDelta + stage * Br, t, plain_keys, MaskTile{sMask_addr, 0});
+      if constexpr (kStageMask) {
+        if (stage_mask) {
+          // Every warp has read this step's mask tile: the next step's may overwrite it. (Its
+          // copy then lands under this step's gradient products and the next step's scores.)
+          __syncthreads();
+          if (s + 1 < steps)
+            MaskTile::load(sMask_addr, p, b, hk * group + step.head,
+                           static_cast<int64_t>(m_lo + step.block) * Br, n_block, tid);
+          cp_async_commit();
+        }
+      }
       // The gradient products take P^T / dS^T packed from the score registers. Those and the
       // accumulators were written by ordinary instructions: pinned ahead of the fence that orders
       // them before the wgmma reads.
@@ -365,6 +411,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
+  constexpr bool kAdditiveFast = additive_fast_variant<kGeneral, kExtents, kFast, D>();
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
@@ -467,8 +514,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       pin_registers(da);
     }
 
-    probs_and_grads<Elem, kGeneral, kSoftcapFast>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t,
-                                                  plain_keys);
+    probs_and_grads<Elem, kGeneral, kSoftcapFast, kAdditiveFast>(S, dP, p, tf, scale_log2, rows, r0,
+                                                                 Br, n, Bc, t, plain_keys);
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) pack_a<Elem>(da[kk], S, kk);
     pin_registers(dQ);

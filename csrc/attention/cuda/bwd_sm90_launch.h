@@ -39,8 +39,11 @@ struct BwdConfigSm90 {
 template <class KV, bool kGeneral, int kWhich, bool kExtents, int kFast>
 cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   const int64_t blocks = bwd_dkdv_ctas(p, KV::Bc);
+  constexpr bool kStageMask = dkdv_stages_mask<KV, kGeneral, kWhich, kExtents, kFast>();
+  const int64_t smem =
+      KV::kSmemBytes + (kStageMask && bwd_stages_mask(p) ? KV::Br * KV::Bc * 2 : 0);
   return cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kFast>,
-                             blocks, KV::kNThreads, KV::kSmemBytes, stream, p, st);
+                             blocks, KV::kNThreads, smem, stream, p, st);
 }
 
 template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "../../common/cuda/ptx_ops.h"
+#include "../../common/host_device.h"
 #include "../attention_params.h"
 
 namespace flashmod::cuda_kernels {
@@ -25,7 +26,7 @@ namespace flashmod::cuda_kernels {
 // Whether p's mask can be staged: additive in the inputs' 16-bit type, keys contiguous, and every
 // row start 16-byte aligned (cp.async's 16-byte copies read whole aligned chunks). Other masks
 // (fp32 additive, bool, key-strided, odd row strides) keep the per-score global loads.
-inline bool additive_mask_stageable(const AttentionParams& p) {
+FLASHMOD_HD bool additive_mask_stageable(const AttentionParams& p) {
   return p.mask_kind == MaskKind::kAdditive && p.mask_col_stride == 1 &&
          reinterpret_cast<uintptr_t>(p.mask) % 16 == 0 && p.mask_row_stride % 8 == 0 &&
          p.mask_head_stride % 8 == 0 && p.mask_batch_stride % 8 == 0;
@@ -75,6 +76,18 @@ struct StagedMaskTile {
   __device__ __forceinline__ Row row(int64_t i, int lane) const {
     const int r = static_cast<int>(i - row_first);
     return {tile + r * (Bc * 2) + (lane % 4) * 4, static_cast<uint32_t>(r % 8) * 16};
+  }
+
+  // The value at tile row r, key col (the dK/dV kernels read the tile transposed: a lane's
+  // scores there are two keys of eight query rows, no two of them adjacent in a row).
+  __device__ __forceinline__ float at(int r, int col) const {
+    const uint16_t bits =
+        lds_16(tile + r * (Bc * 2) + (((col / 8) ^ (r % 8)) * 16) + (col % 8) * 2);
+    if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
+      return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(&bits));
+    } else {
+      return __half2float(*reinterpret_cast<const __half*>(&bits));
+    }
   }
 
   // The lane's two values in chunk ni (keys 8 ni + 2 (lane % 4), + 1) of a row, as floats; zeros

@@ -56,6 +56,12 @@ __device__ __forceinline__ void lds_128(uint32_t (&r)[4], uint32_t addr) {
                : "memory");
 }
 
+__device__ __forceinline__ uint16_t lds_16(uint32_t addr) {
+  uint16_t r;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(r) : "r"(addr) : "memory");
+  return r;
+}
+
 __device__ __forceinline__ uint32_t lds_32(uint32_t addr) {
   uint32_t r;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(r) : "r"(addr) : "memory");
