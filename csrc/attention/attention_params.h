@@ -124,9 +124,6 @@ struct AttentionBwdParams : AttentionParams {
   // dL/d(score after the mask) at every visible (query, key) pair and 0 elsewhere; the caller
   // reduces it over the mask's broadcast dimensions. nullptr: not wanted.
   float* grad_mask = nullptr;
-  // The Hopper kernels' paths for additive masks in q's dtype (cuda/bwd_common.h:
-  // additive_fast_path, bwd_stages_mask); 0: FLASHMOD_BWD_ADDITIVE_FAST=0, the general path.
-  int additive_fast = 1;
 };
 
 }  // namespace flashmod

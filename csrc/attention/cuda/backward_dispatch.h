@@ -21,8 +21,11 @@ namespace flashmod {
 
 // The row of kBwdSm90Tiles to run for padded head dim d: the one FLASHMOD_BWD_SM90_TILE names, or
 // the default tile when it is unset. A name with no build for d is an error listing those built.
-inline int bwd_sm90_tile(const char* op, int d) {
+inline int bwd_sm90_tile(const char* op, int d, const AttentionBwdParams& p,
+                         const cuda_kernels::BwdRowStats& st) {
   const std::string name = env_text("FLASHMOD_BWD_SM90_TILE");
+  const int additive = cuda_kernels::bwd_sm90_additive_tile(d);
+  if (name.empty() && additive >= 0 && cuda_kernels::bwd_additive_fast(p, st)) return additive;
   const int tile = cuda_kernels::find_tile(cuda_kernels::kBwdSm90Tiles, name.c_str(), d);
   if (tile < 0) {
     std::string built;
@@ -43,7 +46,6 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
                                       const cuda_kernels::BwdRowStats& st,
                                       const at::TensorOptions& options, cudaStream_t stream) {
   TorchWorkspace workspace(options, stream);  // the mask's tile classes, freed in stream order
-  p.additive_fast = env_flag("FLASHMOD_BWD_ADDITIVE_FAST", true);
   if (p.mask_kind != MaskKind::kNone && env_flag("FLASHMOD_BWD_MASK_TILES", true)) {
     const cudaError_t err = cuda_kernels::classify_bwd_mask_tiles(p, workspace.hooks(), stream);
     if (err != cudaSuccess) return err;
@@ -55,7 +57,7 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
     // default tile, the only one built with their variants (bwd_sm90_launch.h).
     const int tile = has_sequence_extents(p)
                          ? cuda_kernels::find_tile(cuda_kernels::kBwdSm90Tiles, "", padded)
-                         : bwd_sm90_tile(op, padded);
+                         : bwd_sm90_tile(op, padded, p, st);
     switch (key * 64 + tile) {
 #define FLASHMOD_BWD_SM90_CASE(Elem, kind, D, T)                \
   case cuda_kernels::variant_key(ScalarKind::kind, D) * 64 + T: \

@@ -31,7 +31,14 @@ enum BwdWhich : int { kBwdBoth = 0, kBwdOnlyDV = 1, kBwdOnlyDK = 2, kBwdPair = 3
 // both below); kBwdFastSoftcap, a soft cap without a mask tensor: key blocks the window shows whole
 // compute the capped probabilities and their derivative without the per-element window and mask
 // tests (capped_prob).
-enum BwdFastPath : int { kBwdFastNone = 0, kBwdFastMask = 1, kBwdFastSoftcap = 2 };
+// kBwdFastAdditive: kBwdFastMask's tile classes plus the additive paths below, on a tile of its own
+// (entry_points.h: bwd_sm90_additive_tile).
+enum BwdFastPath : int {
+  kBwdFastNone = 0,
+  kBwdFastMask = 1,
+  kBwdFastSoftcap = 2,
+  kBwdFastAdditive = 3
+};
 
 // P of one element of a block the window shows whole (score qk, lse2 of its query row), and in
 // dcap the soft cap's derivative there: general_prob without the window and mask tests.
@@ -69,27 +76,23 @@ __device__ __forceinline__ float grad_score(float prob, float dp, float delta) {
   return prob == 0.f ? 0.f : prob * (dp - delta);
 }
 
-// An additive mask in the inputs' type without a soft cap (a bias, ALiBi, transformers' eager
-// masks): the common general case, which takes additive_prob. general_prob's per-score soft-cap
-// branch and its load under the window test put a branch between every two mask loads, so each
-// load's L2 latency was waited for before the next was issued (D = 128 dense bias, fwd+bwd
-// 100 TFLOP/s against CUDNN's 273). Here the loads are unconditional (keys clamped to the last
-// real one, whose value the window test then ignores) and branch-free, so ptxas issues them
-// together.
-__device__ __forceinline__ bool additive_fast_path(const AttentionBwdParams& p,
-                                                   const ScoreTransform& tf) {
-  return p.mask_kind == MaskKind::kAdditive && !(tf.softcap > 0.f) && p.additive_fast;
-}
+// Additive masks in the inputs' type without a soft cap (a bias, ALiBi, transformers' eager
+// masks; entry_points.h: bwd_additive_fast) take paths of their own on the Hopper kernels. On the
+// general path, general_prob's per-score soft-cap branch and its load under the window test put a
+// branch between every two mask loads, so each load's L2 latency was waited for before the next
+// was issued (D = 128 dense bias, fwd+bwd 100 TFLOP/s against CUDNN's 273). The dQ kernel's loads
+// are unconditional there (keys clamped to the last real one, whose value the window test then
+// ignores) and branch-free, so ptxas issues them together; the dK/dV kernel reads a tile staged in
+// shared memory (below).
 
-// Whether the Hopper dK/dV kernel stages p's mask tiles in shared memory (staged_mask.h): an
-// additive_fast_path mask whose rows allow it and whose gradient is not wanted. Host (the launch's
+// Whether the Hopper dK/dV kernel stages p's mask tiles in shared memory (staged_mask.h): a
+// bwd_additive_fast mask whose rows allow it and whose gradient is not wanted. Host (the launch's
 // shared-memory size) and kernel decide alike.
-FLASHMOD_HD bool bwd_stages_mask(const AttentionBwdParams& p) {
-  return p.mask_kind == MaskKind::kAdditive && !(p.softcap > 0.0) && p.grad_mask == nullptr &&
-         p.additive_fast && additive_mask_stageable(p);
+FLASHMOD_HD bool bwd_stages_mask(const AttentionBwdParams& p, const BwdRowStats& st) {
+  return bwd_additive_fast(p, st) && p.grad_mask == nullptr && additive_mask_stageable(p);
 }
 
-// general_prob for additive_fast_path: value is the mask entry of (i, j), visible the window test.
+// general_prob for bwd_additive_fast: value is the mask entry of (i, j), visible the window test.
 __device__ __forceinline__ float additive_prob(const ScoreTransform& tf, float qk, float value,
                                                bool visible, float lse2) {
   visible = visible && !mask_value_hides(value);
@@ -548,15 +551,15 @@ __device__ __forceinline__ void transposed_additive(float (&St)[NT][4], float (&
 // (ni, e): key key_row[e / 2], query r0 + 8 ni + 2 t + e % 2; lse2/delta are the step's Br rows.
 // plain_keys: the general path's block may take the plain code (keys_take_plain_path).
 // kSoftcapFast (kBwdFastSoftcap variants): blocks the window shows whole take capped_prob.
-// kStagedMask (a Hopper dK/dV variant that stages masks): with a bwd_stages_mask mask, staged is
-// the step's mask tile in shared memory.
+// kStagedMask (a Hopper dK/dV variant that stages masks): where stage_mask (bwd_stages_mask),
+// staged is the step's mask tile in shared memory.
 template <typename Elem, bool kGeneral, bool kDK, bool kSoftcapFast = false,
           bool kStagedMask = false, int NT, int NTD, class MaskTile = GlobalMaskValues>
 __device__ __forceinline__ void transposed_probs_and_grads(
     float (&St)[NT][4], float (&dPt)[NTD][4], const AttentionBwdParams& p, const ScoreTransform& tf,
     float scale_log2, int64_t b, int64_t h, int64_t r0, int Br, int n_block, int Bc,
     const int (&key_row)[2], const float* lse2, const float* delta, int t, bool plain_keys,
-    const MaskTile& staged = {}) {
+    bool stage_mask = false, const MaskTile& staged = {}) {
   const int Nk = static_cast<int>(p.seqlen_k);
   const int k0 = n_block * Bc;
   const bool window_whole = key_block_unmasked(p, r0, r0 + Br - 1, n_block, Bc) && k0 + Bc <= Nk;
@@ -602,7 +605,7 @@ __device__ __forceinline__ void transposed_probs_and_grads(
   float* gmask =
       p.grad_mask ? p.grad_mask + ((b * p.heads_q + h) * p.seqlen_q) * p.seqlen_k : nullptr;
   if constexpr (kStagedMask) {
-    if (bwd_stages_mask(p)) {
+    if (stage_mask) {
       if (window_whole) {
         transposed_additive<Elem, kDK, false>(St, dPt, p, tf, r0, k0, key_row, lse2, delta, t,
                                               staged);
@@ -670,14 +673,16 @@ __device__ __forceinline__ LaneRows lane_rows(const AttentionBwdParams& p, const
 }
 
 // The dQ kernels' step: S (queries x keys of block n) becomes dS times the soft cap's derivative.
-// plain_keys as in transposed_probs_and_grads.
+// plain_keys as in transposed_probs_and_grads; additive_fast: bwd_additive_fast (kAdditiveFast
+// variants).
 template <typename Elem, bool kGeneral, bool kSoftcapFast = false, bool kAdditiveFast = false,
           int NT>
 __device__ __forceinline__ void probs_and_grads(float (&S)[NT][4], const float (&dP)[NT][4],
                                                 const AttentionBwdParams& p,
                                                 const ScoreTransform& tf, float scale_log2,
                                                 const LaneRows& rows, int64_t r0, int Br, int n,
-                                                int Bc, int t, bool plain_keys) {
+                                                int Bc, int t, bool plain_keys,
+                                                bool additive_fast = false) {
   const bool window_whole = key_block_unmasked(p, r0, r0 + Br - 1, n, Bc);
   if constexpr (kSoftcapFast) {
     if (window_whole) {
@@ -707,7 +712,7 @@ __device__ __forceinline__ void probs_and_grads(float (&S)[NT][4], const float (
     return;
   }
   if constexpr (kGeneral && kAdditiveFast) {
-    if (additive_fast_path(p, tf)) {
+    if (additive_fast) {
       const Elem* mask = static_cast<const Elem*>(p.mask);
       const int Nk = static_cast<int>(p.seqlen_k);
 #pragma unroll

@@ -138,27 +138,29 @@ __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
 }
 
 // Whether a dK/dV variant stages a bwd_stages_mask mask's tiles in shared memory: general ones
-// that mask tensors reach, with one step of prefetch (the tile is waited for with the step's
-// other copies) and one warpgroup, at D = 128 only. There the dQ kernel's batched global loads
-// (additive_fast_variant) spilled 40-56 bytes in this kernel (255 registers); at D = 64 staging
-// spills too (the mask variant 0 -> 64 bytes under its 3-CTA cap of 168 registers).
+// that mask tensors reach, with one step of prefetch (the tile is waited for with the step's other
+// copies) and one warpgroup, at D = 128 and in the kBwdFastAdditive variants. At D = 128 the dQ
+// kernel's batched global loads spilled 40-56 bytes in this kernel (255 registers); in the
+// default D = 64 tile staging spills too (its mask variant 0 -> 64 bytes under the 3-CTA cap).
 template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast>
 constexpr bool dkdv_stages_mask() {
   constexpr bool staged = kGeneral && !kExtents && kFast != kBwdFastSoftcap && Tr::kAhead == 1 &&
-                          kWhich != kBwdPair && Tr::kHeadDim == 128;
+                          kWhich != kBwdPair && (Tr::kHeadDim == 128 || kFast == kBwdFastAdditive);
   static_assert(
       !staged || Tr::kMinBlocks * (Tr::kSmemBytes + Tr::Br * Tr::Bc * 2 + 1024) <= 228 * 1024,
       "the staged mask tile keeps kMinBlocks CTAs per SM");
   return staged;
 }
 
-// Whether a variant takes bwd_common.h's additive_fast_path: general ones that mask tensors reach
-// (not variable-length or mask-free soft-cap variants), at D = 128 only: its batched mask loads
-// spill at D = 64 (the dQ kernel's 128-register cap: 36-44 bytes) and D = 256 (dK/dV +120-250
-// bytes), also in the mask variant that transformers' causal + padding masks take.
+// Whether a dQ variant batches its additive-mask loads (bwd_common.h, bwd_additive_fast): general
+// ones that mask tensors reach (not variable-length or mask-free soft-cap variants), at D = 128
+// and in the kBwdFastAdditive variants. The batched loads spill in the default D = 64 tile (its
+// 128-register cap: 36-44 bytes) and at D = 256 (dK/dV +120-250 bytes), also in the mask variant
+// that transformers' causal + padding masks take.
 template <bool kGeneral, bool kExtents, int kFast, int kHeadDim>
 constexpr bool additive_fast_variant() {
-  return kGeneral && !kExtents && kFast != kBwdFastSoftcap && kHeadDim == 128;
+  return kGeneral && !kExtents && kFast != kBwdFastSoftcap &&
+         (kHeadDim == 128 || kFast == kBwdFastAdditive);
 }
 
 // kWhich (bwd_common.h): dK and dV together, or, where the two D-wide accumulators do not fit one
@@ -183,7 +185,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   static_assert((kWhich == kBwdPair) == (kThreads == 256 && Bc == 64),
                 "kBwdPair: two warpgroups over the same 64 keys");
   static_assert(kFast == kBwdFastNone || (kGeneral && !kExtents), "fast paths: general, dense");
-  constexpr bool kMask = kFast == kBwdFastMask, kSoftcapFast = kFast == kBwdFastSoftcap;
+  constexpr bool kMask = kFast == kBwdFastMask || kFast == kBwdFastAdditive;
+  constexpr bool kSoftcapFast = kFast == kBwdFastSoftcap;
   constexpr bool kStageMask = dkdv_stages_mask<Tr, kGeneral, kWhich, kExtents, kFast>();
   using MaskTile = StagedMaskTile<Elem, Br, Bc, kThreads>;
 
@@ -199,6 +202,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // kStageMask: one Br x Bc mask tile, the step's (staged_mask.h), refilled for the next step once
   // every warp has read it (a second stage would not fit two CTAs per SM at D = 128).
   const uint32_t sMask_addr = smem_addr(sDelta + kStages * Br);
+  const auto staged_tile = [&] {
+    if constexpr (kStageMask) {
+      return MaskTile{sMask_addr, 0};
+    } else {
+      return GlobalMaskValues{};
+    }
+  }();
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
   const int g = lane >> 2, t = lane & 3;
@@ -244,7 +254,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     if (a < steps) load_step({a / m_count, a % m_count}, a);
     cp_async_commit();
   }
-  const bool stage_mask = kStageMask && bwd_stages_mask(params);
+  const bool stage_mask = kStageMask && bwd_stages_mask(params, st);
   if constexpr (kStageMask) {
     if (stage_mask && steps > 0)
       MaskTile::load(sMask_addr, p, b, hk * group, static_cast<int64_t>(m_lo) * Br, n_block, tid);
@@ -332,7 +342,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
       transposed_probs_and_grads<Elem, kGeneral, kDK, kSoftcapFast, kStageMask>(
           St, dPt, p, tf, scale_log2, b, h, r0, Br, n_block, Bc, key_row, sL + stage * Br,
-          sDelta + stage * Br, t, plain_keys, MaskTile{sMask_addr, 0});
+          sDelta + stage * Br, t, plain_keys, stage_mask, staged_tile);
       if constexpr (kStageMask) {
         if (stage_mask) {
           // Every warp has read this step's mask tile: the next step's may overwrite it. (Its
@@ -407,11 +417,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dq_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st) {
 #ifdef FLASHMOD_SM90A
   static_assert(kFast == kBwdFastNone || (kGeneral && !kExtents), "fast paths: general, dense");
-  constexpr bool kMask = kFast == kBwdFastMask, kSoftcapFast = kFast == kBwdFastSoftcap;
+  constexpr bool kMask = kFast == kBwdFastMask || kFast == kBwdFastAdditive;
+  constexpr bool kSoftcapFast = kFast == kBwdFastSoftcap;
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
   constexpr bool kAdditiveFast = additive_fast_variant<kGeneral, kExtents, kFast, D>();
+  const bool additive_fast = kAdditiveFast && bwd_additive_fast(params, st);
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
@@ -514,8 +526,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       pin_registers(da);
     }
 
-    probs_and_grads<Elem, kGeneral, kSoftcapFast, kAdditiveFast>(S, dP, p, tf, scale_log2, rows, r0,
-                                                                 Br, n, Bc, t, plain_keys);
+    probs_and_grads<Elem, kGeneral, kSoftcapFast, kAdditiveFast>(
+        S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t, plain_keys, additive_fast);
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) pack_a<Elem>(da[kk], S, kk);
     pin_registers(dQ);

@@ -41,7 +41,7 @@ cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cuda
   const int64_t blocks = bwd_dkdv_ctas(p, KV::Bc);
   constexpr bool kStageMask = dkdv_stages_mask<KV, kGeneral, kWhich, kExtents, kFast>();
   const int64_t smem =
-      KV::kSmemBytes + (kStageMask && bwd_stages_mask(p) ? KV::Br * KV::Bc * 2 : 0);
+      KV::kSmemBytes + (kStageMask && bwd_stages_mask(p, st) ? KV::Br * KV::Bc * 2 : 0);
   return cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kFast>,
                              blocks, KV::kNThreads, smem, stream, p, st);
 }
@@ -90,6 +90,10 @@ cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStat
   // and mask-free soft caps on variants of their own (bwd_sm90_kernel.h: kFast), built for the
   // default tile of each head dim only, as the variable-length ones; other tiles take them the
   // general way.
+  if constexpr (kTile == bwd_sm90_additive_tile(kHeadDim)) {
+    if (bwd_additive_fast(p, st))
+      return sm90::launch_bwd<Elem, kHeadDim, kTile, true, false, kBwdFastAdditive>(p, st, stream);
+  }
   if constexpr (kBwdSm90Tiles[kTile].is_default) {
     if (key_padding_mask(p) || p.mask_tiles != nullptr)
       return sm90::launch_bwd<Elem, kHeadDim, kTile, true, false, kBwdFastMask>(p, st, stream);

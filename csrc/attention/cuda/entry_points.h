@@ -8,9 +8,19 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../../common/host_device.h"
 #include "../attention_params.h"
+#include "generated/kernel_variants.h"
 
 namespace flashmod::cuda_kernels {
+
+// The Hopper backward tile whose variants (kBwdFastAdditive) take bwd_additive_fast masks at head
+// dim d, or -1 where the default tile's mask variant does. At D = 64 the default runs three and
+// four CTAs per SM, whose register caps leave no room for the staged dK/dV tile (64 bytes of
+// spill) or the dQ kernel's batched loads (36-44); "base" runs two in both kernels.
+constexpr int bwd_sm90_additive_tile(int head_dim) {
+  return head_dim == 64 ? find_tile(kBwdSm90Tiles, "base", 64) : -1;
+}
 
 struct FwdLaunchFlags {
   int out_vec16;  // out's row starts are 16-byte aligned and head_dim % 8 == 0: 16-byte stores
@@ -125,7 +135,19 @@ struct BwdRowStats {
   int64_t rows_padded = 0;
   int vec_store = 0;  // grad_q/k/v rows start at even elements: store element pairs as one word
   int vec_rows = 0;   // out and grad_out rows are 16-byte aligned and head_dim % 8 == 0
+  // The Hopper kernels' paths for additive masks in q's dtype (bwd_additive_fast); 0:
+  // FLASHMOD_BWD_ADDITIVE_FAST=0, the general path. (Here, not in AttentionBwdParams: a field
+  // there moved ptxas's allocation of the variable-length soft-cap dK/dV variant, 0 -> 96 bytes
+  // of spill at D = 128.)
+  int additive_fast = 1;
 };
+
+// Whether the Hopper backward takes p's mask through its paths for additive masks in q's dtype
+// without a soft cap (bwd_common.h: staged dK/dV tiles, batched dQ loads). Host and kernels decide
+// alike.
+FLASHMOD_HD bool bwd_additive_fast(const AttentionBwdParams& p, const BwdRowStats& st) {
+  return p.mask_kind == MaskKind::kAdditive && !(p.softcap > 0.0) && st.additive_fast != 0;
+}
 
 // Fills st.lse2 and st.delta from p's lse, out, grad_out and grad_lse (bwd_rowstats.cu); any of
 // the three dtypes.

@@ -130,6 +130,7 @@ inline cuda_kernels::BwdRowStats allocate_bwd_row_stats(const AttentionBwdParams
   storage = at::empty({2, p.batch * p.heads_q * st.rows_padded}, options.dtype(at::kFloat));
   st.lse2 = storage[0].data_ptr<float>();
   st.delta = storage[1].data_ptr<float>();
+  st.additive_fast = env_flag("FLASHMOD_BWD_ADDITIVE_FAST", true);
   return st;
 }
 
