@@ -674,15 +674,13 @@ __device__ __forceinline__ LaneRows lane_rows(const AttentionBwdParams& p, const
 
 // The dQ kernels' step: S (queries x keys of block n) becomes dS times the soft cap's derivative.
 // plain_keys as in transposed_probs_and_grads; additive_fast: bwd_additive_fast (kAdditiveFast
-// variants).
+// variants); staged: where not null (bwd_stages_mask), the block's mask tile in shared memory.
 template <typename Elem, bool kGeneral, bool kSoftcapFast = false, bool kAdditiveFast = false,
-          int NT>
-__device__ __forceinline__ void probs_and_grads(float (&S)[NT][4], const float (&dP)[NT][4],
-                                                const AttentionBwdParams& p,
-                                                const ScoreTransform& tf, float scale_log2,
-                                                const LaneRows& rows, int64_t r0, int Br, int n,
-                                                int Bc, int t, bool plain_keys,
-                                                bool additive_fast = false) {
+          int NT, class MaskTile = GlobalMaskValues>
+__device__ __forceinline__ void probs_and_grads(
+    float (&S)[NT][4], const float (&dP)[NT][4], const AttentionBwdParams& p,
+    const ScoreTransform& tf, float scale_log2, const LaneRows& rows, int64_t r0, int Br, int n,
+    int Bc, int t, bool plain_keys, bool additive_fast = false, const MaskTile* staged = nullptr) {
   const bool window_whole = key_block_unmasked(p, r0, r0 + Br - 1, n, Bc);
   if constexpr (kSoftcapFast) {
     if (window_whole) {
@@ -712,6 +710,26 @@ __device__ __forceinline__ void probs_and_grads(float (&S)[NT][4], const float (
     return;
   }
   if constexpr (kGeneral && kAdditiveFast) {
+    if constexpr (MaskTile::kStaged) {
+      if (staged != nullptr) {  // one 32-bit shared-memory load per score pair
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const typename MaskTile::Row row = staged->row(rows.row[hh], t);
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni) {
+            const float2 values = MaskTile::pair(row, ni, true);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int e = 2 * hh + c, j = key0 + 8 * ni + c;
+              const float prob = additive_prob(tf, S[ni][e], c == 0 ? values.x : values.y,
+                                               rows.win[hh].contains(j), rows.lse2[hh]);
+              S[ni][e] = grad_score(prob, dP[ni][e], rows.delta[hh]);
+            }
+          }
+        }
+        return;
+      }
+    }
     if (additive_fast) {
       const Elem* mask = static_cast<const Elem*>(p.mask);
       const int Nk = static_cast<int>(p.seqlen_k);

@@ -424,14 +424,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
   constexpr bool kAdditiveFast = additive_fast_variant<kGeneral, kExtents, kFast, D>();
   const bool additive_fast = kAdditiveFast && bwd_additive_fast(params, st);
+  // A bwd_stages_mask mask: each key block's mask tile staged with its K_j / V_j, one per stage.
+  using MaskTile = StagedMaskTile<Elem, Br, Bc, kThreads>;
+  const bool stage_mask = kAdditiveFast && bwd_stages_mask(params, st);
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
   const uint32_t sQ_addr = (raw_addr + 1023) & ~1023u;
   const uint32_t sdO_addr = sQ_addr + Tr::kSmemQ;
   constexpr int kStages = Tr::kStages, kAhead = Tr::kAhead;
-  const uint32_t sK_addr0 = sdO_addr + Tr::kSmemQ;             // kStages stages
-  const uint32_t sV_addr0 = sK_addr0 + kStages * Tr::kSmemKV;  // kStages stages
+  const uint32_t sK_addr0 = sdO_addr + Tr::kSmemQ;                // kStages stages
+  const uint32_t sV_addr0 = sK_addr0 + kStages * Tr::kSmemKV;     // kStages stages
+  const uint32_t sMask_addr0 = sV_addr0 + kStages * Tr::kSmemKV;  // stage_mask: kStages tiles
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
   const int g = lane >> 2, t = lane & 3;
@@ -460,6 +464,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
                  valid);
     kv_copy.load(sV_addr0 + stage * Tr::kSmemKV, gkv.v + row0 * p.v_row_stride, p.v_row_stride,
                  valid);
+    if constexpr (kAdditiveFast) {
+      if (stage_mask) MaskTile::load(sMask_addr0 + stage * MaskTile::kBytes, p, b, h, r0, n, tid);
+    }
   };
 
   // One cp.async group per key block (the first also holds Q_i, dO_i), committed even when empty.
@@ -526,8 +533,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       pin_registers(da);
     }
 
-    probs_and_grads<Elem, kGeneral, kSoftcapFast, kAdditiveFast>(
-        S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t, plain_keys, additive_fast);
+    if constexpr (kAdditiveFast) {
+      const MaskTile staged{sMask_addr0 + stage * MaskTile::kBytes, r0};
+      probs_and_grads<Elem, kGeneral, kSoftcapFast, kAdditiveFast>(
+          S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t, plain_keys, additive_fast,
+          stage_mask ? &staged : nullptr);
+    } else {
+      probs_and_grads<Elem, kGeneral, kSoftcapFast, kAdditiveFast>(
+          S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t, plain_keys, additive_fast);
+    }
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) pack_a<Elem>(da[kk], S, kk);
     pin_registers(dQ);

@@ -64,8 +64,16 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
   }
   if (err != cudaSuccess) return err;
   const int64_t q_blocks = bwd_dq_ctas(p, Q::Br);
+  // The dQ kernel's staged mask tiles (additive_fast_variant, bwd_stages_mask): one per stage.
+  constexpr bool kQStages = additive_fast_variant<kGeneral, kExtents, kFast, kHeadDim>();
+  static_assert(
+      !kQStages ||
+          Q::kMinBlocks * (Q::kSmemBytes + Q::kStages * Q::Br * Q::Bc * 2 + 1024) <= 228 * 1024,
+      "the staged mask tiles keep kMinBlocks CTAs per SM");
+  const int64_t q_smem =
+      Q::kSmemBytes + (kQStages && bwd_stages_mask(p, st) ? Q::kStages * Q::Br * Q::Bc * 2 : 0);
   return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral, kExtents, kFast>, q_blocks,
-                             Q::kNThreads, Q::kSmemBytes, stream, p, st);
+                             Q::kNThreads, q_smem, stream, p, st);
 }
 
 }  // namespace sm90
