@@ -250,6 +250,23 @@ def test_mask_layouts_match_reference(device, dtype, kind, layout, nq, nk, d):
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_truth)), "fully masked rows differ"
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize(
+    "opts", [{"softcap": 3.0}, {"window_left": 40, "window_right": 9, "bottom_right": False}], ids=str
+)
+def test_stageable_additive_mask_with_transforms(device, d, opts):
+    """A bf16 additive mask whose rows the Hopper forward stages (Nk % 8 == 0, contiguous) under a
+    soft cap or a window, which that path decides per block (staged_mask.h, score_mask.h)."""
+    q, k, v = make_qkv(2, 4, 2, 77, 136, d, torch.bfloat16, device)
+    mask = layout_mask("additive", "per-head", 2, 4, 77, 136, torch.bfloat16, device)
+    out, lse = flashmod.attention_op(q, k, v, mask, **opts)
+    (out_truth, lse_truth), (out_plain, _) = references(q, k, v, mask, opts, torch.bfloat16)
+    lse_plain32 = attention_reference(q, k, v, mask, compute_dtype=torch.float32, **opts)[1]
+    assert_within_rule(out, out_truth, out_plain, 2, torch.bfloat16, "out")
+    assert_within_rule(lse, lse_truth, lse_plain32, 2, torch.float32, "lse")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_truth)), "fully masked rows differ"
+
+
 @pytest.mark.parametrize("b,nq,nk", [(0, 5, 7), (2, 0, 7), (2, 5, 0), (0, 0, 0)])
 def test_empty_dimensions(device, b, nq, nk):
     q, k, v = make_qkv(b, 4, 2, nq, nk, 32, torch.float32, device, requires_grad=True)
