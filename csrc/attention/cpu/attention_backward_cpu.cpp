@@ -271,6 +271,11 @@ bool mask_hides_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t r0,
   return true;
 }
 
+// Br x Bc acc_t buffers at the head of a task's scratch: S, dP, T, and with bf16 products (op_t
+// bf16) the room for P and dS rounded to bf16.
+template <typename acc_t, typename op_t>
+constexpr int64_t kTileBuffers = std::is_same_v<op_t, acc_t> ? 3 : 4;
+
 // scalar_t: the tensors' element type; acc_t: the math (float, double for fp64); op_t: the
 // products' operands, acc_t (fp16/bf16 rows widened once per task) or bf16 (the tensors as they
 // are; bf16_products_usable).
@@ -286,11 +291,12 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
 
   // Tile buffers first, then (fp16/bf16) the widened rows of this task.
-  acc_t* S = scratch;            // Br x Bc: scores, then P
-  acc_t* dP = S + Br * Bc;       // Br x Bc: dP, then dS
-  acc_t* T = dP + Br * Bc;       // Br x Bc: tanh(raw / softcap)
-  acc_t* low = T + Br * Bc;      // Br x Bc floats: P and dS in bf16 (op_t = bf16)
-  acc_t* delta = low + Br * Bc;  // group x Nq: rowsum(dO o O) - grad_lse
+  acc_t* S = scratch;        // Br x Bc: scores, then P
+  acc_t* dP = S + Br * Bc;   // Br x Bc: dP, then dS
+  acc_t* T = dP + Br * Bc;   // Br x Bc: tanh(raw / softcap)
+  acc_t* low = T + Br * Bc;  // op_t = bf16: Br x Bc floats' room for P and dS in bf16
+  acc_t* delta =
+      scratch + kTileBuffers<acc_t, op_t> * Br * Bc;  // group x Nq: rowsum(dO o O) - grad_lse
   acc_t* wide = delta + group * Nq;
   // P and dS as the gradient products' A operand: the acc_t tiles, or their bf16 copies.
   op_t* low_p = reinterpret_cast<op_t*>(low);
@@ -587,7 +593,7 @@ bool bf16_products_usable() {
 
 template <typename scalar_t, typename acc_t, typename op_t = acc_t>
 void backward_cpu(const AttentionBwdParams& p) {
-  constexpr int64_t kTileElements = 4 * Br * Bc;
+  constexpr int64_t kTileElements = kTileBuffers<acc_t, op_t> * Br * Bc;
   const int64_t group = p.heads_q / p.heads_kv;
   int64_t per_task = kTileElements + group * p.seqlen_q;
   if constexpr (std::is_same_v<op_t, acc_t> && !std::is_same_v<scalar_t, acc_t>) {

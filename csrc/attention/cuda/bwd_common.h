@@ -80,10 +80,10 @@ __device__ __forceinline__ float grad_score(float prob, float dp, float delta) {
 // masks; entry_points.h: bwd_additive_fast) take paths of their own on the Hopper kernels. On the
 // general path, general_prob's per-score soft-cap branch and its load under the window test put a
 // branch between every two mask loads, so each load's L2 latency was waited for before the next
-// was issued (D = 128 dense bias, fwd+bwd 100 TFLOP/s against CUDNN's 273). The dQ kernel's loads
-// are unconditional there (keys clamped to the last real one, whose value the window test then
-// ignores) and branch-free, so ptxas issues them together; the dK/dV kernel reads a tile staged in
-// shared memory (below).
+// was issued (D = 128 dense bias, fwd+bwd 100 TFLOP/s against CUDNN's 273). Both kernels now
+// read tiles staged in shared memory where the mask's rows allow it (bwd_stages_mask); elsewhere
+// the dQ kernel's loads are unconditional (keys clamped to the last real one, whose value the
+// window test then ignores) and branch-free, so ptxas issues them together.
 
 // Whether the Hopper dK/dV kernel stages p's mask tiles in shared memory (staged_mask.h): a
 // bwd_additive_fast mask whose rows allow it and whose gradient is not wanted. Host (the launch's

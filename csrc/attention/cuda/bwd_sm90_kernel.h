@@ -139,9 +139,10 @@ __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
 
 // Whether a dK/dV variant stages a bwd_stages_mask mask's tiles in shared memory: general ones
 // that mask tensors reach, with one step of prefetch (the tile is waited for with the step's other
-// copies) and one warpgroup, at D = 128 and in the kBwdFastAdditive variants. At D = 128 the dQ
-// kernel's batched global loads spilled 40-56 bytes in this kernel (255 registers); in the
-// default D = 64 tile staging spills too (its mask variant 0 -> 64 bytes under the 3-CTA cap).
+// copies) and one warpgroup, at D = 128 and in the kBwdFastAdditive variants. At D = 128 batched
+// global loads (the dQ kernel's path for unstageable masks) spilled 40-56 bytes in this kernel
+// (255 registers); in the default D = 64 tile staging spills too (its mask variant 0 -> 64 bytes
+// under the 3-CTA cap).
 template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast>
 constexpr bool dkdv_stages_mask() {
   constexpr bool staged = kGeneral && !kExtents && kFast != kBwdFastSoftcap && Tr::kAhead == 1 &&
@@ -152,11 +153,11 @@ constexpr bool dkdv_stages_mask() {
   return staged;
 }
 
-// Whether a dQ variant batches its additive-mask loads (bwd_common.h, bwd_additive_fast): general
-// ones that mask tensors reach (not variable-length or mask-free soft-cap variants), at D = 128
-// and in the kBwdFastAdditive variants. The batched loads spill in the default D = 64 tile (its
-// 128-register cap: 36-44 bytes) and at D = 256 (dK/dV +120-250 bytes), also in the mask variant
-// that transformers' causal + padding masks take.
+// Whether a dQ variant takes bwd_common.h's additive paths (bwd_additive_fast: staged tiles, else
+// batched loads): general ones that mask tensors reach (not variable-length or mask-free soft-cap
+// variants), at D = 128 and in the kBwdFastAdditive variants. The batched loads spill in the
+// default D = 64 tile (its 128-register cap: 36-44 bytes) and at D = 256 (dK/dV +120-250 bytes),
+// also in the mask variant that transformers' causal + padding masks take.
 template <bool kGeneral, bool kExtents, int kFast, int kHeadDim>
 constexpr bool additive_fast_variant() {
   return kGeneral && !kExtents && kFast != kBwdFastSoftcap &&

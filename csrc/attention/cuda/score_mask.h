@@ -49,7 +49,6 @@ __device__ __forceinline__ void mask_outside_windows(float (&S)[MT][NT][4],
 // used. (staged_mask.h's StagedMaskTile reads a tile staged in shared memory instead.)
 struct GlobalMaskValues {
   static constexpr bool kStaged = false;
-  __device__ __forceinline__ float2 pair(int64_t, int) const { return {0.f, 0.f}; }
 };
 
 // mask_scores' general path with an additive mask staged in shared memory (staged_mask.h). The

@@ -1,5 +1,6 @@
-// An additive mask's Br x Bc tile staged in shared memory beside K_j / V_j, for the sm_90 wgmma
-// kernel (fwd_sm90_kernel.h). Read per score from global memory, a dense bias (every tile mixed)
+// An additive mask's Br x Bc tile staged in shared memory beside the tiles a Hopper kernel streams
+// (K_j / V_j in the forward, fwd_sm90_kernel.h, and the dQ kernel; Q_i / dO_i in the dK/dV kernel,
+// bwd_sm90_kernel.h). Read per score from global memory, a dense bias (every tile mixed)
 // cost each warp a dependent 2-byte load per score pair after S = Q K^T had landed: 75-83
 // TFLOP/s at D = 128 (H100, bf16), 0.22-0.26x CUDNN. Staged, the tile rides in the K/V copy's
 // commit group, so its latency hides behind the previous block's matmuls, and the softmax reads
@@ -69,7 +70,7 @@ struct StagedMaskTile {
   }
 
   // A lane's place in the tile row of query position i: the address of its word (keys
-  // 2 * (lane % 4), + 1) in the row's chunk 0, and the row's swizzle.
+  // 2 * (lane % 4), + 1) in the row's chunk 0, and the row's swizzle. Only lane % 4 matters.
   struct Row {
     uint32_t addr, swizzle;
   };
