@@ -24,7 +24,7 @@ partly in the 50 MB L2 from one contender to the next that reads the same cache.
 --graphs adds each flashmod / SDPA contender captured in a CUDA graph ("[graph]": what a serving engine
 replays per decode step, no host work per call); --wall the wall time per call of eager calls back to
 back (where the host, not the GPU, sets the pace); --variant flashmod under FLASHMOD_* knobs too
-(kvcache: its contiguous call), e.g. --group varlen --variant "fa2-style:FLASHMOD_SM90_WS=0".
+(kvcache: its contiguous and paged calls), e.g. --group varlen --variant "fa2-style:FLASHMOD_SM90_WS=0".
 
 Every contender's output is checked against flashmod's before it is timed. Results (JSON) go to
 build/bench/serve_<group>.json (or --out-dir).
@@ -219,6 +219,10 @@ def kvcache_case(
         label = f"paged {page}" + (" in order" if order == "in order" else "")
         if check(label, paged(), ref, 0.0):
             fns[label] = paged
+            for variant, settings in variants.items():
+                fn = harness.with_env(settings, paged)
+                if check(f"{label} {variant}", fn(), ref, 2e-2):
+                    fns[f"{label} {variant}"] = fn
     qb, kb, vb = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
 
     def dense():
@@ -292,7 +296,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="LABEL:NAME=VALUE[,NAME=VALUE]",
-        help="also flashmod under these FLASHMOD_* knobs (kvcache: the contiguous call; repeatable)",
+        help="also flashmod under these FLASHMOD_* knobs (kvcache: the contiguous and paged calls; repeatable)",
     )
     args = parser.parse_args()
     dev, dtype = args.device, torch.bfloat16

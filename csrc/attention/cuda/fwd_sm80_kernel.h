@@ -45,14 +45,26 @@ namespace flashmod::cuda_kernels {
 // sequence_view(params, b) of its batch row, K/V blocks load through the block table when paged
 // (paged_kv.h), and a CTA whose query block lies past its sequence's end exits without writing.
 // A template parameter, so that dense calls keep their registers.
+//
+// Decode in sm_90a builds (kKvTma, head dims of whole 64-column blocks): K_j and V_j sit in shared
+// memory as column blocks (smem_tile.h), the layout the copy engine writes, and where the launch
+// passes tensor maps (maps.box_rows > 0) every whole key block of cached rows comes through it,
+// issued by one thread and waited for on the stage's mbarrier; the tile holding the appended keys
+// and a partial last block keep the cp.async copies, into the same layout.
 template <class Tr, bool kGeneral, bool kDecode = false, KvAddressing kAddr = kDense>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_fwd_kernel(const AttentionParams params, const FwdLaunchFlags flags,
-                         const SplitKvArgs sk) {
+                         const SplitKvArgs sk, const __grid_constant__ KvTensorMaps maps) {
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int MT = Tr::kMTiles, NT = Tr::kNTiles, DT = Tr::kDTiles;
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kKvTma = kDecode && D % 64 == 0;
+#else
+  constexpr bool kKvTma = false;
+#endif
+  constexpr int kKvBlockRows = kKvTma ? Bc : 0;  // K/V tiles as column blocks of Bc rows
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
@@ -133,9 +145,27 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   }
 
   const TileCopyPlan<Br, D, kThreads> q_copy(tid, head_dim);
-  const TileCopyPlan<Bc, D, kThreads> kv_copy(tid, head_dim);
+  const TileCopyPlan<Bc, D, kThreads, kKvTma> kv_copy(tid, head_dim);
   const uint32_t sQ_addr = smem_addr(sQ), sK_addr0 = smem_addr(sK), sV_addr0 = smem_addr(sV);
   constexpr uint32_t kStageBytes = 2 * Tr::kSmemKV;
+  // kKvTma: key blocks [.., tma_end) are whole blocks of cached rows and come through the copy
+  // engine, each completing on its stage's mbarrier (kStages of them after the tiles:
+  // decode_smem_bytes); tma_phase holds each stage's parity. The 128-byte swizzle is applied to
+  // address bits, so a tile base that is not 1024-byte aligned keeps the cp.async copies.
+  const uint32_t kv_bar0 = smem_addr(smem_raw) + Tr::kSmemBytes;
+  int tma_end = 0;
+  uint32_t tma_phase = 0;
+  int kv_outer = static_cast<int>(b);  // a contiguous K/V's batch row in its map
+  if constexpr (kKvTma) {
+    if (maps.box_rows > 0 && sK_addr0 % 1024 == 0) {
+      tma_end = new_from / Bc;
+      if (tid == 0) {
+        init_kv_tma_barriers(kv_bar0, Tr::kStages);
+        if (kAddr == kSequences && params.kv_batch_idx != nullptr)
+          kv_outer = params.kv_batch_idx[b];
+      }
+    }
+  }
   KvRowSources<Elem> row_src{gK, gV, nullptr, nullptr, new_from};
   if constexpr (kDecode && kExtents) {
     if (new_rows) {
@@ -144,6 +174,15 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     }
   }
   auto load_kv = [&](int n, int stage) {
+    if constexpr (kKvTma) {
+      if (n < tma_end) {
+        if (tid == 0)
+          load_kv_tile_tma<kAddr, Bc, D>(
+              maps, sK_addr0 + stage * kStageBytes, sV_addr0 + stage * kStageBytes, p,
+              static_cast<int>(tile.hk), kv_outer, n, kv_bar0 + 8 * stage);
+        return;
+      }
+    }
     load_kv_tile<kAddr, kDecode, Bc>(kv_copy, sK_addr0 + stage * kStageBytes,
                                      sV_addr0 + stage * kStageBytes, row_src, p, n);
   };
@@ -166,9 +205,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   // Per-lane ldmatrix coordinates: lanes 8i..8i+7 address the rows of 8x8 matrix i.
   const int lm_mat = lane >> 3, lm_row = lane & 7;
   const int warp_row0 = warp * Tr::kRowsPerWarp;
-  const LaneTileOffsets<D> q_off(warp_row0 + lm_row + (lm_mat & 1) * 8, lm_mat >> 1);  // A
-  const LaneTileOffsets<D> k_off(lm_row + (lm_mat >> 1) * 8, lm_mat & 1);              // B
-  const LaneTileOffsets<D> v_off(lm_row + (lm_mat & 1) * 8, lm_mat >> 1);              // B^T
+  const LaneTileOffsets<D> q_off(warp_row0 + lm_row + (lm_mat & 1) * 8, lm_mat >> 1);    // A
+  const LaneTileOffsets<D, kKvBlockRows> k_off(lm_row + (lm_mat >> 1) * 8, lm_mat & 1);  // B
+  const LaneTileOffsets<D, kKvBlockRows> v_off(lm_row + (lm_mat & 1) * 8, lm_mat >> 1);  // B^T
 
   // Accumulator coordinates: row lane/4 (+8), columns 2*(lane%4) (+1).
   const int g = lane >> 2, t = lane & 3;
@@ -215,6 +254,12 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   for (int n = range.lo; n < range.hi; ++n) {
     const int stage = (n - range.lo) % Tr::kStages;
     cp_async_wait<Tr::kStages - 2>();
+    if constexpr (kKvTma) {
+      if (n < tma_end) {  // the copy engine's K_j/V_j: each thread waits for the bytes itself
+        wait_kv_tma(kv_bar0 + 8 * stage, (tma_phase >> stage) & 1);
+        tma_phase ^= 1u << stage;
+      }
+    }
     // Publishes K_j/V_j (and Q_i on the first pass) copied by other threads, and guarantees
     // every warp is done with the buffer the prefetch below overwrites (block n-1's).
     __syncthreads();

@@ -6,8 +6,10 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "../../common/cuda/kernel_launch.h"
+#include "../../common/cuda/tma_ops.h"
 #include "decode_heuristics.h"
 #include "entry_points.h"
 #include "fwd_sm80_kernel.h"
@@ -73,7 +75,7 @@ cudaError_t launch_fwd(const AttentionParams& params, const FwdLaunchFlags& flag
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
   auto kernel = pick_fwd_kernel<Tr, false>(general, kv_addressing(p, Tr::Bc));
   return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads, Tr::kSmemBytes, stream, p,
-                             flags, SplitKvArgs{});
+                             flags, SplitKvArgs{}, KvTensorMaps{});
 }
 
 template <typename Elem, int kHeadDim>
@@ -94,6 +96,45 @@ template <typename Elem, int kHeadDim>
 struct DecodeConfig {
   using Traits = FwdTraits<Elem, kHeadDim, 64, 64, 4, 2, (kHeadDim <= 128)>;
 };
+// A decode kernel's shared memory: the tiles, then one mbarrier per stage (its K/V copies through
+// the copy engine; fwd_sm80_kernel.h).
+template <class Tr>
+constexpr int decode_smem_bytes() {
+  return Tr::kSmemBytes + 8 * Tr::kStages;
+}
+
+// The tensor maps of a decode call's K/V where the copy engine can take them (KvTensorMaps):
+// head dims of whole 64-column blocks, cached rows addressed as (outer, rows, kv heads, head dim)
+// (the dense op's K/V, a contiguous KV cache, pages of whole key blocks or of a divisor of one;
+// not packed varlen keys), rows and bases as the maps need them (16-byte aligned). Otherwise
+// box_rows stays 0 and the kernel copies with cp.async.
+template <class Tr>
+KvTensorMaps decode_kv_maps(const AttentionParams& p, const DecodeOptions& opt, KvAddressing addr) {
+  KvTensorMaps maps{};
+  constexpr int Bc = Tr::Bc;
+  if (!opt.kv_tma || Tr::kHeadDim % 64 != 0 || p.cu_seqlens_k != nullptr) return maps;
+  int64_t outer = p.batch, rows = p.seqlen_k, outer_k = p.k_batch_stride,
+          outer_v = p.v_batch_stride;
+  int box = Bc;
+  if (addr == kBlockPages || addr == kRowPages) {
+    if (addr == kRowPages && (p.page_size > Bc || Bc % p.page_size != 0)) return maps;
+    box = static_cast<int>(p.page_size < Bc ? p.page_size : Bc);
+    outer = opt.kv_outer, rows = opt.kv_rows;
+    outer_k = p.k_page_stride, outer_v = p.v_page_stride;
+  } else if (addr == kSequences) {
+    outer = opt.kv_outer, rows = opt.kv_rows;
+  }
+  // Boxes start on whole 8-row swizzle atoms (1024 bytes), as the copy engine's swizzle wants.
+  if (outer <= 0 || rows <= 0 || box % 8 != 0) return maps;
+  constexpr bool kBf16 = std::is_same_v<typename Tr::Elem, __nv_bfloat16>;
+  if (!encode_rows_tensor_map(&maps.k, kBf16, p.k, outer, p.heads_kv, rows, p.head_dim, outer_k,
+                              p.k_head_stride, p.k_row_stride, box) ||
+      !encode_rows_tensor_map(&maps.v, kBf16, p.v, outer, p.heads_kv, rows, p.head_dim, outer_v,
+                              p.v_head_stride, p.v_row_stride, box))
+    return maps;
+  maps.box_rows = box;
+  return maps;
+}
 
 constexpr int kMaxCachedDevices = 64;
 // Resident CTAs per SM of a decode kernel, from the occupancy calculator, cached per device.
@@ -128,8 +169,8 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
   int splits = opt.forced_splits;
   if (splits <= 0) {
     static std::atomic<int> per_sm_cache[2][4][kMaxCachedDevices];
-    const int per_sm =
-        decode_ctas_per_sm(kernel, Tr::kNThreads, Tr::kSmemBytes, per_sm_cache[general][addr]);
+    const int per_sm = decode_ctas_per_sm(kernel, Tr::kNThreads, decode_smem_bytes<Tr>(),
+                                          per_sm_cache[general][addr]);
     splits = choose_splits(ctas, decode_key_blocks(p, Tr::Bc), opt.num_sms,
                            static_cast<int64_t>(opt.num_sms) * per_sm);
   }
@@ -143,8 +184,9 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
         alloc_split_workspace<kHeadDim>(sk, rows, ctas, opt.fused_combine, ws, stream);
     if (err != cudaSuccess) return err;
   }
-  const cudaError_t err = cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads, Tr::kSmemBytes,
-                                              stream, p, flags, sk);
+  const cudaError_t err =
+      cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads, decode_smem_bytes<Tr>(), stream, p,
+                          flags, sk, decode_kv_maps<Tr>(p, opt, addr));
   if (err != cudaSuccess || splits == 1 || sk.tile_counters != nullptr) return err;
   return launch_split_combine<Elem, kHeadDim>(p, sk, stream);
 }

@@ -6,9 +6,12 @@
 
 #include <cstdint>
 
+#include "../../common/cuda/bulk_copy_ops.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "../../common/cuda/smem_tile.h"
+#include "../../common/cuda/tma_ops.h"
 #include "../sequence_view.h"
+#include "entry_points.h"
 
 namespace flashmod::cuda_kernels {
 
@@ -208,6 +211,60 @@ __device__ __forceinline__ void load_kv_tile(const Plan& plan, uint32_t sk, uint
     plan.load(sk, src.k + row0 * s.k_row_stride, s.k_row_stride, valid);
     plan.load(sv, src.v + row0 * s.v_row_stride, s.v_row_stride, valid);
   }
+}
+
+// Key block n of K and V (kBc rows, every one a cached row of the sequence: no appended key, none
+// past its end) through the copy engine into the smem tiles at sk / sv, in the column-block layout
+// that the maps' 128-byte swizzle writes (smem_tile.h: tile_offset with kColBlockRows = kBc; sk
+// and sv 1024-byte aligned). One thread issues it: kBc / maps.box_rows boxes per 64 columns and
+// tensor (one, or one per page), completing on bar with the tile's bytes. outer: the batch row of
+// a contiguous K/V (after kv_batch_idx); paged K/V take each box's page from the block table.
+// Against the per-row cp.async walk (load_cached_rows_by_page: a table read, a seek and two 16-byte
+// copies per row and thread, 43 % more instructions than a contiguous cache's decode step), this
+// is four table reads and 16 instructions per 64-key block at 16-token pages.
+template <KvAddressing kAddr, int kBc, int kHeadDim>
+__device__ __forceinline__ void load_kv_tile_tma(const KvTensorMaps& maps, uint32_t sk, uint32_t sv,
+                                                 const AttentionParams& s, int hk, int outer, int n,
+                                                 uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kColBlocks = kHeadDim / 64;
+  static_assert(kHeadDim % 64 == 0, "whole 64-column boxes");
+  mbarrier_arrive_expect_tx(bar, 2u * kBc * kHeadDim * 2);
+  const int box = maps.box_rows;
+#pragma unroll 1
+  for (int r = 0; r < kBc; r += box) {
+    const int key = n * kBc + r;
+    int row = key, page = outer;
+    if constexpr (kAddr == kBlockPages || kAddr == kRowPages) {
+      const int page_size = static_cast<int>(s.page_size);
+      const int idx = key / page_size;
+      page = __ldg(s.block_table + idx);
+      row = key - idx * page_size;
+    }
+#pragma unroll
+    for (int cb = 0; cb < kColBlocks; ++cb) {
+      const uint32_t dst = cb * kBc * 128 + r * 128;
+      tma_load_4d(sk + dst, &maps.k, cb * 64, row, hk, page, bar);
+      tma_load_4d(sv + dst, &maps.v, cb * 64, row, hk, page, bar);
+    }
+  }
+#endif  // other targets never take this path (the decode kernel's kKvTma)
+}
+
+// The stages' mbarriers of load_kv_tile_tma (one arrival: the issuing thread's), by one thread.
+__device__ __forceinline__ void init_kv_tma_barriers(uint32_t bar0, int stages) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  for (int s = 0; s < stages; ++s) mbarrier_init(bar0 + 8 * s, 1);
+  fence_mbarrier_init();  // visible to the copy engine before the first copy completes on one
+#endif
+}
+
+// Until the copies of the stage's round with this parity have landed (every thread that reads
+// the tile waits itself: the mbarrier makes the copy engine's writes visible to it).
+__device__ __forceinline__ void wait_kv_tma(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  mbarrier_wait(bar, parity);
+#endif
 }
 
 // The fused append's writes: the seqlen_new new rows of kv head hk (of the view s) into the

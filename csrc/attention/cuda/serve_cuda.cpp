@@ -35,13 +35,16 @@ bool decode_shaped(const AttentionParams& p) {
          env_flag("FLASHMOD_DECODE", true);
 }
 
+// k: the K tensor params read (a KV cache's (batch or pages, rows, Hkv, D): the decode kernel's
+// tensor maps take its extents).
 cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
-                   const at::TensorOptions& options, cudaStream_t stream) {
+                   const at::Tensor& k, const at::TensorOptions& options, cudaStream_t stream) {
   const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
   const int key = cuda_kernels::variant_key(p.dtype, padded);
   if (decode_shaped(p)) {
     if (env_flag("FLASHMOD_DECODE_PACK", true)) cuda_kernels::pack_gqa_rows(p);
-    const cuda_kernels::DecodeOptions opt = decode_options();
+    cuda_kernels::DecodeOptions opt = decode_options();
+    if (k.dim() == 4) opt.kv_outer = k.size(0), opt.kv_rows = k.size(1);
     // The split-KV workspace depends on shapes only (batch, heads, seqlen_q, the cache's
     // capacity), never on values, so a captured graph replays with the same allocation.
     TorchWorkspace workspace(options, stream);
@@ -85,7 +88,7 @@ void run(const char* op, PreparedServe& r, const at::Tensor& q) {
   cuda_kernels::FwdLaunchFlags flags{};
   flags.out_vec16 = rows_aligned16(r.out) && p.head_dim % 8 == 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const cudaError_t err = launch(p, flags, q.options(), stream);
+  const cudaError_t err = launch(p, flags, r.k, q.options(), stream);
   TORCH_CHECK(err != cudaErrorInvalidConfiguration,
               error_message(op,
                             ": too many query blocks for one launch (batch * heads * "

@@ -12,11 +12,17 @@
 
 namespace flashmod::cuda_kernels {
 
-// Element offset of (row, chunk) in a tile with kHeadDim columns.
-template <int kHeadDim>
+// Element offset of (row, chunk) in a tile with kHeadDim columns. Two layouts: rows side by side
+// (kColBlockRows = 0), or, for the copy engine (tma_ops.h: its 128-byte swizzle writes whole boxes
+// of 64 columns), column blocks of 64 one after the other, each kColBlockRows rows of 128 bytes.
+// Both put chunk c of row r at c ^ (r % 8) within its 128-byte group.
+template <int kHeadDim, int kColBlockRows = 0>
 __device__ __forceinline__ int tile_offset(int row, int chunk) {
   constexpr int kChunks = kHeadDim / 8;
-  if constexpr (kChunks % 8 == 0) {
+  if constexpr (kColBlockRows > 0) {
+    static_assert(kChunks % 8 == 0, "whole 64-column blocks");
+    return (chunk >> 3) * kColBlockRows * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+  } else if constexpr (kChunks % 8 == 0) {
     // Row starts are 128-byte aligned: 8 consecutive rows differ in their low 3 bits.
     return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
   } else {
@@ -32,21 +38,25 @@ __device__ __forceinline__ int tile_offset(int row, int chunk) {
 // one of kGroup/2 lane-dependent values plus a compile-time constant: keeping just those few in
 // registers stops the compiler from hoisting one address register per (row_add, pair) out of
 // the key loop (that alone cost ~60 registers and spills at D = 128).
-template <int kHeadDim>
+template <int kHeadDim, int kColBlockRows = 0>
 struct LaneTileOffsets {
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kGroup = kChunks % 8 == 0 ? 8 : 4;
+  // Elements between rows and between 8-chunk groups (tile_offset's two layouts).
+  static constexpr int kRowPitch = kColBlockRows > 0 ? 64 : kHeadDim;
+  static constexpr int kGroupPitch = kColBlockRows > 0 ? kColBlockRows * 64 : kGroup * 8;
   int sw[kGroup / 2];
 
   __device__ __forceinline__ LaneTileOffsets(int lane_row, int lane_bit) {
     const int f = kGroup == 8 ? (lane_row & 7) : ((lane_row >> 1) & 3);
 #pragma unroll
     for (int s = 0; s < kGroup / 2; ++s)
-      sw[s] = lane_row * kHeadDim + (((2 * s) ^ (lane_bit ^ f)) << 3);
+      sw[s] = lane_row * kRowPitch + (((2 * s) ^ (lane_bit ^ f)) << 3);
   }
-  // Element offset; equals tile_offset(lane_row + row_add, 2 * pair + lane_bit).
+  // Element offset; equals tile_offset<kHeadDim, kColBlockRows>(lane_row + row_add,
+  // 2 * pair + lane_bit).
   __device__ __forceinline__ int at(int row_add, int pair) const {
-    return row_add * kHeadDim + (2 * pair / kGroup) * kGroup * 8 + sw[pair % (kGroup / 2)];
+    return row_add * kRowPitch + (2 * pair / kGroup) * kGroupPitch + sw[pair % (kGroup / 2)];
   }
 };
 
@@ -55,7 +65,7 @@ struct LaneTileOffsets {
 // work is one predicate and one cp.async per chunk: computing (row, chunk) per copy and per key
 // block made the compiler hoist dozens of 64-bit addresses out of the key loop (spills). Rows are
 // padded to a power-of-two number of lanes; lanes past the last chunk idle.
-template <int kRows, int kHeadDim, int kThreads>
+template <int kRows, int kHeadDim, int kThreads, bool kColBlocks = false>
 struct TileCopyPlan {
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kLanesPerRow = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
@@ -66,7 +76,10 @@ struct TileCopyPlan {
   static_assert(kThreads % kLanesPerRow == 0 && kRows % kRowStep == 0, "even split");
   static_assert(kIters % kPeriod == 0, "whole swizzle periods");
   // Bytes between the chunks of consecutive copy steps, past the swizzle (chunk_offset).
-  static constexpr uint32_t kStepBytes = 2 * kRowStep * kHeadDim;
+  // (Column blocks: each thread's chunk stays in one block, whose rows are 128 bytes.)
+  static constexpr int kRowPitch = kColBlocks ? 64 : kHeadDim;
+  static constexpr uint32_t kStepBytes = 2 * kRowStep * kRowPitch;
+  static constexpr int kColBlockRows = kColBlocks ? kRows : 0;
 
   int row0;                // first row this thread copies
   int col;                 // first element of its chunk
@@ -82,10 +95,9 @@ struct TileCopyPlan {
     src_bytes = 2 * max(0, min(8, head_dim - col));
 #pragma unroll
     for (int it = 0; it < kPeriod; ++it)
-      soff[it] =
-          active
-              ? 2 * (tile_offset<kHeadDim>(row0 + it * kRowStep, chunk) - it * kRowStep * kHeadDim)
-              : 0;
+      soff[it] = active ? 2 * (tile_offset<kHeadDim, kColBlockRows>(row0 + it * kRowStep, chunk) -
+                               it * kRowStep * kRowPitch)
+                        : 0;
   }
 
   // Byte offset in the tile of the chunk that copy iteration `it` (0..kIters-1) writes.
