@@ -67,7 +67,15 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   constexpr int kKvBlockRows = kKvTma ? Bc : 0;  // K/V tiles as column blocks of Bc rows
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
+  // With the copy engine (kKvTma, maps given) the tiles start at the first 1024-byte boundary, the
+  // 128-byte swizzle's atom: the dynamic base is not that aligned (decode_smem_bytes allots 1024
+  // bytes more for it).
+  uint32_t smem_shift = 0;
+  if constexpr (kKvTma) {
+    const uint32_t raw = smem_addr(smem_raw);
+    if (maps.box_rows > 0) smem_shift = ((raw + 1023) & ~1023u) - raw;
+  }
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw + smem_shift);
   Elem* sK = sQ + Tr::kSmemQ;                 // kStages buffers of K_j
   Elem* sV = sK + Tr::kStages * Tr::kSmemKV;  // kStages buffers of V_j
 
@@ -150,14 +158,13 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   constexpr uint32_t kStageBytes = 2 * Tr::kSmemKV;
   // kKvTma: key blocks [.., tma_end) are whole blocks of cached rows and come through the copy
   // engine, each completing on its stage's mbarrier (kStages of them after the tiles:
-  // decode_smem_bytes); tma_phase holds each stage's parity. The 128-byte swizzle is applied to
-  // address bits, so a tile base that is not 1024-byte aligned keeps the cp.async copies.
-  const uint32_t kv_bar0 = smem_addr(smem_raw) + Tr::kSmemBytes;
+  // decode_smem_bytes); tma_phase holds each stage's parity.
+  const uint32_t kv_bar0 = sQ_addr + Tr::kSmemBytes;
   int tma_end = 0;
   uint32_t tma_phase = 0;
   int kv_outer = static_cast<int>(b);  // a contiguous K/V's batch row in its map
   if constexpr (kKvTma) {
-    if (maps.box_rows > 0 && sK_addr0 % 1024 == 0) {
+    if (maps.box_rows > 0) {
       tma_end = new_from / Bc;
       if (tid == 0) {
         init_kv_tma_barriers(kv_bar0, Tr::kStages);

@@ -96,11 +96,12 @@ template <typename Elem, int kHeadDim>
 struct DecodeConfig {
   using Traits = FwdTraits<Elem, kHeadDim, 64, 64, 4, 2, (kHeadDim <= 128)>;
 };
-// A decode kernel's shared memory: the tiles, then one mbarrier per stage (its K/V copies through
-// the copy engine; fwd_sm80_kernel.h).
+// A decode kernel's shared memory: the tiles, and with K/V through the copy engine room to start
+// them on a 1024-byte boundary and one mbarrier per stage after them (fwd_sm80_kernel.h). Not
+// allotted otherwise: two 80 KB decode CTAs at D = 128 fill an A100's 164 KB to 32 bytes.
 template <class Tr>
-constexpr int decode_smem_bytes() {
-  return Tr::kSmemBytes + 8 * Tr::kStages;
+constexpr int decode_smem_bytes(bool kv_tma) {
+  return Tr::kSmemBytes + (kv_tma ? 1024 + 8 * Tr::kStages : 0);
 }
 
 // The tensor maps of a decode call's K/V where the copy engine can take them (KvTensorMaps):
@@ -168,8 +169,11 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
   const int64_t ctas = cta_count(p, Tr::Br);
   int splits = opt.forced_splits;
   if (splits <= 0) {
+    // Without the copy engine's 1 KB: the split count, and with it the result, must not depend on
+    // the copy path (registers, not shared memory, bound these CTAs per SM at every head dim it
+    // takes).
     static std::atomic<int> per_sm_cache[2][4][kMaxCachedDevices];
-    const int per_sm = decode_ctas_per_sm(kernel, Tr::kNThreads, decode_smem_bytes<Tr>(),
+    const int per_sm = decode_ctas_per_sm(kernel, Tr::kNThreads, decode_smem_bytes<Tr>(false),
                                           per_sm_cache[general][addr]);
     splits = choose_splits(ctas, decode_key_blocks(p, Tr::Bc), opt.num_sms,
                            static_cast<int64_t>(opt.num_sms) * per_sm);
@@ -184,9 +188,10 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
         alloc_split_workspace<kHeadDim>(sk, rows, ctas, opt.fused_combine, ws, stream);
     if (err != cudaSuccess) return err;
   }
+  const KvTensorMaps maps = decode_kv_maps<Tr>(p, opt, addr);
   const cudaError_t err =
-      cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads, decode_smem_bytes<Tr>(), stream, p,
-                          flags, sk, decode_kv_maps<Tr>(p, opt, addr));
+      cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads,
+                          decode_smem_bytes<Tr>(maps.box_rows > 0), stream, p, flags, sk, maps);
   if (err != cudaSuccess || splits == 1 || sk.tile_counters != nullptr) return err;
   return launch_split_combine<Elem, kHeadDim>(p, sk, stream);
 }
