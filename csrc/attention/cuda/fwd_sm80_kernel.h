@@ -166,11 +166,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   if constexpr (kKvTma) {
     if (maps.box_rows > 0) {
       tma_end = new_from / Bc;
-      if (tid == 0) {
-        init_kv_tma_barriers(kv_bar0, Tr::kStages);
-        if (kAddr == kSequences && params.kv_batch_idx != nullptr)
-          kv_outer = params.kv_batch_idx[b];
-      }
+      if (tid == 0) init_kv_tma_barriers(kv_bar0, Tr::kStages);
+      if (kAddr == kSequences && params.kv_batch_idx != nullptr) kv_outer = params.kv_batch_idx[b];
     }
   }
   KvRowSources<Elem> row_src{gK, gV, nullptr, nullptr, new_from};
@@ -183,10 +180,10 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   auto load_kv = [&](int n, int stage) {
     if constexpr (kKvTma) {
       if (n < tma_end) {
-        if (tid == 0)
+        if (warp == 0)
           load_kv_tile_tma<kAddr, Bc, D>(
               maps, sK_addr0 + stage * kStageBytes, sV_addr0 + stage * kStageBytes, p,
-              static_cast<int>(tile.hk), kv_outer, n, kv_bar0 + 8 * stage);
+              static_cast<int>(tile.hk), kv_outer, n, kv_bar0 + 8 * stage, lane);
         return;
       }
     }
