@@ -724,22 +724,18 @@ def test_kvcache_small_pages_equal_contiguous_on_long_caches(monkeypatch, page_s
             assert torch.equal(k_pool[table.long()].reshape(B, S, hkv, d), kc), "paged append differs"
 
 
-def hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
-@pytest.mark.parametrize("layout", ["contiguous", "batch_idx", 16, 32, 48, 64, 256])
-def test_kvcache_decode_copy_engine_equals_cp_async(monkeypatch, d, layout):
-    """On a Hopper GPU the decode kernel brings whole key blocks of cached K/V in through the copy
-    engine (tensor maps over the cache or the page pool: pages of 16 and 32 tokens a box each, 64 and
-    256 a box per key block) and the rest (the block holding the appended keys, a partial last block,
-    pages of 48, head dim 96) by cp.async; FLASHMOD_DECODE_TMA=0 copies everything by cp.async. Both
-    give bitwise the same output, lse and caches, over uneven cache lengths (empty, within one block,
-    whole blocks, one past), with and without an append, with split-KV, GQA 32/8 and a window. Every
-    slot past a row's valid length and every unowned page holds NaN: no copy may read one."""
-    if not hopper():
+@pytest.mark.parametrize("page_size", [8, 16, 32, 48])
+def test_kvcache_pages_by_copy_engine_equal_cp_async(monkeypatch, d, page_size):
+    """On a Hopper GPU the decode kernel brings whole key blocks of a cache paged in pages shorter
+    than a block in through the copy engine (a tensor map over the pool, a box per page: pages of 8,
+    16 and 32 tokens) and the rest (the block holding the appended keys, a partial last block, pages
+    of 48, head dim 96) by cp.async; FLASHMOD_DECODE_TMA=0 copies everything by cp.async. Both give
+    bitwise the same output, lse and pools, over uneven cache lengths (empty, within one block, whole
+    blocks, one past), with and without an append, with split-KV, GQA 32/8 and a window. Every slot
+    past a row's valid length and every unowned page holds NaN: no copy may read one."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("the copy engine's path exists on sm_90 only")
     dtype, B, hq, hkv, S = torch.bfloat16, 6, 32, 8, 1536
     seqlens = torch.tensor([0, 63, 64, 65, 1000, S - 1], dtype=torch.int32, device="cuda")
@@ -749,33 +745,22 @@ def test_kvcache_decode_copy_engine_equals_cp_async(monkeypatch, d, layout):
             c[b, int(seqlens[b]) :] = float("nan")
     q = torch.randn(B, 1, hq, d, dtype=dtype, device="cuda")
     kn, vn = (torch.randn(B, 1, hkv, d, dtype=dtype, device="cuda") for _ in range(2))
-    if layout == "batch_idx":
-        # Rows of a larger cache, out of order; the rows nobody reads are NaN.
-        idx = torch.tensor([7, 0, 5, 2, 6, 3], dtype=torch.int32, device="cuda")
-        big = [torch.full((8, S, hkv, d), float("nan"), dtype=dtype, device="cuda") for _ in range(2)]
-        for c, src in zip(big, (k_cont, v_cont)):
-            c[idx.long()] = src
-        caches, kw = big, {"cache_batch_idx": idx}
-    elif isinstance(layout, int):
-        k_pool, v_pool, table, unowned = paged_copy(k_cont, v_cont, layout)
-        k_pool[unowned], v_pool[unowned] = float("nan"), float("nan")
-        caches, kw = (k_pool, v_pool), {"block_table": table}
-    else:
-        caches, kw = (k_cont, v_cont), {}
+    k_pool, v_pool, table, unowned = paged_copy(k_cont, v_cont, page_size)
+    k_pool[unowned], v_pool[unowned] = float("nan"), float("nan")
     for opts in ({}, {"causal": True, "window_size": (700, 0)}):
         for new in ((), (kn, vn)):
             results = []
             for tma in ("1", "0"):
                 monkeypatch.setenv("FLASHMOD_DECODE_TMA", tma)
-                kc, vc = (c.clone() for c in caches)
+                kp, vp = k_pool.clone(), v_pool.clone()
                 out, lse = flashmod.flash_attn_with_kvcache(
-                    q, kc, vc, *new, cache_seqlens=seqlens, return_lse=True, **kw, **opts
+                    q, kp, vp, *new, cache_seqlens=seqlens, block_table=table, return_lse=True, **opts
                 )
-                results.append((out, lse, kc, vc))
-            what = f"{layout}, d {d}, {opts}, append {bool(new)}"
+                results.append((out, lse, kp, vp))
+            what = f"pages of {page_size}, d {d}, {opts}, append {bool(new)}"
             assert not results[0][0].isnan().any(), f"{what}: a NaN slot was read"
-            for got, want, name in zip(results[0], results[1], ("out", "lse", "k_cache", "v_cache")):
-                if name.endswith("cache"):  # bit patterns: the NaN slots compare too
+            for got, want, name in zip(results[0], results[1], ("out", "lse", "k_pool", "v_pool")):
+                if name.endswith("pool"):  # bit patterns: the NaN slots compare too
                     got, want = got.view(torch.int16), want.view(torch.int16)
                 assert torch.equal(got, want), f"{what}: {name} differs between the copy engine and cp.async"
     b = 4  # one row against the reference, to tie both paths to the truth
@@ -783,33 +768,8 @@ def test_kvcache_decode_copy_engine_equals_cp_async(monkeypatch, d, layout):
     truth, _ = reference(q[b], k_cont[b, :n], v_cont[b, :n], opts_of("plain"), torch.float64)
     plain, _ = reference(q[b], k_cont[b, :n], v_cont[b, :n], opts_of("plain"), dtype)
     monkeypatch.setenv("FLASHMOD_DECODE_TMA", "1")
-    out = flashmod.flash_attn_with_kvcache(q, *(c.clone() for c in caches), cache_seqlens=seqlens, **kw)
-    assert_within_rule(out[b], truth, plain, 2, dtype, f"{layout}, d {d}: row {b}")
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("d", [64, 120, 128, 256])
-@pytest.mark.parametrize("nk", [64, 1000, 4096])
-def test_dense_decode_copy_engine_equals_cp_async(monkeypatch, d, nk):
-    """flashmod.attention's decode path (one query row, GQA 32/8 packed, split-KV) with K/V through
-    the copy engine (head dim 120: the map's columns past 120 read as zeros) equals cp.async bitwise,
-    and both the fp64 reference within the rule."""
-    if not hopper():
-        pytest.skip("the copy engine's path exists on sm_90 only")
-    dtype = torch.bfloat16
-    q = torch.randn(4, 32, 1, d, dtype=dtype, device="cuda")
-    k, v = (torch.randn(4, 8, nk, d, dtype=dtype, device="cuda") for _ in range(2))
-    results = []
-    for tma in ("1", "0"):
-        monkeypatch.setenv("FLASHMOD_DECODE_TMA", tma)
-        results.append(flashmod.attention(q, k, v, return_lse=True))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1]), (
-        f"d {d}, nk {nk}: the copy engine's decode differs from cp.async"
-    )
-    kq, vq = (t.repeat_interleave(4, dim=1) for t in (k, v))
-    truth, _ = attention_reference(q, kq, vq, compute_dtype=torch.float64)
-    plain, _ = attention_reference(q, kq, vq, compute_dtype=dtype)
-    assert_within_rule(results[0][0], truth, plain, 2, dtype, f"d {d}, nk {nk}")
+    out = flashmod.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table)
+    assert_within_rule(out[b], truth, plain, 2, dtype, f"pages of {page_size}, d {d}: row {b}")
 
 
 @pytest.mark.cuda

@@ -104,20 +104,17 @@ struct DecodeOptions {
   int num_sms = 1;
   int forced_splits = 0;      // > 0: use exactly this many splits (tests, tuning); 0: heuristic
   bool fused_combine = true;  // split-KV partials merged by each tile's last CTA, not a kernel
-  // K/V tiles through the copy engine where the decode kernel's build and the layout allow
-  // (KvTensorMaps; FLASHMOD_DECODE_TMA=0: cp.async only). kv_outer and kv_rows are the sizes of
-  // the K/V tensors' first two dimensions as the caller holds them: (batch, cache length) of a
-  // contiguous KV cache, (pages, page size) of a paged one; 0 where the caller has no such tensor
-  // (the dense op: params' batch and seqlen_k are the extents).
+  // Paged K/V tiles through the copy engine where the decode kernel's build and the pages allow
+  // (KvTensorMaps; FLASHMOD_DECODE_TMA=0: cp.async only). kv_outer: the pages of the pools (their
+  // first dimension); 0 where the call has no page pool.
   bool kv_tma = false;
-  int64_t kv_outer = 0, kv_rows = 0;
+  int64_t kv_outer = 0;
 };
 
-// The decode kernel's whole key blocks of cached K/V through the copy engine (sm_90a builds):
-// tensor maps over K and V as (head dim, rows, kv heads, outer) with outer the batch or the page
-// (tma_ops.h: encode_rows_tensor_map), boxes of box_rows rows: Bc, or the page size where pages
-// are shorter than a key block. box_rows = 0: every tile by cp.async (no maps; prefill, sm_80
-// builds, layouts TMA cannot take).
+// The decode kernel's whole key blocks of a paged cache through the copy engine (sm_90a builds,
+// pages shorter than a key block): tensor maps over the K and V pools as (head dim, page rows, kv
+// heads, pages) (tma_ops.h: encode_rows_tensor_map), boxes of box_rows = page size rows. box_rows
+// = 0: every tile by cp.async (no maps; prefill, sm_80 builds, other layouts).
 struct KvTensorMaps {
   CUtensorMap k, v;
   int box_rows = 0;

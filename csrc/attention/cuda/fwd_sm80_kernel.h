@@ -46,11 +46,14 @@ namespace flashmod::cuda_kernels {
 // (paged_kv.h), and a CTA whose query block lies past its sequence's end exits without writing.
 // A template parameter, so that dense calls keep their registers.
 //
-// Decode in sm_90a builds (kKvTma, head dims of whole 64-column blocks): K_j and V_j sit in shared
-// memory as column blocks (smem_tile.h), the layout the copy engine writes, and where the launch
-// passes tensor maps (maps.box_rows > 0) every whole key block of cached rows comes through it,
-// issued by one thread and waited for on the stage's mbarrier; the tile holding the appended keys
-// and a partial last block keep the cp.async copies, into the same layout.
+// Decode at pages smaller than a key block in sm_90a builds (kKvTma, head dims of whole 64-column
+// blocks): K_j and V_j sit in shared memory as column blocks (smem_tile.h), the layout the copy
+// engine writes, and where the launch passes tensor maps over the page pools (maps.box_rows > 0)
+// every whole key block of cached rows comes through it, one box per page, and is waited for on
+// the stage's mbarrier; the block holding the appended keys and a partial last block keep the
+// cp.async copies, into the same layout. (Contiguous caches and larger pages keep cp.async: the
+// copy engine ran them 0-6 % slower on an H100; benchmarks/results/design/cuda-serving.md,
+// session 23.)
 template <class Tr, bool kGeneral, bool kDecode = false, KvAddressing kAddr = kDense>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_fwd_kernel(const AttentionParams params, const FwdLaunchFlags flags,
@@ -60,7 +63,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int MT = Tr::kMTiles, NT = Tr::kNTiles, DT = Tr::kDTiles;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool kKvTma = kDecode && D % 64 == 0;
+  constexpr bool kKvTma = kDecode && kAddr == kRowPages && D % 64 == 0;
 #else
   constexpr bool kKvTma = false;
 #endif
@@ -158,16 +161,16 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   constexpr uint32_t kStageBytes = 2 * Tr::kSmemKV;
   // kKvTma: key blocks [.., tma_end) are whole blocks of cached rows and come through the copy
   // engine, each completing on its stage's mbarrier (kStages of them after the tiles:
-  // decode_smem_bytes); tma_phase holds each stage's parity.
+  // decode_smem_bytes; one arrival per page of a block); tma_phase holds each stage's parity.
   const uint32_t kv_bar0 = sQ_addr + Tr::kSmemBytes;
   int tma_end = 0;
   uint32_t tma_phase = 0;
-  int kv_outer = static_cast<int>(b);  // a contiguous K/V's batch row in its map
   if constexpr (kKvTma) {
     if (maps.box_rows > 0) {
       tma_end = new_from / Bc;
-      if (tid == 0) init_kv_tma_barriers(kv_bar0, Tr::kStages);
-      if (kAddr == kSequences && params.kv_batch_idx != nullptr) kv_outer = params.kv_batch_idx[b];
+      if (tid == 0) init_kv_tma_barriers(kv_bar0, Tr::kStages, Bc / maps.box_rows);
+      // The barriers are initialized before any other thread issues a copy that completes on one.
+      __syncthreads();
     }
   }
   KvRowSources<Elem> row_src{gK, gV, nullptr, nullptr, new_from};
@@ -181,9 +184,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     if constexpr (kKvTma) {
       if (n < tma_end) {
         if (warp == 0)
-          load_kv_tile_tma<kAddr, Bc, D>(
-              maps, sK_addr0 + stage * kStageBytes, sV_addr0 + stage * kStageBytes, p,
-              static_cast<int>(tile.hk), kv_outer, n, kv_bar0 + 8 * stage, lane);
+          load_kv_pages_tma<Bc, D>(maps, sK_addr0 + stage * kStageBytes,
+                                   sV_addr0 + stage * kStageBytes, p, static_cast<int>(tile.hk), n,
+                                   kv_bar0 + 8 * stage, lane);
         return;
       }
     }

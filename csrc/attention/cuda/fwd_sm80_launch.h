@@ -104,34 +104,24 @@ constexpr int decode_smem_bytes(bool kv_tma) {
   return Tr::kSmemBytes + (kv_tma ? 1024 + 8 * Tr::kStages : 0);
 }
 
-// The tensor maps of a decode call's K/V where the copy engine can take them (KvTensorMaps):
-// head dims of whole 64-column blocks, cached rows addressed as (outer, rows, kv heads, head dim)
-// (the dense op's K/V, a contiguous KV cache, pages of whole key blocks or of a divisor of one;
-// not packed varlen keys), rows and bases as the maps need them (16-byte aligned). Otherwise
-// box_rows stays 0 and the kernel copies with cp.async.
+// The tensor maps of a decode call's page pools where the copy engine takes its K/V tiles
+// (KvTensorMaps, fwd_sm80_kernel.h: kKvTma): pages shorter than a key block that tile it (16 or 32
+// rows at Bc = 64: one box per page, starting on a whole 8-row swizzle atom), head dims of whole
+// 64-column blocks, pools TMA can address (16-byte aligned base and strides). Otherwise box_rows
+// stays 0 and the kernel copies with cp.async.
 template <class Tr>
 KvTensorMaps decode_kv_maps(const AttentionParams& p, const DecodeOptions& opt, KvAddressing addr) {
   KvTensorMaps maps{};
   constexpr int Bc = Tr::Bc;
-  if (!opt.kv_tma || Tr::kHeadDim % 64 != 0 || p.cu_seqlens_k != nullptr) return maps;
-  int64_t outer = p.batch, rows = p.seqlen_k, outer_k = p.k_batch_stride,
-          outer_v = p.v_batch_stride;
-  int box = Bc;
-  if (addr == kBlockPages || addr == kRowPages) {
-    if (addr == kRowPages && (p.page_size > Bc || Bc % p.page_size != 0)) return maps;
-    box = static_cast<int>(p.page_size < Bc ? p.page_size : Bc);
-    outer = opt.kv_outer, rows = opt.kv_rows;
-    outer_k = p.k_page_stride, outer_v = p.v_page_stride;
-  } else if (addr == kSequences) {
-    outer = opt.kv_outer, rows = opt.kv_rows;
-  }
-  // Boxes start on whole 8-row swizzle atoms (1024 bytes), as the copy engine's swizzle wants.
-  if (outer <= 0 || rows <= 0 || box % 8 != 0) return maps;
+  if (!opt.kv_tma || Tr::kHeadDim % 64 != 0 || addr != kRowPages || p.page_size % 8 != 0 ||
+      Bc % p.page_size != 0 || opt.kv_outer <= 0)
+    return maps;
+  const int box = static_cast<int>(p.page_size);
   constexpr bool kBf16 = std::is_same_v<typename Tr::Elem, __nv_bfloat16>;
-  if (!encode_rows_tensor_map(&maps.k, kBf16, p.k, outer, p.heads_kv, rows, p.head_dim, outer_k,
-                              p.k_head_stride, p.k_row_stride, box) ||
-      !encode_rows_tensor_map(&maps.v, kBf16, p.v, outer, p.heads_kv, rows, p.head_dim, outer_v,
-                              p.v_head_stride, p.v_row_stride, box))
+  if (!encode_rows_tensor_map(&maps.k, kBf16, p.k, opt.kv_outer, p.heads_kv, box, p.head_dim,
+                              p.k_page_stride, p.k_head_stride, p.k_row_stride, box) ||
+      !encode_rows_tensor_map(&maps.v, kBf16, p.v, opt.kv_outer, p.heads_kv, box, p.head_dim,
+                              p.v_page_stride, p.v_head_stride, p.v_row_stride, box))
     return maps;
   maps.box_rows = box;
   return maps;

@@ -214,48 +214,42 @@ __device__ __forceinline__ void load_kv_tile(const Plan& plan, uint32_t sk, uint
 }
 
 // Key block n of K and V (kBc rows, every one a cached row of the sequence: no appended key, none
-// past its end) through the copy engine into the smem tiles at sk / sv, in the column-block layout
-// that the maps' 128-byte swizzle writes (smem_tile.h: tile_offset with kColBlockRows = kBc; sk
-// and sv 1024-byte aligned), completing on bar with the tile's bytes. One warp issues it: lane l
-// the boxes of rows [l box_rows, (l + 1) box_rows) (one box per 64 columns and tensor), so the
-// pages' block-table reads are in flight together (one thread reading them in turn, each before its
-// boxes, was 1-2 % slower than the cp.async walk at 16-token pages). outer: the batch row of a
-// contiguous K/V (after kv_batch_idx); paged K/V take each box's page from the block table.
-// Against the per-row cp.async walk (load_cached_rows_by_page: a table read, a seek and two 16-byte
-// copies per row and thread), a 16k-token decode step at 16-token pages executes 36 % fewer
-// instructions (ncu, H100: 63.3 M -> 40.8 M; a contiguous cache's 48.9 M -> 36.0 M).
-template <KvAddressing kAddr, int kBc, int kHeadDim>
-__device__ __forceinline__ void load_kv_tile_tma(const KvTensorMaps& maps, uint32_t sk, uint32_t sv,
-                                                 const AttentionParams& s, int hk, int outer, int n,
-                                                 uint32_t bar, int lane) {
+// past its end) of a paged cache with pages of maps.box_rows < kBc rows (kRowPages) through the
+// copy engine into the smem tiles at sk / sv, in the column-block layout that the maps' 128-byte
+// swizzle writes (smem_tile.h: tile_offset with kColBlockRows = kBc; sk and sv 1024-byte aligned).
+// One warp issues it: lane l reads the block-table entry of page l of the block and issues its
+// boxes (one per 64 columns and tensor), having announced their bytes on bar (one arrival per
+// page), so the table reads are in flight together (one thread reading them in turn, each before
+// its boxes, was 1-2 % slower than the cp.async walk). Against that walk
+// (load_cached_rows_by_page: a table read, a seek and two 16-byte copies per row and thread), a
+// 16k-token decode step at 16-token pages executes 36 % fewer instructions (ncu, H100: 63.3 M ->
+// 40.8 M).
+template <int kBc, int kHeadDim>
+__device__ __forceinline__ void load_kv_pages_tma(const KvTensorMaps& maps, uint32_t sk,
+                                                  uint32_t sv, const AttentionParams& s, int hk,
+                                                  int n, uint32_t bar, int lane) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kColBlocks = kHeadDim / 64;
   static_assert(kHeadDim % 64 == 0, "whole 64-column boxes");
-  if (lane == 0) mbarrier_arrive_expect_tx(bar, 2u * kBc * kHeadDim * 2);
-  __syncwarp();  // the bytes are expected before any box can complete
-  const int r = lane * maps.box_rows;
+  const int box = maps.box_rows, r = lane * box;
   if (r >= kBc) return;
   const int key = n * kBc + r;
-  int row = key, page = outer;
-  if constexpr (kAddr == kBlockPages || kAddr == kRowPages) {
-    const int page_size = static_cast<int>(s.page_size);
-    const int idx = key / page_size;
-    page = __ldg(s.block_table + idx);
-    row = key - idx * page_size;
-  }
+  const int idx = key / box;  // box = page size: row 0 of a page
+  const int page = __ldg(s.block_table + idx);
+  mbarrier_arrive_expect_tx(bar, 2u * kColBlocks * box * 128);
 #pragma unroll
   for (int cb = 0; cb < kColBlocks; ++cb) {
     const uint32_t dst = cb * kBc * 128 + r * 128;
-    tma_load_4d(sk + dst, &maps.k, cb * 64, row, hk, page, bar);
-    tma_load_4d(sv + dst, &maps.v, cb * 64, row, hk, page, bar);
+    tma_load_4d(sk + dst, &maps.k, cb * 64, 0, hk, page, bar);
+    tma_load_4d(sv + dst, &maps.v, cb * 64, 0, hk, page, bar);
   }
 #endif  // other targets never take this path (the decode kernel's kKvTma)
 }
 
-// The stages' mbarriers of load_kv_tile_tma (one arrival: its lane 0's), by one thread.
-__device__ __forceinline__ void init_kv_tma_barriers(uint32_t bar0, int stages) {
+// The stages' mbarriers of load_kv_pages_tma (one arrival per page of a key block), by one thread.
+__device__ __forceinline__ void init_kv_tma_barriers(uint32_t bar0, int stages, int arrivals) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  for (int s = 0; s < stages; ++s) mbarrier_init(bar0 + 8 * s, 1);
+  for (int s = 0; s < stages; ++s) mbarrier_init(bar0 + 8 * s, arrivals);
   fence_mbarrier_init();  // visible to the copy engine before the first copy completes on one
 #endif
 }

@@ -35,8 +35,8 @@ bool decode_shaped(const AttentionParams& p) {
          env_flag("FLASHMOD_DECODE", true);
 }
 
-// k: the K tensor params read (a KV cache's (batch or pages, rows, Hkv, D): the decode kernel's
-// tensor maps take its extents).
+// k: the K tensor params read (a paged cache's pool (pages, page size, Hkv, D): the decode
+// kernel's tensor maps take its page count).
 cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
                    const at::Tensor& k, const at::TensorOptions& options, cudaStream_t stream) {
   const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
@@ -44,7 +44,7 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
   if (decode_shaped(p)) {
     if (env_flag("FLASHMOD_DECODE_PACK", true)) cuda_kernels::pack_gqa_rows(p);
     cuda_kernels::DecodeOptions opt = decode_options();
-    if (k.dim() == 4) opt.kv_outer = k.size(0), opt.kv_rows = k.size(1);
+    if (p.block_table != nullptr) opt.kv_outer = k.size(0);  // the pool's pages
     // The split-KV workspace depends on shapes only (batch, heads, seqlen_q, the cache's
     // capacity), never on values, so a captured graph replays with the same allocation.
     TorchWorkspace workspace(options, stream);
