@@ -77,7 +77,8 @@ def main() -> None:
 def serving_ops() -> None:
     """The per-sequence kernel variants: varlen (empty and odd sequences), contiguous and paged caches
     (pages of 16 rows per row lookup, 64 per block lookup) with the append inside the decode kernel
-    (1 new row, and 70 across key blocks with 3 splits) and with the append kernel."""
+    (1 new row, and 70 across key blocks with 3 splits) and with the append kernel, and 16-token
+    pages over 2k tokens (the copy engine's path on Hopper)."""
     import flashmod
 
     for dtype in (torch.bfloat16, torch.float16):
@@ -103,6 +104,15 @@ def serving_ops() -> None:
                 flashmod.flash_attn_with_kvcache(qd, k_pool, v_pool, kn70, vn70, seqlens70, block_table=table)
                 for name in knobs:
                     os.environ.pop(name)
+        # 16-token pages through the copy engine (Hopper): splits of >= 16 key blocks take it.
+        k_pool, v_pool = (torch.randn(2 * 128, 16, 2, 128, device="cuda", dtype=dtype) for _ in range(2))
+        table = torch.randperm(2 * 128, device="cuda").to(torch.int32).reshape(2, 128)
+        qd = torch.randn(2, 1, 8, 128, device="cuda", dtype=dtype)
+        kn, vn = (torch.randn(2, 1, 2, 128, device="cuda", dtype=dtype) for _ in range(2))
+        os.environ["FLASHMOD_DECODE_SPLITS"] = "2"
+        seqlens = torch.tensor([1500, 2047], dtype=torch.int32, device="cuda")
+        flashmod.flash_attn_with_kvcache(qd, k_pool, v_pool, kn, vn, seqlens, block_table=table)
+        os.environ.pop("FLASHMOD_DECODE_SPLITS")
 
 
 if __name__ == "__main__":

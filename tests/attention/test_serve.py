@@ -733,11 +733,13 @@ def test_kvcache_pages_by_copy_engine_equal_cp_async(monkeypatch, d, page_size):
     16 and 32 tokens) and the rest (the block holding the appended keys, a partial last block, pages
     of 48, head dim 96) by cp.async; FLASHMOD_DECODE_TMA=0 copies everything by cp.async. Both give
     bitwise the same output, lse and pools, over uneven cache lengths (empty, within one block, whole
-    blocks, one past), with and without an append, with split-KV, GQA 32/8 and a window. Every slot
-    past a row's valid length and every unowned page holds NaN: no copy may read one."""
+    blocks, one past), with and without an append, with split-KV (two splits of 18 key blocks: the
+    copy engine takes splits of at least 16), GQA 32/8 and a window. Every slot past a row's valid
+    length and every unowned page holds NaN: no copy may read one."""
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("the copy engine's path exists on sm_90 only")
-    dtype, B, hq, hkv, S = torch.bfloat16, 6, 32, 8, 1536
+    monkeypatch.setenv("FLASHMOD_DECODE_SPLITS", "2")
+    dtype, B, hq, hkv, S = torch.bfloat16, 6, 32, 8, 2304
     seqlens = torch.tensor([0, 63, 64, 65, 1000, S - 1], dtype=torch.int32, device="cuda")
     k_cont, v_cont = make_cache(B, S, hkv, d, dtype, "cuda")
     for c in (k_cont, v_cont):
