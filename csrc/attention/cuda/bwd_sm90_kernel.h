@@ -465,13 +465,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
                  valid);
     kv_copy.load(sV_addr0 + stage * Tr::kSmemKV, gkv.v + row0 * p.v_row_stride, p.v_row_stride,
                  valid);
-    // A block that probs_and_grads runs on the plain code (a clear tile the window shows whole)
-    // reads no mask: its tile is not copied (transformers' causal + padding masks are mostly such
-    // tiles; copying them cost 1.5-3 %).
     if constexpr (kAdditiveFast) {
-      if (stage_mask && !(plain_key_block<kGeneral, kMask, Br, Bc>(p, b, h, tile.m_block, n) &&
-                          key_block_unmasked(p, r0, r0 + Br - 1, n, Bc)))
-        MaskTile::load(sMask_addr0 + stage * MaskTile::kBytes, p, b, h, r0, n, tid);
+      if (stage_mask) MaskTile::load(sMask_addr0 + stage * MaskTile::kBytes, p, b, h, r0, n, tid);
     }
   };
 
