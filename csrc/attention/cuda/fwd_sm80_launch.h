@@ -98,7 +98,8 @@ struct DecodeConfig {
 };
 // A decode kernel's shared memory: the tiles, and with K/V through the copy engine room to start
 // them on a 1024-byte boundary and one mbarrier per stage after them (fwd_sm80_kernel.h). Not
-// allotted otherwise: two 80 KB decode CTAs at D = 128 fill an A100's 164 KB to 32 bytes.
+// allotted otherwise (sm_80 builds, other layouts): with it two D = 128 decode CTAs (80 KB each)
+// would no longer fit an A100's 164 KB.
 template <class Tr>
 constexpr int decode_smem_bytes(bool kv_tma) {
   return Tr::kSmemBytes + (kv_tma ? 1024 + 8 * Tr::kStages : 0);
