@@ -13,6 +13,7 @@ Dropout in training has no fused kernel: with ``dropout_p > 0`` the call falls b
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .checks import check_dropout, check_tensor_types, check_window, unbounded_past
@@ -35,6 +36,10 @@ def attention_bhsd(
 ) -> tuple[Tensor, Tensor]:
     """The one path every public entry point takes: the op, or the reference when dropping out."""
     dropout_p = check_dropout("flashmod", "dropout", dropout_p)
+    if attn_mask is not None and attn_mask.dtype == torch.float32 and q.dtype == torch.float64:
+        # SDPA takes a float32 mask with any query dtype; the op takes float64 queries' masks in
+        # float64 (exact) and float32 ones for fp16/bf16 queries as they are.
+        attn_mask = attn_mask.to(torch.float64)
     if dropout_p > 0.0:
         q, k, v, attn_mask = autocast_attention_args((q, k, v, attn_mask))
         check_attention_call(q, k, v, attn_mask, scale, window[0], window[1], softcap)

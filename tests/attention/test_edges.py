@@ -160,6 +160,22 @@ def test_non_tensor_arguments_are_type_errors(bad):
             flashmod.attention(q, k, v, attn_mask=value)
 
 
+def test_float32_mask_with_float64_queries_as_sdpa():
+    """SDPA takes a float32 additive mask with float64 queries (fp64 runs on the CPU); so does
+    flashmod.attention (the mask widened exactly), while the op keeps its contract (float64 queries
+    take float64 masks) and says so."""
+    q, k, v = qkv("cpu", dtype=torch.float64)
+    mask = torch.randn(q.shape[2], k.shape[2]).masked_fill(torch.rand(q.shape[2], k.shape[2]) < 0.3, float("-inf"))
+    got = flashmod.attention(q, k, v, attn_mask=mask)
+    assert torch.equal(got, flashmod.attention(q, k, v, attn_mask=mask.double()))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask
+    )
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match=r"attn_mask must be bool or q's dtype torch.float64, got torch.float32"):
+        flashmod.attention_op(q, k, v, mask)
+
+
 def test_tensor_scale_works_eager_and_compiled(device):
     q, k, v = qkv(device)
     scale = torch.tensor(0.3, device=device)
