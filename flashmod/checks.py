@@ -155,6 +155,20 @@ def check_dropout(op: str, name: str, dropout_p: object) -> float:
     return float(dropout_p)
 
 
+def check_flash_attn_extras(op: str, alibi_slopes: object, **flags: object) -> None:
+    """flash-attn's keyword arguments that code ported from it passes: the flags (``deterministic``,
+    ``return_attn_probs``, ``return_softmax_lse``) are bools; ``alibi_slopes`` has no kernel here,
+    so anything but None raises rather than being ignored."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            f"{op}: alibi_slopes is not supported (no ALiBi kernel); pass the bias as an additive "
+            "attn_mask to flashmod.attention instead"
+        )
+
+
 def unbounded_past(window: tuple[int, int], seqlen_k: int) -> tuple[int, int]:
     """flash-attn's rule: a window side that reaches over all ``seqlen_k`` keys is unbounded (-1).
     With Nq > Nk the literal bound would hide keys from the first queries, which flash-attn's

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .checks import check_dropout, check_tensor_types, check_window, unbounded_past
+from .checks import check_dropout, check_flash_attn_extras, check_tensor_types, check_window, unbounded_past
 from .ops import attention_op, autocast_attention_args, check_attention_call
 from .reference import attention_reference
 from .softmax_ops import matmul_softmax
@@ -165,7 +165,11 @@ def flash_attn_func(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     return_lse: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    *,
+    alibi_slopes: None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, None]:
     """flash-attn's ``flash_attn_func`` on ``(B, S, H, D)`` tensors.
 
     Args:
@@ -178,6 +182,11 @@ def flash_attn_func(
             is a side ``>= Nk``.
         softcap: if > 0, scores become ``softcap * tanh(score / softcap)``.
         return_lse: also return the fp32 log-sum-exp, ``(B, Hq, Nq)`` as in flash-attn.
+        alibi_slopes, deterministic, return_attn_probs: flash-attn's, for code ported from it.
+            ``alibi_slopes`` must be None; ``deterministic`` changes nothing (the backward is
+            always deterministic); ``return_attn_probs`` returns ``(out, lse, None)``, as flash-attn
+            does without dropout (with dropout its third entry, the dropout pattern, has no
+            counterpart here: NotImplementedError).
 
     Returns:
         ``(B, Nq, Hq, D)`` output in q's dtype (and the lse if asked).
@@ -185,10 +194,15 @@ def flash_attn_func(
     op = "flashmod.flash_attn_func"
     check_tensor_types(op, q=q, k=k, v=v)
     dropout_p = check_dropout(op, "dropout_p", dropout_p)
+    check_flash_attn_extras(op, alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
+    if return_attn_probs and dropout_p > 0.0:
+        raise NotImplementedError(f"{op}: return_attn_probs with dropout_p > 0 (the dropout pattern) is not supported")
     left, right = check_window(op, window_size)
     check_bshd(op, q, k, v)
     window = unbounded_past((left, right), k.shape[1])
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     out, lse = attention_bhsd(qt, kt, vt, None, dropout_p, softmax_scale, causal, True, window, softcap)
     out = out.transpose(1, 2)
+    if return_attn_probs:
+        return out, lse, None
     return (out, lse) if return_lse else out

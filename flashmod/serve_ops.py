@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .checks import (
     check_dropout,
+    check_flash_attn_extras,
     check_float_dtype,
     check_fp64_on_cpu,
     check_options,
@@ -420,7 +421,11 @@ def flash_attn_varlen_func(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     return_lse: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    *,
+    alibi_slopes: None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, None]:
     """Attention over a packed batch of variable-length sequences (flash-attn's signature).
 
     ``q`` is ``(total_q, Hq, D)``, ``k``/``v`` ``(total_k, Hkv, D)``; sequence ``b`` owns rows
@@ -428,11 +433,14 @@ def flash_attn_varlen_func(
     rows of ``k``/``v``. ``max_seqlen_q``/``max_seqlen_k`` must bound every sequence (CUDA sizes its
     grid from them without reading ``cu_seqlens``). ``causal`` and ``window_size`` align each
     sequence bottom-right; sequences may be empty. Returns ``out (total_q, Hq, D)``, and with
-    ``return_lse`` also ``lse (Hq, total_q)`` fp32. Differentiable in ``q``, ``k``, ``v``. fp32 on CUDA (no
-    per-sequence kernel) runs the dense kernels on a padded copy of the batch (:func:`varlen_forward_padded`).
+    ``return_lse`` also ``lse (Hq, total_q)`` fp32 (flash-attn's ``return_attn_probs`` gives ``(out,
+    lse, None)``; its ``deterministic`` is taken and changes nothing; ``alibi_slopes`` must be
+    None). Differentiable in ``q``, ``k``, ``v``. fp32 on CUDA (no per-sequence kernel) runs the
+    dense kernels on a padded copy of the batch (:func:`varlen_forward_padded`).
     """
     op = "flashmod.flash_attn_varlen_func"
     check_tensor_types(op, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    check_flash_attn_extras(op, alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     if check_dropout(op, "dropout_p", dropout_p) != 0.0:
         raise NotImplementedError(f"{op}: dropout_p must be 0 (no variable-length dropout kernel), got {dropout_p}")
     left, right = unbounded_past(check_window(op, window_size), max_seqlen_k)
@@ -450,6 +458,8 @@ def flash_attn_varlen_func(
         out, lse = below_autograd(torch.ops.flashmod.attention_varlen, *args)
     else:
         out, lse = torch.ops.flashmod.attention_varlen(*args)
+    if return_attn_probs:
+        return out, lse, None
     return (out, lse) if return_lse else out
 
 
@@ -467,6 +477,9 @@ def flash_attn_with_kvcache(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     return_lse: bool = False,
+    *,
+    alibi_slopes: None = None,
+    return_softmax_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of new queries against a KV cache, appending new keys/values in place (flash-attn's
     signature and layout).
@@ -478,10 +491,13 @@ def flash_attn_with_kvcache(
     first ``cache_seqlens[b] + S_new`` keys of each row (the whole cache without ``cache_seqlens``).
     ``cache_batch_idx`` (int32 ``(B)``) maps rows to cache rows. ``causal`` is bottom-right. No host
     synchronization and no value-dependent allocation: CUDA-graph capturable. Returns ``out``
-    ``(B, Sq, Hq, D)``, and with ``return_lse`` also ``lse (B, Hq, Sq)`` fp32. Not differentiable:
+    ``(B, Sq, Hq, D)``, and with ``return_lse`` (or flash-attn's name, ``return_softmax_lse``) also
+    ``lse (B, Hq, Sq)`` fp32; ``alibi_slopes`` must be None. Not differentiable:
     inputs that require grad (under grad mode) are an error.
     """
     op = "flashmod.flash_attn_with_kvcache"
+    check_flash_attn_extras(op, alibi_slopes, return_softmax_lse=return_softmax_lse)
+    return_lse = return_lse or return_softmax_lse
     check_tensor_types(
         op, ("k", "v", "cache_batch_idx", "block_table"), q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
         cache_batch_idx=cache_batch_idx, block_table=block_table,

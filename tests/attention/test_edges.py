@@ -160,6 +160,42 @@ def test_non_tensor_arguments_are_type_errors(bad):
             flashmod.attention(q, k, v, attn_mask=value)
 
 
+def test_flash_attn_keywords_of_ported_code(device):
+    """Code ported from flash-attn passes its keywords: return_attn_probs gives (out, lse, None) as
+    flash-attn does without dropout, deterministic changes nothing (the backward is deterministic),
+    return_softmax_lse is the KV-cache call's name for return_lse; alibi_slopes, which has no kernel
+    here, and return_attn_probs with dropout (flash-attn's dropout pattern) raise, never ignored."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = (torch.randn(2, n, h, 32, device=device, dtype=dtype) for n, h in ((9, 4), (11, 2), (11, 2)))
+    out, lse = flashmod.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    got = flashmod.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, deterministic=True)
+    assert len(got) == 3 and got[2] is None
+    assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+    slopes = torch.ones(4, device=device)
+    with pytest.raises(NotImplementedError, match="flash_attn_func: alibi_slopes is not supported"):
+        flashmod.flash_attn_func(q, k, v, alibi_slopes=slopes)
+    with pytest.raises(TypeError, match="flash_attn_func: deterministic must be a bool, got str"):
+        flashmod.flash_attn_func(q, k, v, deterministic="yes")
+    with pytest.raises(NotImplementedError, match="return_attn_probs with dropout_p > 0"):
+        flashmod.flash_attn_func(q, k, v, dropout_p=0.1, return_attn_probs=True)
+
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+    qv, kv_, vv = (t.reshape(-1, t.shape[2], t.shape[3])[:9] for t in (q, k, v))
+    out, lse = flashmod.flash_attn_varlen_func(qv, kv_, vv, cu, cu, 5, 5, causal=True, return_lse=True)
+    got = flashmod.flash_attn_varlen_func(qv, kv_, vv, cu, cu, 5, 5, causal=True, return_attn_probs=True)
+    assert got[2] is None and torch.equal(got[0], out) and torch.equal(got[1], lse)
+    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func: alibi_slopes is not supported"):
+        flashmod.flash_attn_varlen_func(qv, kv_, vv, cu, cu, 5, 5, alibi_slopes=slopes)
+
+    with torch.no_grad():
+        kc, vc = k.clone(), v.clone()
+        want = flashmod.flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=7, return_lse=True)
+        got = flashmod.flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=7, return_softmax_lse=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache: alibi_slopes is not supported"):
+            flashmod.flash_attn_with_kvcache(q[:, :1], kc, vc, alibi_slopes=slopes)
+
+
 def test_float32_mask_with_float64_queries_as_sdpa():
     """SDPA takes a float32 additive mask with float64 queries (fp64 runs on the CPU); so does
     flashmod.attention (the mask widened exactly), while the op keeps its contract (float64 queries
