@@ -67,6 +67,30 @@ inline void decode_pv_rows(const float* P, const typename Tag::storage* V, int64
   for (; d < D; d += kW) decode_pv_block<Tag, R, 1>(P, V + d, ldv, cols, alpha, O + d, D);
 }
 
+// q . k over D (a multiple of kW), k in Tag's storage: two accumulators, then one horizontal sum.
+template <class Tag>
+inline float dot_row(const typename Tag::storage* k, const float* q, int64_t D) {
+  vf acc0 = splat(0.0f), acc1 = acc0;
+  int64_t d = 0;
+  for (; d + 2 * kW <= D; d += 2 * kW) {
+    acc0 = fmadd(Tag::load(k + d), loadu(q + d), acc0);
+    acc1 = fmadd(Tag::load(k + d + kW), loadu(q + d + kW), acc1);
+  }
+  if (d < D) acc0 = fmadd(Tag::load(k + d), loadu(q + d), acc0);
+  return hsum(acc0 + acc1);
+}
+
+// A key row as floats: fp32 rows as they are, 16-bit ones widened into buf (D a multiple of kW).
+template <class Tag>
+inline const float* widened_row(const typename Tag::storage* row, int64_t D, float* buf) {
+  if constexpr (sizeof(typename Tag::storage) == 4) {
+    return row;
+  } else {
+    for (int64_t d = 0; d < D; d += kW) storeu(buf + d, Tag::load(row + d));
+    return buf;
+  }
+}
+
 // Decode tasks [begin, end) of batch * heads_kv * chunks * splits (split fastest). With splits >
 // 1, `partial` receives per task kDecRows x (D + 2) floats: O unnormalized, then m, then l.
 template <class Tag>
@@ -76,10 +100,11 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
   const int64_t D = p.head_dim, Nq = p.seqlen_q, group = p.heads_q / p.heads_kv;
   const DecodeLayout L = decode_layout(p, splits);
   const float scale = static_cast<float>(p.scale);
-  void* mem = std::aligned_alloc(64, sizeof(float) * (kDecRows * (kDecBc + 2 * D + 8)));
+  void* mem = std::aligned_alloc(64, sizeof(float) * (kDecRows * (kDecBc + 2 * D + 8) + D));
   float* S = static_cast<float*>(mem);  // kDecRows x kDecBc
   float* Qs = S + kDecRows * kDecBc;    // kDecRows x D, scaled
   float* O = Qs + kDecRows * D;         // kDecRows x D
+  float* Kf = O + kDecRows * D;         // D: one 16-bit key row widened
   float m[kDecRows], l[kDecRows], alpha[kDecRows];
   for (int64_t task = begin; task < end; ++task) {
     const int64_t split = task % splits, chunk = (task / splits) % L.chunks;
@@ -107,19 +132,18 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
     const bool plain = p.softcap <= 0 && p.mask_kind == MaskKind::kNone;
     for (int64_t c0 = s_lo; c0 < s_hi; c0 += kDecBc) {
       const int64_t cols = min64(kDecBc, s_hi - c0), colsp = (cols + kW - 1) / kW * kW;
-      // Scores.
-      for (int64_t c = 0; c < cols; ++c) {
-        const T* k = K + (c0 + c) * p.k_row_stride;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* q = Qs + r * D;
-          vf acc0 = splat(0.0f), acc1 = acc0;
-          int64_t d = 0;
-          for (; d + 2 * kW <= D; d += 2 * kW) {
-            acc0 = fmadd(Tag::load(k + d), loadu(q + d), acc0);
-            acc1 = fmadd(Tag::load(k + d + kW), loadu(q + d + kW), acc1);
-          }
-          if (d < D) acc0 = fmadd(Tag::load(k + d), loadu(q + d), acc0);
-          S[r * kDecBc + c] = hsum(acc0 + acc1);
+      // Scores. With several rows a 16-bit key row is widened once for all of them (widened per
+      // row, its conversions outnumbered the products); a lone row reads it as it is (the round
+      // trip through Kf cost it 5-10 %).
+      if (sizeof(T) == 2 && rows > 1) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const float* k = widened_row<Tag>(K + (c0 + c) * p.k_row_stride, D, Kf);
+          for (int64_t r = 0; r < rows; ++r) S[r * kDecBc + c] = dot_row<F32>(k, Qs + r * D, D);
+        }
+      } else {
+        for (int64_t c = 0; c < cols; ++c) {
+          const T* k = K + (c0 + c) * p.k_row_stride;
+          for (int64_t r = 0; r < rows; ++r) S[r * kDecBc + c] = dot_row<Tag>(k, Qs + r * D, D);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
