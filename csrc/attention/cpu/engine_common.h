@@ -111,6 +111,26 @@ inline void transpose_block(V (&v)[kW]) {
   }
 }
 
+// Lane j of the result: the sum of v[j]'s lanes, for all kW vectors at once. Stage kH adds the
+// lanes that differ in bit kH of pairs of vectors merged into one (the butterflies above), so
+// after log2(kW) stages lane j holds vector j's sum: kW - 1 adds and 2 (kW - 1) shuffles. v is
+// overwritten.
+template <int kH = 1, class V>
+inline V fold_lanes(V (&v)[kW]) {
+  if constexpr (kH == kW) {
+    return v[0];
+  } else {
+    constexpr vi low = butterfly_low<kH>(std::make_integer_sequence<int, kW>());
+    constexpr vi high = butterfly_high<kH>(std::make_integer_sequence<int, kW>());
+#pragma GCC unroll 16
+    for (int m = 0; m < kW / kH / 2; ++m) {
+      const V a = v[2 * m], b = v[2 * m + 1];
+      v[m] = __builtin_shuffle(a, b, low) + __builtin_shuffle(a, b, high);
+    }
+    return fold_lanes<2 * kH>(v);
+  }
+}
+
 // A row's end of the online softmax, from its running max m and sum l: l == 0 means no visible
 // key (out 0, lse -inf); a NaN or +inf among the visible scores leaves l NaN (exp(NaN) and
 // exp(inf - inf) are NaN and stay in the sum), and the row's out and lse come out NaN, as in

@@ -80,6 +80,23 @@ inline float dot_row(const typename Tag::storage* k, const float* q, int64_t D) 
   return hsum(acc0 + acc1);
 }
 
+// The scores of kW consecutive key rows (ldk apart) against q: one accumulator per key, then the
+// kW accumulators folded lane into lane (fold_lanes), so the kW horizontal sums share their
+// shuffles: 3 (kW - 1) instructions instead of kW reductions of log2(kW) shuffles and adds each.
+// Lane j of the result is key j's score.
+template <class Tag>
+inline vf dot_keys(const typename Tag::storage* k, int64_t ldk, const float* q, int64_t D) {
+  vf acc[kW];
+#pragma GCC unroll 16
+  for (int j = 0; j < kW; ++j) acc[j] = splat(0.0f);
+  for (int64_t d = 0; d < D; d += kW) {
+    const vf qd = loadu(q + d);
+#pragma GCC unroll 16
+    for (int j = 0; j < kW; ++j) acc[j] = fmadd(Tag::load(k + j * ldk + d), qd, acc[j]);
+  }
+  return fold_lanes(acc);
+}
+
 // A key row as floats: fp32 rows as they are, 16-bit ones widened into buf (D a multiple of kW).
 template <class Tag>
 inline const float* widened_row(const typename Tag::storage* row, int64_t D, float* buf) {
@@ -100,11 +117,11 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
   const int64_t D = p.head_dim, Nq = p.seqlen_q, group = p.heads_q / p.heads_kv;
   const DecodeLayout L = decode_layout(p, splits);
   const float scale = static_cast<float>(p.scale);
-  void* mem = std::aligned_alloc(64, sizeof(float) * (kDecRows * (kDecBc + 2 * D + 8) + D));
+  void* mem = std::aligned_alloc(64, sizeof(float) * (kDecRows * (kDecBc + 2 * D + 8) + kW * D));
   float* S = static_cast<float*>(mem);  // kDecRows x kDecBc
   float* Qs = S + kDecRows * kDecBc;    // kDecRows x D, scaled
   float* O = Qs + kDecRows * D;         // kDecRows x D
-  float* Kf = O + kDecRows * D;         // D: one 16-bit key row widened
+  float* Kf = O + kDecRows * D;         // kW x D: kW 16-bit key rows widened
   float m[kDecRows], l[kDecRows], alpha[kDecRows];
   for (int64_t task = begin; task < end; ++task) {
     const int64_t split = task % splits, chunk = (task / splits) % L.chunks;
@@ -132,19 +149,26 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
     const bool plain = p.softcap <= 0 && p.mask_kind == MaskKind::kNone;
     for (int64_t c0 = s_lo; c0 < s_hi; c0 += kDecBc) {
       const int64_t cols = min64(kDecBc, s_hi - c0), colsp = (cols + kW - 1) / kW * kW;
-      // Scores. With several rows a 16-bit key row is widened once for all of them (widened per
-      // row, its conversions outnumbered the products); a lone row reads it as it is (the round
-      // trip through Kf cost it 5-10 %).
-      if (sizeof(T) == 2 && rows > 1) {
-        for (int64_t c = 0; c < cols; ++c) {
-          const float* k = widened_row<Tag>(K + (c0 + c) * p.k_row_stride, D, Kf);
-          for (int64_t r = 0; r < rows; ++r) S[r * kDecBc + c] = dot_row<F32>(k, Qs + r * D, D);
+      // Scores, kW keys at a time (dot_keys), the last cols % kW one by one. With several rows
+      // 16-bit key rows are widened once for all of them (widened per row, their conversions
+      // outnumbered the products); a lone row reads them as they are (the round trip through Kf
+      // cost it 5-10 %).
+      const int64_t ldk = p.k_row_stride, whole = cols / kW * kW;
+      const bool widen = sizeof(T) == 2 && rows > 1;
+      for (int64_t c = 0; c < whole; c += kW) {
+        const T* k = K + (c0 + c) * ldk;
+        if (widen) {
+          for (int j = 0; j < kW; ++j) widened_row<Tag>(k + j * ldk, D, Kf + j * D);
+          for (int64_t r = 0; r < rows; ++r)
+            storeu(S + r * kDecBc + c, dot_keys<F32>(Kf, D, Qs + r * D, D));
+        } else {
+          for (int64_t r = 0; r < rows; ++r)
+            storeu(S + r * kDecBc + c, dot_keys<Tag>(k, ldk, Qs + r * D, D));
         }
-      } else {
-        for (int64_t c = 0; c < cols; ++c) {
-          const T* k = K + (c0 + c) * p.k_row_stride;
-          for (int64_t r = 0; r < rows; ++r) S[r * kDecBc + c] = dot_row<Tag>(k, Qs + r * D, D);
-        }
+      }
+      for (int64_t c = whole; c < cols; ++c) {
+        const T* k = K + (c0 + c) * ldk;
+        for (int64_t r = 0; r < rows; ++r) S[r * kDecBc + c] = dot_row<Tag>(k, Qs + r * D, D);
       }
       for (int64_t r = 0; r < rows; ++r) {
         float* s = S + r * kDecBc;
