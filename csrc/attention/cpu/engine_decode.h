@@ -97,15 +97,11 @@ inline vf dot_keys(const typename Tag::storage* k, int64_t ldk, const float* q, 
   return fold_lanes(acc);
 }
 
-// A key row as floats: fp32 rows as they are, 16-bit ones widened into buf (D a multiple of kW).
+// kW key rows (ldk apart) widened to floats into buf, kW x D (D a multiple of kW).
 template <class Tag>
-inline const float* widened_row(const typename Tag::storage* row, int64_t D, float* buf) {
-  if constexpr (sizeof(typename Tag::storage) == 4) {
-    return row;
-  } else {
-    for (int64_t d = 0; d < D; d += kW) storeu(buf + d, Tag::load(row + d));
-    return buf;
-  }
+inline void widen_keys(const typename Tag::storage* k, int64_t ldk, int64_t D, float* buf) {
+  for (int j = 0; j < kW; ++j)
+    for (int64_t d = 0; d < D; d += kW) storeu(buf + j * D + d, Tag::load(k + j * ldk + d));
 }
 
 // Decode tasks [begin, end) of batch * heads_kv * chunks * splits (split fastest). With splits >
@@ -158,7 +154,7 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
       for (int64_t c = 0; c < whole; c += kW) {
         const T* k = K + (c0 + c) * ldk;
         if (widen) {
-          for (int j = 0; j < kW; ++j) widened_row<Tag>(k + j * ldk, D, Kf + j * D);
+          widen_keys<Tag>(k, ldk, D, Kf);
           for (int64_t r = 0; r < rows; ++r)
             storeu(S + r * kDecBc + c, dot_keys<F32>(Kf, D, Qs + r * D, D));
         } else {

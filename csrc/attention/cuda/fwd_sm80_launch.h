@@ -117,12 +117,11 @@ constexpr int decode_smem_bytes(bool kv_tma) {
 constexpr int64_t kTmaMinBlocksPerSplit = 16;
 template <class Tr>
 KvTensorMaps decode_kv_maps(const AttentionParams& p, const DecodeOptions& opt, KvAddressing addr,
-                            int splits) {
+                            int64_t blocks_per_split) {
   KvTensorMaps maps{};
   constexpr int Bc = Tr::Bc;
-  const int64_t per_split = (decode_key_blocks(p, Bc) + splits - 1) / splits;
   if (!opt.kv_tma || Tr::kHeadDim % 64 != 0 || addr != kRowPages || p.page_size % 8 != 0 ||
-      Bc % p.page_size != 0 || opt.kv_outer <= 0 || per_split < kTmaMinBlocksPerSplit)
+      Bc % p.page_size != 0 || opt.kv_outer <= 0 || blocks_per_split < kTmaMinBlocksPerSplit)
     return maps;
   const int box = static_cast<int>(p.page_size);
   constexpr bool kBf16 = std::is_same_v<typename Tr::Elem, __nv_bfloat16>;
@@ -164,7 +163,7 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
   const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
   const KvAddressing addr = kv_addressing(p, Tr::Bc);
   auto kernel = pick_fwd_kernel<Tr, true>(general, addr);
-  const int64_t ctas = cta_count(p, Tr::Br);
+  const int64_t ctas = cta_count(p, Tr::Br), key_blocks = decode_key_blocks(p, Tr::Bc);
   int splits = opt.forced_splits;
   if (splits <= 0) {
     // Without the copy engine's 1 KB: the split count, and with it the result, must not depend on
@@ -173,8 +172,8 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
     static std::atomic<int> per_sm_cache[2][4][kMaxCachedDevices];
     const int per_sm = decode_ctas_per_sm(kernel, Tr::kNThreads, decode_smem_bytes<Tr>(false),
                                           per_sm_cache[general][addr]);
-    splits = choose_splits(ctas, decode_key_blocks(p, Tr::Bc), opt.num_sms,
-                           static_cast<int64_t>(opt.num_sms) * per_sm);
+    splits =
+        choose_splits(ctas, key_blocks, opt.num_sms, static_cast<int64_t>(opt.num_sms) * per_sm);
   }
   if (ctas * splits > cuda::kMaxGridBlocks) return cudaErrorInvalidConfiguration;
 
@@ -186,7 +185,7 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
         alloc_split_workspace<kHeadDim>(sk, rows, ctas, opt.fused_combine, ws, stream);
     if (err != cudaSuccess) return err;
   }
-  const KvTensorMaps maps = decode_kv_maps<Tr>(p, opt, addr, splits);
+  const KvTensorMaps maps = decode_kv_maps<Tr>(p, opt, addr, (key_blocks + splits - 1) / splits);
   const cudaError_t err =
       cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads,
                           decode_smem_bytes<Tr>(maps.box_rows > 0), stream, p, flags, sk, maps);
