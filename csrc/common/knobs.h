@@ -17,6 +17,9 @@
 //   FLASHMOD_SM90_WS_TMA_STORE=0      the warp-specialized kernel's warps store the output
 //                                     themselves (default: through the copy engine where the
 //                                     output has a tensor map)
+//   FLASHMOD_SM90_WS_END_ALIGNED=0    the warp-specialized kernel's query blocks start at a
+//                                     head's first row under a right window bound too (default:
+//                                     they end at its last row there)
 //   FLASHMOD_SM90_MASK_STAGING=0      the FlashAttention-2-style wgmma kernel reads an additive
 //                                     mask per score from global memory, not from tiles staged
 //                                     in shared memory with K/V (staged_mask.h)

@@ -116,18 +116,21 @@ def test_sm90_ws_kernel_and_fallback(monkeypatch, ws, dtype, d, nq, nk, opts):
 # bound, claimed from the dynamic scheduler's counter with one): the buffer ring and the barrier
 # phases run on across tiles, and tiles whose rows see no key (a left window with top-left
 # alignment: rows >= 750; causal bottom-right with Nq > Nk: rows < 323) are skipped by the
-# producer and written as empty by the consumers. Also one CTA per tile throughout, the output
+# producer and written as empty by the consumers. Under a right window bound a head's query blocks
+# end at its last row (1023 rows: the first block starts before row 0 at every head dim), or, with
+# FLASHMOD_SM90_WS_END_ALIGNED=0, start at its first. Also one CTA per tile throughout, the output
 # stored by the warps instead of the copy engine (the path of packed rows and of outputs TMA
 # cannot take), and the FlashAttention-2-style kernel.
 @pytest.mark.parametrize(
     "knobs",
     [
         {},
+        {"FLASHMOD_SM90_WS_END_ALIGNED": "0"},
         {"FLASHMOD_SM90_WS_PERSISTENT": "0"},
         {"FLASHMOD_SM90_WS_TMA_STORE": "0"},
         {"FLASHMOD_SM90_WS": "0"},
     ],
-    ids=["persistent", "one_tile_per_cta", "warp_stores", "fa2_style"],
+    ids=["persistent", "start_aligned", "one_tile_per_cta", "warp_stores", "fa2_style"],
 )
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"window_left": 50, "bottom_right": False}], ids=str)

@@ -34,6 +34,9 @@ struct FwdLaunchFlags {
   // run_attention_fwd_sm90: an additive mask's tiles staged in shared memory where its layout
   // allows (default; 0: FLASHMOD_SM90_MASK_STAGING=0, each value read from global memory).
   int staged_mask = 1;
+  // run_attention_fwd_sm90_ws: under a right window bound, a head's query blocks end at its last
+  // row (default; 0: FLASHMOD_SM90_WS_END_ALIGNED=0, they start at its first row).
+  int end_aligned = 1;
 };
 
 // Device memory for a launch that needs scratch space, so the kernel files stay torch-free:

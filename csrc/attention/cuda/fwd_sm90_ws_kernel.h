@@ -110,7 +110,8 @@ struct SeqExtents {
 // The epilogue of one consumer warp's 16 rows through the tensor memory accelerator: O,
 // normalized by 1/l, goes into the warp's rows of the staging area in Q's 128-byte-swizzled
 // layout (kColBlocks boxes of Br rows), and one lane stores them as boxes of 16 rows of the output
-// tensor map, which bounds them to the (batch, head)'s rows. The warp goes on to its next tile
+// tensor map, which bounds them to the (batch, head)'s rows (before its first, tile_row0 < 0, too).
+// lse is written for rows [first_row, rows_q) of the tile. The warp goes on to its next tile
 // while the copy engine writes; the staged rows are only overwritten once it has read them.
 // Before, the warp copied its rows out itself (8 shared loads and 8 global stores a lane, each
 // store waiting on its load) before its next tile's first matmul: at N = 1k, where a tile has 8
@@ -120,8 +121,9 @@ template <class Tr>
 __device__ __forceinline__ void store_out_rows_tma(OnlineSoftmax<1>& softmax,
                                                    float (&O)[1][Tr::kDTiles][4], float c,
                                                    uint32_t sO_addr, const CUtensorMap* tm_o,
-                                                   float* gLse, int warp_row0, int rows_q,
-                                                   int tile_row0, int h, int b, int lane) {
+                                                   float* gLse, int warp_row0, int first_row,
+                                                   int rows_q, int tile_row0, int h, int b,
+                                                   int lane) {
   using Mma = Mma16816<typename Tr::Elem>;
   const int g = lane >> 2, t = lane & 3;
   // This warp's store of its previous tile must have read the rows about to be overwritten.
@@ -138,7 +140,7 @@ __device__ __forceinline__ void store_out_rows_tma(OnlineSoftmax<1>& softmax,
     for (int di = 0; di < Tr::kDTiles; ++di)
       sts_32(sO_addr + sw128_offset<Tr::Br>(row, di) + 4 * t,
              Mma::pack(O[0][di][2 * hh] * inv_l, O[0][di][2 * hh + 1] * inv_l));
-    if (t == 0 && row < rows_q) gLse[row] = lse;
+    if (t == 0 && row >= first_row && row < rows_q) gLse[row] = lse;
   }
   fence_proxy_async_smem();  // each lane's staged values reach the copy engine's (async) view
   __syncwarp();              // every lane's, before lane 0 starts the copy
@@ -220,7 +222,11 @@ struct FwdWsTraits {
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
 };
 
-template <class Tr, bool kVarlen, bool kKeyMask, bool kSoftcap>
+// kEndAligned: a head's query blocks end at its last row, so where Br does not divide seqlen_q the
+// first block starts before row 0 (r0 < 0): TMA zero-fills Q's rows there and clips the output
+// boxes to the head's rows, and lse and rows without keys are written from row 0 on. The launch
+// says when it is taken.
+template <class Tr, bool kVarlen, bool kKeyMask, bool kSoftcap, bool kEndAligned = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tm_q,
                                  const __grid_constant__ CUtensorMap tm_k,
@@ -230,6 +236,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 #ifdef FLASHMOD_SM90A
   static_assert(!(kVarlen && kKeyMask), "packed rows carry no mask");
   static_assert(!(kKeyMask && kSoftcap), "the launch sends capped masked calls elsewhere");
+  static_assert(!kEndAligned || (!kVarlen && Tr::kStageOut),
+                "rows before a head's first are clipped by the output's tensor map only");
   static_assert(!kKeyMask || Tr::Bc == 128, "a key block's mask bytes: 4 per lane of one warp");
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
@@ -258,9 +266,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   auto tile_of = [&](const CtaTile& t, const AttentionParams& s) {
     Tile x;
     x.t = t;
-    x.r0 = x.t.m_block * Br;
-    x.rows_q = min(Br, static_cast<int>(s.seqlen_q) - x.r0);
-    x.range = x.rows_q > 0 ? key_block_range(s, x.r0, x.r0 + x.rows_q - 1, Bc) : KeyBlockRange{};
+    if constexpr (kEndAligned) {
+      const int end = static_cast<int>(s.seqlen_q) - (num_m_blocks - 1 - x.t.m_block) * Br;
+      x.r0 = end - Br;
+      x.rows_q = Br;
+      x.range = key_block_range(s, max(0, x.r0), end - 1, Bc);
+    } else {
+      x.r0 = x.t.m_block * Br;
+      x.rows_q = min(Br, static_cast<int>(s.seqlen_q) - x.r0);
+      x.range = x.rows_q > 0 ? key_block_range(s, x.r0, x.r0 + x.rows_q - 1, Bc) : KeyBlockRange{};
+    }
     return x;
   };
 
@@ -569,8 +584,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       const Tile x = tile_of(cta_tile_at<uint32_t>(p, index, num_m_blocks, 1), seq);
       const int r0 = x.r0, lo = x.range.lo, hi = x.range.hi;
       const TilePointers<Elem> gp = tile_pointers<Elem>(seq, x.t, r0);
+      // kEndAligned: rows of the tile before the head's first (r0 < 0) are not written.
       if (lo >= hi) {
-        write_rows_without_keys<128 * kConsumers>(seq, gp.out, gp.lse, x.rows_q, tid - 128);
+        const int first_row = kEndAligned ? max(0, -r0) : 0;
+        write_rows_without_keys<128 * kConsumers>(seq, gp.out + first_row * seq.out_row_stride,
+                                                  gp.lse + first_row, x.rows_q - first_row,
+                                                  tid - 128);
         continue;
       }
       // This consumer's own rows see no key block past mhi - 1: under a causal bound the first
@@ -692,9 +711,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // D = 256 8 rows of its own): by the copy engine where the output has a tensor map (packed
       // rows have none: a box would reach into the next sequence's rows), else by the warp
       // (fwd_epilogue.h), once the previous tile's copy-out by other lanes is done.
+      // (kEndAligned is launched with the output's tensor map only: the warps' stores below
+      // would write rows before the head's first.)
       if (!kVarlen && Tr::kStageOut && flags.out_tma) {
-        store_out_rows_tma<Tr>(softmax, O, c, sO_addr, &tm_o, gp.lse, warp_row0, x.rows_q, r0,
-                               static_cast<int>(x.t.h), static_cast<int>(x.t.b), lane);
+        store_out_rows_tma<Tr>(softmax, O, c, sO_addr, &tm_o, gp.lse, warp_row0,
+                               kEndAligned ? max(0, -r0) : 0, x.rows_q, r0, static_cast<int>(x.t.h),
+                               static_cast<int>(x.t.b), lane);
       } else if constexpr (Tr::kStageOut) {
         __syncwarp();
         store_out_rows<D, 16>(softmax, O, c, sO, seq, flags, gp.out, gp.lse, warp_row0, x.rows_q,

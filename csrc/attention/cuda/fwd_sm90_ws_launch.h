@@ -130,8 +130,19 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
   if constexpr (Tr::Bc == 128) {
     if (key_padding_mask(p)) return launch(attention_fwd_sm90_ws_kernel<Tr, false, true, false>);
   }
-  return capped ? launch(attention_fwd_sm90_ws_kernel<Tr, false, false, true>)
-                : launch(attention_fwd_sm90_ws_kernel<Tr, false, false, false>);
+  if (capped) return launch(attention_fwd_sm90_ws_kernel<Tr, false, false, true>);
+  // Under a right window bound (causal) a head's last rows see the most keys. Where Br does not
+  // divide the rows, blocks that start at the first row leave the partial block last, on the
+  // longest key range (D = 64, Br = 192, N = 1k: 64 rows over all 8 key blocks, one consumer
+  // busy, the other two waiting); ending them at the last row makes it the first rows, over the
+  // fewest keys. It needs the output's tensor map (which clips the boxes of rows before the
+  // first). Non-causal calls keep the plain kernel: every block sees the same keys there.
+  if constexpr (Tr::kStageOut) {
+    if (launch_flags.end_aligned && launch_flags.out_tma && p.window_right >= 0 &&
+        rows_q % Tr::Br != 0)
+      return launch(attention_fwd_sm90_ws_kernel<Tr, false, false, false, true>);
+  }
+  return launch(attention_fwd_sm90_ws_kernel<Tr, false, false, false>);
 }
 
 }  // namespace sm90
