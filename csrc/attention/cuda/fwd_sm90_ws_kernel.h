@@ -110,14 +110,15 @@ struct SeqExtents {
 // The epilogue of one consumer warp's 16 rows through the tensor memory accelerator: O,
 // normalized by 1/l, goes into the warp's rows of the staging area in Q's 128-byte-swizzled
 // layout (kColBlocks boxes of Br rows), and one lane stores them as boxes of 16 rows of the output
-// tensor map, which bounds them to the (batch, head)'s rows (before its first, tile_row0 < 0, too).
-// lse is written for rows [first_row, rows_q) of the tile. The warp goes on to its next tile
+// tensor map, which bounds them to the (batch, head)'s rows past its last; kRowsBeforeFirst: rows
+// of the tile before first_row (before the head's first) are neither stored nor given an lse.
+// The warp goes on to its next tile
 // while the copy engine writes; the staged rows are only overwritten once it has read them.
 // Before, the warp copied its rows out itself (8 shared loads and 8 global stores a lane, each
 // store waiting on its load) before its next tile's first matmul: at N = 1k, where a tile has 8
 // key blocks, the whole store cost 3 % (7 % causal) of a D = 128 call (session 17).
 #ifdef FLASHMOD_SM90A
-template <class Tr>
+template <class Tr, bool kRowsBeforeFirst = false>
 __device__ __forceinline__ void store_out_rows_tma(OnlineSoftmax<1>& softmax,
                                                    float (&O)[1][Tr::kDTiles][4], float c,
                                                    uint32_t sO_addr, const CUtensorMap* tm_o,
@@ -140,11 +141,12 @@ __device__ __forceinline__ void store_out_rows_tma(OnlineSoftmax<1>& softmax,
     for (int di = 0; di < Tr::kDTiles; ++di)
       sts_32(sO_addr + sw128_offset<Tr::Br>(row, di) + 4 * t,
              Mma::pack(O[0][di][2 * hh] * inv_l, O[0][di][2 * hh + 1] * inv_l));
-    if (t == 0 && row >= first_row && row < rows_q) gLse[row] = lse;
+    if (t == 0 && (!kRowsBeforeFirst || row >= first_row) && row < rows_q) gLse[row] = lse;
   }
   fence_proxy_async_smem();  // each lane's staged values reach the copy engine's (async) view
   __syncwarp();              // every lane's, before lane 0 starts the copy
-  if (lane == 0) {
+  // kRowsBeforeFirst: first_row is a multiple of 16, so a warp's rows are all before it or none.
+  if (lane == 0 && (!kRowsBeforeFirst || warp_row0 >= first_row)) {
 #pragma unroll
     for (int cb = 0; cb < Tr::kColBlocks; ++cb)
       tma_store_4d(tm_o, sO_addr + cb * Tr::Br * 128 + warp_row0 * 128, cb * 64,
@@ -222,10 +224,10 @@ struct FwdWsTraits {
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
 };
 
-// kEndAligned: a head's query blocks end at its last row, so where Br does not divide seqlen_q the
-// first block starts before row 0 (r0 < 0): TMA zero-fills Q's rows there and clips the output
-// boxes to the head's rows, and lse and rows without keys are written from row 0 on. The launch
-// says when it is taken.
+// kEndAligned: a head's query blocks end near its last row, so where Br does not divide seqlen_q
+// the first block starts before row 0 (r0 < 0, a multiple of 16): TMA zero-fills Q's rows there,
+// and output, lse and rows without keys are written from row 0 on. The launch says when it is
+// taken.
 template <class Tr, bool kVarlen, bool kKeyMask, bool kSoftcap, bool kEndAligned = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tm_q,
@@ -267,10 +269,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     Tile x;
     x.t = t;
     if constexpr (kEndAligned) {
-      const int end = static_cast<int>(s.seqlen_q) - (num_m_blocks - 1 - x.t.m_block) * Br;
-      x.r0 = end - Br;
-      x.rows_q = Br;
-      x.range = key_block_range(s, max(0, x.r0), end - 1, Bc);
+      // The first block ends at the first multiple of 16 rows at or past seqlen_q % Br, so its
+      // rows before row 0 fill whole output boxes, which are skipped (a TMA store at a negative
+      // row is an illegal instruction; loads there read zeros). The last block may then reach
+      // up to 15 rows past the head's end, which the tensor map clips as before.
+      const int first_end = (static_cast<int>(s.seqlen_q) % Br + 15) & ~15;
+      x.r0 = first_end - Br + x.t.m_block * Br;
+      x.rows_q = min(Br, static_cast<int>(s.seqlen_q) - x.r0);
+      x.range = key_block_range(s, max(0, x.r0), x.r0 + x.rows_q - 1, Bc);
     } else {
       x.r0 = x.t.m_block * Br;
       x.rows_q = min(Br, static_cast<int>(s.seqlen_q) - x.r0);
@@ -714,9 +720,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // (kEndAligned is launched with the output's tensor map only: the warps' stores below
       // would write rows before the head's first.)
       if (!kVarlen && Tr::kStageOut && flags.out_tma) {
-        store_out_rows_tma<Tr>(softmax, O, c, sO_addr, &tm_o, gp.lse, warp_row0,
-                               kEndAligned ? max(0, -r0) : 0, x.rows_q, r0, static_cast<int>(x.t.h),
-                               static_cast<int>(x.t.b), lane);
+        store_out_rows_tma<Tr, kEndAligned>(softmax, O, c, sO_addr, &tm_o, gp.lse, warp_row0,
+                                            kEndAligned ? max(0, -r0) : 0, x.rows_q, r0,
+                                            static_cast<int>(x.t.h), static_cast<int>(x.t.b), lane);
       } else if constexpr (Tr::kStageOut) {
         __syncwarp();
         store_out_rows<D, 16>(softmax, O, c, sO, seq, flags, gp.out, gp.lse, warp_row0, x.rows_q,
