@@ -2,10 +2,12 @@
 GQA), 2 threads, interleaved rounds, median of 60 (benchmarks/harness.py).
 
     PYTHONPATH=. python tools/decode_cpu_check.py   (FLASHMOD_CPU_DECODE=0: the prefill kernel)
+    PYTHONPATH=. python tools/decode_cpu_check.py --dtype bfloat16 --case 1,8,8,1,4096,128 --threads 1
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -30,10 +32,18 @@ CASES = [
 
 
 def main() -> None:
-    torch.set_num_threads(2)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], action="append", help="default: both")
+    ap.add_argument("--case", action="append", help="B,Hq,Hkv,Nq,Nk,D (repeatable; default: the built-in list)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=60)
+    args = ap.parse_args()
+    dtypes = [getattr(torch, n) for n in args.dtype] if args.dtype else [torch.float32, torch.bfloat16]
+    cases = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else CASES
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    for dt in (torch.float32, torch.bfloat16):
-        for b, hq, hkv, nq, nk, d in CASES:
+    for dt in dtypes:
+        for b, hq, hkv, nq, nk, d in cases:
             q = torch.randn(b, hq, nq, d, dtype=dt)
             k = torch.randn(b, hkv, nk, d, dtype=dt)
             v = torch.randn(b, hkv, nk, d, dtype=dt)
@@ -44,7 +54,7 @@ def main() -> None:
                 },
                 "cpu",
                 warmup=1,
-                reps=60,
+                reps=args.reps,
             )
             print(
                 f"{str(dt)[6:]:8s} B{b} H{hq}/{hkv} Nq{nq} Nk{nk} D{d}: torch {t['torch'] * 1e6:8.1f}us "

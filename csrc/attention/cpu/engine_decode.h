@@ -28,6 +28,37 @@ inline DecodeLayout decode_layout(const AttentionParams& p, int64_t splits) {
   return L;
 }
 
+// 16-bit bf16 rows are read 2 kW values (kW 32-bit lanes) at a time: each lane's low half shifted
+// up is its even value as a float, its high half masked is the odd one. That is two integer
+// instructions for 2 kW values, where widening kW at a time takes a shuffle and a shift per kW
+// (on AVX2 the shifts share the two FMA ports). The values come out deinterleaved (the evens,
+// then the odds, of each 2 kW block), so for bf16 the decode holds q and O in that order and
+// restores D's order where a row leaves the task (pair_pos). A last lone kW block of D is read
+// as it is. fp32 and fp16 read two plain vectors: their order and arithmetic are unchanged.
+template <class Tag>
+constexpr bool kSplitPairs = std::is_same_v<Tag, BF16>;
+
+template <class Tag>
+inline void load_pair(const typename Tag::storage* p, vf& a, vf& b) {
+  if constexpr (kSplitPairs<Tag>) {
+    vi u;
+    std::memcpy(&u, p, sizeof u);
+    a = (vf)(u << 16);
+    b = (vf)(u & int32_t(-65536));
+  } else {
+    a = Tag::load(p);
+    b = Tag::load(p + kW);
+  }
+}
+
+// Where element d of a D-vector sits in the order load_pair produces.
+template <class Tag>
+inline int64_t pair_pos(int64_t d, int64_t D) {
+  const int64_t blk = d / (2 * kW) * (2 * kW), i = d - blk;
+  if (!kSplitPairs<Tag> || blk + 2 * kW > D) return d;
+  return blk + (i & 1) * kW + i / 2;
+}
+
 // acc[r][0..DV) += sum_c P[r][c] V_c over `cols` keys; then O_r = alpha_r O_r + acc_r.
 template <class Tag, int R, int DV>
 inline void decode_pv_block(const float* P, const typename Tag::storage* V, int64_t ldv,
@@ -38,10 +69,19 @@ inline void decode_pv_block(const float* P, const typename Tag::storage* V, int6
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) pr[r] = splat(P[r * kDecBc + c]);
 #pragma GCC unroll 8
-    for (int dv = 0; dv < DV; ++dv) {
-      const vf v = Tag::load(V + c * ldv + dv * kW);
+    for (int dv = 0; dv + 1 < DV; dv += 2) {
+      vf v0, v1;
+      load_pair<Tag>(V + c * ldv + dv * kW, v0, v1);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][dv] = fmadd(pr[r], v, acc[r][dv]);
+      for (int r = 0; r < R; ++r) {
+        acc[r][dv] = fmadd(pr[r], v0, acc[r][dv]);
+        acc[r][dv + 1] = fmadd(pr[r], v1, acc[r][dv + 1]);
+      }
+    }
+    if constexpr (DV % 2 == 1) {
+      const vf v = Tag::load(V + c * ldv + (DV - 1) * kW);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][DV - 1] = fmadd(pr[r], v, acc[r][DV - 1]);
     }
   }
 #pragma GCC unroll 8
@@ -67,41 +107,63 @@ inline void decode_pv_rows(const float* P, const typename Tag::storage* V, int64
   for (; d < D; d += kW) decode_pv_block<Tag, R, 1>(P, V + d, ldv, cols, alpha, O + d, D);
 }
 
-// q . k over D (a multiple of kW), k in Tag's storage: two accumulators, then one horizontal sum.
+// q . k over D (a multiple of kW), k in Tag's storage, q in load_pair's order: two accumulators,
+// then one horizontal sum.
 template <class Tag>
 inline float dot_row(const typename Tag::storage* k, const float* q, int64_t D) {
   vf acc0 = splat(0.0f), acc1 = acc0;
   int64_t d = 0;
   for (; d + 2 * kW <= D; d += 2 * kW) {
-    acc0 = fmadd(Tag::load(k + d), loadu(q + d), acc0);
-    acc1 = fmadd(Tag::load(k + d + kW), loadu(q + d + kW), acc1);
+    vf k0, k1;
+    load_pair<Tag>(k + d, k0, k1);
+    acc0 = fmadd(k0, loadu(q + d), acc0);
+    acc1 = fmadd(k1, loadu(q + d + kW), acc1);
   }
   if (d < D) acc0 = fmadd(Tag::load(k + d), loadu(q + d), acc0);
   return hsum(acc0 + acc1);
 }
 
-// The scores of kW consecutive key rows (ldk apart) against q: one accumulator per key, then the
-// kW accumulators folded lane into lane (fold_lanes), so the kW horizontal sums share their
-// shuffles: 3 (kW - 1) instructions instead of kW reductions of log2(kW) shuffles and adds each.
-// Lane j of the result is key j's score.
+// The scores of kW consecutive key rows (ldk apart) against q (in load_pair's order): one
+// accumulator per key, then the kW accumulators folded lane into lane (fold_lanes), so the kW
+// horizontal sums share their shuffles: 3 (kW - 1) instructions instead of kW reductions of
+// log2(kW) shuffles and adds each. Lane j of the result is key j's score.
 template <class Tag>
 inline vf dot_keys(const typename Tag::storage* k, int64_t ldk, const float* q, int64_t D) {
   vf acc[kW];
 #pragma GCC unroll 16
   for (int j = 0; j < kW; ++j) acc[j] = splat(0.0f);
-  for (int64_t d = 0; d < D; d += kW) {
-    const vf qd = loadu(q + d);
+  int64_t d = 0;
+  for (; d + 2 * kW <= D; d += 2 * kW) {
+    const vf q0 = loadu(q + d), q1 = loadu(q + d + kW);
 #pragma GCC unroll 16
-    for (int j = 0; j < kW; ++j) acc[j] = fmadd(Tag::load(k + j * ldk + d), qd, acc[j]);
+    for (int j = 0; j < kW; ++j) {
+      vf k0, k1;
+      load_pair<Tag>(k + j * ldk + d, k0, k1);
+      acc[j] = fmadd(k1, q1, fmadd(k0, q0, acc[j]));
+    }
+  }
+  if (d < D) {
+    const vf q0 = loadu(q + d);
+#pragma GCC unroll 16
+    for (int j = 0; j < kW; ++j) acc[j] = fmadd(Tag::load(k + j * ldk + d), q0, acc[j]);
   }
   return fold_lanes(acc);
 }
 
-// kW key rows (ldk apart) widened to floats into buf, kW x D (D a multiple of kW).
+// kW key rows (ldk apart) widened to floats into buf, kW x D (D a multiple of kW), in load_pair's
+// order.
 template <class Tag>
 inline void widen_keys(const typename Tag::storage* k, int64_t ldk, int64_t D, float* buf) {
-  for (int j = 0; j < kW; ++j)
-    for (int64_t d = 0; d < D; d += kW) storeu(buf + j * D + d, Tag::load(k + j * ldk + d));
+  for (int j = 0; j < kW; ++j) {
+    int64_t d = 0;
+    for (; d + 2 * kW <= D; d += 2 * kW) {
+      vf k0, k1;
+      load_pair<Tag>(k + j * ldk + d, k0, k1);
+      storeu(buf + j * D + d, k0);
+      storeu(buf + j * D + d + kW, k1);
+    }
+    if (d < D) storeu(buf + j * D + d, Tag::load(k + j * ldk + d));
+  }
 }
 
 // Decode tasks [begin, end) of batch * heads_kv * chunks * splits (split fastest). With splits >
@@ -132,7 +194,7 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
       is[r] = (rr0 + r) % Nq;
       const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + hs[r] * p.q_head_stride +
                    is[r] * p.q_row_stride;
-      for (int64_t d = 0; d < D; ++d) Qs[r * D + d] = Tag::to_float(q[d]) * scale;
+      for (int64_t d = 0; d < D; ++d) Qs[r * D + pair_pos<Tag>(d, D)] = Tag::to_float(q[d]) * scale;
       m[r] = kNegInf;
       l[r] = 0.0f;
       const int64_t diag = is[r] + p.diag_offset;
@@ -249,7 +311,7 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
     if (splits > 1) {
       float* part = partial + task * kDecRows * (D + 2);
       for (int64_t r = 0; r < rows; ++r) {
-        std::memcpy(part + r * (D + 2), O + r * D, sizeof(float) * D);
+        for (int64_t d = 0; d < D; ++d) part[r * (D + 2) + d] = O[r * D + pair_pos<Tag>(d, D)];
         part[r * (D + 2) + D] = m[r];
         part[r * (D + 2) + D + 1] = l[r];
       }
@@ -260,10 +322,11 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
              is[r] * p.out_row_stride;
       const bool empty = l[r] == 0.0f;  // NaN l (a NaN or +inf score): NaN out and lse
       if constexpr (sizeof(T) == 4) {
-        for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : O[r * D + d] / l[r];
+        for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : O[r * D + pair_pos<Tag>(d, D)] / l[r];
       } else {
         const float inv_l = finish_inv_l(l[r]);
-        for (int64_t d = 0; d < D; ++d) o[d] = Tag::from_float(O[r * D + d] * inv_l);
+        for (int64_t d = 0; d < D; ++d)
+          o[d] = Tag::from_float(O[r * D + pair_pos<Tag>(d, D)] * inv_l);
       }
       p.lse[(b * p.heads_q + hs[r]) * Nq + is[r]] = finish_lse(m[r], l[r]);
     }
