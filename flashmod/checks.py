@@ -131,6 +131,10 @@ def check_mask(op: str, attn_mask: Tensor | None, ref: Tensor, ref_name: str, ta
 def check_window(op: str, window_size: object) -> tuple[int, int]:
     """``window_size`` as a pair of ints ``(left, right)``; anything else (an int, None, floats)
     raises a TypeError naming the argument and what came."""
+    if type(window_size) is tuple and len(window_size) == 2:  # the common call, without the ABC checks below
+        left, right = window_size
+        if type(left) is int and type(right) is int:
+            return unbounded_if_huge(left), unbounded_if_huge(right)
     ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
     ok = ok and all(isinstance(w, (numbers.Integral, torch.SymInt)) and not isinstance(w, bool) for w in window_size)
     if not ok:
@@ -150,6 +154,8 @@ def unbounded_if_huge(side: int) -> int:
 
 def check_dropout(op: str, name: str, dropout_p: object) -> float:
     """A dropout probability in [0, 1] (NaN, negative, above 1 or not a number raise)."""
+    if type(dropout_p) is float and 0.0 <= dropout_p <= 1.0:  # the common call, without the ABC check below
+        return dropout_p
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{op}: {name} must be a probability in [0, 1], got {dropout_p!r}")
     return float(dropout_p)
