@@ -69,16 +69,16 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 #endif
   constexpr int kKvBlockRows = kKvTma ? Bc : 0;  // K/V tiles as column blocks of Bc rows
 
+  // Q_i, the K_j / V_j stages, then (decode, decode_smem_bytes) the copy engine's mbarriers and the
+  // split combine's flag. No static shared memory: the dynamic base is then the CTA's first
+  // 1024-byte boundary (H100: 0x400; with one static int before it, 0x480), the 128-byte swizzle
+  // atom the copy engine's tiles must start on.
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  // With the copy engine (kKvTma, maps given) the tiles start at the first 1024-byte boundary, the
-  // 128-byte swizzle's atom: the dynamic base is not that aligned (decode_smem_bytes allots 1024
-  // bytes more for it).
-  uint32_t smem_shift = 0;
-  if constexpr (kKvTma) {
-    const uint32_t raw = smem_addr(smem_raw);
-    if (maps.box_rows > 0) smem_shift = ((raw + 1023) & ~1023u) - raw;
-  }
-  Elem* sQ = reinterpret_cast<Elem*>(smem_raw + smem_shift);
+  // The copy engine takes the K/V tiles where the launch gave maps over the page pools (and the
+  // base is so aligned, which the launch cannot check); otherwise cp.async fills the same layout.
+  bool kv_tma = false;
+  if constexpr (kKvTma) kv_tma = maps.box_rows > 0 && smem_addr(smem_raw) % 1024 == 0;
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
   Elem* sK = sQ + Tr::kSmemQ;                 // kStages buffers of K_j
   Elem* sV = sK + Tr::kStages * Tr::kSmemKV;  // kStages buffers of V_j
 
@@ -133,9 +133,10 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   // Split-KV, after this CTA wrote its partial: the fused combine (split_combine.h).
   auto finish_split = [&]() {
     if constexpr (kDecode) {
+      int& last = *reinterpret_cast<int*>(smem_raw + Tr::kSmemBytes + 8 * Tr::kStages);
       finish_split_cta<Elem, D, kThreads>(sk, (b * p.heads_q + h) * num_m_blocks + tile.m_block,
                                           p.batch * p.heads_q * p.seqlen_q, gp.row_id, rows_q, gO,
-                                          p.out_row_stride, gLse, head_dim);
+                                          p.out_row_stride, gLse, head_dim, last);
     }
   };
   // Prefill with a mask tensor: its hidden tiles at either end are not visited, and its clear
@@ -166,7 +167,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   int tma_end = 0;
   uint32_t tma_phase = 0;
   if constexpr (kKvTma) {
-    if (maps.box_rows > 0) {
+    if (kv_tma) {
       tma_end = new_from / Bc;
       if (tid == 0) init_kv_tma_barriers(kv_bar0, Tr::kStages, Bc / maps.box_rows);
       // The barriers are initialized before any other thread issues a copy that completes on one.

@@ -95,14 +95,16 @@ cudaError_t run_attention_fwd(const AttentionParams& p, const FwdLaunchFlags& fl
 template <typename Elem, int kHeadDim>
 struct DecodeConfig {
   using Traits = FwdTraits<Elem, kHeadDim, 64, 64, 4, 2, (kHeadDim <= 128)>;
+  // Pages shorter than a key block through the copy engine (sm_90a): a third stage of K_j / V_j
+  // in flight, where two CTAs of it still fit an SM (D <= 128: 112 KB each).
+  using PagedTmaTraits =
+      FwdTraits<Elem, kHeadDim, 64, 64, 4, (kHeadDim <= 128 ? 3 : 2), (kHeadDim <= 128)>;
 };
-// A decode kernel's shared memory: the tiles, and with K/V through the copy engine room to start
-// them on a 1024-byte boundary and one mbarrier per stage after them (fwd_sm80_kernel.h). Not
-// allotted otherwise (sm_80 builds, other layouts): with it two D = 128 decode CTAs (80 KB each)
-// would no longer fit an A100's 164 KB.
+// A decode kernel's shared memory: the tiles, then one mbarrier per stage for the copy engine and
+// the split combine's flag (fwd_sm80_kernel.h).
 template <class Tr>
-constexpr int decode_smem_bytes(bool kv_tma) {
-  return Tr::kSmemBytes + (kv_tma ? 1024 + 8 * Tr::kStages : 0);
+constexpr int decode_smem_bytes() {
+  return Tr::kSmemBytes + 8 * Tr::kStages + 16;
 }
 
 // The tensor maps of a decode call's page pools where the copy engine takes its K/V tiles
@@ -166,11 +168,11 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
   const int64_t ctas = cta_count(p, Tr::Br), key_blocks = decode_key_blocks(p, Tr::Bc);
   int splits = opt.forced_splits;
   if (splits <= 0) {
-    // Without the copy engine's 1 KB: the split count, and with it the result, must not depend on
-    // the copy path (registers, not shared memory, bound these CTAs per SM at every head dim it
-    // takes).
+    // From the two-stage kernel whatever the copy path: the split count, and with it the result,
+    // must not depend on it (registers, not shared memory, bound these CTAs per SM at every head
+    // dim the copy engine takes, three stages included).
     static std::atomic<int> per_sm_cache[2][4][kMaxCachedDevices];
-    const int per_sm = decode_ctas_per_sm(kernel, Tr::kNThreads, decode_smem_bytes<Tr>(false),
+    const int per_sm = decode_ctas_per_sm(kernel, Tr::kNThreads, decode_smem_bytes<Tr>(),
                                           per_sm_cache[general][addr]);
     splits =
         choose_splits(ctas, key_blocks, opt.num_sms, static_cast<int64_t>(opt.num_sms) * per_sm);
@@ -186,9 +188,17 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
     if (err != cudaSuccess) return err;
   }
   const KvTensorMaps maps = decode_kv_maps<Tr>(p, opt, addr, (key_blocks + splits - 1) / splits);
-  const cudaError_t err =
-      cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads,
-                          decode_smem_bytes<Tr>(maps.box_rows > 0), stream, p, flags, sk, maps);
+  cudaError_t err;
+  if (maps.box_rows > 0 && opt.kv_third_stage) {
+    using Tr3 = typename DecodeConfig<Elem, kHeadDim>::PagedTmaTraits;
+    auto kernel3 = general ? attention_fwd_kernel<Tr3, true, true, kRowPages>
+                           : attention_fwd_kernel<Tr3, false, true, kRowPages>;
+    err = cuda::launch_kernel(kernel3, ctas * splits, Tr3::kNThreads, decode_smem_bytes<Tr3>(),
+                              stream, p, flags, sk, maps);
+  } else {
+    err = cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads, decode_smem_bytes<Tr>(), stream,
+                              p, flags, sk, maps);
+  }
   if (err != cudaSuccess || splits == 1 || sk.tile_counters != nullptr) return err;
   return launch_split_combine<Elem, kHeadDim>(p, sk, stream);
 }

@@ -110,14 +110,15 @@ __device__ __noinline__ void combine_split_row(const SplitKvArgs& sk, int64_t ro
 // tile's last CTA to finish merges its rows_q rows (in split order, so the result does not depend
 // on which CTA it is). Partials are made visible device-wide before the count (the fence) and read
 // through L2. Every thread of the CTA calls it. tile_id: the tile's counter; row_id: the flat
-// index of its first row among rows_all; gO / gLse: where its first row's result goes.
+// index of its first row among rows_all; gO / gLse: where its first row's result goes; last: a
+// shared-memory int of the caller's dynamic area (a static one would misalign that area's base:
+// fwd_sm80_kernel.h).
 template <typename Elem, int kHeadDim, int kThreads>
 __device__ __forceinline__ void finish_split_cta(const SplitKvArgs& sk, int64_t tile_id,
                                                  int64_t rows_all, int64_t row_id, int rows_q,
                                                  Elem* gO, int64_t out_row_stride, float* gLse,
-                                                 int head_dim) {
+                                                 int head_dim, int& last) {
   if (sk.tile_counters == nullptr) return;
-  __shared__ int last;
   __threadfence();
   // Every thread's partial writes are fenced before thread 0 counts the CTA in.
   __syncthreads();
