@@ -35,7 +35,6 @@
 //   FLASHMOD_DECODE_SPLITS=n          exactly n split-KV splits (0: the heuristic)
 //   FLASHMOD_DECODE_TMA=0             the CUDA decode kernel copies pages shorter than a key block
 //                                     with cp.async, not the copy engine (sm_90a)
-//   FLASHMOD_DECODE_TMA_THIRD_STAGE=0 with the copy engine, two K/V stages in flight, not three
 //   FLASHMOD_DECODE_FUSED_COMBINE=0   split-KV partials merged by the combine kernel, not by each
 //                                     tile's last CTA
 //   FLASHMOD_STREAM_COUNTERS=0        the decode combine's and the tile scheduler's counters

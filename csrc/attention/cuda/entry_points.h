@@ -112,9 +112,6 @@ struct DecodeOptions {
   // first dimension); 0 where the call has no page pool.
   bool kv_tma = false;
   int64_t kv_outer = 0;
-  // With the copy engine, three K/V stages in flight where they fit two CTAs per SM
-  // (FLASHMOD_DECODE_TMA_THIRD_STAGE=0: two).
-  bool kv_third_stage = true;
 };
 
 // The decode kernel's whole key blocks of a paged cache through the copy engine (sm_90a builds,

@@ -91,14 +91,11 @@ cudaError_t run_attention_fwd(const AttentionParams& p, const FwdLaunchFlags& fl
 // memory roofline's budget. With MT = 1 registers are plentiful, so Q stays in registers up to
 // D = 128. Shared memory: 64 D (Q) + 2 stages x 2 x 64 D (K, V) elements = 80 KB at D = 128,
 // two CTAs per SM on sm80 and sm90. (3 stages, 112 KB, still two CTAs per SM on sm90, measured
-// 2-5 % slower at every cache length: benchmarks/results/design/cuda-serving.md.)
+// 2-5 % slower at every cache length; for 16-token pages through the copy engine, 2-3 % slower
+// from 4k tokens: benchmarks/results/design/cuda-serving.md, sessions 12 and 24.)
 template <typename Elem, int kHeadDim>
 struct DecodeConfig {
   using Traits = FwdTraits<Elem, kHeadDim, 64, 64, 4, 2, (kHeadDim <= 128)>;
-  // Pages shorter than a key block through the copy engine (sm_90a): a third stage of K_j / V_j
-  // in flight, where two CTAs of it still fit an SM (D <= 128: 112 KB each).
-  using PagedTmaTraits =
-      FwdTraits<Elem, kHeadDim, 64, 64, 4, (kHeadDim <= 128 ? 3 : 2), (kHeadDim <= 128)>;
 };
 // A decode kernel's shared memory: the tiles, then one mbarrier per stage for the copy engine and
 // the split combine's flag (fwd_sm80_kernel.h).
@@ -168,9 +165,8 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
   const int64_t ctas = cta_count(p, Tr::Br), key_blocks = decode_key_blocks(p, Tr::Bc);
   int splits = opt.forced_splits;
   if (splits <= 0) {
-    // From the two-stage kernel whatever the copy path: the split count, and with it the result,
-    // must not depend on it (registers, not shared memory, bound these CTAs per SM at every head
-    // dim the copy engine takes, three stages included).
+    // Both copy paths take the same shared memory, so the split count, and with it the result,
+    // does not depend on the path.
     static std::atomic<int> per_sm_cache[2][4][kMaxCachedDevices];
     const int per_sm = decode_ctas_per_sm(kernel, Tr::kNThreads, decode_smem_bytes<Tr>(),
                                           per_sm_cache[general][addr]);
@@ -188,17 +184,8 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
     if (err != cudaSuccess) return err;
   }
   const KvTensorMaps maps = decode_kv_maps<Tr>(p, opt, addr, (key_blocks + splits - 1) / splits);
-  cudaError_t err;
-  if (maps.box_rows > 0 && opt.kv_third_stage) {
-    using Tr3 = typename DecodeConfig<Elem, kHeadDim>::PagedTmaTraits;
-    auto kernel3 = general ? attention_fwd_kernel<Tr3, true, true, kRowPages>
-                           : attention_fwd_kernel<Tr3, false, true, kRowPages>;
-    err = cuda::launch_kernel(kernel3, ctas * splits, Tr3::kNThreads, decode_smem_bytes<Tr3>(),
-                              stream, p, flags, sk, maps);
-  } else {
-    err = cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads, decode_smem_bytes<Tr>(), stream,
-                              p, flags, sk, maps);
-  }
+  const cudaError_t err = cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads,
+                                              decode_smem_bytes<Tr>(), stream, p, flags, sk, maps);
   if (err != cudaSuccess || splits == 1 || sk.tile_counters != nullptr) return err;
   return launch_split_combine<Elem, kHeadDim>(p, sk, stream);
 }

@@ -69,7 +69,6 @@ inline cuda_kernels::DecodeOptions decode_options() {
   opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
   opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
   opt.kv_tma = sm90_kernels_usable() && env_flag("FLASHMOD_DECODE_TMA", true);
-  opt.kv_third_stage = env_flag("FLASHMOD_DECODE_TMA_THIRD_STAGE", true);
   return opt;
 }
 
