@@ -68,20 +68,29 @@ inline void decode_pv_block(const float* P, const typename Tag::storage* V, int6
     vf pr[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) pr[r] = splat(P[r * kDecBc + c]);
+    if constexpr (kSplitPairs<Tag>) {
 #pragma GCC unroll 8
-    for (int dv = 0; dv + 1 < DV; dv += 2) {
-      vf v0, v1;
-      load_pair<Tag>(V + c * ldv + dv * kW, v0, v1);
+      for (int dv = 0; dv + 1 < DV; dv += 2) {
+        vf v0, v1;
+        load_pair<Tag>(V + c * ldv + dv * kW, v0, v1);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        acc[r][dv] = fmadd(pr[r], v0, acc[r][dv]);
-        acc[r][dv + 1] = fmadd(pr[r], v1, acc[r][dv + 1]);
+        for (int r = 0; r < R; ++r) {
+          acc[r][dv] = fmadd(pr[r], v0, acc[r][dv]);
+          acc[r][dv + 1] = fmadd(pr[r], v1, acc[r][dv + 1]);
+        }
       }
-    }
-    if constexpr (DV % 2 == 1) {
-      const vf v = Tag::load(V + c * ldv + (DV - 1) * kW);
+      if constexpr (DV % 2 == 1) {  // the lone last kW block of D (pair_pos leaves it in order)
+        const vf v = Tag::load(V + c * ldv + (DV - 1) * kW);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][DV - 1] = fmadd(pr[r], v, acc[r][DV - 1]);
+        for (int r = 0; r < R; ++r) acc[r][DV - 1] = fmadd(pr[r], v, acc[r][DV - 1]);
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int dv = 0; dv < DV; ++dv) {
+        const vf v = Tag::load(V + c * ldv + dv * kW);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r][dv] = fmadd(pr[r], v, acc[r][dv]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -98,10 +107,13 @@ inline void decode_pv_block(const float* P, const typename Tag::storage* V, int6
 template <class Tag, int R>
 inline void decode_pv_rows(const float* P, const typename Tag::storage* V, int64_t ldv,
                            int64_t cols, const float* alpha, float* O, int64_t D) {
-  // R x kDVd accumulators beside R broadcasts and a pair of V vectors: 16 fit in AVX-512's 32
-  // registers, 8 in the 16 of AVX2 and SSE (16 spilled there; fp32 GQA lost 5-15 % on AVX2 once
-  // the V pair was loaded ahead of its FMAs).
-  constexpr int kAcc = kW == 16 ? 16 : 8, kDVd = kAcc / R < 8 ? kAcc / R : 8;
+  // bf16 (V read in pairs): R x kDVd accumulators beside R broadcasts and a pair of V vectors, 16
+  // in AVX-512's 32 registers, 8 in the 16 of AVX2 and SSE (16 spilled there). fp32 and fp16 keep
+  // the block they had (8 or 4 vectors a row): with the pair loop and that block fp32 GQA lost
+  // 5-15 % on AVX2, and with the pair loop and the smaller block fp32 Nq 4 lost 7 %.
+  constexpr int kAcc = kW == 16 ? 16 : 8;
+  constexpr int kDVd = kSplitPairs<Tag> ? (kAcc / R < 8 ? kAcc / R : 8) : (R <= 2 ? 8 : 4);
+  static_assert(!kSplitPairs<Tag> || kDVd % 2 == 0, "whole pairs, so blocks keep pair_pos's order");
   int64_t d = 0;
   for (; d + kDVd * kW <= D; d += kDVd * kW)
     decode_pv_block<Tag, R, kDVd>(P, V + d, ldv, cols, alpha, O + d, D);
