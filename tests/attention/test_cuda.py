@@ -118,9 +118,9 @@ def test_sm90_ws_kernel_and_fallback(monkeypatch, ws, dtype, d, nq, nk, opts):
 # alignment: rows >= 750; causal bottom-right with Nq > Nk: rows < 323) are skipped by the
 # producer and written as empty by the consumers. Under a right window bound a head's query blocks
 # end near its last row (1023 rows at D = 64: the first block starts 128 rows before row 0, and
-# its rows see no key), or, with FLASHMOD_SM90_WS_END_ALIGNED=0, start at its first. Also one CTA per tile throughout, the output
-# stored by the warps instead of the copy engine (the path of packed rows and of outputs TMA
-# cannot take), and the FlashAttention-2-style kernel.
+# its rows see no key), or, with FLASHMOD_SM90_WS_END_ALIGNED=0, start at its first. Also one CTA
+# per tile throughout, the output stored by the warps instead of the copy engine (the path of
+# packed rows and of outputs TMA cannot take), and the FlashAttention-2-style kernel.
 @pytest.mark.parametrize(
     "knobs",
     [
