@@ -560,9 +560,12 @@ def _tensor_scale(q: Tensor, scale: Tensor, op: str = "flashmod.attention") -> t
 
 def _value_head_dim_differs(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """q and k share a head dim and v has another (anything else is the op's to judge)."""
-    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         return False
-    return k.shape[3] == q.shape[3] and v.shape[3] != q.shape[3] and min(q.shape[3], v.shape[3]) > 0
+    qs, ks, vs = q.shape, k.shape, v.shape  # unrolled, not a generator: this runs on every call
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        return False
+    return ks[3] == qs[3] and vs[3] != qs[3] and min(qs[3], vs[3]) > 0
 
 
 def _attention_other_value_dim(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: Any, *options: Any):
