@@ -111,12 +111,12 @@ struct SeqExtents {
 // normalized by 1/l, goes into the warp's rows of the staging area in Q's 128-byte-swizzled
 // layout (kColBlocks boxes of Br rows), and one lane stores them as boxes of 16 rows of the output
 // tensor map, which bounds them to the (batch, head)'s rows past its last; kRowsBeforeFirst: rows
-// of the tile before first_row (before the head's first) are neither stored nor given an lse.
-// The warp goes on to its next tile
-// while the copy engine writes; the staged rows are only overwritten once it has read them.
-// Before, the warp copied its rows out itself (8 shared loads and 8 global stores a lane, each
-// store waiting on its load) before its next tile's first matmul: at N = 1k, where a tile has 8
-// key blocks, the whole store cost 3 % (7 % causal) of a D = 128 call (session 17).
+// of the tile before first_row (before the head's first) are neither stored nor given an lse. The
+// warp goes on to its next tile while the copy engine writes; the staged rows are only overwritten
+// once it has read them. Before, the warp copied its rows out itself (8 shared loads and 8 global
+// stores a lane, each store waiting on its load) before its next tile's first matmul: at N = 1k,
+// where a tile has 8 key blocks, the whole store cost 3 % (7 % causal) of a D = 128 call (session
+// 17).
 #ifdef FLASHMOD_SM90A
 template <class Tr, bool kRowsBeforeFirst = false>
 __device__ __forceinline__ void store_out_rows_tma(OnlineSoftmax<1>& softmax,
@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   static_assert(!(kVarlen && kKeyMask), "packed rows carry no mask");
   static_assert(!(kKeyMask && kSoftcap), "the launch sends capped masked calls elsewhere");
   static_assert(!kEndAligned || (!kVarlen && Tr::kStageOut),
-                "rows before a head's first are clipped by the output's tensor map only");
+                "rows before a head's first are skipped by the copy engine's epilogue only");
   static_assert(!kKeyMask || Tr::Bc == 128, "a key block's mask bytes: 4 per lane of one warp");
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
