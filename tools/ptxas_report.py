@@ -1,9 +1,10 @@
-"""Registers, spills, wgmma serialization (ptxas's C7518) and machine-code size of every kernel in
-some CUDA units, compiled here with nvcc: no GPU needed. The kernel units are torch-free, so this is
-the check to run before spending device time on a kernel change. C7518 means ptxas made every wgmma
-of that kernel wait for the previous one (a wait it inserted in a divergent path): the kernel still
-passes its tests but runs at a fraction of its speed (session 10: 0.60x), and nothing else reports
-it. The size (SASS instructions, from the cubin's .text section) matters where a kernel runs from
+"""Registers, spills, wgmma serialization (ptxas's C75xx notes) and machine-code size of every kernel
+in some CUDA units, compiled here with nvcc: no GPU needed. The kernel units are torch-free, so this
+is the check to run before spending device time on a kernel change. A serialization note means ptxas
+made every wgmma of that kernel wait for the previous one: the kernel still passes its tests but runs
+at a fraction of its speed, and nothing else reports it. Seen: C7518, a wait inserted in a divergent
+path (session 10: 0.60x); C7511, "insufficient register resources for the wgmma pipeline", an
+accumulator's old values kept alive across a narrower wgmma (session 25: causal 0.62-0.81x). The size (SASS instructions, from the cubin's .text section) matters where a kernel runs from
 a cold instruction cache: the KV-cache decode kernel at 7160 instructions spent 24 % of its stall
 samples waiting for instructions, 6.5 us a call, and at 4272 none (session 11).
 Usage: python tools/ptxas_report.py [unit ...] [--arch 90a] [--jobs 2]
@@ -79,7 +80,7 @@ def report(text: str) -> list[tuple[str, str, str, bool, str]]:
     report."""
     rows, name, serialized = [], None, set()
     for line in text.splitlines():
-        if "C7518" in line:
+        if "wgmma.mma_async instructions are serialized" in line:
             m = re.search(r"function '(\w+)'", line)
             if m:
                 serialized.add(m.group(1))
@@ -119,7 +120,7 @@ def main() -> None:
             bad += 1
             continue
         for kernel, regs, spill, serialized, mangled in report(text):
-            flag = "  SERIALIZED WGMMA (C7518)" if serialized else ""
+            flag = "  SERIALIZED WGMMA" if serialized else ""
             bad += serialized
             size = sizes.get(mangled, 0)
             print(f"  {kernel:60s} regs {regs:>3s}  spill st/ld {spill:>9s}  SASS {size:5d}{flag}")

@@ -145,6 +145,37 @@ def test_sm90_ws_many_tiles(monkeypatch, knobs, d, opts):
         assert (out[:, :, empty] == 0).all() and torch.isneginf(lse[:, :, empty]).all()
 
 
+# Under a right window bound a D = 64 consumer whose 64 rows see no key in the right half of its
+# last key block computes only the left half (every other consumer when the block boundaries sit
+# on the diagonal). The keys it leaves out are hidden, so the result must equal the full block's
+# bit for bit (FLASHMOD_SM90_WS_HALF_BLOCKS=0), and both must meet the accuracy rule. Lengths where
+# Br divides Nq (384) and where it does not, a window whose right edge is not on the diagonal,
+# Nk != Nq (bottom-right and top-left diagonals), GQA, and rows that see no key.
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("d", [64])
+@pytest.mark.parametrize(
+    "nq,nk,opts",
+    [
+        (1024, 1024, {"is_causal": True}),
+        (1023, 1023, {"is_causal": True}),
+        (384, 384, {"is_causal": True}),
+        (203, 517, {"is_causal": True}),
+        (517, 203, {"is_causal": True, "bottom_right": False}),
+        (700, 700, {"window_left": 77, "window_right": 20}),
+        (1000, 1100, {"window_left": -1, "window_right": 64}),
+    ],
+    ids=str,
+)
+def test_sm90_ws_half_blocks_equal_full_blocks(monkeypatch, dtype, d, nq, nk, opts):
+    monkeypatch.setenv("FLASHMOD_DECODE", "0")
+    q = rand(2, 8, nq, d, dtype=dtype)
+    k, v = rand(2, 2, nk, d, dtype=dtype), rand(2, 2, nk, d, dtype=dtype)
+    out, lse = run_and_check(q, k, v, **opts)
+    monkeypatch.setenv("FLASHMOD_SM90_WS_HALF_BLOCKS", "0")
+    full_out, full_lse = attention_op(q, k, v, None, **opts)
+    assert torch.equal(out, full_out) and torch.equal(lse, full_lse)
+
+
 # Bool key-padding masks ((B, 1, 1, Nk) and (1, 1, 1, Nk), one bit per key) run the warp-specialized
 # kernel: the producer turns each key block's bytes into bits. Random masks (not prefixes), a batch
 # row with every key hidden (its rows: output 0, lse -inf), a column stride of 2, more tiles than

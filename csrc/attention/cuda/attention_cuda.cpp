@@ -65,6 +65,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
     flags.out_tma = env_flag("FLASHMOD_SM90_WS_TMA_STORE", true);
     flags.staged_mask = env_flag("FLASHMOD_SM90_MASK_STAGING", true);
     flags.end_aligned = env_flag("FLASHMOD_SM90_WS_END_ALIGNED", true);
+    flags.half_blocks = env_flag("FLASHMOD_SM90_WS_HALF_BLOCKS", true);
     const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
     const int key = cuda_kernels::variant_key(p.dtype, padded);
     if (run_decode(p, flags, padded, q.options(), stream, err)) {

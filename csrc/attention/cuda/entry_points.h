@@ -37,6 +37,10 @@ struct FwdLaunchFlags {
   // run_attention_fwd_sm90_ws: under a right window bound, a head's query blocks end at its last
   // row (default; 0: FLASHMOD_SM90_WS_END_ALIGNED=0, they start at its first row).
   int end_aligned = 1;
+  // run_attention_fwd_sm90_ws, end-aligned blocks: a consumer's last key block is computed as its
+  // left half where its rows see no key in the right half (default; 0:
+  // FLASHMOD_SM90_WS_HALF_BLOCKS=0).
+  int half_blocks = 1;
 };
 
 // Device memory for a launch that needs scratch space, so the kernel files stay torch-free:

@@ -56,6 +56,7 @@
 #include <math_constants.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/cuda/bulk_copy_ops.h"
 #include "../../common/cuda/ptx_ops.h"
@@ -202,6 +203,11 @@ struct FwdWsTraits {
   // (128 * (producer + kConsumers * consumer) <= 65536), each a multiple of 8.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  // Under a causal bound a consumer's last key block may hold no key its 64 rows see in its right
+  // half (D = 64: every other consumer where Br's multiples of 64 sit on the diagonal); the
+  // kernel then computes the left half alone. Not at D = 128 (there the first consumer of every
+  // block): with 240 registers a consumer, ptxas serialized every wgmma of the kernel (C7511).
+  static constexpr bool kHalfBlocks = Bc == 128 && kConsumers == 3;
   // Named barriers: 0 is __syncthreads; 1 + c consumer c's turn.
   static constexpr int kBarTurn0 = 1;
 
@@ -224,10 +230,11 @@ struct FwdWsTraits {
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
 };
 
-// kEndAligned: a head's query blocks end near its last row, so where Br does not divide seqlen_q
-// the first block starts before row 0 (r0 < 0, a multiple of 16): TMA zero-fills Q's rows there,
-// and output, lse and rows without keys are written from row 0 on. The launch says when it is
-// taken.
+// kEndAligned, the kernel for calls under a right window bound (causal): a head's query blocks
+// end near its last row, so where Br does not divide seqlen_q the first block starts before row 0
+// (r0 < 0, a multiple of 16): TMA zero-fills Q's rows there, and output, lse and rows without keys
+// are written from row 0 on. And (kHalfBlocks) a consumer's last key block is computed as its left
+// half where its rows see nothing in the right half. The launch says when it is taken.
 template <class Tr, bool kVarlen, bool kKeyMask, bool kSoftcap, bool kEndAligned = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tm_q,
@@ -240,11 +247,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   static_assert(!(kKeyMask && kSoftcap), "the launch sends capped masked calls elsewhere");
   static_assert(!kEndAligned || (!kVarlen && Tr::kStageOut),
                 "rows before a head's first are skipped by the copy engine's epilogue only");
+  static_assert(!kEndAligned || (!kKeyMask && !kSoftcap), "half blocks mask by windows alone");
   static_assert(!kKeyMask || Tr::Bc == 128, "a key block's mask bytes: 4 per lane of one warp");
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kStages = Tr::kStages;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles, kConsumers = Tr::kConsumers;
+  // Causal blocks only (kEndAligned), so the other instantiations keep their machine code.
+  constexpr bool kHalfBlocks = kEndAligned && Tr::kHalfBlocks;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int warpgroup = warp / 4;
@@ -269,11 +279,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     Tile x;
     x.t = t;
     if constexpr (kEndAligned) {
-      // The first block ends at the first multiple of 16 rows at or past seqlen_q % Br, so its
-      // rows before row 0 fill whole output boxes, which are skipped (a TMA store at a negative
-      // row is an illegal instruction; loads there read zeros). The last block may then reach
-      // up to 15 rows past the head's end, which the tensor map clips as before.
-      const int first_end = (static_cast<int>(s.seqlen_q) % Br + 15) & ~15;
+      // The first block ends at the first multiple of 16 rows at or past its share of the rows
+      // (seqlen_q % Br, or Br), so its rows before row 0 fill whole output boxes, which are
+      // skipped (a TMA store at a negative row is an illegal instruction; loads there read
+      // zeros). The last block may then reach up to 15 rows past the head's end, which the
+      // tensor map clips as before. Where Br divides seqlen_q, the blocks are the plain ones.
+      const int first_end = ((static_cast<int>(s.seqlen_q) - 1) % Br + 16) & ~15;
       x.r0 = first_end - Br + x.t.m_block * Br;
       x.rows_q = min(Br, static_cast<int>(s.seqlen_q) - x.r0);
       x.range = key_block_range(s, max(0, x.r0), x.r0 + x.rows_q - 1, Bc);
@@ -503,16 +514,27 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     // The lane's two row windows, computed once per tile: per block they would cost registers.
     RowWindow win[1][2];
 
-    auto issue_scores = [&](int s) {
+    // half (kHalfBlocks): no row of this consumer sees a key in the block's right half, so only
+    // its left half's scores are computed, turned into P and multiplied with V.
+    auto issue_scores = [&](int s, auto half_tag) {
       const uint64_t k_desc = desc_advance(k_desc0, s * Tr::kSmemKV);
       wgmma_fence();  // S's registers were last touched by ordinary instructions
+      if constexpr (decltype(half_tag)::value) {
+        auto& s_left = *reinterpret_cast<float (*)[NT / 2][4]>(&S[0][0]);
+        using HalfWgmma = Wgmma<Elem, decltype(half_tag)::value ? Bc / 2 : Bc>;  // (dependent)
 #pragma unroll
-      for (int ks = 0; ks < Tr::kKSteps; ++ks)
-        Wgmma<Elem, Bc>::ss(S[0], desc_advance(q_desc, k_step(ks, Br)),
-                            desc_advance(k_desc, k_step(ks, Bc)), ks > 0);
+        for (int ks = 0; ks < Tr::kKSteps; ++ks)
+          HalfWgmma::ss(s_left, desc_advance(q_desc, k_step(ks, Br)),
+                        desc_advance(k_desc, k_step(ks, Bc)), ks > 0);
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < Tr::kKSteps; ++ks)
+          Wgmma<Elem, Bc>::ss(S[0], desc_advance(q_desc, k_step(ks, Br)),
+                              desc_advance(k_desc, k_step(ks, Bc)), ks > 0);
+      }
       wgmma_commit();
     };
-    auto issue_pv = [&](int s) {
+    auto issue_pv = [&](int s, bool half) {
       const uint64_t v_desc = desc_advance(v_desc0, s * Tr::kSmemKV);
       // O (rescaled) and P were written by ordinary instructions: pinned first so those writes
       // stay ahead of the fence.
@@ -520,7 +542,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       pin_registers(pa);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < Bc / 16; ++kk)
+      for (int kk = 0; kk < Bc / 16; ++kk) {
+        if (kHalfBlocks && half && kk >= Bc / 32) break;  // P is 0 there
 #pragma unroll
         for (int oc = 0; oc < D / Tr::kOChunk; ++oc) {
           // Columns [oc * kOChunk, ...) of O and of V_j: n8 tiles from oc * kOChunk / 8, V's
@@ -531,6 +554,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
               o_chunk, pa[kk],
               desc_advance(v_desc, kk * 2048 + (oc * Tr::kOChunk / 64) * Bc * 128));
         }
+      }
       wgmma_commit();
     };
     auto release = [&](uint32_t bar) {
@@ -604,10 +628,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // the rest it takes and passes the turns and releases the buffers once loaded, so the turn
       // chain and the buffer counts stay the tile's.
       int mhi = lo + 1;
+      bool half_last = false;  // kHalfBlocks: block mhi - 1 is computed as its left half alone
       {
         const int own_row0 = r0 + 64 * consumer, own_rows = min(64, x.rows_q - 64 * consumer);
         if (own_rows > 0)
           mhi = max(mhi, min(hi, key_block_range(seq, own_row0, own_row0 + own_rows - 1, Bc).hi));
+        if constexpr (kHalfBlocks) {
+          // In units of half blocks: no own row sees a key past the left half of block mhi - 1.
+          half_last =
+              flags.half_blocks && own_rows > 0 &&
+              key_block_range(seq, own_row0, own_row0 + own_rows - 1, Bc / 2).hi <= 2 * mhi - 1;
+        }
       }
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
@@ -617,7 +648,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // tile's 192 rows at D = 64 straddle a causal diagonal in one block more than a
       // consumer's do); only blocks with a hidden key test key bits.
       const int own_first = r0 + 64 * consumer;
-      auto mask_and_softmax = [&](int n, const KeyBits& bits) {
+      auto mask_and_softmax = [&](int n, const KeyBits& bits, auto half_tag) {
+        if constexpr (decltype(half_tag)::value) {
+          // The right half's columns: no score was computed there, and no row sees them.
+          // (Written after the wgmma: their old values kept alive across the narrower wgmma
+          // made ptxas serialize every wgmma of the kernel, C7511. A softmax over the left half
+          // alone did the same.)
+#pragma unroll
+          for (int ni = NT / 2; ni < NT; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) S[0][ni][e] = -CUDART_INF_F;
+        }
         if constexpr (kSoftcap) {
 #pragma unroll
           for (int ni = 0; ni < NT; ++ni)
@@ -641,38 +682,38 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
       mbarrier_wait(full_q, tiles & 1);
       // First block: S only.
-      {
+      auto first_block = [&](auto half_tag) {
         const int s = blocks % kStages;
         mbarrier_wait(full_k(s), (blocks / kStages) & 1);
         const KeyBits bits = take_key_bits(s);
         named_barrier(bar_mine, 256);
-        issue_scores(s);
+        issue_scores(s, half_tag);
         if (!(last_consumer && hi - lo == 1)) named_barrier_arrive(bar_next, 256);
         wgmma_wait<0>();
         pin_registers(S[0]);
         release(empty_k(s));
         if (mhi - lo == 1) release(empty_q);  // its last S: the next Q may come in
-        mask_and_softmax(lo, bits);
+        mask_and_softmax(lo, bits, half_tag);
         pack_p();
-      }
-      for (int n = lo + 1; n < mhi; ++n) {
+      };
+      auto next_block = [&](int n, auto half_tag) {
         const int prev = blocks + n - lo - 1, cur = prev + 1;
         const int s = cur % kStages, sp = prev % kStages;
         mbarrier_wait(full_k(s), (cur / kStages) & 1);
         const KeyBits bits = take_key_bits(s);
         named_barrier(bar_mine, 256);
-        issue_scores(s);
+        issue_scores(s, half_tag);
         // PV_{j-1} finished last iteration, so O is free to rescale while S_j runs.
         OnlineSoftmax<1>::rescale(O, alpha);
         mbarrier_wait(full_v(sp), (prev / kStages) & 1);
-        issue_pv(sp);
+        issue_pv(sp, false);
         if (!(last_consumer && n == hi - 1)) named_barrier_arrive(bar_next, 256);
         wgmma_wait<1>();  // S_j done (groups retire in order); PV_{j-1} may still run
         pin_registers(S[0]);
         release(empty_k(s));
         if (n == mhi - 1) release(empty_q);
         // Softmax of S_j in S's own registers; pa still feeds PV_{j-1}, so packing waits for it.
-        mask_and_softmax(n, bits);
+        mask_and_softmax(n, bits, half_tag);
         // Left to itself, ptxas hoists this wait to the softmax's first instructions (it packs
         // each part of P as soon as it is ready, and packing needs PV_{j-1} done), so the softmax
         // never ran under PV. It does not move the wait above a shared-memory store, and a store
@@ -687,13 +728,30 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         pin_registers(pa);
         release(empty_v(sp));
         pack_p();
+      };
+      // A half block has its own copy of the block's code: a runtime choice between the two
+      // widths inside one wgmma pipeline stage made ptxas serialize every wgmma of the kernel
+      // (C7511 with a branch, C7515 with predicated instructions). Each copy closes its
+      // pipeline (wait<0>) before the next begins.
+      if constexpr (kHalfBlocks) {
+        if (half_last && mhi - lo == 1)
+          first_block(std::true_type{});
+        else
+          first_block(std::false_type{});
+      } else {
+        first_block(std::false_type{});
+      }
+      const int full_end = half_last ? mhi - 1 : mhi;
+      for (int n = lo + 1; n < full_end; ++n) next_block(n, std::false_type{});
+      if constexpr (kHalfBlocks) {
+        if (half_last && mhi - lo >= 2) next_block(mhi - 1, std::true_type{});
       }
       // Its last block's PV, outside the turn order (no matmul of this consumer's follows it).
       {
         const int last = blocks + mhi - lo - 1, s = last % kStages;
         OnlineSoftmax<1>::rescale(O, alpha);
         mbarrier_wait(full_v(s), (last / kStages) & 1);
-        issue_pv(s);
+        issue_pv(s, half_last);
         wgmma_wait<0>();
         pin_registers(O[0]);
         pin_registers(pa);

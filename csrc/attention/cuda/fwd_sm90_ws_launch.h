@@ -135,12 +135,13 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
   // divide the rows, blocks that start at the first row leave the partial block last, on the
   // longest key range (D = 64, Br = 192, N = 1k: 64 rows over all 8 key blocks, one consumer
   // busy, the other two waiting); ending them at (up to 15 rows past) the last row makes it the
-  // first rows, over the fewest keys. Its epilogue is the copy engine's only (the warps' stores
-  // would write rows before the first). Non-causal calls keep the plain kernel: every block sees
-  // the same keys there.
+  // first rows, over the fewest keys. The same kernel halves a consumer's last key block where
+  // its rows see only the left half (Tr::kHalfBlocks), which pays where Br divides the rows too.
+  // Its epilogue is the copy engine's only (the warps' stores would write rows before the
+  // first). Non-causal calls keep the plain kernel: every block sees the same keys there.
   if constexpr (Tr::kStageOut) {
     if (launch_flags.end_aligned && launch_flags.out_tma && p.window_right >= 0 &&
-        rows_q % Tr::Br != 0)
+        (rows_q % Tr::Br != 0 || Tr::kHalfBlocks))
       return launch(attention_fwd_sm90_ws_kernel<Tr, false, false, false, true>);
   }
   return launch(attention_fwd_sm90_ws_kernel<Tr, false, false, false>);
