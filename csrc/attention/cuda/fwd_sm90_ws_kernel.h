@@ -286,13 +286,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // tensor map clips as before. Where Br divides seqlen_q, the blocks are the plain ones.
       const int first_end = ((static_cast<int>(s.seqlen_q) - 1) % Br + 16) & ~15;
       x.r0 = first_end - Br + x.t.m_block * Br;
-      x.rows_q = min(Br, static_cast<int>(s.seqlen_q) - x.r0);
-      x.range = key_block_range(s, max(0, x.r0), x.r0 + x.rows_q - 1, Bc);
     } else {
       x.r0 = x.t.m_block * Br;
-      x.rows_q = min(Br, static_cast<int>(s.seqlen_q) - x.r0);
-      x.range = x.rows_q > 0 ? key_block_range(s, x.r0, x.r0 + x.rows_q - 1, Bc) : KeyBlockRange{};
     }
+    x.rows_q = min(Br, static_cast<int>(s.seqlen_q) - x.r0);
+    if constexpr (kEndAligned)
+      x.range = key_block_range(s, max(0, x.r0), x.r0 + x.rows_q - 1, Bc);
+    else
+      x.range = x.rows_q > 0 ? key_block_range(s, x.r0, x.r0 + x.rows_q - 1, Bc) : KeyBlockRange{};
     return x;
   };
 
