@@ -3,10 +3,12 @@ in some CUDA units, compiled here with nvcc: no GPU needed. The kernel units are
 is the check to run before spending device time on a kernel change. A serialization note means ptxas
 made every wgmma of that kernel wait for the previous one: the kernel still passes its tests but runs
 at a fraction of its speed, and nothing else reports it. Seen: C7518, a wait inserted in a divergent
-path (session 10: 0.60x); C7511, "insufficient register resources for the wgmma pipeline", an
-accumulator's old values kept alive across a narrower wgmma (session 25: causal 0.62-0.81x). The size (SASS instructions, from the cubin's .text section) matters where a kernel runs from
-a cold instruction cache: the KV-cache decode kernel at 7160 instructions spent 24 % of its stall
-samples waiting for instructions, 6.5 us a call, and at 4272 none (session 11).
+path (session 10: 0.60x); C7511, "insufficient register resources for the wgmma pipeline", e.g. a
+narrower wgmma chosen at run time inside a pipeline stage (session 25: causal 0.62-0.81x); C7515,
+ordinary instructions defining a wgmma's accumulators inside the stage. The size (SASS instructions,
+from the cubin's .text section) matters where a kernel runs from a cold instruction cache: the
+KV-cache decode kernel at 7160 instructions spent 24 % of its stall samples waiting for
+instructions, 6.5 us a call, and at 4272 none (session 11).
 Usage: python tools/ptxas_report.py [unit ...] [--arch 90a] [--jobs 2]
   unit: a .cu path or a name under csrc/attention/cuda/generated/ (default: the fwd_sm90_ws units)"""
 
