@@ -20,6 +20,9 @@
 //   FLASHMOD_SM90_WS_END_ALIGNED=0    the warp-specialized kernel's query blocks start at a
 //                                     head's first row under a right window bound too (default:
 //                                     they end at its last row there)
+//   FLASHMOD_SM90_WS_HALF_BLOCKS=0    that end-aligned kernel computes every key block whole
+//                                     (default at D = 64: a consumer's last block as its left
+//                                     half where its rows see nothing in the right half)
 //   FLASHMOD_SM90_MASK_STAGING=0      the FlashAttention-2-style wgmma kernel reads an additive
 //                                     mask per score from global memory, not from tiles staged
 //                                     in shared memory with K/V (staged_mask.h)
