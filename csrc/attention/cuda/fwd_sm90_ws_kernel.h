@@ -536,7 +536,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       }
       wgmma_commit();
     };
-    auto issue_pv = [&](int s, int kk_end) {
+    auto issue_pv = [&](int s, bool half) {
       const uint64_t v_desc = desc_advance(v_desc0, s * Tr::kSmemKV);
       // O (rescaled) and P were written by ordinary instructions: pinned first so those writes
       // stay ahead of the fence.
@@ -545,7 +545,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < Bc / 16; ++kk) {
-        if (kHalfBlocks && kk >= kk_end) break;  // P is 0 there
+        if (kHalfBlocks && half && kk >= Bc / 32) break;  // P is 0 there
 #pragma unroll
         for (int oc = 0; oc < D / Tr::kOChunk; ++oc) {
           // Columns [oc * kOChunk, ...) of O and of V_j: n8 tiles from oc * kOChunk / 8, V's
@@ -642,12 +642,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
               key_block_range(seq, own_row0, own_row0 + own_rows - 1, Bc / 2).hi <= 2 * mhi - 1;
         }
       }
-      // kHalfBlocks: a consumer whose rows all lie before the head's first (the first block of an
-      // end-aligned head) computes the left half of its one key block's scores and no P.V: its
-      // output is never stored. Only its turns and buffer releases matter to the other consumers.
-      // (Recomputed where used: a flag kept live across the block step made ptxas serialize
-      // every wgmma of the kernel, C7511.)
-      auto skips_rowless = [&]() { return flags.half_blocks && r0 + 64 * consumer + 64 <= 0; };
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
         win[0][hh] = row_window(seq, r0 + warp_row0 + lane / 4 + 8 * hh);
@@ -714,7 +708,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         // PV_{j-1} finished last iteration, so O is free to rescale while S_j runs.
         OnlineSoftmax<1>::rescale(O, alpha);
         mbarrier_wait(full_v(sp), (prev / kStages) & 1);
-        issue_pv(sp, Bc / 16);
+        issue_pv(sp, false);
         if (!(last_consumer && n == hi - 1)) named_barrier_arrive(bar_next, 256);
         wgmma_wait<1>();  // S_j done (groups retire in order); PV_{j-1} may still run
         pin_registers(S[0]);
@@ -742,7 +736,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // (C7511 with a branch, C7515 with predicated instructions). Each copy closes its
       // pipeline (wait<0>) before the next begins.
       if constexpr (kHalfBlocks) {
-        if ((half_last || skips_rowless()) && mhi - lo == 1)
+        if (half_last && mhi - lo == 1)
           first_block(std::true_type{});
         else
           first_block(std::false_type{});
@@ -759,7 +753,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         const int last = blocks + mhi - lo - 1, s = last % kStages;
         OnlineSoftmax<1>::rescale(O, alpha);
         mbarrier_wait(full_v(s), (last / kStages) & 1);
-        issue_pv(s, skips_rowless() ? 0 : half_last ? Bc / 32 : Bc / 16);
+        issue_pv(s, half_last);
         wgmma_wait<0>();
         pin_registers(O[0]);
         pin_registers(pa);
