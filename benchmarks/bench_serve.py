@@ -182,7 +182,7 @@ def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 
 def kvcache_case(
     s: int, bsz: int, hq: int, hkv: int, d: int, dtype, dev: str, reps: int, pages: list[int],
-    variants: dict[str, str], graphs: bool, wall: bool, in_order_pages: bool = False,
+    variants: dict[str, str], graphs: bool, wall: bool, in_order_pages: bool = False, read_ceiling: bool = False,
 ) -> dict:  # fmt: skip
     k_cache, v_cache = (torch.randn(bsz, s, hkv, d, dtype=dtype, device=dev) for _ in range(2))
     q = torch.randn(bsz, 1, hq, d, dtype=dtype, device=dev)
@@ -259,6 +259,11 @@ def kvcache_case(
     src = torch.empty(kv_bytes // 2, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     fns["copy"] = lambda: dst.copy_(src)  # moves kv_bytes (read + written)
+    if read_ceiling:
+        # What a plain stream over as many bytes as the step reads reaches (torch's reduction
+        # kernel, one launch): the ceiling a decode step's fixed costs are measured against.
+        flat = torch.randn(kv_bytes // 2, dtype=torch.bfloat16, device=dev)
+        fns["read (torch sum)"] = lambda: flat.sum(dtype=torch.float32)
     times = harness.median_times(fns, dev, warmup=3, reps=reps, isolate=dev == "cuda")
     copy_rate = kv_bytes / times.pop("copy")
     return {
@@ -288,6 +293,11 @@ def main() -> None:
     parser.add_argument("--pages", default="256,16", help="kvcache: page sizes of the paged contenders")
     parser.add_argument("--graphs", action="store_true", help="kvcache: also each contender captured in a CUDA graph")
     parser.add_argument("--wall", action="store_true", help="kvcache: also wall time per call, back to back, eager")
+    parser.add_argument(
+        "--read-ceiling",
+        action="store_true",
+        help="kvcache: also a plain read of the step's K/V bytes (torch sum), the ceiling of a decode step",
+    )
     parser.add_argument(
         "--in-order-pages", action="store_true", help="kvcache: also each page size with the pages in sequence order"
     )
@@ -336,7 +346,7 @@ def main() -> None:
             print(label)
             res = kvcache_case(
                 s, bsz, hq, hkv, d, dtype, dev, 3 if args.smoke else args.reps, pages, variants,
-                args.graphs, args.wall, args.in_order_pages,
+                args.graphs, args.wall, args.in_order_pages, args.read_ceiling,
             )  # fmt: skip
             rows.append({"label": label, "cache": s, "results": res})
         contenders = sorted({c for r in rows for c in r["results"]}, key=lambda c: c != "flashmod")
