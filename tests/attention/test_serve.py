@@ -726,55 +726,6 @@ def test_kvcache_small_pages_equal_contiguous_on_long_caches(monkeypatch, page_s
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
-@pytest.mark.parametrize("splits", ["0", "3"])
-def test_decode_l2_prefetch_equal_without(monkeypatch, d, splits):
-    """The decode kernel prefetches into L2 the key block after the ones its stages load (contiguous
-    K/V: a KV cache, and flashmod.attention's decode path); FLASHMOD_DECODE_L2_PREFETCH=0 does not.
-    A hint only: output, lse and caches bitwise the same, over uneven cache lengths (empty, within a
-    block, whole blocks, one past) with NaN in every slot past a row's length, with and without an
-    append, the heuristic's splits and three, GQA 32/8 and a window."""
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA")
-    monkeypatch.setenv("FLASHMOD_DECODE_SPLITS", splits)
-    dtype, B, hq, hkv, S = torch.bfloat16, 6, 32, 8, 1300
-    seqlens = torch.tensor([0, 63, 64, 65, 1000, S - 1], dtype=torch.int32, device="cuda")
-    k_cont, v_cont = make_cache(B, S, hkv, d, dtype, "cuda")
-    for c in (k_cont, v_cont):
-        for b in range(B):
-            c[b, int(seqlens[b]) :] = float("nan")
-    q = torch.randn(B, 1, hq, d, dtype=dtype, device="cuda")
-    kn, vn = (torch.randn(B, 1, hkv, d, dtype=dtype, device="cuda") for _ in range(2))
-    for opts in ({}, {"causal": True, "window_size": (700, 0)}):
-        for new in ((), (kn, vn)):
-            results = []
-            for prefetch in ("1", "0"):
-                monkeypatch.setenv("FLASHMOD_DECODE_L2_PREFETCH", prefetch)
-                kc, vc = k_cont.clone(), v_cont.clone()
-                out, lse = flashmod.flash_attn_with_kvcache(
-                    q, kc, vc, *new, cache_seqlens=seqlens, return_lse=True, **opts
-                )
-                results.append((out, lse, kc, vc))
-            what = f"d {d}, splits {splits}, {opts}, append {bool(new)}"
-            assert not results[0][0].isnan().any(), f"{what}: a NaN slot was read"
-            for got, want, name in zip(results[0], results[1], ("out", "lse", "k_cache", "v_cache")):
-                if name.endswith("cache"):  # bit patterns: the NaN slots compare too
-                    got, want = got.view(torch.int16), want.view(torch.int16)
-                assert torch.equal(got, want), f"{what}: {name} differs with the L2 prefetch"
-    # The dense op's decode path (no cache lengths): whole caches of row 5's length.
-    n = int(seqlens[5])
-    qd, kd, vd = q[5:6].transpose(1, 2), k_cont[5:6, :n].transpose(1, 2), v_cont[5:6, :n].transpose(1, 2)
-    dense = []
-    for prefetch in ("1", "0"):
-        monkeypatch.setenv("FLASHMOD_DECODE_L2_PREFETCH", prefetch)
-        dense.append(flashmod.attention(qd, kd, vd))
-    assert torch.equal(dense[0], dense[1]), f"d {d}, splits {splits}: flashmod.attention differs with the prefetch"
-    truth, _ = reference(q[5], k_cont[5, :n], v_cont[5, :n], opts_of("plain"), torch.float64)
-    plain, _ = reference(q[5], k_cont[5, :n], v_cont[5, :n], opts_of("plain"), dtype)
-    assert_within_rule(dense[0][0].transpose(0, 1), truth, plain, 2, dtype, f"d {d}, splits {splits}: row 5")
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("page_size", [8, 16, 32, 48])
 def test_kvcache_pages_by_copy_engine_equal_cp_async(monkeypatch, d, page_size):
     """On a Hopper GPU the decode kernel brings whole key blocks of a cache paged in pages shorter

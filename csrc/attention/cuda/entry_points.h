@@ -41,9 +41,6 @@ struct FwdLaunchFlags {
   // left half where its rows see no key in the right half (default; 0:
   // FLASHMOD_SM90_WS_HALF_BLOCKS=0).
   int half_blocks = 1;
-  // The decode kernel, contiguous K/V: the key block after the ones its stages are loading is
-  // prefetched into L2 (default; 0: FLASHMOD_DECODE_L2_PREFETCH=0).
-  int decode_l2_prefetch = 0;
 };
 
 // Device memory for a launch that needs scratch space, so the kernel files stay torch-free:
@@ -119,7 +116,6 @@ struct DecodeOptions {
   // first dimension); 0 where the call has no page pool.
   bool kv_tma = false;
   int64_t kv_outer = 0;
-  bool l2_prefetch = true;  // FwdLaunchFlags::decode_l2_prefetch
 };
 
 // The decode kernel's whole key blocks of a paged cache through the copy engine (sm_90a builds,

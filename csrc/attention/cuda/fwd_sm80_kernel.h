@@ -195,15 +195,6 @@ __global__ void __launch_bounds__(Tr::kNThreads)
                                      sV_addr0 + stage * kStageBytes, row_src, p, n);
   };
 
-  // Decode, contiguous K/V: key block n into L2 a block ahead of the stages (paged_kv.h).
-  constexpr bool kL2Prefetch = kDecode && (kAddr == kDense || kAddr == kSequences);
-  auto prefetch_l2_block = [&](int n) {
-    if constexpr (kL2Prefetch) {
-      if (flags.decode_l2_prefetch && n < range.hi)
-        prefetch_kv_block_l2<Bc, D, kThreads>(gK, gV, p, n, tid);
-    }
-  };
-
   // Pipeline prologue: Q_i, then the first kStages-1 key blocks, one commit group each (empty
   // groups past the range keep the group count, and so cp_async_wait's argument, uniform).
   q_copy.load(sQ_addr, gQ, p.q_row_stride, rows_q);
@@ -213,7 +204,6 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     if (range.lo + s < range.hi) load_kv(range.lo + s, s);
     cp_async_commit();
   }
-  prefetch_l2_block(range.lo + Tr::kStages - 1);
   if constexpr (kDecode && kExtents) {
     if (new_rows && tile.split == 0 && tile.m_block == 0 &&
         tile.h % (params.heads_q / params.heads_kv) == 0)
@@ -285,7 +275,6 @@ __global__ void __launch_bounds__(Tr::kNThreads)
       const int next = n + Tr::kStages - 1;
       if (next < range.hi) load_kv(next, (next - range.lo) % Tr::kStages);
       cp_async_commit();
-      prefetch_l2_block(next + 1);
     }
 
     // S = Q_i K_j^T

@@ -59,25 +59,6 @@ struct KvRowSources {
   int new_from;
 };
 
-// Key block n's rows of K and V into L2 (contiguous rows: kDense, kSequences; k and v point at row
-// 0), every thread a few 128-byte lines. The decode kernel asks for the block after the one its
-// shared-memory stages are loading, so a CTA has one block more in flight than its stages hold.
-template <int kBc, int kHeadDim, int kThreads, typename Elem>
-__device__ __forceinline__ void prefetch_kv_block_l2(const Elem* k, const Elem* v,
-                                                     const AttentionParams& s, int n, int tid) {
-  constexpr int kLines = (kHeadDim * static_cast<int>(sizeof(Elem)) + 127) / 128;  // a row's
-  constexpr int kTotal = 2 * kBc * kLines;
-  const int rows = min(kBc, static_cast<int>(s.seqlen_k) - n * kBc);
-#pragma unroll
-  for (int j = 0; j < (kTotal + kThreads - 1) / kThreads; ++j) {
-    const int i = tid + j * kThreads, r = (i / kLines) % kBc, line = i % kLines;
-    if (i >= kTotal || r >= rows) continue;
-    const int64_t row = static_cast<int64_t>(n) * kBc + r;
-    const Elem* src = i < kBc * kLines ? k + row * s.k_row_stride : v + row * s.v_row_stride;
-    prefetch_l2(reinterpret_cast<const char*>(src) + 128 * line);
-  }
-}
-
 // K and V rows [first_key, first_key + valid_rows) of a tile that holds no appended keys, for
 // pages smaller than a key block (kRowPages), zero-filling the rest. Each thread's rows step by the
 // plan's row step, so within a page its K and V sources advance by a constant; it reads the block

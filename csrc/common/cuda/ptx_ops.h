@@ -22,11 +22,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int s
                "r"(src_bytes));
 }
 
-// A hint: the 128-byte line holding ptr is fetched into L2 (no register, no completion to wait on).
-__device__ __forceinline__ void prefetch_l2(const void* ptr) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
-}
-
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::);
 }
