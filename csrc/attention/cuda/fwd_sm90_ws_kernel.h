@@ -204,10 +204,11 @@ struct FwdWsTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
   // Under a causal bound a consumer's last key block may hold no key its 64 rows see in its right
-  // half (D = 64: every other consumer where Br's multiples of 64 sit on the diagonal); the
-  // kernel then computes the left half alone. Not at D = 128 (there the first consumer of every
-  // block): with 240 registers a consumer, ptxas serialized every wgmma of the kernel (C7511).
-  static constexpr bool kHalfBlocks = Bc == 128 && kConsumers == 3;
+  // half (D = 64: every other consumer where Br's multiples of 64 sit on the diagonal; D = 128:
+  // the first consumer of every block); the kernel then computes the left half alone. (Until
+  // session 26 D = 128 had none: with the right half's stale scores kept live across the
+  // narrower wgmma, ptxas serialized every wgmma of the kernel, C7511; see mask_and_softmax.)
+  static constexpr bool kHalfBlocks = Bc == 128;
   // Named barriers: 0 is __syncthreads; 1 + c consumer c's turn.
   static constexpr int kBarTurn0 = 1;
 
@@ -579,10 +580,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       }
       return bits;
     };
-    // P packed to 16 bits: the register A operand of the next PV.
-    auto pack_p = [&]() {
+    // P packed to 16 bits: the register A operand of the next PV (a half block's left half only:
+    // its P.V reads no more).
+    auto pack_p = [&](auto half_tag) {
+      constexpr int kk_end = decltype(half_tag)::value ? Bc / 32 : Bc / 16;
 #pragma unroll
-      for (int kk = 0; kk < Bc / 16; ++kk) {
+      for (int kk = 0; kk < kk_end; ++kk) {
         pa[kk][0] = Mma::pack(S[0][2 * kk][0], S[0][2 * kk][1]);
         pa[kk][1] = Mma::pack(S[0][2 * kk][2], S[0][2 * kk][3]);
         pa[kk][2] = Mma::pack(S[0][2 * kk + 1][0], S[0][2 * kk + 1][1]);
@@ -652,14 +655,21 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       const int own_first = r0 + 64 * consumer;
       auto mask_and_softmax = [&](int n, const KeyBits& bits, auto half_tag) {
         if constexpr (decltype(half_tag)::value) {
-          // The right half's columns: no score was computed there, and no row sees them.
-          // (Written after the wgmma: their old values kept alive across the narrower wgmma
-          // made ptxas serialize every wgmma of the kernel, C7511. A softmax over the left half
-          // alone did the same.)
+          // Half block: no score was computed in the right half and no row sees a key there, so
+          // the softmax runs over the left half alone (the sum and max a right half of -inf
+          // would give, bit for bit) and P.V stops after the left half's k-steps (issue_pv).
+          // The right half's registers are then rewritten: their stale values, left to live until
+          // the next block's wgmma names them as accumulators, made ptxas serialize every wgmma
+          // of the kernel (C7511).
+          auto& s_left = *reinterpret_cast<float (*)[1][NT / 2][4]>(&S);
+          if (!key_block_unmasked(seq, own_first, own_first + 63, n, Bc))
+            mask_outside_windows(s_left, win, n * Bc + 2 * (lane % 4));
+          softmax.scores_to_p(s_left, c, alpha);
 #pragma unroll
           for (int ni = NT / 2; ni < NT; ++ni)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) S[0][ni][e] = -CUDART_INF_F;
+            for (int e = 0; e < 4; ++e) S[0][ni][e] = 0.f;
+          return;
         }
         if constexpr (kSoftcap) {
 #pragma unroll
@@ -696,7 +706,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         release(empty_k(s));
         if (mhi - lo == 1) release(empty_q);  // its last S: the next Q may come in
         mask_and_softmax(lo, bits, half_tag);
-        pack_p();
+        pack_p(half_tag);
       };
       auto next_block = [&](int n, auto half_tag) {
         const int prev = blocks + n - lo - 1, cur = prev + 1;
@@ -729,7 +739,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         pin_registers(O[0]);
         pin_registers(pa);
         release(empty_v(sp));
-        pack_p();
+        pack_p(half_tag);
       };
       // A half block has its own copy of the block's code: a runtime choice between the two
       // widths inside one wgmma pipeline stage made ptxas serialize every wgmma of the kernel
