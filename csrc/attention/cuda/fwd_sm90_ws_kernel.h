@@ -204,11 +204,12 @@ struct FwdWsTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
   // Under a causal bound a consumer's last key block may hold no key its 64 rows see in its right
-  // half (D = 64: every other consumer where Br's multiples of 64 sit on the diagonal; D = 128:
-  // the first consumer of every block); the kernel then computes the left half alone. (Until
-  // session 26 D = 128 had none: with the right half's stale scores kept live across the
-  // narrower wgmma, ptxas serialized every wgmma of the kernel, C7511; see mask_and_softmax.)
-  static constexpr bool kHalfBlocks = Bc == 128;
+  // half (D = 64: every other consumer where Br's multiples of 64 sit on the diagonal); the
+  // kernel then computes the left half alone. Not at D = 128 (the first consumer of every block):
+  // it compiles clean since session 26's left-half softmax, but D = 128 causal calls then run the
+  // end-aligned kernel, whose schedule ptxas makes 2-5 % slower from N = 2k than the plain one
+  // (H100, benchmarks/results/design/cuda-hopper-forward.md); half blocks gained 1 % at 1k only.
+  static constexpr bool kHalfBlocks = Bc == 128 && kConsumers == 3;
   // Named barriers: 0 is __syncthreads; 1 + c consumer c's turn.
   static constexpr int kBarTurn0 = 1;
 
