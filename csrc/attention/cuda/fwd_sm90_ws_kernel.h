@@ -518,8 +518,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     RowWindow win[1][2];
 
     // half (kHalfBlocks): no row of this consumer sees a key in the block's right half, so only
-    // its left half's scores are computed (mask_and_softmax sets the right half's to -inf) and
-    // only that half of P meets V.
+    // its left half's scores are computed (mask_and_softmax turns only those into P) and only
+    // that half of P meets V.
     auto issue_scores = [&](int s, auto half_tag) {
       const uint64_t k_desc = desc_advance(k_desc0, s * Tr::kSmemKV);
       wgmma_fence();  // S's registers were last touched by ordinary instructions
