@@ -18,7 +18,8 @@ written) as the K/V bytes each step reads. Every call starts from a cold L2 and 
 rotates per round (harness.median_times, isolate): caches of 1k-4k tokens (34-134 MB) otherwise stay
 partly in the 50 MB L2 from one contender to the next that reads the same cache.
 
-    python benchmarks/bench_serve.py --group kvcache --sizes 1024,4096 --pages 16 --graphs --wall --in-order-pages \
+    python benchmarks/bench_serve.py --group kvcache --sizes 1024,4096 --pages 16 --graphs --wall \
+        --page-orders random,in-order,grouped \
         --variant "append kernel:FLASHMOD_KVCACHE_FUSED_APPEND=0"
 
 --graphs adds each flashmod / SDPA contender captured in a CUDA graph ("[graph]": what a serving engine
@@ -180,9 +181,26 @@ def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     return replay
 
 
+PAGE_ORDERS = ("random", "in-order", "grouped")
+
+
+def page_order(order: str, count: int, page_bytes: int, dev: str) -> torch.Tensor:
+    """Pool slots for ``count`` pages in sequence order: a random permutation, the identity, or the
+    identity shuffled within each 2 MB of pool (``grouped``)."""
+    if order == "random":
+        return torch.randperm(count, device=dev)
+    ident = torch.arange(count, device=dev)
+    if order == "in-order":
+        return ident
+    group = max(1, (2 << 20) // page_bytes)
+    keys = (ident // group) * count + torch.randperm(count, device=dev)  # group first, random inside
+    return ident[torch.argsort(keys)]
+
+
 def kvcache_case(
     s: int, bsz: int, hq: int, hkv: int, d: int, dtype, dev: str, reps: int, pages: list[int],
-    variants: dict[str, str], graphs: bool, wall: bool, in_order_pages: bool = False, read_ceiling: bool = False,
+    variants: dict[str, str], graphs: bool, wall: bool, page_orders: tuple[str, ...] = ("random",),
+    read_ceiling: bool = False,
 ) -> dict:  # fmt: skip
     k_cache, v_cache = (torch.randn(bsz, s, hkv, d, dtype=dtype, device=dev) for _ in range(2))
     q = torch.randn(bsz, 1, hq, d, dtype=dtype, device=dev)
@@ -200,14 +218,16 @@ def kvcache_case(
         fn = harness.with_env(settings, contiguous)
         if check(label, fn(), ref, 2e-2):
             fns[label] = fn
-    # Pages in random order (a pool after much allocation and freeing); with in_order_pages also in
-    # sequence order, which tells the cost of the scattered pages (memory system) from the paging's
-    # own (the kernel's per-row work).
-    for page, order in [(p, o) for p in pages for o in ("random", "in order")[: 2 if in_order_pages else 1]]:
+    # Pages in random order (a pool after much allocation and freeing). The other orders tell what the
+    # scatter costs from what the paging itself costs (the kernel's per-page work): "in-order" is the
+    # contiguous cache's memory seen through a block table; "grouped" shuffles the pages only within
+    # each 2 MB of the pool (the GPU's large-page size), so a sequence's pages stay in few address
+    # translations while their order inside each 2 MB is random.
+    for page, order in [(p, o) for p in pages for o in page_orders]:
         if s % page:
             continue
         n = s // page
-        perm = torch.randperm(bsz * n, device=dev) if order == "random" else torch.arange(bsz * n, device=dev)
+        perm = page_order(order, bsz * n, page * hkv * d * k_cache.element_size(), dev)
         table = perm.to(torch.int32).reshape(bsz, n)
         k_pool, v_pool = (torch.empty(bsz * n, page, hkv, d, dtype=dtype, device=dev) for _ in range(2))
         k_pool[table.long()] = k_cache.reshape(bsz, n, page, hkv, d)
@@ -216,7 +236,7 @@ def kvcache_case(
         def paged(k_pool=k_pool, v_pool=v_pool, table=table):
             return flashmod.flash_attn_with_kvcache(q, k_pool, v_pool, kn, vn, cache_seqlens=seqlens, block_table=table)
 
-        label = f"paged {page}" + (" in order" if order == "in order" else "")
+        label = f"paged {page}" + ("" if order == "random" else f" {order}")
         if check(label, paged(), ref, 0.0):
             fns[label] = paged
             for variant, settings in variants.items():
@@ -299,7 +319,10 @@ def main() -> None:
         help="kvcache: also a plain read of the step's K/V bytes (torch sum), the ceiling of a decode step",
     )
     parser.add_argument(
-        "--in-order-pages", action="store_true", help="kvcache: also each page size with the pages in sequence order"
+        "--page-orders",
+        default="random",
+        help=f"kvcache: orders of the pages in the pool, comma-separated, of {', '.join(PAGE_ORDERS)} "
+        "(in-order: the cost of paging alone; grouped: random within each 2 MB of pool)",
     )
     parser.add_argument(
         "--variant",
@@ -341,12 +364,15 @@ def main() -> None:
             sizes = [int(x) for x in args.sizes.split(",")]
         bsz, hq, hkv, d = (2, 4, 2, 64) if args.smoke else (8, 32, 8, 128)
         pages = [int(x) for x in args.pages.split(",") if x]
+        page_orders = tuple(x for x in args.page_orders.split(",") if x)
+        if unknown := set(page_orders) - set(PAGE_ORDERS):
+            parser.error(f"--page-orders: expected some of {', '.join(PAGE_ORDERS)}, got {', '.join(sorted(unknown))}")
         for s in sizes:
             label = f"kvcache B={bsz} Hq={hq} Hkv={hkv} D={d} cache={s}"
             print(label)
             res = kvcache_case(
                 s, bsz, hq, hkv, d, dtype, dev, 3 if args.smoke else args.reps, pages, variants,
-                args.graphs, args.wall, args.in_order_pages, args.read_ceiling,
+                args.graphs, args.wall, page_orders, args.read_ceiling,
             )  # fmt: skip
             rows.append({"label": label, "cache": s, "results": res})
         contenders = sorted({c for r in rows for c in r["results"]}, key=lambda c: c != "flashmod")
