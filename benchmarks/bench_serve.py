@@ -200,7 +200,7 @@ def page_order(order: str, count: int, page_bytes: int, dev: str) -> torch.Tenso
 def kvcache_case(
     s: int, bsz: int, hq: int, hkv: int, d: int, dtype, dev: str, reps: int, pages: list[int],
     variants: dict[str, str], graphs: bool, wall: bool, page_orders: tuple[str, ...] = ("random",),
-    read_ceiling: bool = False,
+    read_ceiling: bool = False, head_major: bool = False,
 ) -> dict:  # fmt: skip
     k_cache, v_cache = (torch.randn(bsz, s, hkv, d, dtype=dtype, device=dev) for _ in range(2))
     q = torch.randn(bsz, 1, hq, d, dtype=dtype, device=dev)
@@ -243,6 +243,46 @@ def kvcache_case(
                 fn = harness.with_env(settings, paged)
                 if check(f"{label} {variant}", fn(), ref, 2e-2):
                     fns[f"{label} {variant}"] = fn
+    if head_major:
+        # The same caches with each kv head's rows contiguous (SDPA's (B, Hkv, S, D) memory; pages as
+        # (pages, Hkv, page, D)) behind flash-attn's view: the decode kernel's CTA (one kv head) then
+        # streams whole ranges instead of a 256-byte slice of every token's 2 KB row, which tells
+        # what the slices cost the memory system.
+        k_hm, v_hm = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
+
+        def contiguous_hm():
+            return flashmod.flash_attn_with_kvcache(q, k_hm, v_hm, kn, vn, cache_seqlens=seqlens)
+
+        if check("flashmod head-major", contiguous_hm(), ref, 0.0):
+            fns["flashmod head-major"] = contiguous_hm
+        for page in [p for p in pages if s % p == 0]:
+            n = s // page
+            table = torch.randperm(bsz * n, device=dev).to(torch.int32).reshape(bsz, n)
+            k_pool, v_pool = (
+                torch.empty(bsz * n, hkv, page, d, dtype=dtype, device=dev).transpose(1, 2) for _ in range(2)
+            )
+            k_pool[table.long()] = k_cache.reshape(bsz, n, page, hkv, d)
+            v_pool[table.long()] = v_cache.reshape(bsz, n, page, hkv, d)
+
+            def paged_hm(k_pool=k_pool, v_pool=v_pool, table=table):
+                return flashmod.flash_attn_with_kvcache(
+                    q, k_pool, v_pool, kn, vn, cache_seqlens=seqlens, block_table=table
+                )
+
+            if check(f"paged {page} head-major", paged_hm(), ref, 0.0):
+                fns[f"paged {page} head-major"] = paged_hm
+        if dev == "cuda":
+            kb_hm, vb_hm = k_hm.transpose(1, 2), v_hm.transpose(1, 2)
+
+            def cudnn_hm():
+                with sdpa_kernel([BACKENDS["CUDNN"]]):
+                    return F.scaled_dot_product_attention(q.transpose(1, 2), kb_hm, vb_hm, enable_gqa=True)
+
+            try:
+                if check("SDPA CUDNN head-major", cudnn_hm().transpose(1, 2), ref, 2e-2):
+                    fns["SDPA CUDNN head-major"] = cudnn_hm
+            except RuntimeError as err:
+                print(f"  SDPA CUDNN head-major: {str(err).splitlines()[0][:100]}")
     qb, kb, vb = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
 
     def dense():
@@ -319,6 +359,11 @@ def main() -> None:
         help="kvcache: also a plain read of the step's K/V bytes (torch sum), the ceiling of a decode step",
     )
     parser.add_argument(
+        "--head-major",
+        action="store_true",
+        help="kvcache: also caches and pages with each kv head's rows contiguous (what the per-head slices cost)",
+    )
+    parser.add_argument(
         "--page-orders",
         default="random",
         help=f"kvcache: orders of the pages in the pool, comma-separated, of {', '.join(PAGE_ORDERS)} "
@@ -372,7 +417,7 @@ def main() -> None:
             print(label)
             res = kvcache_case(
                 s, bsz, hq, hkv, d, dtype, dev, 3 if args.smoke else args.reps, pages, variants,
-                args.graphs, args.wall, page_orders, args.read_ceiling,
+                args.graphs, args.wall, page_orders, args.read_ceiling, args.head_major,
             )  # fmt: skip
             rows.append({"label": label, "cache": s, "results": res})
         contenders = sorted({c for r in rows for c in r["results"]}, key=lambda c: c != "flashmod")
