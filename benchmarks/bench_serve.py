@@ -200,7 +200,7 @@ def page_order(order: str, count: int, page_bytes: int, dev: str) -> torch.Tenso
 def kvcache_case(
     s: int, bsz: int, hq: int, hkv: int, d: int, dtype, dev: str, reps: int, pages: list[int],
     variants: dict[str, str], graphs: bool, wall: bool, page_orders: tuple[str, ...] = ("random",),
-    read_ceiling: bool = False, head_major: bool = False,
+    read_ceiling: bool = False, head_major: bool = False, without_append: bool = False,
 ) -> dict:  # fmt: skip
     k_cache, v_cache = (torch.randn(bsz, s, hkv, d, dtype=dtype, device=dev) for _ in range(2))
     q = torch.randn(bsz, 1, hq, d, dtype=dtype, device=dev)
@@ -218,6 +218,17 @@ def kvcache_case(
         fn = harness.with_env(settings, contiguous)
         if check(label, fn(), ref, 2e-2):
             fns[label] = fn
+    if without_append:
+        # The same step's attention (the cache already holds the new row) without the append, with
+        # the lengths on the device and without them (every slot valid, known on the host): what
+        # the append and the device-side length each cost the step.
+        full = torch.full_like(seqlens, s)
+        for label, fn in (
+            ("no append", lambda: flashmod.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=full)),
+            ("no append, no lengths", lambda: flashmod.flash_attn_with_kvcache(q, k_cache, v_cache)),
+        ):
+            if check(label, fn(), ref, 2e-2):
+                fns[label] = fn
     # Pages in random order (a pool after much allocation and freeing). The other orders tell what the
     # scatter costs from what the paging itself costs (the kernel's per-page work): "in-order" is the
     # contiguous cache's memory seen through a block table; "grouped" shuffles the pages only within
@@ -359,6 +370,11 @@ def main() -> None:
         help="kvcache: also a plain read of the step's K/V bytes (torch sum), the ceiling of a decode step",
     )
     parser.add_argument(
+        "--without-append",
+        action="store_true",
+        help="kvcache: also the step without its append, with and without device-side lengths",
+    )
+    parser.add_argument(
         "--head-major",
         action="store_true",
         help="kvcache: also caches and pages with each kv head's rows contiguous (what the per-head slices cost)",
@@ -417,7 +433,7 @@ def main() -> None:
             print(label)
             res = kvcache_case(
                 s, bsz, hq, hkv, d, dtype, dev, 3 if args.smoke else args.reps, pages, variants,
-                args.graphs, args.wall, page_orders, args.read_ceiling, args.head_major,
+                args.graphs, args.wall, page_orders, args.read_ceiling, args.head_major, args.without_append,
             )  # fmt: skip
             rows.append({"label": label, "cache": s, "results": res})
         contenders = sorted({c for r in rows for c in r["results"]}, key=lambda c: c != "flashmod")
