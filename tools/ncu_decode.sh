@@ -6,7 +6,8 @@
 # launch as bench_serve.py's cold-L2 timing does. Needs a built tree (gpu_check.sh). Keeps one text
 # file per (mode, size) in $OUT. Modes: dense, kvcache (contiguous cache), paged16 (16-token pages
 # in random order, as bench_serve.py draws them), paged16order (the same pages in sequence order:
-# the contiguous cache's addresses through the paged code path).
+# the contiguous cache's addresses through the paged code path), kvnoappend (the contiguous cache
+# read over the same length without the append: what the fused append costs).
 # Usage: SIZES="1024 4096" MODES="dense kvcache paged16 paged16order" BATCH=8 bash tools/ncu_decode.sh
 #   EXTRA_METRICS: more --metrics, comma-separated, printed with the others
 set -uo pipefail
@@ -37,6 +38,8 @@ if '$mode'.startswith('paged16'):
 for _ in range(3):
     if '$mode' == 'dense':
         flashmod.attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2))
+    elif '$mode' == 'kvnoappend':
+        flashmod.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens + 1)
     else:
         flashmod.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table)
 torch.cuda.synchronize()
