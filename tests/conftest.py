@@ -1,10 +1,12 @@
-"""Shared by every test: the ``device`` parametrization, the ``cuda`` marker, the repository root,
-fresh random seeds and NaN-poisoned allocations."""
+"""Shared by every test: the ``device`` parametrization, the ``cuda`` marker, the repository root and
+a runner of its scripts, fresh random seeds and NaN-poisoned allocations."""
 
 from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,27 @@ def pytest_collection_modifyitems(config, items):
 def repo_root() -> Path:
     """The checkout's root: the working directory of tests that start a fresh interpreter."""
     return Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def run_repo_script(repo_root: Path):
+    """Runs a script of the checkout (a path under it, then its arguments) in a fresh interpreter on
+    the CPU (CUDA hidden, the hub offline), and fails with the end of its output unless it exits 0."""
+
+    def run(script: str, *args: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PYTHONPATH=str(repo_root), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
+        result = subprocess.run(
+            [sys.executable, str(repo_root / script), *args],
+            capture_output=True,
+            text=True,
+            cwd=repo_root,
+            env=env,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        return result
+
+    return run
 
 
 @pytest.fixture(autouse=True)

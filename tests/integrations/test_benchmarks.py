@@ -7,25 +7,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-
-def run_script(repo_root: Path, script: str, *args: str) -> None:
-    env = dict(os.environ, PYTHONPATH=str(repo_root), CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        [sys.executable, str(repo_root / "benchmarks" / script), *args],
-        capture_output=True,
-        text=True,
-        cwd=repo_root,
-        env=env,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 
 def assert_timed(rows: list[dict], contenders: set[str]) -> None:
@@ -40,17 +23,16 @@ def assert_timed(rows: list[dict], contenders: set[str]) -> None:
 
 
 @pytest.mark.parametrize("mode", ["fwd", "fwdbwd", "masks"])
-def test_bench_cpu_smoke(mode, repo_root, tmp_path):
+def test_bench_cpu_smoke(mode, run_repo_script, tmp_path):
     args = ["--smoke", "--out-dir", str(tmp_path), "--tag", "smoke"]
     args += ["--masks"] if mode == "masks" else ["--mode", mode]
-    run_script(repo_root, "bench_cpu.py", *args)
+    run_repo_script("benchmarks/bench_cpu.py", *args)
     assert_timed(json.loads((tmp_path / "smoke.json").read_text())["rows"], {"flashmod", "SDPA"})
 
 
-def test_bench_serve_smoke(repo_root, tmp_path):
-    run_script(
-        repo_root,
-        "bench_serve.py",
+def test_bench_serve_smoke(run_repo_script, tmp_path):
+    run_repo_script(
+        "benchmarks/bench_serve.py",
         "--smoke",
         "--device",
         "cpu",

@@ -5,9 +5,6 @@ speed reports for people; the parity itself is asserted by the other tests.)"""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -25,18 +22,9 @@ EXAMPLES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXAMPLES))
-def test_example_runs(name, repo_root):
+def test_example_runs(name, run_repo_script):
     if name.startswith("hf_") and importlib.util.find_spec("transformers") is None:
         pytest.skip("needs transformers")
     script, *args = EXAMPLES[name]
-    env = dict(os.environ, PYTHONPATH=str(repo_root), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
-    result = subprocess.run(
-        [sys.executable, str(repo_root / "examples" / script), *args],
-        capture_output=True,
-        text=True,
-        cwd=repo_root,
-        env=env,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    result = run_repo_script(f"examples/{script}", *args)
     assert result.stdout.strip(), f"{script} printed nothing"
