@@ -197,6 +197,24 @@ def page_order(order: str, count: int, page_bytes: int, dev: str) -> torch.Tenso
     return ident[torch.argsort(keys)]
 
 
+def page_pools(
+    caches: tuple[torch.Tensor, ...], table: torch.Tensor, page: int, head_major: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """Each (B, S, Hkv, D) cache's pages placed in a pool at ``table``'s slots, the pool seen as
+    (pages, page, Hkv, D); ``head_major``: each page's memory is (Hkv, page, D) behind that view."""
+    bsz, n = table.shape
+    _, _, hkv, d = caches[0].shape
+    pools = []
+    for cache in caches:
+        if head_major:
+            pool = cache.new_empty(bsz * n, hkv, page, d).transpose(1, 2)
+        else:
+            pool = cache.new_empty(bsz * n, page, hkv, d)
+        pool[table.long()] = cache.reshape(bsz, n, page, hkv, d)
+        pools.append(pool)
+    return tuple(pools)
+
+
 def kvcache_case(
     s: int, bsz: int, hq: int, hkv: int, d: int, dtype, dev: str, reps: int, pages: list[int],
     variants: dict[str, str], graphs: bool, wall: bool, page_orders: tuple[str, ...] = ("random",),
@@ -209,9 +227,13 @@ def kvcache_case(
     kv_bytes = 2 * bsz * s * hkv * d * k_cache.element_size()
     flops = 4 * bsz * hq * s * d
 
-    def contiguous():
-        return flashmod.flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn, cache_seqlens=seqlens)
+    def step(k_store: torch.Tensor, v_store: torch.Tensor, table: torch.Tensor | None = None):
+        """The decode step (append and attention) on these caches or page pools."""
+        return lambda: flashmod.flash_attn_with_kvcache(
+            q, k_store, v_store, kn, vn, cache_seqlens=seqlens, block_table=table
+        )
 
+    contiguous = step(k_cache, v_cache)
     ref = contiguous()
     fns = {"flashmod": contiguous}
     for label, settings in variants.items():
@@ -240,13 +262,7 @@ def kvcache_case(
         n = s // page
         perm = page_order(order, bsz * n, page * hkv * d * k_cache.element_size(), dev)
         table = perm.to(torch.int32).reshape(bsz, n)
-        k_pool, v_pool = (torch.empty(bsz * n, page, hkv, d, dtype=dtype, device=dev) for _ in range(2))
-        k_pool[table.long()] = k_cache.reshape(bsz, n, page, hkv, d)
-        v_pool[table.long()] = v_cache.reshape(bsz, n, page, hkv, d)
-
-        def paged(k_pool=k_pool, v_pool=v_pool, table=table):
-            return flashmod.flash_attn_with_kvcache(q, k_pool, v_pool, kn, vn, cache_seqlens=seqlens, block_table=table)
-
+        paged = step(*page_pools((k_cache, v_cache), table, page), table)
         label = f"paged {page}" + ("" if order == "random" else f" {order}")
         if check(label, paged(), ref, 0.0):
             fns[label] = paged
@@ -260,26 +276,13 @@ def kvcache_case(
         # streams whole ranges instead of a 256-byte slice of every token's 2 KB row, which tells
         # what the slices cost the memory system.
         k_hm, v_hm = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
-
-        def contiguous_hm():
-            return flashmod.flash_attn_with_kvcache(q, k_hm, v_hm, kn, vn, cache_seqlens=seqlens)
-
+        contiguous_hm = step(k_hm, v_hm)
         if check("flashmod head-major", contiguous_hm(), ref, 0.0):
             fns["flashmod head-major"] = contiguous_hm
         for page in [p for p in pages if s % p == 0]:
             n = s // page
             table = torch.randperm(bsz * n, device=dev).to(torch.int32).reshape(bsz, n)
-            k_pool, v_pool = (
-                torch.empty(bsz * n, hkv, page, d, dtype=dtype, device=dev).transpose(1, 2) for _ in range(2)
-            )
-            k_pool[table.long()] = k_cache.reshape(bsz, n, page, hkv, d)
-            v_pool[table.long()] = v_cache.reshape(bsz, n, page, hkv, d)
-
-            def paged_hm(k_pool=k_pool, v_pool=v_pool, table=table):
-                return flashmod.flash_attn_with_kvcache(
-                    q, k_pool, v_pool, kn, vn, cache_seqlens=seqlens, block_table=table
-                )
-
+            paged_hm = step(*page_pools((k_cache, v_cache), table, page, head_major=True), table)
             if check(f"paged {page} head-major", paged_hm(), ref, 0.0):
                 fns[f"paged {page} head-major"] = paged_hm
         if dev == "cuda":
