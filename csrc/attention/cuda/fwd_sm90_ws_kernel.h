@@ -525,7 +525,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       wgmma_fence();  // S's registers were last touched by ordinary instructions
       if constexpr (decltype(half_tag)::value) {
         auto& s_left = *reinterpret_cast<float (*)[NT / 2][4]>(&S[0][0]);
-        using HalfWgmma = Wgmma<Elem, decltype(half_tag)::value ? Bc / 2 : Bc>;  // (dependent)
+        // Named through half_tag so it is instantiated only where half blocks exist: at D = 256
+        // (Bc = 64) a plain Wgmma<Elem, Bc / 2> would name the undefined N = 32 form.
+        using HalfWgmma = Wgmma<Elem, decltype(half_tag)::value ? Bc / 2 : Bc>;
 #pragma unroll
         for (int ks = 0; ks < Tr::kKSteps; ++ks)
           HalfWgmma::ss(s_left, desc_advance(q_desc, k_step(ks, Br)),
