@@ -18,7 +18,7 @@
 //
 // Build and run on the GPU machine (no torch needed):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/reduce_throughput \
-//     tools/reduce_throughput.cu && /tmp/reduce_throughput [target MB, default 16]
+//     tools/reduce_throughput.cu && /tmp/reduce_throughput [target MB, default 16] [group, default 0]
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -47,19 +47,23 @@ const char* const kModeNames[] = {"store", "red", "red.v4", "bulk"};
     }                                                                                    \
   } while (0)
 
-// Row block that CTA `cta` adds its t-th tile into: consecutive CTAs start far apart and walk the
-// buffer with a stride co-prime to the block count, so a block is hit by many CTAs over the run but
-// rarely by two at once.
-__host__ __device__ inline int64_t target_block(int64_t cta, int64_t t, int64_t blocks) {
-  return (cta * 7919 + t * 131) % blocks;
+// Row block that CTA `cta` adds its t-th tile into. group 0: consecutive CTAs start far apart and
+// walk the buffer with a stride co-prime to the block count, so a block is hit by many CTAs over
+// the run but rarely by two at once. group G > 0: G consecutive CTAs walk the same blocks in step,
+// as the key blocks of one head walk its query blocks in the fused backward (G = 32 at N = 4k with
+// 128 keys a CTA): G reductions into one tile at a time.
+__host__ __device__ inline int64_t target_block(int64_t cta, int64_t t, int64_t blocks,
+                                                int64_t group) {
+  return group > 0 ? ((cta / group) * 64 + t) % blocks : (cta * 7919 + t * 131) % blocks;
 }
 
 template <int kMode>
-__global__ void __launch_bounds__(kThreads) add_tiles(float* target, int64_t blocks, int tiles) {
+__global__ void __launch_bounds__(kThreads)
+    add_tiles(float* target, int64_t blocks, int tiles, int64_t group) {
   extern __shared__ __align__(128) float staged[];
   const int tid = threadIdx.x;
   for (int t = 0; t < tiles; ++t) {
-    float* dst = target + target_block(blockIdx.x, t, blocks) * kTileFloats;
+    float* dst = target + target_block(blockIdx.x, t, blocks, group) * kTileFloats;
     if constexpr (kMode == kBulk) {
       // The previous bulk reduce must have read the staging tile before it is overwritten.
       if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
@@ -99,19 +103,21 @@ __global__ void __launch_bounds__(kThreads) add_tiles(float* target, int64_t blo
 }
 
 template <int kMode>
-float run(float* target, int64_t blocks, int ctas, int tiles, std::vector<float>& host) {
+float run(float* target, int64_t blocks, int ctas, int tiles, int64_t group,
+          std::vector<float>& host) {
   const int smem = kMode == kBulk ? kTileBytes : 0;
   if (smem > 48 * 1024)
     CHECK(
         cudaFuncSetAttribute(add_tiles<kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   CHECK(cudaMemset(target, 0, blocks * kTileBytes));
-  add_tiles<kMode><<<ctas, kThreads, smem>>>(target, blocks, 1);  // warm-up (its adds are counted)
+  add_tiles<kMode>
+      <<<ctas, kThreads, smem>>>(target, blocks, 1, group);  // warm-up (its adds are counted)
   CHECK(cudaGetLastError());
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
   CHECK(cudaEventRecord(start));
-  add_tiles<kMode><<<ctas, kThreads, smem>>>(target, blocks, tiles);
+  add_tiles<kMode><<<ctas, kThreads, smem>>>(target, blocks, tiles, group);
   CHECK(cudaGetLastError());
   CHECK(cudaEventRecord(stop));
   CHECK(cudaEventSynchronize(stop));
@@ -121,8 +127,8 @@ float run(float* target, int64_t blocks, int ctas, int tiles, std::vector<float>
   // Expected count per block: the warm-up's tile 0 of every CTA, then tiles 0 .. tiles-1.
   std::vector<int64_t> hits(blocks, 0);
   for (int64_t c = 0; c < ctas; ++c) {
-    ++hits[target_block(c, 0, blocks)];
-    for (int t = 0; t < tiles; ++t) ++hits[target_block(c, t, blocks)];
+    ++hits[target_block(c, 0, blocks, group)];
+    for (int t = 0; t < tiles; ++t) ++hits[target_block(c, t, blocks, group)];
   }
   for (int64_t b = 0; b < blocks; ++b) {
     const float want = kMode == kStore ? (hits[b] > 0 ? 1.f : 0.f) : static_cast<float>(hits[b]);
@@ -143,6 +149,7 @@ float run(float* target, int64_t blocks, int ctas, int tiles, std::vector<float>
 
 int main(int argc, char** argv) {
   const int64_t target_mb = argc > 1 ? std::atoll(argv[1]) : 16;
+  const int64_t group = argc > 2 ? std::atoll(argv[2]) : 0;
   const int64_t blocks = target_mb * (1 << 20) / kTileBytes;
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -152,14 +159,15 @@ int main(int argc, char** argv) {
   std::vector<float> host(blocks * kTileFloats);
   const double bytes = static_cast<double>(ctas) * tiles * kTileBytes;
   std::printf(
-      "%s: %d CTAs x %d threads, %d tiles of %d x %d fp32 each, target %lld MB (L2 %d MB)\n",
+      "%s: %d CTAs x %d threads, %d tiles of %d x %d fp32 each, target %lld MB (L2 %d MB), %lld "
+      "CTAs a tile at once\n",
       prop.name, ctas, kThreads, tiles, kRows, kCols, static_cast<long long>(target_mb),
-      prop.l2CacheSize >> 20);
+      prop.l2CacheSize >> 20, static_cast<long long>(group > 0 ? group : 1));
   std::printf("%-8s %10s %12s %s\n", "mode", "ms", "GB/s added", "time for 4.3 GB of dQ partials");
-  const float ms[] = {run<kStore>(target, blocks, ctas, tiles, host),
-                      run<kRed>(target, blocks, ctas, tiles, host),
-                      run<kRedV4>(target, blocks, ctas, tiles, host),
-                      run<kBulk>(target, blocks, ctas, tiles, host)};
+  const float ms[] = {run<kStore>(target, blocks, ctas, tiles, group, host),
+                      run<kRed>(target, blocks, ctas, tiles, group, host),
+                      run<kRedV4>(target, blocks, ctas, tiles, group, host),
+                      run<kBulk>(target, blocks, ctas, tiles, group, host)};
   for (int m = 0; m < 4; ++m)
     std::printf("%-8s %10.3f %12.0f %8.2f ms\n", kModeNames[m], ms[m], bytes / (ms[m] * 1e6),
                 4.3e9 / (bytes / (ms[m] * 1e-3)) * 1e3);
