@@ -175,6 +175,21 @@ def check_flash_attn_extras(op: str, alibi_slopes: object, **flags: object) -> N
         )
 
 
+def check_deterministic_backward(op: str, deterministic: bool, *tensors: Tensor) -> None:
+    """flash-attn's ``deterministic=True`` asks for a bitwise reproducible backward. flashmod's is,
+    except that the Hopper backward adds dQ up by atomics (from 2048 keys, head dims 97-128) while
+    torch's deterministic algorithms are off; rather than ignore the flag there, a CUDA call that
+    will be differentiated raises and names the switch."""
+    if not deterministic or torch.are_deterministic_algorithms_enabled():
+        return
+    if torch.is_grad_enabled() and any(t.is_cuda and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"{op}: deterministic=True needs torch.use_deterministic_algorithms(True) on CUDA "
+            "(otherwise the Hopper backward adds dQ up by atomics, in no fixed order); set it, or "
+            "FLASHMOD_BWD_FUSED_DQ=0, for a bitwise reproducible backward"
+        )
+
+
 def unbounded_past(window: tuple[int, int], seqlen_k: int) -> tuple[int, int]:
     """flash-attn's rule: a window side that reaches over all ``seqlen_k`` keys is unbounded (-1).
     With Nq > Nk the literal bound would hide keys from the first queries, which flash-attn's

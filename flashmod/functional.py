@@ -16,7 +16,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .checks import check_dropout, check_flash_attn_extras, check_tensor_types, check_window, unbounded_past
+from .checks import (
+    check_deterministic_backward,
+    check_dropout,
+    check_flash_attn_extras,
+    check_tensor_types,
+    check_window,
+    unbounded_past,
+)
 from .ops import attention_op, autocast_attention_args, check_attention_call
 from .reference import attention_reference
 from .softmax_ops import matmul_softmax
@@ -183,8 +190,10 @@ def flash_attn_func(
         softcap: if > 0, scores become ``softcap * tanh(score / softcap)``.
         return_lse: also return the fp32 log-sum-exp, ``(B, Hq, Nq)`` as in flash-attn.
         alibi_slopes, deterministic, return_attn_probs: flash-attn's, for code ported from it.
-            ``alibi_slopes`` must be None; ``deterministic`` changes nothing (the backward is
-            always deterministic); ``return_attn_probs`` returns ``(out, lse, None)``, as flash-attn
+            ``alibi_slopes`` must be None; ``deterministic=True`` asks for a bitwise reproducible
+            backward, which the CUDA backward gives under ``torch.use_deterministic_algorithms(True)``
+            (without it, a CUDA call that is differentiated raises: the Hopper backward adds dQ up by
+            atomics); ``return_attn_probs`` returns ``(out, lse, None)``, as flash-attn
             does without dropout (with dropout its third entry, the dropout pattern, has no
             counterpart here: NotImplementedError).
 
@@ -195,6 +204,7 @@ def flash_attn_func(
     check_tensor_types(op, q=q, k=k, v=v)
     dropout_p = check_dropout(op, "dropout_p", dropout_p)
     check_flash_attn_extras(op, alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
+    check_deterministic_backward(op, deterministic, q, k, v)
     if return_attn_probs and dropout_p > 0.0:
         raise NotImplementedError(f"{op}: return_attn_probs with dropout_p > 0 (the dropout pattern) is not supported")
     left, right = check_window(op, window_size)

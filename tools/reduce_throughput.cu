@@ -18,7 +18,8 @@
 //
 // Build and run on the GPU machine (no torch needed):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/reduce_throughput \
-//     tools/reduce_throughput.cu && /tmp/reduce_throughput [target MB, default 16] [group, default 0]
+//     tools/reduce_throughput.cu && /tmp/reduce_throughput [target MB] [group]
+// (target MB: default 16; group: default 0, see target_block)
 #include <cuda_runtime.h>
 
 #include <cstdint>

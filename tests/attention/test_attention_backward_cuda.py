@@ -112,6 +112,88 @@ def test_strided_and_unaligned_inputs():
     assert dq.stride() == q.stride() and dk.stride() == k.stride()
 
 
+# The Hopper backward's fused variant (padded head dim 128, plain scores: dQ added up by atomics in
+# the dK/dV kernel; csrc/attention/cuda/bwd_sm90_launch.h, launch_bwd_fused_dq). The suite's
+# fixture turns torch's deterministic algorithms on (to poison allocations), which takes the
+# bitwise-reproducible kernels; FLASHMOD_BWD_FUSED_DQ=2 takes the fused variant even then.
+FUSED_DQ_CASES = [
+    {},
+    {"is_causal": True},
+    {"is_causal": True, "bottom_right": False},
+    {"window_left": 70, "window_right": 5, "bottom_right": False},
+]
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("d", [97, 111, 128])
+@pytest.mark.parametrize(("nq", "nk"), [(1, 1), (17, 203), (203, 113), (257, 300), (1023, 1023)])
+@pytest.mark.parametrize("options", FUSED_DQ_CASES, ids=str)
+def test_fused_dq(monkeypatch, dtype, d, nq, nk, options):
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
+    check_grads(*make_inputs(DEV, dtype, 2, 4, 2, nq, nk, d), **options)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (8, 1), (6, 3)])
+def test_fused_dq_gqa(monkeypatch, hq, hkv):
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
+    check_grads(*make_inputs(DEV, torch.bfloat16, 2, hq, hkv, 300, 413, 128), is_causal=True)
+
+
+def test_fused_dq_side_stream_and_cuda_graph(monkeypatch):
+    """The fused variant (its zeroed fp32 sums allocated and cleared per call) on a side stream and
+    replayed from a captured graph with new grad_out values: within the rule each time (the sums'
+    order varies, so not bitwise)."""
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
+    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 300, 300, 128)
+    out, lse = torch.ops.flashmod.attention(q, k, v)
+    grad_out = torch.randn_like(out)
+
+    def within_rule(grads):
+        truth = reference_grads(q, k, v, grad_out, None, torch.float64)
+        plain = reference_grads(q, k, v, grad_out, None, torch.bfloat16)
+        for name, x, t, ref in zip(("dq", "dk", "dv"), grads, truth, plain):
+            assert_within_rule(x, t, ref, 3.0, torch.bfloat16, name)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = torch.ops.flashmod.attention_backward(grad_out, None, q, k, v, out, lse)
+    torch.cuda.current_stream().wait_stream(side)
+    within_rule(on_side[:3])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.flashmod.attention_backward(grad_out, None, q, k, v, out, lse)
+    for _ in range(2):  # a second replay finds the sums cleared again
+        grad_out.copy_(torch.randn_like(grad_out))
+        graph.replay()
+        within_rule(captured[:3])
+
+
+def test_fused_dq_follows_the_knob_length_and_deterministic_mode(monkeypatch):
+    """FLASHMOD_BWD_FUSED_DQ=1 takes the fused variant only from 2048 keys and with deterministic
+    algorithms off; its fp32 sums run in another order than the dQ kernel's, so the two dQ differ in
+    their last bits, while the dQ kernel's runs are bitwise equal."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fused variant is a Hopper kernel")
+
+    def grads(knob, nk):
+        monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", knob)
+        return fused_grads(*inputs[nk], grad_out, grad_lse)
+
+    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 300, 2100, 128)
+    inputs = {2100: (q, k, v), 1023: (q, k[:, :, :1023], v[:, :, :1023])}
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 4, 300, device=DEV)
+    kernels = {nk: grads("0", nk) for nk in inputs}
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
+    assert same(grads("1", 2100), kernels[2100])  # deterministic algorithms on (the fixture)
+    torch.use_deterministic_algorithms(False)
+    assert not torch.equal(grads("1", 2100)[0], kernels[2100][0]), "dQ came from the dQ kernel"
+    assert same(grads("1", 1023), kernels[1023])  # below the length threshold
+    assert not torch.equal(grads("2", 1023)[0], kernels[1023][0])
+    with pytest.raises(RuntimeError, match="FLASHMOD_BWD_FUSED_DQ must be 0, 1 or 2, got 3"):
+        grads("3", 2100)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_deterministic_over_100_runs(dtype):
     """The fused backward (bf16: the Hopper or portable kernels; fp32: 3xTF32) is bitwise the same

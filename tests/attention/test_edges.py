@@ -160,9 +160,26 @@ def test_non_tensor_arguments_are_type_errors(bad):
             flashmod.attention(q, k, v, attn_mask=value)
 
 
+@pytest.mark.cuda
+def test_flash_attn_deterministic_needs_torch_deterministic_mode_on_cuda():
+    """deterministic=True promises a bitwise reproducible backward: on CUDA flashmod gives one under
+    torch.use_deterministic_algorithms(True) (on in this suite's fixture); without it a call that
+    will be differentiated raises (the Hopper backward may add dQ up by atomics), a call that will
+    not runs."""
+    q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    grads = [t.clone().requires_grad_() for t in (q, k, v)]
+    flashmod.flash_attn_func(*grads, causal=True, deterministic=True).sum().backward()
+    torch.use_deterministic_algorithms(False)
+    with pytest.raises(RuntimeError, match=r"deterministic=True needs torch.use_deterministic_algorithms\(True\)"):
+        flashmod.flash_attn_func(*grads, causal=True, deterministic=True)
+    out = flashmod.flash_attn_func(q, k, v, causal=True, deterministic=True)
+    assert torch.equal(out, flashmod.flash_attn_func(q, k, v, causal=True))
+
+
 def test_flash_attn_keywords_of_ported_code(device):
     """Code ported from flash-attn passes its keywords: return_attn_probs gives (out, lse, None) as
-    flash-attn does without dropout, deterministic changes nothing (the backward is deterministic),
+    flash-attn does without dropout, deterministic=True changes nothing where the backward is
+    bitwise reproducible anyway (CPU; CUDA under the fixture's deterministic algorithms),
     return_softmax_lse is the KV-cache call's name for return_lse; alibi_slopes, which has no kernel
     here, and return_attn_probs with dropout (flash-attn's dropout pattern) raise, never ignored."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

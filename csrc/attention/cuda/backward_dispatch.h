@@ -38,6 +38,23 @@ inline int bwd_sm90_tile(const char* op, int d, const AttentionBwdParams& p,
   return tile;
 }
 
+// Whether the backward adds dQ up by atomics (bwd_fused_dq; not bitwise reproducible):
+// FLASHMOD_BWD_FUSED_DQ=1 (the default) where it is the faster, from kBwdFusedDQMinKeys keys, and
+// torch.use_deterministic_algorithms is off; 0 never; 2 wherever bwd_fused_dq allows (tests,
+// whose fixture turns deterministic algorithms on to poison allocations, and measurements).
+// Where it is the faster (H100, bf16, B * N = 16k, H 16, D = 128, kernel times in ms with the sums'
+// clearing and conversion, ~0.12, against the dK/dV and dQ kernels; design log, session 28):
+// N = 1k 0.97 / 1.03 non-causal, 0.68 / 0.64 causal; 2k 1.69 / 1.89, 1.05 / 1.08; 4k 3.12 / 3.67,
+// 1.82 / 2.00. The threshold keeps causal 1k on the two kernels (and non-causal 1k, 6 % slower).
+constexpr int64_t kBwdFusedDQMinKeys = 2048;
+inline bool fused_dq_wanted(const AttentionBwdParams& p) {
+  const int64_t knob = env_int("FLASHMOD_BWD_FUSED_DQ", 1);
+  TORCH_CHECK(knob >= 0 && knob <= 2,
+              error_message("FLASHMOD_BWD_FUSED_DQ must be 0, 1 or 2, got ", knob));
+  return knob == 2 || (knob == 1 && p.seqlen_k >= kBwdFusedDQMinKeys &&
+                       !at::globalContext().deterministicAlgorithms());
+}
+
 // dK/dV and dQ of fp16/bf16 p (st filled by run_attention_bwd_rowstats), after classifying a mask
 // tensor's tiles (cuda_kernels::classify_bwd_mask_tiles; FLASHMOD_BWD_MASK_TILES=0 leaves every
 // tile mixed) in workspace memory of `options`' device. An unsupported head dim is an error naming
@@ -58,10 +75,21 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
     const int tile = has_sequence_extents(p)
                          ? cuda_kernels::find_tile(cuda_kernels::kBwdSm90Tiles, "", padded)
                          : bwd_sm90_tile(op, padded, p, st);
+    cuda_kernels::BwdRowStats run_st = st;
+    if (!has_sequence_extents(p) && cuda_kernels::kBwdSm90Tiles[tile].is_default &&
+        cuda_kernels::bwd_fused_dq(p, padded) && fused_dq_wanted(p)) {
+      const size_t bytes = static_cast<size_t>(p.batch * p.heads_q * st.rows_padded) *
+                           cuda_kernels::kBwdFusedDQCols * sizeof(float);
+      const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
+      run_st.dq_accum = static_cast<float*>(ws.alloc(ws.ctx, bytes));
+      if (run_st.dq_accum == nullptr) return cudaErrorMemoryAllocation;
+      const cudaError_t err = cudaMemsetAsync(run_st.dq_accum, 0, bytes, stream);
+      if (err != cudaSuccess) return err;
+    }
     switch (key * 64 + tile) {
 #define FLASHMOD_BWD_SM90_CASE(Elem, kind, D, T)                \
   case cuda_kernels::variant_key(ScalarKind::kind, D) * 64 + T: \
-    return cuda_kernels::run_attention_bwd_sm90<Elem, D, T>(p, st, stream);
+    return cuda_kernels::run_attention_bwd_sm90<Elem, D, T>(p, run_st, stream);
       FLASHMOD_BWD_SM90_VARIANTS(FLASHMOD_BWD_SM90_CASE)
 #undef FLASHMOD_BWD_SM90_CASE
     }

@@ -22,8 +22,9 @@ namespace flashmod::cuda_kernels {
 
 // kWhich: both dK and dV (head dims <= 128), or one of them per launch (larger head dims, whose
 // two accumulators would not fit the registers together), or (Hopper) dV by one warpgroup and dK
-// by the other of one CTA, sharing its tiles.
-enum BwdWhich : int { kBwdBoth = 0, kBwdOnlyDV = 1, kBwdOnlyDK = 2, kBwdPair = 3 };
+// by the other of one CTA, sharing its tiles, or (Hopper, kBwdFusedDQ) dK, dV and each step's dQ
+// partial, added into BwdRowStats::dq_accum.
+enum BwdWhich : int { kBwdBoth = 0, kBwdOnlyDV = 1, kBwdOnlyDK = 2, kBwdPair = 3, kBwdFusedDQ = 4 };
 
 // The Hopper kernels' general variants with a fast path of their own (a variant each, so that the
 // general variant keeps its registers): kBwdFastMask, mask tensors whose blocks the kernel can

@@ -46,12 +46,77 @@ cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cuda
                              blocks, KV::kNThreads, smem, stream, p, st);
 }
 
+// grad_q = scale * dq_accum, the fused variant's fp32 sums. A thread per 16 bytes of a sum tile,
+// read in its stored order (dq_tile_offset: four floats of a lane's fragment, rows g and g + 8 of
+// columns 2t and 2t + 1), so the reads are whole and the writes pairs of columns.
+template <typename Elem>
+__global__ void __launch_bounds__(256)
+    attention_bwd_dq_from_sums_kernel(const AttentionBwdParams p, const BwdRowStats st) {
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int64_t row_blocks = st.rows_padded / 64;
+  const int64_t quads = p.batch * p.heads_q * row_blocks * 2 * (kDQTileFloats / 4);
+  const float scale = static_cast<float>(p.scale);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < quads;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 sum = reinterpret_cast<const float4*>(st.dq_accum)[i];
+    const int f = static_cast<int>(i % (kDQTileFloats / 4));  // (w4 * 8 + ni) * 32 + lane
+    const int64_t tile = i / (kDQTileFloats / 4), w = tile % 2, m = tile / 2 % row_blocks;
+    const int64_t bh = tile / 2 / row_blocks, h = bh % p.heads_q, b = bh / p.heads_q;
+    const int lane = f % 32, ni = f / 32 % 8, w4 = f / 256;
+    const int c = static_cast<int>(w) * 64 + ni * 8 + 2 * (lane % 4);
+    const int64_t r = m * 64 + w4 * 16 + lane / 4;
+    if (c >= head_dim) continue;
+    Elem* dst = static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride +
+                h * p.grad_q_head_stride + r * p.grad_q_row_stride + c;
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {  // rows r and r + 8
+      if (r + 8 * hi >= p.seqlen_q) break;
+      Elem* row = dst + 8 * hi * p.grad_q_row_stride;
+      const float x = (hi ? sum.z : sum.x) * scale, y = (hi ? sum.w : sum.y) * scale;
+      if (c + 1 < head_dim && st.vec_store) {
+        *reinterpret_cast<uint32_t*>(row) = Mma16816<Elem>::pack(x, y);
+      } else {
+        row[0] = from_float<Elem>(x);
+        if (c + 1 < head_dim) row[1] = from_float<Elem>(y);
+      }
+    }
+  }
+}
+
+// The fused variant (bwd_fused_dq, where the host gave st.dq_accum): one CTA of two warpgroups
+// over 128 keys (64 each) per SM, 64-query steps, three stages of Q_i / dO_i, each step's dQ
+// partial added into dq_accum by the copy engine; then grad_q from the sums. Five matmuls per
+// block pair against the two kernels' seven. H100, bf16, B 4, H 16, N 4k, D 128 (design log,
+// session 28): dK/dV with dQ 3.00 ms + 0.12 (clearing and converting the sums) against dK/dV 2.18
+// + dQ 1.49; two stages of Q_i / dO_i with two dQ tiles per warpgroup 3.29 ms; the dQ partials
+// added by red.global.add.v4 from the registers 3.45 ms; without adding them at all 2.07.
+template <typename Elem, int kHeadDim>
+cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& st,
+                                cudaStream_t stream) {
+  using KV = BwdKVTraitsSm90<Elem, kHeadDim, 2, 64, 1, 3>;
+  // + the step's dS^T (its base aligned up to 1 KB) and each warpgroup's dQ tile
+  constexpr int64_t kSmem = KV::kSmemBytes + 1024 + KV::Bc * KV::Br * 2 + 2 * kDQTileFloats * 4;
+  static_assert(kSmem <= 227 * 1024, "sm_90's per-block shared-memory limit");
+  cudaError_t err = cuda::launch_kernel(
+      attention_bwd_dkdv_sm90_kernel<KV, false, kBwdFusedDQ, false, kBwdFastNone>,
+      bwd_dkdv_ctas(p, KV::Bc), KV::kNThreads, kSmem, stream, p, st);
+  if (err != cudaSuccess) return err;
+  const int64_t quads = p.batch * p.heads_q * st.rows_padded * kBwdFusedDQCols / 4;
+  const int64_t blocks = (quads + 255) / 256;
+  return cuda::launch_kernel(attention_bwd_dq_from_sums_kernel<Elem>,
+                             blocks < 65536 ? blocks : 65536, 256, 0, stream, p, st);
+}
+
 template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
           int kFast = kBwdFastNone>
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   using Cfg = BwdConfigSm90<Elem, kHeadDim, kTile>;
   using KV = typename Cfg::KV;
   using Q = typename Cfg::Q;
+  if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone && kHeadDim == kBwdFusedDQCols &&
+                kBwdSm90Tiles[kTile].is_default) {
+    if (st.dq_accum != nullptr) return launch_bwd_fused_dq<Elem, kHeadDim>(p, st, stream);
+  }
   cudaError_t err;
   if constexpr (Cfg::kSplit == 1) {
     err = launch_dkdv<KV, kGeneral, kBwdOnlyDV, kExtents, kFast>(p, st, stream);
@@ -84,7 +149,7 @@ cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStat
   // Variable-length calls (sequence_view_bwd) take their own variants, as in run_attention_bwd,
   // built for the default tile of each head dim only (they double a unit's kernels; the host
   // sends them there, backward_dispatch.h).
-  const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
+  const bool general = bwd_general(p);
   if (has_sequence_extents(p)) {
     if constexpr (kBwdSm90Tiles[kTile].is_default) {
       return general ? sm90::launch_bwd<Elem, kHeadDim, kTile, true, true>(p, st, stream)

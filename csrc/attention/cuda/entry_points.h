@@ -162,7 +162,28 @@ struct BwdRowStats {
   // there moved ptxas's allocation of the variable-length soft-cap dK/dV variant, 0 -> 96 bytes
   // of spill at D = 128.)
   int additive_fast = 1;
+  // B * Hq * rows_padded * kBwdFusedDQCols fp32, zeroed: the Hopper backward's fused variant
+  // (bwd_fused_dq) adds each step's dQ partial here and a conversion writes grad_q from it. Tiles
+  // of 64 rows x 64 columns (row block, then column half), each in the accumulator's fragment
+  // order (bwd_sm90_launch.h: dq_sum_offset). nullptr: dQ by its own kernel (no atomics: bitwise
+  // reproducible).
+  float* dq_accum = nullptr;
 };
+
+// The backward's score transform beyond a plain scaled product: a mask tensor, a soft cap or a
+// scale the kernels must recompute (the general variants).
+FLASHMOD_HD bool bwd_general(const AttentionBwdParams& p) {
+  return p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
+}
+
+// Whether the Hopper backward can take dQ into its dK/dV kernel (five matmuls per block pair
+// instead of seven; dQ added up in fp32 by atomics, so not bitwise reproducible): padded head
+// dim 128, plain scores (windows and causal included). The caller also rules out per-sequence
+// extents (has_sequence_extents), which the variant is not built for.
+constexpr int kBwdFusedDQCols = 128;
+FLASHMOD_HD bool bwd_fused_dq(const AttentionBwdParams& p, int padded_head_dim) {
+  return padded_head_dim == kBwdFusedDQCols && !bwd_general(p);
+}
 
 // Whether the Hopper backward takes p's mask through its paths for additive masks in q's dtype
 // without a soft cap (bwd_common.h: staged dK/dV tiles, batched dQ loads). Host and kernels decide

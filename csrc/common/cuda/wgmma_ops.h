@@ -247,6 +247,66 @@ struct Wgmma;
     }                                                                                              \
   };
 
+// WgmmaTT<Elem, 64>::ss(d, desc_a, desc_b, accumulate) / ss_overwrite(d, desc_a, desc_b): as
+// Wgmma's, with both operands MN-major in shared memory (transposed reads): A stored with its M
+// rows contiguous (K rows of M elements), B with its N columns contiguous.
+template <typename Elem, int N>
+struct WgmmaTT;
+#define FLASHMOD_WGMMA_TT_N64(ELEM, PTX, OUT, ACC)                                               \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                   \
+  "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                                      \
+  " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"   \
+      : OUT(d[0][0]),                                                                            \
+        OUT(d[0][1]),                                                                            \
+        OUT(d[0][2]),                                                                            \
+        OUT(d[0][3]),                                                                            \
+        OUT(d[1][0]),                                                                            \
+        OUT(d[1][1]),                                                                            \
+        OUT(d[1][2]),                                                                            \
+        OUT(d[1][3]),                                                                            \
+        OUT(d[2][0]),                                                                            \
+        OUT(d[2][1]),                                                                            \
+        OUT(d[2][2]),                                                                            \
+        OUT(d[2][3]),                                                                            \
+        OUT(d[3][0]),                                                                            \
+        OUT(d[3][1]),                                                                            \
+        OUT(d[3][2]),                                                                            \
+        OUT(d[3][3]),                                                                            \
+        OUT(d[4][0]),                                                                            \
+        OUT(d[4][1]),                                                                            \
+        OUT(d[4][2]),                                                                            \
+        OUT(d[4][3]),                                                                            \
+        OUT(d[5][0]),                                                                            \
+        OUT(d[5][1]),                                                                            \
+        OUT(d[5][2]),                                                                            \
+        OUT(d[5][3]),                                                                            \
+        OUT(d[6][0]),                                                                            \
+        OUT(d[6][1]),                                                                            \
+        OUT(d[6][2]),                                                                            \
+        OUT(d[6][3]),                                                                            \
+        OUT(d[7][0]),                                                                            \
+        OUT(d[7][1]),                                                                            \
+        OUT(d[7][2]),                                                                            \
+        OUT(d[7][3])                                                                             \
+      : "l"(desc_a), "l"(desc_b), "r"(ACC)
+#define FLASHMOD_WGMMA_TT(ELEM, PTX)                                                              \
+  template <>                                                                                     \
+  struct WgmmaTT<ELEM, 64> {                                                                      \
+    __device__ __forceinline__ static void ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, \
+                                              int accumulate) {                                   \
+      asm volatile(FLASHMOD_WGMMA_TT_N64(ELEM, PTX, "+f", accumulate));                           \
+    }                                                                                             \
+    __device__ __forceinline__ static void ss_overwrite(float (&d)[8][4], uint64_t desc_a,        \
+                                                        uint64_t desc_b) {                        \
+      asm volatile(FLASHMOD_WGMMA_TT_N64(ELEM, PTX, "=f", 0));                                    \
+    }                                                                                             \
+  };
+FLASHMOD_WGMMA_TT(__nv_bfloat16, "bf16")
+FLASHMOD_WGMMA_TT(__half, "f16")
+#undef FLASHMOD_WGMMA_TT
+#undef FLASHMOD_WGMMA_TT_N64
+
 FLASHMOD_WGMMA_N64(__nv_bfloat16, "bf16")
 FLASHMOD_WGMMA_N64(__half, "f16")
 FLASHMOD_WGMMA_N128(__nv_bfloat16, "bf16")
