@@ -165,7 +165,7 @@ struct BwdRowStats {
   // B * Hq * rows_padded * kBwdFusedDQCols fp32, zeroed: the Hopper backward's fused variant
   // (bwd_fused_dq) adds each step's dQ partial here and a conversion writes grad_q from it. Tiles
   // of 64 rows x 64 columns (row block, then column half), each in the accumulator's fragment
-  // order (bwd_sm90_launch.h: dq_sum_offset). nullptr: dQ by its own kernel (no atomics: bitwise
+  // order (bwd_sm90_kernel.h: dq_tile_offset). nullptr: dQ by its own kernel (no atomics: bitwise
   // reproducible).
   float* dq_accum = nullptr;
 };
