@@ -6,6 +6,8 @@ tests/attention/test_cuda.py::test_compute_sanitizer runs it; by hand, from the 
         python tools/cuda_sanitizer_case.py
     compute-sanitizer --tool racecheck --kernel-name kns=attention_fwd --error-exitcode 1 \\
         python tools/cuda_sanitizer_case.py
+
+(kns=attention_bwd for the backward's kernels.)
 """
 
 from __future__ import annotations
@@ -70,8 +72,29 @@ def main() -> None:
     for name in ("FLASHMOD_DECODE_PACK", "FLASHMOD_DECODE_SPLITS", "FLASHMOD_DECODE_FUSED_COMBINE"):
         os.environ.pop(name, None)
     serving_ops()
+    backward_ops()
     torch.cuda.synchronize()
     print("sanitizer case done")
+
+
+def backward_ops() -> None:
+    """The fp16/bf16 backward's kernels (the row statistics, dK/dV and dQ; general variants with a
+    soft cap and a mask) and, on Hopper, the dK/dV kernel that takes dQ itself (FLASHMOD_BWD_FUSED_DQ=2,
+    head dim 128) with the conversion of its sums: odd lengths, causal, GQA."""
+    for fused in ("0", "2"):
+        os.environ["FLASHMOD_BWD_FUSED_DQ"] = fused
+        for nq, nk, d, hq, hkv in ((130, 77, 128, 2, 2), (200, 600, 128, 4, 2), (17, 113, 64, 2, 1)):
+            grad = {"device": "cuda", "dtype": torch.bfloat16, "requires_grad": True}
+            q = torch.randn(1, hq, nq, d, **grad)
+            k, v = (torch.randn(1, hkv, nk, d, **grad) for _ in range(2))
+            for opts in ({}, {"is_causal": True}):
+                out, lse = attention_op(q, k, v, **opts)
+                torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
+            if fused == "0":
+                mask = torch.rand(nq, nk, device="cuda") > 0.3
+                out, _ = attention_op(q, k, v, mask, softcap=5.0)
+                torch.autograd.grad(out.float().sum(), (q, k, v))
+    os.environ.pop("FLASHMOD_BWD_FUSED_DQ")
 
 
 def serving_ops() -> None:

@@ -650,12 +650,13 @@ def test_decode_split_deterministic(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kernels", ["attention_fwd", "attention_bwd"])
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
-def test_compute_sanitizer(tool, repo_root):
+def test_compute_sanitizer(tool, kernels, repo_root):
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not os.path.exists(exe):
         pytest.skip("compute-sanitizer not found")
-    cmd = [exe, "--tool", tool, "--kernel-name", "kns=attention_fwd", "--error-exitcode", "1",
+    cmd = [exe, "--tool", tool, "--kernel-name", f"kns={kernels}", "--error-exitcode", "1",
            sys.executable, str(repo_root / "tools" / "cuda_sanitizer_case.py")]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=repo_root, timeout=600)
     assert res.returncode == 0 and "sanitizer case done" in res.stdout, res.stdout[-4000:] + res.stderr[-4000:]
