@@ -30,16 +30,9 @@
 #include <string>
 #include <vector>
 
-namespace {
+#include "cuda_check.h"
 
-#define CHECK(call)                                                                      \
-  do {                                                                                   \
-    const cudaError_t err_ = (call);                                                     \
-    if (err_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
+namespace {
 
 // The decode benchmark's shape: B 8, 8 kv heads, D 128, bf16; a token's row of one kv head is
 // 256 bytes, of all heads 2 KB. A page of 16 tokens is 32 KB of pool.

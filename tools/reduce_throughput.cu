@@ -27,6 +27,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "cuda_check.h"
+
 namespace {
 
 constexpr int kCols = 128;     // D
@@ -38,15 +40,6 @@ static_assert(kTileFloats % (4 * kThreads) == 0, "whole float4s per thread");
 
 enum Mode { kStore, kRed, kRedV4, kBulk };
 const char* const kModeNames[] = {"store", "red", "red.v4", "bulk"};
-
-#define CHECK(call)                                                                      \
-  do {                                                                                   \
-    const cudaError_t err_ = (call);                                                     \
-    if (err_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 // Row block that CTA `cta` adds its t-th tile into. group 0: consecutive CTAs start far apart and
 // walk the buffer with a stride co-prime to the block count, so a block is hit by many CTAs over

@@ -53,7 +53,7 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st,
                               cudaStream_t stream) {
-  const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
+  const bool general = general_scores(p);
   if (has_sequence_extents(p)) {
     return general ? launch_bwd<Elem, kHeadDim, true, true>(p, st, stream)
                    : launch_bwd<Elem, kHeadDim, false, true>(p, st, stream);

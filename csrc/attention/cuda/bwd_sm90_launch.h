@@ -149,7 +149,7 @@ cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStat
   // Variable-length calls (sequence_view_bwd) take their own variants, as in run_attention_bwd,
   // built for the default tile of each head dim only (they double a unit's kernels; the host
   // sends them there, backward_dispatch.h).
-  const bool general = bwd_general(p);
+  const bool general = general_scores(p);
   if (has_sequence_extents(p)) {
     if constexpr (kBwdSm90Tiles[kTile].is_default) {
       return general ? sm90::launch_bwd<Elem, kHeadDim, kTile, true, true>(p, st, stream)

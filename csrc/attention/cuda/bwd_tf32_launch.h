@@ -53,7 +53,7 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
                                    cudaStream_t stream) {
   static_assert(sizeof(Elem) == 4, "the 3xTF32 backward is for fp32");
-  const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
+  const bool general = general_scores(p);
   return general ? launch_bwd_tf32<kHeadDim, true>(p, st, stream)
                  : launch_bwd_tf32<kHeadDim, false>(p, st, stream);
 }

@@ -68,6 +68,12 @@ inline cudaError_t acquire_zeroed_counters(const DeviceWorkspace& ws, size_t cou
   return cudaMemsetAsync(out, 0, count * sizeof(int), stream);
 }
 
+// Whether p's scores need more than a plain scaled product (a mask tensor, a soft cap, or a scale
+// the kernels must take from p): the kernels' general variants, forward and backward.
+FLASHMOD_HD bool general_scores(const AttentionParams& p) {
+  return p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
+}
+
 // fp16/bf16 (Elem = __half or __nv_bfloat16) on tensor cores, head_dim <= kHeadDim. Requires
 // q/k/v row starts to be 16-byte aligned (cp.async). Returns the first CUDA error of the set-up
 // or the launch; cudaErrorInvalidConfiguration, launching nothing, when the grid would pass 2^31
@@ -170,19 +176,13 @@ struct BwdRowStats {
   float* dq_accum = nullptr;
 };
 
-// The backward's score transform beyond a plain scaled product: a mask tensor, a soft cap or a
-// scale the kernels must recompute (the general variants).
-FLASHMOD_HD bool bwd_general(const AttentionBwdParams& p) {
-  return p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
-}
-
 // Whether the Hopper backward can take dQ into its dK/dV kernel (five matmuls per block pair
 // instead of seven; dQ added up in fp32 by atomics, so not bitwise reproducible): padded head
 // dim 128, plain scores (windows and causal included). The caller also rules out per-sequence
 // extents (has_sequence_extents), which the variant is not built for.
 constexpr int kBwdFusedDQCols = 128;
 FLASHMOD_HD bool bwd_fused_dq(const AttentionBwdParams& p, int padded_head_dim) {
-  return padded_head_dim == kBwdFusedDQCols && !bwd_general(p);
+  return padded_head_dim == kBwdFusedDQCols && !general_scores(p);
 }
 
 // Whether the Hopper backward takes p's mask through its paths for additive masks in q's dtype

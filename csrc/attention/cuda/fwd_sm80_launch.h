@@ -72,7 +72,7 @@ cudaError_t launch_fwd(const AttentionParams& params, const FwdLaunchFlags& flag
   AttentionParams p = params;
   const cudaError_t err = classify_mask_tiles<typename Tr::Elem>(p, Tr::Br, Tr::Bc, ws, stream);
   if (err != cudaSuccess) return err;
-  const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
+  const bool general = general_scores(p);
   auto kernel = pick_fwd_kernel<Tr, false>(general, kv_addressing(p, Tr::Bc));
   return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads, Tr::kSmemBytes, stream, p,
                              flags, SplitKvArgs{}, KvTensorMaps{});
@@ -159,7 +159,7 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
                           cudaStream_t stream) {
   using Elem = typename Tr::Elem;
   constexpr int kHeadDim = Tr::kHeadDim;
-  const bool general = p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
+  const bool general = general_scores(p);
   const KvAddressing addr = kv_addressing(p, Tr::Bc);
   auto kernel = pick_fwd_kernel<Tr, true>(general, addr);
   const int64_t ctas = cta_count(p, Tr::Br), key_blocks = decode_key_blocks(p, Tr::Bc);
