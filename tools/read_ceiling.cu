@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "cold_l2.h"
 #include "cuda_check.h"
 
 namespace {
@@ -138,16 +139,6 @@ __global__ void __launch_bounds__(128) read_split(const uint4* k, const uint4* v
   add_to_total(total, s);
 }
 
-__global__ void flush_read(const float4* p, int64_t n, float* sink) {
-  float s = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const float4 x = p[i];
-    s += x.x + x.y + x.z + x.w;
-  }
-  if (s == 123.f) *sink = s;  // never true for the flush buffer's zeros; keeps the loads
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -162,13 +153,8 @@ int main(int argc, char** argv) {
   const int sms = prop.multiProcessorCount;
   std::printf("%s, %d SMs, L2 %d MB; B %d, %d kv heads, D 128, bf16; median of 30 calls, cold L2\n",
               prop.name, sms, prop.l2CacheSize >> 20, kBatch, kKvHeads);
-  const int64_t flush_n = std::max<int64_t>(2ll * prop.l2CacheSize, 64ll << 20) / 16;
-  float4* flush = nullptr;
-  float* sink = nullptr;
+  const ColdL2 cold_l2(prop);
   unsigned long long* total = nullptr;
-  CHECK(cudaMalloc(&flush, flush_n * 16));
-  CHECK(cudaMemset(flush, 0, flush_n * 16));
-  CHECK(cudaMalloc(&sink, 4));
   CHECK(cudaMalloc(&total, 8));
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
@@ -233,7 +219,7 @@ int main(int argc, char** argv) {
     for (int rep = 0; rep < kWarmup + kReps; ++rep) {
       for (size_t j = 0; j < modes.size(); ++j) {
         const size_t m = (j + rep) % modes.size();  // rotate the order per round
-        flush_read<<<4 * sms, 256>>>(flush, flush_n, sink);
+        cold_l2.flush();
         CHECK(cudaMemset(total, 0, 8));
         CHECK(cudaEventRecord(start));
         modes[m].launch();

@@ -15,6 +15,7 @@
 #include "../../common/cuda/smem_tile.h"
 #include "../attention_params.h"
 #include "cta_tile.h"
+#include "cta_timeline.h"
 #include "entry_points.h"
 #include "fwd_epilogue.h"
 #include "kernel_traits.h"
@@ -58,6 +59,9 @@ template <class Tr, bool kGeneral, bool kDecode = false, KvAddressing kAddr = kD
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_fwd_kernel(const AttentionParams params, const FwdLaunchFlags flags,
                          const SplitKvArgs sk, const __grid_constant__ KvTensorMaps maps) {
+#ifdef FLASHMOD_CTA_TIMELINE
+  CtaTimelineProbe timeline;  // tools/decode_timeline.cu only
+#endif
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;

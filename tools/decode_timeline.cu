@@ -1,0 +1,334 @@
+// Where a decode step's time goes, CTA by CTA (issue 14: the 4k step's ~12 us of fixed cost). Runs
+// the decode kernel itself (fwd_sm80_launch.h, built here with FLASHMOD_CTA_TIMELINE:
+// cta_timeline.h) on the benchmark's shape (B 8, 32 / 8 heads, D 128, bf16, flash-attn's (B,
+// tokens, heads, D) cache, one query token, no append) from a cold L2 (cold_l2.h), and reports per
+// split count:
+//   step      the median event time of the launch (as bench_serve.py times it) and the copy rate's
+//             fraction (a device-to-device copy of as many bytes read + written, same process)
+//   span      last CTA end - first CTA start (global timer); the rest of the step is launch
+//   starts    when the last CTA started, after the first
+//   ends      when 10 / 50 / 90 / 100 % of the CTAs had ended
+//   busy      the CTAs' summed time over (CTAs x span): the share of the span the grid was full
+//   alone / shared  mean CTA time on an SM that held one CTA / two or more
+// and below each row the spread of the CTA times: their sd over every call, and the sd of their
+// means by block index (the same work each call), by SM and by call; with the heuristic's splits
+// also the means by split, kv head and batch row.
+// Every number is the median over the timed calls. The output of two rows is checked against a
+// double-precision reference first.
+//
+// Build and run on the GPU machine (no torch needed):
+//   nvcc -O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -DFLASHMOD_BUILT_SM90A \
+//     -DFLASHMOD_CTA_TIMELINE -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ \
+//     -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ \
+//     -gencode=arch=compute_90a,code=sm_90a -o /tmp/decode_timeline tools/decode_timeline.cu \
+//     && /tmp/decode_timeline [cache tokens, default 4096,16384] [splits, default 0,2,8; 0: the
+//     heuristic]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "../csrc/attention/cuda/fwd_sm80_launch.h"
+#include "cold_l2.h"
+#include "cuda_check.h"
+
+namespace fk = flashmod::cuda_kernels;
+
+namespace {
+
+constexpr int kBatch = 8, kHeadsQ = 32, kHeadsKv = 8, kDim = 128;
+
+// A bump allocator over one buffer, reset before every launch: the workspace the torch glue gets
+// from the caching allocator.
+struct Arena {
+  char* base = nullptr;
+  size_t size = 0, used = 0;
+  int* counters = nullptr;  // zero; the kernel leaves its counters zero again
+};
+void* arena_alloc(void* ctx, size_t bytes) {
+  auto* a = static_cast<Arena*>(ctx);
+  const size_t at = (a->used + 255) & ~size_t(255);
+  if (at + bytes > a->size) return nullptr;
+  a->used = at + bytes;
+  return a->base + at;
+}
+int* arena_counters(void* ctx, size_t count) {
+  return count <= 65536 ? static_cast<Arena*>(ctx)->counters : nullptr;
+}
+
+std::vector<std::vector<int>> parse_lists(int argc, char** argv) {
+  std::vector<std::vector<int>> lists = {{4096, 16384}, {0, 2, 8}};
+  for (int a = 1; a < argc && a <= 2; ++a) {
+    lists[a - 1].clear();
+    for (char* tok = std::strtok(argv[a], ","); tok; tok = std::strtok(nullptr, ","))
+      lists[a - 1].push_back(std::atoi(tok));
+  }
+  return lists;
+}
+
+float bf16_to_float(__nv_bfloat16 x) {
+  uint16_t bits;
+  std::memcpy(&bits, &x, 2);
+  const uint32_t w = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto lists = parse_lists(argc, argv);
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs; decode B %d, %d/%d heads, D %d, bf16, cold L2, median of 30 calls\n",
+              prop.name, prop.multiProcessorCount, kBatch, kHeadsQ, kHeadsKv, kDim);
+  const ColdL2 cold_l2(prop);
+  Arena arena;
+  arena.size = 256 << 20;
+  CHECK(cudaMalloc(&arena.base, arena.size));
+  CHECK(cudaMalloc(&arena.counters, 65536 * sizeof(int)));
+  CHECK(cudaMemset(arena.counters, 0, 65536 * sizeof(int)));
+  fk::DeviceWorkspace ws;
+  ws.ctx = &arena;
+  ws.alloc = arena_alloc;
+  ws.zeroed_counters = arena_counters;
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  void* timeline = nullptr;
+  CHECK(cudaGetSymbolAddress(&timeline, fk::g_cta_timeline));
+  std::mt19937 rng(14);
+  std::normal_distribution<float> normal;
+
+  for (const int tokens : lists[0]) {
+    const size_t q_elems = size_t(kBatch) * kHeadsQ * kDim;
+    const size_t kv_elems = size_t(kBatch) * tokens * kHeadsKv * kDim;
+    std::vector<__nv_bfloat16> hq(q_elems), hk(kv_elems), hv(kv_elems);
+    for (auto* h : {&hq, &hk, &hv})
+      for (auto& x : *h) x = __float2bfloat16(normal(rng));
+    __nv_bfloat16 *q, *k, *v, *out;
+    float* lse;
+    void* copy_dst;
+    const size_t kv_bytes = 2 * kv_elems * sizeof(__nv_bfloat16);
+    CHECK(cudaMalloc(&q, q_elems * 2));
+    CHECK(cudaMalloc(&k, kv_elems * 2));
+    CHECK(cudaMalloc(&v, kv_elems * 2));
+    CHECK(cudaMalloc(&out, q_elems * 2));
+    CHECK(cudaMalloc(&lse, kBatch * kHeadsQ * 4));
+    CHECK(cudaMalloc(&copy_dst, kv_bytes / 2));
+    CHECK(cudaMemcpy(q, hq.data(), q_elems * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(k, hk.data(), kv_elems * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(v, hv.data(), kv_elems * 2, cudaMemcpyHostToDevice));
+
+    // flash-attn's layouts: q / out (B, 1, Hq, D), k / v (B, tokens, Hkv, D), lse (B, Hq, 1).
+    flashmod::AttentionParams p;
+    p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
+    p.q_batch_stride = p.out_batch_stride = kHeadsQ * kDim;
+    p.q_head_stride = p.out_head_stride = kDim;
+    p.q_row_stride = p.out_row_stride = kHeadsQ * kDim;
+    p.k_batch_stride = p.v_batch_stride = int64_t(tokens) * kHeadsKv * kDim;
+    p.k_head_stride = p.v_head_stride = kDim;
+    p.k_row_stride = p.v_row_stride = kHeadsKv * kDim;
+    p.batch = kBatch, p.heads_q = kHeadsQ, p.heads_kv = kHeadsKv;
+    p.seqlen_q = 1, p.seqlen_k = tokens, p.head_dim = kDim;
+    p.diag_offset = tokens - 1;
+    p.scale = 1.0 / std::sqrt(double(kDim));
+    p.dtype = flashmod::ScalarKind::kBFloat16;
+    p.lse_batch_stride = kHeadsQ, p.lse_head_stride = 1;
+    if (!fk::pack_gqa_rows(p)) {
+      std::fprintf(stderr, "GQA packing did not apply\n");
+      return 1;
+    }
+    fk::FwdLaunchFlags flags{};
+    flags.out_vec16 = 1;
+
+    std::printf("\n%d tokens: %.1f MB of K/V\n", tokens, kv_bytes / 1e6);
+    std::printf("%-7s %5s %8s %6s %8s %7s %26s %6s %14s\n", "splits", "CTAs", "step us", "of cp",
+                "span us", "starts", "ends 10/50/90/100 % us", "busy", "alone/shared");
+    std::vector<float> copy_ms;
+    for (int rep = 0; rep < 30; ++rep) {
+      cold_l2.flush();
+      CHECK(cudaEventRecord(start));
+      CHECK(cudaMemcpyAsync(copy_dst, k, kv_bytes / 2, cudaMemcpyDeviceToDevice));
+      CHECK(cudaEventRecord(stop));
+      CHECK(cudaEventSynchronize(stop));
+      float t;
+      CHECK(cudaEventElapsedTime(&t, start, stop));
+      copy_ms.push_back(t);
+    }
+    const float copy = median(copy_ms);
+
+    for (const int forced : lists[1]) {
+      fk::DecodeOptions opt;
+      opt.num_sms = prop.multiProcessorCount;
+      opt.forced_splits = forced;
+      auto launch = [&] {
+        arena.used = 0;
+        CHECK((fk::run_attention_fwd_decode<__nv_bfloat16, kDim>(p, flags, opt, ws, nullptr)));
+      };
+      // Validate before timing: two packed rows against a double-precision reference.
+      launch();
+      CHECK(cudaDeviceSynchronize());
+      std::vector<__nv_bfloat16> hout(q_elems);
+      CHECK(cudaMemcpy(hout.data(), out, q_elems * 2, cudaMemcpyDeviceToHost));
+      for (const int bh : {0, kBatch * kHeadsQ - 1}) {
+        const int b = bh / kHeadsQ, h = bh % kHeadsQ, hk_ = h / (kHeadsQ / kHeadsKv);
+        std::vector<double> s(tokens), o(kDim, 0.0);
+        double m = -1e300, l = 0;
+        for (int j = 0; j < tokens; ++j) {
+          double dot = 0;
+          for (int d = 0; d < kDim; ++d)
+            dot += double(bf16_to_float(hq[(size_t(b) * kHeadsQ + h) * kDim + d])) *
+                   bf16_to_float(hk[((size_t(b) * tokens + j) * kHeadsKv + hk_) * kDim + d]);
+          s[j] = dot * p.scale;
+          m = std::max(m, s[j]);
+        }
+        for (int j = 0; j < tokens; ++j) {
+          const double w = std::exp(s[j] - m);
+          l += w;
+          for (int d = 0; d < kDim; ++d)
+            o[d] += w * bf16_to_float(hv[((size_t(b) * tokens + j) * kHeadsKv + hk_) * kDim + d]);
+        }
+        for (int d = 0; d < kDim; ++d) {
+          const double got = bf16_to_float(hout[(size_t(b) * kHeadsQ + h) * kDim + d]);
+          if (std::fabs(got - o[d] / l) > 1e-2) {
+            std::fprintf(stderr, "splits %d: out[%d, %d, %d] = %f, reference %f\n", forced, b, h, d,
+                         got, o[d] / l);
+            return 1;
+          }
+        }
+      }
+
+      std::vector<float> step, span, starts, e10, e50, e90, e100, busy, alone, shared;
+      // Each timed call's CTA times, by block index and by SM: what the spread comes from.
+      std::map<int, std::vector<double>> by_cta, by_sm;
+      std::vector<double> all_durations, rep_means;
+      int ctas = 0;
+      for (int rep = 0; rep < 33; ++rep) {
+        CHECK(cudaMemset(timeline, 0, sizeof(fk::CtaTimelineEntry) * fk::kTimelineMaxCtas));
+        cold_l2.flush();
+        CHECK(cudaEventRecord(start));
+        launch();
+        CHECK(cudaEventRecord(stop));
+        CHECK(cudaEventSynchronize(stop));
+        float t;
+        CHECK(cudaEventElapsedTime(&t, start, stop));
+        if (rep < 3) continue;  // warm-up
+        step.push_back(t * 1e3f);
+        std::vector<fk::CtaTimelineEntry> tl(fk::kTimelineMaxCtas);
+        CHECK(cudaMemcpyFromSymbol(tl.data(), fk::g_cta_timeline, tl.size() * sizeof(tl[0])));
+        // This launch's CTAs (the buffer was cleared before it).
+        std::vector<const fk::CtaTimelineEntry*> mine;
+        for (const auto& e : tl)
+          if (e.end_ns) mine.push_back(&e);
+        unsigned long long first = ~0ull, last = 0, last_start = 0;
+        for (auto* e : mine) first = std::min(first, e->start_ns);
+        std::map<unsigned, int> per_sm;
+        std::vector<float> ends;
+        double summed = 0;
+        for (auto* e : mine) {
+          last = std::max(last, e->end_ns);
+          last_start = std::max(last_start, e->start_ns);
+          ends.push_back((e->end_ns - first) * 1e-3f);
+          summed += (e->end_ns - e->start_ns) * 1e-3;
+          ++per_sm[e->sm];
+        }
+        ctas = static_cast<int>(mine.size());
+        std::sort(ends.begin(), ends.end());
+        const float sp = (last - first) * 1e-3f;
+        span.push_back(sp);
+        starts.push_back((last_start - first) * 1e-3f);
+        e10.push_back(ends[ends.size() / 10]);
+        e50.push_back(ends[ends.size() / 2]);
+        e90.push_back(ends[ends.size() * 9 / 10]);
+        e100.push_back(ends.back());
+        busy.push_back(static_cast<float>(summed / (ctas * sp)));
+        double a_sum = 0, s_sum = 0, rep_sum = 0;
+        int a_n = 0, s_n = 0;
+        for (auto* e : mine) {
+          const double d = (e->end_ns - e->start_ns) * 1e-3;
+          if (per_sm[e->sm] == 1)
+            a_sum += d, ++a_n;
+          else
+            s_sum += d, ++s_n;
+          by_cta[static_cast<int>(e - tl.data())].push_back(d);
+          by_sm[static_cast<int>(e->sm)].push_back(d);
+          all_durations.push_back(d);
+          rep_sum += d;
+        }
+        rep_means.push_back(rep_sum / mine.size());
+        alone.push_back(a_n ? static_cast<float>(a_sum / a_n) : 0.f);
+        shared.push_back(s_n ? static_cast<float>(s_sum / s_n) : 0.f);
+      }
+      char ends_text[64];
+      std::snprintf(ends_text, sizeof(ends_text), "%.1f / %.1f / %.1f / %.1f", median(e10),
+                    median(e50), median(e90), median(e100));
+      std::printf("%-7s %5d %8.1f %6.3f %8.1f %7.1f %26s %6.3f %6.1f / %5.1f\n",
+                  forced ? std::to_string(forced).c_str() : "heur", ctas, median(step),
+                  copy * 1e3f / median(step), median(span), median(starts), ends_text, median(busy),
+                  median(alone), median(shared));
+      // The spread of CTA times (sd over every call's CTAs) against the spread of their means by
+      // block index (the same work every call: batch row, kv head, split), by SM and by call.
+      // Means over ~30 samples keep ~0.18 of a random spread; more is a systematic part.
+      auto sd = [](const std::vector<double>& v) {
+        double m = 0, q = 0;
+        for (double x : v) m += x;
+        m /= v.size();
+        for (double x : v) q += (x - m) * (x - m);
+        return std::sqrt(q / v.size());
+      };
+      auto sd_of_means = [&](const std::map<int, std::vector<double>>& groups) {
+        std::vector<double> means;
+        for (const auto& [key, v] : groups) {
+          double m = 0;
+          for (double x : v) m += x;
+          means.push_back(m / v.size());
+        }
+        return sd(means);
+      };
+      std::printf(
+          "        CTA time sd %.2f us; sd of means by block index %.2f, by SM %.2f, by call "
+          "%.2f\n",
+          sd(all_durations), sd_of_means(by_cta), sd_of_means(by_sm), sd(rep_means));
+      if (forced == 0) {
+        // Means by split, kv head and batch row (tile-major grid: index = (b * Hkv + hk) * splits
+        // + split, one query block).
+        const int splits = ctas / (kBatch * kHeadsKv);
+        std::vector<double> by_split(splits), by_head(kHeadsKv), by_batch(kBatch);
+        for (const auto& [idx, v] : by_cta) {
+          double m = 0;
+          for (double x : v) m += x;
+          m /= v.size();
+          by_split[idx % splits] += m / (kBatch * kHeadsKv);
+          by_head[(idx / splits) % kHeadsKv] += m / (kBatch * splits);
+          by_batch[idx / (splits * kHeadsKv)] += m / (kHeadsKv * splits);
+        }
+        std::printf("        mean CTA time by split:");
+        for (double m : by_split) std::printf(" %.1f", m);
+        std::printf("; by kv head:");
+        for (double m : by_head) std::printf(" %.1f", m);
+        std::printf("; by batch row:");
+        for (double m : by_batch) std::printf(" %.1f", m);
+        std::printf("\n");
+      }
+    }
+    for (void* ptr : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
+                      static_cast<void*>(out), static_cast<void*>(lse), copy_dst})
+      CHECK(cudaFree(ptr));
+  }
+  return 0;
+}
