@@ -46,6 +46,10 @@ NCCL_CASES = [
     (2, True, 333, 4, 2, torch.bfloat16, (50, -1), 128),
     (4, True, 1023, 8, 2, torch.bfloat16, (-1, -1), 128),
     (4, False, 401, 4, 4, torch.float16, (-1, -1), 111),
+    # Slices of 2050 keys at D = 128: each step's backward adds dQ up in the dK/dV kernel by atomics
+    # (FLASHMOD_BWD_FUSED_DQ=2 in the workers, past the suite's deterministic mode), so the repeat
+    # run's dQ may differ in its last bits; out, dK and dV may not.
+    (2, False, 4100, 4, 2, torch.bfloat16, (-1, -1), 128, "fused_dq"),
 ]
 
 
@@ -79,8 +83,11 @@ def _worker(rank: int, world_size: int, port: int, case: tuple, errors, backend:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
-        _, causal, seqlen, hq, hkv, dtype, window, *head_dim = case
-        d = head_dim[0] if head_dim else 40
+        _, causal, seqlen, hq, hkv, dtype, window, *extra = case
+        d = extra[0] if extra else 40
+        fused_dq = extra[1:] == ["fused_dq"]
+        if fused_dq:
+            os.environ["FLASHMOD_BWD_FUSED_DQ"] = "2"
         gen = torch.Generator().manual_seed(1234)  # every rank draws the same full problem
         q = torch.randn(2, hq, seqlen, d, generator=gen).to(dtype)
         k = torch.randn(2, hkv, seqlen, d, generator=gen).to(dtype)
@@ -124,9 +131,11 @@ def _worker(rank: int, world_size: int, port: int, case: tuple, errors, backend:
         again_leaves = [t.detach().clone().requires_grad_() for t in local]
         again = ring_attention(*again_leaves, causal=causal, scale=scale, window_size=window, seqlen=seqlen)
         again.backward(shard(grad).to(device))
-        for first, second in zip([out] + local, [again] + again_leaves):
+        for name, first, second in zip(("out", "dq", "dk", "dv"), [out] + local, [again] + again_leaves):
+            exact_bits = not (fused_dq and name == "dq")
             torch.testing.assert_close(second.detach() if second is again else second.grad,
-                                       first.detach() if first is out else first.grad, rtol=0, atol=0)  # fmt: skip
+                                       first.detach() if first is out else first.grad,
+                                       rtol=0 if exact_bits else 1e-2, atol=0 if exact_bits else 1e-2)  # fmt: skip
     except BaseException as e:  # reported to the parent, which fails the test
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
@@ -135,10 +144,11 @@ def _worker(rank: int, world_size: int, port: int, case: tuple, errors, backend:
 
 
 def _case_id(case: tuple) -> str:
-    world_size, causal, seqlen, hq, hkv, dtype, window, *head_dim = case
+    world_size, causal, seqlen, hq, hkv, dtype, window, *extra = case
     band = "" if window == (-1, -1) else f"-window{window[0]}_{window[1]}"
-    dim = f"-d{head_dim[0]}" if head_dim else ""
-    return f"w{world_size}-{'causal' if causal else 'full'}-n{seqlen}-{hq}x{hkv}-{str(dtype)[6:]}{band}{dim}"
+    dim = f"-d{extra[0]}" if extra else ""
+    tag = "".join(f"-{e}" for e in extra[1:])
+    return f"w{world_size}-{'causal' if causal else 'full'}-n{seqlen}-{hq}x{hkv}-{str(dtype)[6:]}{band}{dim}{tag}"
 
 
 def _run_ring_case(case: tuple, backend: str) -> None:
