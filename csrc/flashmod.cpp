@@ -21,8 +21,8 @@ TORCH_LIBRARY(flashmod, m) {
   // Gradients of attention's (out, lse) with respect to (q, k, v), recomputing P from the saved
   // lse (nothing Nq x Nk is stored). grad_lse is the gradient flowing into lse (None: zero).
   // grad_q/grad_k/grad_v take the layouts of q/k/v; for GQA, grad_k/grad_v sum over each kv
-  // head's query group. Bitwise reproducible, except the Hopper kernels' fused dQ (from 2048
-  // keys, head dims 97-128: dQ added up by atomics), which runs only while
+  // head's query group. Bitwise reproducible, except the Hopper kernels' fused dQ (long walks,
+  // head dims 97-128: dQ added up by atomics), which runs only while
   // torch.use_deterministic_algorithms is off (FLASHMOD_BWD_FUSED_DQ, backward_dispatch.h).
   // compute_grad_mask (an additive float attn_mask only): grad_mask is fp32 contiguous
   // (B, Hq, Nq, Nk), dL/d(score after the mask) at every visible pair and 0 elsewhere (the caller

@@ -30,8 +30,10 @@
 //                                     the general path (no staged dK/dV tiles, no batched dQ
 //                                     loads; bwd_common.h)
 //   FLASHMOD_BWD_FUSED_DQ=0|1|2       the Hopper backward's dQ added up in its dK/dV kernel
-//                                     by atomics: 1 from 2048 keys with deterministic
-//                                     algorithms off (default), 0 never, 2 wherever it applies
+//                                     by atomics: 1 where it is the faster (a key's queries
+//                                     >= 1024, windowed >= 2048; backward_dispatch.h) with
+//                                     deterministic algorithms off (default), 0 never, 2
+//                                     wherever it applies
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
 //                                     BWD_SM90_TILES); a name not built for the head dim is an
 //                                     error

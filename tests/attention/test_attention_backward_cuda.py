@@ -169,29 +169,39 @@ def test_fused_dq_side_stream_and_cuda_graph(monkeypatch):
         within_rule(captured[:3])
 
 
-def test_fused_dq_follows_the_knob_length_and_deterministic_mode(monkeypatch):
-    """FLASHMOD_BWD_FUSED_DQ=1 takes the fused variant only from 2048 keys and with deterministic
-    algorithms off; its fp32 sums run in another order than the dQ kernel's, so the two dQ differ in
-    their last bits, while the dQ kernel's runs are bitwise equal."""
+def test_fused_dq_follows_the_knob_walk_length_and_deterministic_mode(monkeypatch):
+    """FLASHMOD_BWD_FUSED_DQ=1 takes the fused variant only where each key sees enough queries
+    (>= 1024 without a window, >= 2048 with one, causal included), over >= 1024 keys, and with
+    deterministic algorithms off; its fp32 sums run in another order than the dQ kernel's, so the
+    two dQ differ in their last bits, while the dQ kernel's runs are bitwise equal."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the fused variant is a Hopper kernel")
 
-    def grads(knob, nk):
+    def grads(knob, nq, nk, **options):
         monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", knob)
-        return fused_grads(*inputs[nk], grad_out, grad_lse)
+        q_, go, gl = (t[:, :, :nq].contiguous() for t in (q, grad_out, grad_lse))
+        k_, v_ = (t[:, :, :nk].contiguous() for t in (k, v))
+        return fused_grads(q_, k_, v_, go, gl, **options)
 
-    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 300, 2100, 128)
-    inputs = {2100: (q, k, v), 1023: (q, k[:, :, :1023], v[:, :, :1023])}
-    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 4, 300, device=DEV)
-    kernels = {nk: grads("0", nk) for nk in inputs}
+    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 1100, 1100, 128)
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 4, 1100, device=DEV)
     same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
-    assert same(grads("1", 2100), kernels[2100])  # deterministic algorithms on (the fixture)
+    kernels = grads("0", 1100, 1100)
+    assert same(grads("1", 1100, 1100), kernels)  # deterministic algorithms on (the fixture)
     torch.use_deterministic_algorithms(False)
-    assert not torch.equal(grads("1", 2100)[0], kernels[2100][0]), "dQ came from the dQ kernel"
-    assert same(grads("1", 1023), kernels[1023])  # below the length threshold
-    assert not torch.equal(grads("2", 1023)[0], kernels[1023][0])
+    assert not torch.equal(grads("1", 1100, 1100)[0], kernels[0]), "dQ came from the dQ kernel"
+    # Walks too short for the adds: fewer queries, fewer keys, causal (550 queries a key) and a band.
+    for nq, nk, options in (
+        (1023, 1100, {}),
+        (1100, 1023, {}),
+        (1100, 1100, {"is_causal": True}),
+        (1100, 1100, {"window_left": 1500, "window_right": 400}),
+    ):
+        assert same(grads("1", nq, nk, **options), grads("0", nq, nk, **options)), (nq, nk, options)
+    causal = grads("0", 1100, 1100, is_causal=True)
+    assert not torch.equal(grads("2", 1100, 1100, is_causal=True)[0], causal[0])
     with pytest.raises(RuntimeError, match="FLASHMOD_BWD_FUSED_DQ must be 0, 1 or 2, got 3"):
-        grads("3", 2100)
+        grads("3", 1100, 1100)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

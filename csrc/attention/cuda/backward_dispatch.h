@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "../../common/error_message.h"
@@ -38,21 +39,37 @@ inline int bwd_sm90_tile(const char* op, int d, const AttentionBwdParams& p,
   return tile;
 }
 
+// Queries a key sees, on average: all of them without a window, about half under a one-sided
+// bound (causal), the band's width under a two-sided one.
+inline int64_t bwd_queries_per_key(const AttentionBwdParams& p) {
+  const bool left = p.window_left >= 0, right = p.window_right >= 0;
+  if (left && right) return std::min(p.seqlen_q, p.window_left + p.window_right + 1);
+  return left || right ? p.seqlen_q / 2 : p.seqlen_q;
+}
+
 // Whether the backward adds dQ up by atomics (bwd_fused_dq; not bitwise reproducible):
-// FLASHMOD_BWD_FUSED_DQ=1 (the default) where it is the faster, from kBwdFusedDQMinKeys keys, and
-// torch.use_deterministic_algorithms is off; 0 never; 2 wherever bwd_fused_dq allows (tests,
-// whose fixture turns deterministic algorithms on to poison allocations, and measurements).
-// Where it is the faster (H100, bf16, B * N = 16k, H 16, D = 128, kernel times in ms with the sums'
-// clearing and conversion, ~0.12, against the dK/dV and dQ kernels; design log, session 28):
-// N = 1k 0.97 / 1.03 non-causal, 0.68 / 0.64 causal; 2k 1.69 / 1.89, 1.05 / 1.08; 4k 3.12 / 3.67,
-// 1.82 / 2.00. The threshold keeps causal 1k on the two kernels (and non-causal 1k, 6 % slower).
-constexpr int64_t kBwdFusedDQMinKeys = 2048;
+// FLASHMOD_BWD_FUSED_DQ=1 (the default) where it is the faster, with
+// torch.use_deterministic_algorithms off; 0 never; 2 wherever bwd_fused_dq allows (tests, whose
+// fixture turns deterministic algorithms on to poison allocations, and measurements).
+// Where it is the faster: H100, bf16, D = 128, B * N = 16k, forward + backward against the
+// seven-matmul kernels in one process (design log, session 29; sessions 28's kernel times agree):
+//   no window: N = 1k +2.4 % (GQA 32/8 +4 %), 2k +6 %, 4k-16k +8-11 % (GQA 4k +8 %);
+//   causal: 1k -7 % (GQA -8 %), 2k -1 %, 4k +4 % (GQA +0.6 %), 8k-16k +7-10 %;
+//   causal band of 1024 queries: -4 % at 4k and 16k.
+// A key's walk over its queries carries the adds' fixed costs, so the rule is the queries a key
+// sees: >= 1024 without a window, >= 2048 with one (causal's half is uneven from key to key), and
+// >= 1024 keys (only square shapes were measured).
+constexpr int64_t kBwdFusedDQMinQueries = 1024, kBwdFusedDQMinQueriesWindowed = 2048;
+constexpr int64_t kBwdFusedDQMinKeys = 1024;
 inline bool fused_dq_wanted(const AttentionBwdParams& p) {
   const int64_t knob = env_int("FLASHMOD_BWD_FUSED_DQ", 1);
   TORCH_CHECK(knob >= 0 && knob <= 2,
               error_message("FLASHMOD_BWD_FUSED_DQ must be 0, 1 or 2, got ", knob));
-  return knob == 2 || (knob == 1 && p.seqlen_k >= kBwdFusedDQMinKeys &&
-                       !at::globalContext().deterministicAlgorithms());
+  if (knob != 1) return knob == 2;
+  const bool windowed = p.window_left >= 0 || p.window_right >= 0;
+  const int64_t needed = windowed ? kBwdFusedDQMinQueriesWindowed : kBwdFusedDQMinQueries;
+  return p.seqlen_k >= kBwdFusedDQMinKeys && bwd_queries_per_key(p) >= needed &&
+         !at::globalContext().deterministicAlgorithms();
 }
 
 // dK/dV and dQ of fp16/bf16 p (st filled by run_attention_bwd_rowstats), after classifying a mask
