@@ -10,11 +10,12 @@
 //   ends      when 10 / 50 / 90 / 100 % of the CTAs had ended
 //   busy      the CTAs' summed time over (CTAs x span): the share of the span the grid was full
 //   alone / shared  mean CTA time on an SM that held one CTA / two or more
-// and below each row the spread of the CTA times: their sd over every call, and the sd of their
-// means by block index (the same work each call), by SM and by call; with the heuristic's splits
-// also the means by split, kv head and batch row.
-// Every number is the median over the timed calls. The output of two rows is checked against a
-// double-precision reference first.
+// and below each row: the time after the key loop (partial, count, combine), a CTA's mean and the
+// last CTA's, and when the last key loop ended; the spread of the CTA times: their sd over every
+// call, and the sd of their means by block index (the same work each call), by SM and by call; with
+// the heuristic's splits also the means by split, kv head and batch row. Every number is the median
+// over the timed calls. The output of two rows is checked against a double-precision reference
+// first.
 //
 // Build and run on the GPU machine (no torch needed):
 //   nvcc -O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -DFLASHMOD_BUILT_SM90A \
@@ -34,6 +35,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "../csrc/attention/cuda/fwd_sm80_launch.h"
@@ -214,6 +216,9 @@ int main(int argc, char** argv) {
       }
 
       std::vector<float> step, span, starts, e10, e50, e90, e100, busy, alone, shared;
+      // After the key loop: each CTA's epilogue (partial, count, combine), the last CTA's, and
+      // when the last key loop ended.
+      std::vector<float> epilogue_mean, epilogue_last, last_loop_done;
       // Each timed call's CTA times, by block index and by SM: what the spread comes from.
       std::map<int, std::vector<double>> by_cta, by_sm;
       std::vector<double> all_durations, rep_means;
@@ -271,6 +276,17 @@ int main(int argc, char** argv) {
           rep_sum += d;
         }
         rep_means.push_back(rep_sum / mine.size());
+        double epi = 0;
+        const fk::CtaTimelineEntry* final_cta = mine.front();
+        unsigned long long loops_done = 0;
+        for (auto* e : mine) {
+          epi += (e->end_ns - e->loop_done_ns) * 1e-3;
+          if (e->end_ns > final_cta->end_ns) final_cta = e;
+          loops_done = std::max(loops_done, e->loop_done_ns);
+        }
+        epilogue_mean.push_back(static_cast<float>(epi / mine.size()));
+        epilogue_last.push_back((final_cta->end_ns - final_cta->loop_done_ns) * 1e-3f);
+        last_loop_done.push_back((loops_done - first) * 1e-3f);
         alone.push_back(a_n ? static_cast<float>(a_sum / a_n) : 0.f);
         shared.push_back(s_n ? static_cast<float>(s_sum / s_n) : 0.f);
       }
@@ -300,6 +316,10 @@ int main(int argc, char** argv) {
         }
         return sd(means);
       };
+      std::printf(
+          "        after the key loop: %.2f us a CTA, %.2f for the last one; the last loop ended "
+          "at %.1f us\n",
+          median(epilogue_mean), median(epilogue_last), median(last_loop_done));
       std::printf(
           "        CTA time sd %.2f us; sd of means by block index %.2f, by SM %.2f, by call "
           "%.2f\n",

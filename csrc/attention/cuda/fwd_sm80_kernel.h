@@ -345,6 +345,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     }
   }
   cp_async_wait<0>();  // only empty groups can be pending; retire them before exit
+#ifdef FLASHMOD_CTA_TIMELINE
+  timeline.mark();
+#endif
 
   if constexpr (kDecode) {
     if (splits > 1) {

@@ -24,16 +24,15 @@ constexpr int kMaxCombinedSplits = 32 * kSplitsPerLane;
 // out = sum_s exp(lse_s - lse) O_s (each O_s normalized by its own sum, so the weights are the
 // splits' shares of the total). Splits with lse_s = -inf saw no visible key and weigh 0 (left
 // out of the sum); a row whose splits are all empty gets out = 0, lse = -inf. One
-// warp per row. Lane l reads the lse of splits l, l + 32, ... at once and computes their weights
-// (in double: a few hundred exps per row); the max and the sum are warp reductions in a fixed
-// order. Then every lane sums its 4-column groups over the splits in index order, eight splits'
-// partials in flight at a time. Reading the splits one after another (a loop-carried L2 round trip
-// per split and pass) kept a 16-split row's combine at ~18 us on an H200, past the whole decode of
-// the other CTAs (B 1, 16k: 43 us per call with the combine fused, 26 us without it). The result
-// is deterministic and the same wherever it runs (the combine kernel below, or the decode
-// kernel's last CTA of a tile). row: the flat (B, Hq, Nq) index of the row among rows; out /
-// lse_out: where its result goes. The partials are read through L2 (__ldcg): other CTAs wrote them
-// during this kernel.
+// warp per row. Lane l reads the lse of splits l, l + 32, ... at once and computes their weights;
+// the max and the sum are warp reductions in a fixed order. Then every lane sums its 4-column
+// groups over the splits in index order, eight splits' partials in flight at a time. Reading the
+// splits one after another (a loop-carried L2 round trip per split and pass) kept a 16-split row's
+// combine at ~18 us on an H200, past the whole decode of the other CTAs (B 1, 16k: 43 us per call
+// with the combine fused, 26 us without it). The result is deterministic and the same wherever it
+// runs (the combine kernel below, or the decode kernel's last CTA of a tile). row: the flat (B, Hq,
+// Nq) index of the row among rows; out / lse_out: where its result goes. The partials are read
+// through L2 (__ldcg): other CTAs wrote them during this kernel.
 template <typename Elem, int kHeadDim>
 __device__ __noinline__ void combine_split_row(const SplitKvArgs& sk, int64_t rows, int64_t row,
                                                Elem* out, float* lse_out, int head_dim, int lane) {
@@ -59,16 +58,17 @@ __device__ __noinline__ void combine_split_row(const SplitKvArgs& sk, int64_t ro
     if (lane == 0) *lse_out = -CUDART_INF_F;
     return;
   }
-  double sum = 0.0;
+  // fp32, like the kernels' own softmax: in double (exp and log are long subroutines there) the
+  // last CTA of a 4k step spent 0.7 us more past its key loop (design log, session 29).
+  float sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < kSplitsPerLane; ++i) sum += exp(static_cast<double>(ls[i]) - m);
+  for (int i = 0; i < kSplitsPerLane; ++i) sum += expf(ls[i] - m);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  const double lse = static_cast<double>(m) + log(sum);  // sum >= 1: the max split adds 1
-  float w[kSplitsPerLane];  // 0 for empty splits and lanes past the last split
+  const float lse = m + logf(sum);  // sum >= 1: the max split adds 1
+  float w[kSplitsPerLane];          // 0 for empty splits and lanes past the last split
 #pragma unroll
-  for (int i = 0; i < kSplitsPerLane; ++i)
-    w[i] = static_cast<float>(exp(static_cast<double>(ls[i]) - lse));
+  for (int i = 0; i < kSplitsPerLane; ++i) w[i] = expf(ls[i] - lse);
   // Every lane runs every pass (the shuffles need the whole warp); at kHeadDim 64, lanes 16-31
   // have no columns and only shuffle.
   for (int base = 0; base < kHeadDim; base += 128) {
@@ -103,15 +103,20 @@ __device__ __noinline__ void combine_split_row(const SplitKvArgs& sk, int64_t ro
     if (c0 + 2 < head_dim) out[c0 + 2] = from_float<Elem>(acc.z);
     if (c0 + 3 < head_dim) out[c0 + 3] = from_float<Elem>(acc.w);
   }
-  if (lane == 0) *lse_out = static_cast<float>(lse);
+  if (lane == 0) *lse_out = lse;
 }
 
 // Split-KV, after a CTA wrote its partial rows: with the fused combine (sk.tile_counters), the
 // tile's last CTA to finish merges its rows_q rows (in split order, so the result does not depend
-// on which CTA it is). Partials are made visible device-wide before the count (the fence) and read
-// through L2. Every thread of the CTA calls it. tile_id: the tile's counter; row_id: the flat
-// index of its first row among rows_all; gO / gLse: where its first row's result goes; last: a
-// shared-memory int of the caller's dynamic area (a static one would misalign that area's base:
+// on which CTA it is). Ordering: the CTA barrier puts every thread's partial stores before thread
+// 0's count, whose release (gpu scope, cumulative over what the barrier ordered before it) makes
+// them visible with the count; the last CTA's count acquires every other CTA's release, and its
+// second barrier hands that on to its threads, whose reads go through L2. (Two __threadfence
+// instead, one by every thread before the count and one after the last CTA reset the counter,
+// kept a 4k step's last CTA 3.9 us past its key loop: tools/decode_timeline.cu, design log session
+// 29.) Every thread of the CTA calls it. tile_id: the tile's counter; row_id: the flat index of its
+// first row among rows_all; gO / gLse: where its first row's result goes; last: a shared-memory
+// int of the caller's dynamic area (a static one would misalign that area's base:
 // fwd_sm80_kernel.h).
 template <typename Elem, int kHeadDim, int kThreads>
 __device__ __forceinline__ void finish_split_cta(const SplitKvArgs& sk, int64_t tile_id,
@@ -119,16 +124,14 @@ __device__ __forceinline__ void finish_split_cta(const SplitKvArgs& sk, int64_t 
                                                  Elem* gO, int64_t out_row_stride, float* gLse,
                                                  int head_dim, int& last) {
   if (sk.tile_counters == nullptr) return;
-  __threadfence();
-  // Every thread's partial writes are fenced before thread 0 counts the CTA in.
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(sk.tile_counters + tile_id, 1) == sk.splits - 1;
-  // Publishes `last` to the CTA.
+  if (threadIdx.x == 0)
+    last = atomic_add_acq_rel_gpu(sk.tile_counters + tile_id, 1) == sk.splits - 1;
   __syncthreads();
   if (!last) return;
-  // Every split has counted itself in: the counter is free to be zero for the next launch.
+  // Every split has counted itself in: the counter is free to be zero for the next launch (the
+  // kernel boundary orders this store before that launch's counts).
   if (threadIdx.x == 0) sk.tile_counters[tile_id] = 0;
-  __threadfence();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < rows_q; r += kThreads / 32)
     combine_split_row<Elem, kHeadDim>(sk, rows_all, row_id + r, gO + r * out_row_stride, gLse + r,

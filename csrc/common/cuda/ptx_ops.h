@@ -15,6 +15,13 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// *p += v at gpu scope, acquire and release in one (sm70+); returns the old value.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
+  int old;
+  asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 // 16-byte copy; bytes < 16 zero-fills the rest, which is how rows past seqlen and columns past
 // head_dim become zeros without a separate predicate path. The source must be 16-byte aligned.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
