@@ -19,6 +19,7 @@ namespace flashmod::cuda_kernels {
 // kSplitsPerLane of them (the host caps splits at kMaxSplits, decode_heuristics.h).
 constexpr int kSplitsPerLane = 4;  // the selects below name w[0..3]
 constexpr int kMaxCombinedSplits = 32 * kSplitsPerLane;
+constexpr int kPrefetched = 4;  // splits whose partials are read with the lse (combine_split_row)
 
 // Merges the splits of one row: with M = max_s lse_s, lse = M + log(sum_s exp(lse_s - M)) and
 // out = sum_s exp(lse_s - lse) O_s (each O_s normalized by its own sum, so the weights are the
@@ -37,12 +38,25 @@ template <typename Elem, int kHeadDim>
 __device__ __noinline__ void combine_split_row(const SplitKvArgs& sk, int64_t rows, int64_t row,
                                                Elem* out, float* lse_out, int head_dim, int lane) {
   float ls[kSplitsPerLane];
-  float m = -CUDART_INF_F;
-  bool poisoned = false;  // a split with a NaN lse (a NaN or +inf visible score) makes the row NaN
 #pragma unroll
   for (int i = 0; i < kSplitsPerLane; ++i) {
     const int s = lane + 32 * i;
     ls[i] = s < sk.splits ? __ldcg(sk.lse + s * rows + row) : -CUDART_INF_F;
+  }
+  // The first kPrefetched splits' partials (first 128 columns) are read with the lse, so their
+  // L2 round trip overlaps the weights' (a 4k step's last CTA: design log, session 29).
+  const bool mine0 = 4 * lane < kHeadDim;
+  float4 early[kPrefetched];
+#pragma unroll
+  for (int j = 0; j < kPrefetched; ++j)
+    early[j] =
+        mine0 && j < sk.splits
+            ? __ldcg(reinterpret_cast<const float4*>(sk.o + (j * rows + row) * kHeadDim + 4 * lane))
+            : make_float4(0.f, 0.f, 0.f, 0.f);
+  float m = -CUDART_INF_F;
+  bool poisoned = false;  // a split with a NaN lse (a NaN or +inf visible score) makes the row NaN
+#pragma unroll
+  for (int i = 0; i < kSplitsPerLane; ++i) {
     poisoned |= ls[i] != ls[i];
     m = fmaxf(m, ls[i]);
   }
@@ -75,6 +89,18 @@ __device__ __noinline__ void combine_split_row(const SplitKvArgs& sk, int64_t ro
     const int c0 = base + 4 * lane;
     const bool mine = c0 < kHeadDim;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto add = [&acc](float ws, float4 o) {
+      if (ws != 0.f) {  // a split of weight 0 (empty, or below fp32's range) is left out
+        acc.x = fmaf(ws, o.x, acc.x);
+        acc.y = fmaf(ws, o.y, acc.y);
+        acc.z = fmaf(ws, o.z, acc.z);
+        acc.w = fmaf(ws, o.w, acc.w);
+      }
+    };
+    if (base == 0) {
+#pragma unroll
+      for (int j = 0; j < kPrefetched; ++j) add(__shfl_sync(0xffffffffu, w[0], j), early[j]);
+    }
     // Not unrolled (one copy of the loop body keeps the decode kernel's code small); the weights'
     // register is picked by selects, not an indexed (local memory) array.
 #pragma unroll 1
@@ -82,20 +108,14 @@ __device__ __noinline__ void combine_split_row(const SplitKvArgs& sk, int64_t ro
       const int first = 32 * i, count = min(32, sk.splits - first);
       const float wi = i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3];
 #pragma unroll 8
-      for (int j = 0; j < count; ++j) {
+      for (int j = i == 0 && base == 0 ? kPrefetched : 0; j < count; ++j) {
         // The same split on every lane: its weight comes from lane j. Every split's partial is
         // read unconditionally, so the loads of eight splits overlap; a split of weight 0 (empty,
         // or below fp32's range) is left out by the select.
         const float ws = __shfl_sync(0xffffffffu, wi, j);
-        const float4 o = mine ? __ldcg(reinterpret_cast<const float4*>(
-                                    sk.o + ((first + j) * rows + row) * kHeadDim + c0))
-                              : make_float4(0.f, 0.f, 0.f, 0.f);
-        if (ws != 0.f) {
-          acc.x = fmaf(ws, o.x, acc.x);
-          acc.y = fmaf(ws, o.y, acc.y);
-          acc.z = fmaf(ws, o.z, acc.z);
-          acc.w = fmaf(ws, o.w, acc.w);
-        }
+        add(ws, mine ? __ldcg(reinterpret_cast<const float4*>(
+                           sk.o + ((first + j) * rows + row) * kHeadDim + c0))
+                     : make_float4(0.f, 0.f, 0.f, 0.f));
       }
     }
     if (c0 < head_dim) out[c0] = from_float<Elem>(acc.x);
