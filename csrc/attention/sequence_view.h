@@ -135,4 +135,3 @@ FLASHMOD_HD int64_t kv_row_offset(const AttentionParams& s, int64_t j, int64_t p
 }
 
 }  // namespace flashmod
-
