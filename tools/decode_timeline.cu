@@ -76,15 +76,6 @@ std::vector<std::vector<int>> parse_lists(int argc, char** argv) {
   return lists;
 }
 
-float bf16_to_float(__nv_bfloat16 x) {
-  uint16_t bits;
-  std::memcpy(&bits, &x, 2);
-  const uint32_t w = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
-
 float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -194,8 +185,8 @@ int main(int argc, char** argv) {
         for (int j = 0; j < tokens; ++j) {
           double dot = 0;
           for (int d = 0; d < kDim; ++d)
-            dot += double(bf16_to_float(hq[(size_t(b) * kHeadsQ + h) * kDim + d])) *
-                   bf16_to_float(hk[((size_t(b) * tokens + j) * kHeadsKv + hk_) * kDim + d]);
+            dot += double(__bfloat162float(hq[(size_t(b) * kHeadsQ + h) * kDim + d])) *
+                   __bfloat162float(hk[((size_t(b) * tokens + j) * kHeadsKv + hk_) * kDim + d]);
           s[j] = dot * p.scale;
           m = std::max(m, s[j]);
         }
@@ -203,10 +194,11 @@ int main(int argc, char** argv) {
           const double w = std::exp(s[j] - m);
           l += w;
           for (int d = 0; d < kDim; ++d)
-            o[d] += w * bf16_to_float(hv[((size_t(b) * tokens + j) * kHeadsKv + hk_) * kDim + d]);
+            o[d] +=
+                w * __bfloat162float(hv[((size_t(b) * tokens + j) * kHeadsKv + hk_) * kDim + d]);
         }
         for (int d = 0; d < kDim; ++d) {
-          const double got = bf16_to_float(hout[(size_t(b) * kHeadsQ + h) * kDim + d]);
+          const double got = __bfloat162float(hout[(size_t(b) * kHeadsQ + h) * kDim + d]);
           if (std::fabs(got - o[d] / l) > 1e-2) {
             std::fprintf(stderr, "splits %d: out[%d, %d, %d] = %f, reference %f\n", forced, b, h, d,
                          got, o[d] / l);
@@ -244,12 +236,17 @@ int main(int argc, char** argv) {
         for (auto* e : mine) first = std::min(first, e->start_ns);
         std::map<unsigned, int> per_sm;
         std::vector<float> ends;
-        double summed = 0;
+        double summed = 0, epi = 0;  // the CTAs' times, and their times past the key loop
+        const fk::CtaTimelineEntry* final_cta = mine.front();
+        unsigned long long loops_done = 0;
         for (auto* e : mine) {
           last = std::max(last, e->end_ns);
           last_start = std::max(last_start, e->start_ns);
           ends.push_back((e->end_ns - first) * 1e-3f);
           summed += (e->end_ns - e->start_ns) * 1e-3;
+          epi += (e->end_ns - e->loop_done_ns) * 1e-3;
+          if (e->end_ns > final_cta->end_ns) final_cta = e;
+          loops_done = std::max(loops_done, e->loop_done_ns);
           ++per_sm[e->sm];
         }
         ctas = static_cast<int>(mine.size());
@@ -262,9 +259,13 @@ int main(int argc, char** argv) {
         e90.push_back(ends[ends.size() * 9 / 10]);
         e100.push_back(ends.back());
         busy.push_back(static_cast<float>(summed / (ctas * sp)));
-        double a_sum = 0, s_sum = 0, rep_sum = 0;
+        rep_means.push_back(summed / ctas);
+        epilogue_mean.push_back(static_cast<float>(epi / ctas));
+        epilogue_last.push_back((final_cta->end_ns - final_cta->loop_done_ns) * 1e-3f);
+        last_loop_done.push_back((loops_done - first) * 1e-3f);
+        double a_sum = 0, s_sum = 0;
         int a_n = 0, s_n = 0;
-        for (auto* e : mine) {
+        for (auto* e : mine) {  // per_sm is complete now
           const double d = (e->end_ns - e->start_ns) * 1e-3;
           if (per_sm[e->sm] == 1)
             a_sum += d, ++a_n;
@@ -273,20 +274,7 @@ int main(int argc, char** argv) {
           by_cta[static_cast<int>(e - tl.data())].push_back(d);
           by_sm[static_cast<int>(e->sm)].push_back(d);
           all_durations.push_back(d);
-          rep_sum += d;
         }
-        rep_means.push_back(rep_sum / mine.size());
-        double epi = 0;
-        const fk::CtaTimelineEntry* final_cta = mine.front();
-        unsigned long long loops_done = 0;
-        for (auto* e : mine) {
-          epi += (e->end_ns - e->loop_done_ns) * 1e-3;
-          if (e->end_ns > final_cta->end_ns) final_cta = e;
-          loops_done = std::max(loops_done, e->loop_done_ns);
-        }
-        epilogue_mean.push_back(static_cast<float>(epi / mine.size()));
-        epilogue_last.push_back((final_cta->end_ns - final_cta->loop_done_ns) * 1e-3f);
-        last_loop_done.push_back((loops_done - first) * 1e-3f);
         alone.push_back(a_n ? static_cast<float>(a_sum / a_n) : 0.f);
         shared.push_back(s_n ? static_cast<float>(s_sum / s_n) : 0.f);
       }

@@ -104,10 +104,6 @@ __host__ __device__ __forceinline__ int64_t dq_tile_offset(int64_t bh, int64_t r
                                                            int64_t m, int w) {
   return ((bh * row_blocks + m) * 2 + w) * kDQTileFloats;
 }
-__host__ __device__ __forceinline__ int dq_fragment_offset(int row, int col) {
-  const int w4 = row / 16, g = row % 8, hi = (row / 8) % 2, ni = col / 8, t = (col % 8) / 2;
-  return (w4 * 8 + ni) * 128 + (g * 4 + t) * 4 + hi * 2 + col % 2;
-}
 
 // d = A B, the first k16 step of a score product. With kOverlap the previous step's gradient wgmma
 // is in flight: d is then an output only (ss_overwrite), so no ordinary instruction has to define
