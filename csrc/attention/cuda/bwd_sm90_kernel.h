@@ -98,7 +98,7 @@ struct BwdQTraitsSm90 : BwdStagesSm90<kStages_, kOverlap_> {
 // w) of 64 x 64 floats, each in the accumulator's fragment order: warp w4 of the warpgroup, n8 tile
 // ni, lane, element e (rows g / g + 8, columns 2t / 2t + 1) at (w4 * 8 + ni) * 128 + lane * 4 +
 // e, so that a warp's 16-byte shared-memory stores of its fragments are contiguous (no bank
-// conflicts) and the copy engine adds a tile as one 16 KB range.
+// conflicts) and the copy engine adds each warp's rows as one 4 KB range.
 constexpr int kDQTileFloats = 64 * 64;
 __host__ __device__ __forceinline__ int64_t dq_tile_offset(int64_t bh, int64_t row_blocks,
                                                            int64_t m, int w) {
@@ -436,24 +436,31 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
           // into the sums while the next steps run (atomic adds from the warps' registers held
           // the warps until the L2 took them: 3.45 ms against 2.07 without the sums at N = 4k).
           pin_registers(dQ);
-          const bool leader = tid % 128 == 0;
-          const uint32_t tile_addr = sdQ_addr + warpgroup * kDQTileFloats * 4;
-          // Step s - 1's add has read the tile. (It had this step to do so; a second tile per
-          // warpgroup, in place of the third stage of Q_i / dO_i, ran 10 % slower.)
-          if (leader) tma_store_wait_read<0>();
-          named_barrier(1 + warpgroup, 128);  // ... which every thread of the group now knows
+          // Each warp's 16 rows are 4 KB of their own, in the tile and in the sums
+          // (dq_tile_offset's layout), so each warp stages and adds its rows alone: no warpgroup
+          // barrier. (One add of the warpgroup's 16 KB behind two named barriers, the leader
+          // waiting for the previous add's read between them: forward + backward 1.5-5 % slower at
+          // D = 128, 1k-4k; session 30.)
+          constexpr int kWarpFloats = kDQTileFloats / 4;
+          const uint32_t warp_addr =
+              sdQ_addr + (warpgroup * kDQTileFloats + (warp % 4) * kWarpFloats) * 4;
+          // Step s - 1's add has read the warp's rows. (It had this step to do so; a second tile
+          // per warpgroup, in place of the third stage of Q_i / dO_i, ran 10 % slower.)
+          if (lane == 0) tma_store_wait_read<0>();
+          __syncwarp();  // ... which every lane now knows
 #pragma unroll
           for (int ni = 0; ni < 8; ++ni) {
             const uint32_t words[4] = {__float_as_uint(dQ[ni][0]), __float_as_uint(dQ[ni][1]),
                                        __float_as_uint(dQ[ni][2]), __float_as_uint(dQ[ni][3])};
-            sts_128(tile_addr + ((warp % 4) * 8 + ni) * 512 + lane * 16, words);
+            sts_128(warp_addr + ni * 512 + lane * 16, words);
           }
-          fence_proxy_async_smem();           // st.shared -> visible to the copy engine
-          named_barrier(1 + warpgroup, 128);  // the group's whole tile is written
-          if (leader) {
-            bulk_reduce_add_f32(
-                st.dq_accum + dq_tile_offset(b * p.heads_q + h, st.rows_padded / 64, m, warpgroup),
-                tile_addr, kDQTileFloats * 4);
+          fence_proxy_async_smem();  // st.shared -> visible to the copy engine
+          __syncwarp();              // the warp's rows are all written
+          if (lane == 0) {
+            const int64_t rows_at =
+                dq_tile_offset(b * p.heads_q + h, st.rows_padded / 64, m, warpgroup);
+            bulk_reduce_add_f32(st.dq_accum + rows_at + (warp % 4) * kWarpFloats, warp_addr,
+                                kWarpFloats * 4);
             tma_store_commit();
           }
         }
@@ -468,7 +475,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     }
     cp_async_wait<0>();
     if constexpr (kDQ) {
-      if (tid % 128 == 0) tma_store_wait_all();  // the last adds are done before the CTA exits
+      if (lane == 0) tma_store_wait_all();  // the warp's last adds are done before the CTA exits
     }
     if (Tr::kOverlap && steps == 0) {  // no query sees these keys
       zero(dV);
