@@ -7,7 +7,9 @@
 // The accumulator layout is the mma.sync one, so the per-element score transform and gradient
 // (bwd_common.h) are shared with the portable kernels. One variant of the dK/dV kernel
 // (kBwdFusedDQ, D = 128) also takes each step's dQ partial and has the copy engine add it into
-// fp32 sums: five matmuls per block pair instead of seven, but not bitwise reproducible.
+// fp32 sums: five matmuls per block pair instead of seven, but not bitwise reproducible. That
+// variant also loads each step's Q_i / dO_i and row statistics through the copy engine (tensor
+// maps, one thread issuing, a "full" mbarrier per stage) instead of every thread's cp.async.
 #pragma once
 
 #include <math_constants.h>
@@ -27,6 +29,13 @@
 #include "visibility.h"
 
 namespace flashmod::cuda_kernels::sm90 {
+
+// The tensor maps of the fused-dQ variant's per-step loads: q and grad_out as (batch, heads_q,
+// seqlen_q, head_dim) in boxes of 64 rows x 64 columns (tma_ops.h: encode_rows_tensor_map). Other
+// variants get an unused value.
+struct BwdQueryMaps {
+  CUtensorMap q, grad_out;
+};
 
 // Shared-memory stages of the tiles a kernel streams (Q_i/dO_i in dK/dV, K_j/V_j in dQ), and how
 // far ahead cp.async runs. kOverlap: a step's gradient wgmma (dV/dK += ..., dQ += ...) is left in
@@ -193,7 +202,8 @@ constexpr bool additive_fast_variant() {
 // (D = 128 dK/dV: 20 bytes; soft-capped fwd+bwd 3-4 % slower).
 template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
-    attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st) {
+    attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st,
+                                   const __grid_constant__ BwdQueryMaps maps) {
 #ifdef FLASHMOD_SM90A
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
@@ -223,6 +233,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // (dq_tile_offset's layout) that the copy engine adds into the sums while the next step runs.
   const uint32_t sdS_addr = (sMask_addr + 1023) & ~1023u;  // the swizzle atom's alignment
   const uint32_t sdQ_addr = sdS_addr + Bc * Br * 2;
+  // kBwdFusedDQ: after the dQ tiles, each Q_i / dO_i stage's "full" mbarrier (its copies' bytes).
+  constexpr bool kTmaSteps = kWhich == kBwdFusedDQ;
+  const uint32_t full_bar0 = sdQ_addr + 2 * kDQTileFloats * 4;
   const auto staged_tile = [&] {
     if constexpr (kStageMask) {
       return MaskTile{sMask_addr, 0};
@@ -259,6 +272,26 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   auto load_step = [&](StepCursor c, int stage) {
     const int64_t h = hk * group + c.head;
     const int64_t r0 = static_cast<int64_t>(m_lo + c.block) * Br;
+    if constexpr (kTmaSteps) {
+      // One thread: rows past seqlen_q arrive as zeros (the maps bound each head's rows), as the
+      // cp.async path's zero fill leaves them.
+      if (tid == 0) {
+        const uint32_t bar = full_bar0 + 8 * stage;
+        mbarrier_arrive_expect_tx(bar, 2 * Tr::kSmemQ + 2 * Br * 4);
+#pragma unroll
+        for (int cb = 0; cb < D / 64; ++cb) {
+          const uint32_t box = stage * Tr::kSmemQ + cb * Br * 128;
+          tma_load_4d(sQ_addr0 + box, &maps.q, cb * 64, static_cast<int>(r0), static_cast<int>(h),
+                      static_cast<int>(b), bar);
+          tma_load_4d(sdO_addr0 + box, &maps.grad_out, cb * 64, static_cast<int>(r0),
+                      static_cast<int>(h), static_cast<int>(b), bar);
+        }
+        const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
+        bulk_load_to_shared(smem_addr(sL + stage * Br), st.lse2 + stat, Br * 4, bar);
+        bulk_load_to_shared(smem_addr(sDelta + stage * Br), st.delta + stat, Br * 4, bar);
+      }
+      return;
+    }
     const int valid = p.seqlen_q - r0 < Br ? static_cast<int>(p.seqlen_q - r0) : Br;
     const BwdQueryRows<Elem> rows = query_rows<Elem>(p, b, h, r0);
     q_copy.load(sQ_addr0 + stage * Tr::kSmemQ, rows.q, p.q_row_stride, valid);
@@ -266,6 +299,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     load_row_stats<Br>(sL, sDelta, stage, p, st, b, h, r0, tid);
   };
 
+  if constexpr (kTmaSteps) {
+    if (tid == 0) {
+      for (int stage = 0; stage < kStages; ++stage) mbarrier_init(full_bar0 + 8 * stage, 1);
+      fence_mbarrier_init();  // before this thread's first copy completes on one
+    }
+  }
   // One cp.async group per step (the first also holds K_j, V_j), committed even when empty so
   // that a step's group is always kAhead - 1 groups behind the newest.
   kv_copy.load(sK_addr, gkv.k, p.k_row_stride, rows_k);
@@ -317,19 +356,31 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     StepCursor step{0, 0};  // the step s, and the step the prefetch loads next (s + kAhead)
     StepCursor ahead_step{0, 0};
     if (steps > kAhead) ahead_step = {kAhead / m_count, kAhead % m_count};
-    for (int s = 0, stage = 0; s < steps; ++s, stage = stage + 1 < kStages ? stage + 1 : 0) {
-      cp_async_wait<kAhead - 1>();
+    if constexpr (kTmaSteps) {
+      cp_async_wait<0>();        // K_j, V_j: the only cp.async copies
       fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
-      // Publishes step s's tiles copied by every thread, and every warp is done with the stage
-      // the prefetch below overwrites: step s - 1's (s - 2's with kOverlap, whose gradient wgmma
-      // each warp waited for during step s - 1).
+    }
+    for (int s = 0, stage = 0; s < steps; ++s, stage = stage + 1 < kStages ? stage + 1 : 0) {
+      if constexpr (!kTmaSteps) {
+        cp_async_wait<kAhead - 1>();
+        fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
+      }
+      // Publishes step s's tiles copied by every thread (kTmaSteps: K_j, V_j at s = 0), and every
+      // warp is done with the stage the prefetch below overwrites: step s - 1's (s - 2's with
+      // kOverlap, whose gradient wgmma each warp waited for during step s - 1).
       __syncthreads();
       if (s + kAhead < steps) {
         const int ahead = stage + kAhead;
         load_step(ahead_step, ahead < kStages ? ahead : ahead - kStages);
         ahead_step.next(m_count);
       }
-      cp_async_commit();
+      if constexpr (kTmaSteps) {
+        // Step s's Q_i, dO_i and row statistics have landed (visible to this thread and to its
+        // wgmma); the stage's barrier completes once per kStages steps.
+        mbarrier_wait(full_bar0 + 8 * stage, (s / kStages) & 1);
+      } else {
+        cp_async_commit();
+      }
 
       const int64_t h = hk * group + step.head;
       const int m = m_lo + step.block;

@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "../../common/cuda/kernel_launch.h"
 #include "bwd_sm90_kernel.h"
 #include "entry_points.h"
@@ -43,7 +45,7 @@ cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cuda
   const int64_t smem =
       KV::kSmemBytes + (kStageMask && bwd_stages_mask(p, st) ? KV::Br * KV::Bc * 2 : 0);
   return cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kFast>,
-                             blocks, KV::kNThreads, smem, stream, p, st);
+                             blocks, KV::kNThreads, smem, stream, p, st, BwdQueryMaps{});
 }
 
 // grad_q = scale * dq_accum, the fused variant's fp32 sums. A thread per 16 bytes of a sum tile,
@@ -92,14 +94,16 @@ __global__ void __launch_bounds__(256)
 // added by red.global.add.v4 from the registers 3.45 ms; without adding them at all 2.07.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& st,
-                                cudaStream_t stream) {
+                                const BwdQueryMaps& maps, cudaStream_t stream) {
   using KV = BwdKVTraitsSm90<Elem, kHeadDim, 2, 64, 1, 3>;
-  // + the step's dS^T (its base aligned up to 1 KB) and each warpgroup's dQ tile
-  constexpr int64_t kSmem = KV::kSmemBytes + 1024 + KV::Bc * KV::Br * 2 + 2 * kDQTileFloats * 4;
+  // + the step's dS^T (its base aligned up to 1 KB), each warpgroup's dQ tile and the stages'
+  // mbarriers
+  constexpr int64_t kSmem =
+      KV::kSmemBytes + 1024 + KV::Bc * KV::Br * 2 + 2 * kDQTileFloats * 4 + 8 * KV::kStages;
   static_assert(kSmem <= 227 * 1024, "sm_90's per-block shared-memory limit");
   cudaError_t err = cuda::launch_kernel(
       attention_bwd_dkdv_sm90_kernel<KV, false, kBwdFusedDQ, false, kBwdFastNone>,
-      bwd_dkdv_ctas(p, KV::Bc), KV::kNThreads, kSmem, stream, p, st);
+      bwd_dkdv_ctas(p, KV::Bc), KV::kNThreads, kSmem, stream, p, st, maps);
   if (err != cudaSuccess) return err;
   const int64_t quads = p.batch * p.heads_q * st.rows_padded * kBwdFusedDQCols / 4;
   const int64_t blocks = (quads + 255) / 256;
@@ -115,7 +119,17 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
   using Q = typename Cfg::Q;
   if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone && kHeadDim == kBwdFusedDQCols &&
                 kBwdSm90Tiles[kTile].is_default) {
-    if (st.dq_accum != nullptr) return launch_bwd_fused_dq<Elem, kHeadDim>(p, st, stream);
+    // The fused variant's loads need tensor maps over q and grad_out (16-byte aligned bases and
+    // strides); where TMA cannot take them, the seven-matmul kernels run (its sums go unused).
+    BwdQueryMaps maps;
+    constexpr bool kBf16 = std::is_same_v<Elem, __nv_bfloat16>;
+    if (st.dq_accum != nullptr &&
+        encode_rows_tensor_map(&maps.q, kBf16, p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim,
+                               p.q_batch_stride, p.q_head_stride, p.q_row_stride, 64) &&
+        encode_rows_tensor_map(&maps.grad_out, kBf16, p.grad_out, p.batch, p.heads_q, p.seqlen_q,
+                               p.head_dim, p.grad_out_batch_stride, p.grad_out_head_stride,
+                               p.grad_out_row_stride, 64))
+      return launch_bwd_fused_dq<Elem, kHeadDim>(p, st, maps, stream);
   }
   cudaError_t err;
   if constexpr (Cfg::kSplit == 1) {

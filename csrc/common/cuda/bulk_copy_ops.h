@@ -80,6 +80,16 @@ __device__ __forceinline__ void bulk_copy_to_shared(uint32_t dst, const void* sr
       : "memory");
 }
 
+// As bulk_copy_to_shared, without the eviction hint: for sources other blocks read as well.
+__device__ __forceinline__ void bulk_load_to_shared(uint32_t dst, const void* src, uint32_t bytes,
+                                                    uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
 // The shared::cluster address of the same variable in block `rank` of this cluster.
 __device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, uint32_t rank) {
   uint32_t mapped;
