@@ -200,7 +200,9 @@ constexpr bool additive_fast_variant() {
 // tensor take capped_prob in blocks the window shows whole. Variants of their own: in the general
 // variant that the other soft caps and masks take, the plain code beside the general one spilled
 // (D = 128 dK/dV: 20 bytes; soft-capped fwd+bwd 3-4 % slower).
-template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast>
+// kTmaLoads: the step loads of kBwdFusedDQ's (Q_i, dO_i and their row statistics through the
+// copy engine, maps as BwdQueryMaps) in a plain dense variant.
+template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast, bool kTmaLoads = false>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st,
                                    const __grid_constant__ BwdQueryMaps maps) {
@@ -233,9 +235,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // (dq_tile_offset's layout) that the copy engine adds into the sums while the next step runs.
   const uint32_t sdS_addr = (sMask_addr + 1023) & ~1023u;  // the swizzle atom's alignment
   const uint32_t sdQ_addr = sdS_addr + Bc * Br * 2;
-  // kBwdFusedDQ: after the dQ tiles, each Q_i / dO_i stage's "full" mbarrier (its copies' bytes).
-  constexpr bool kTmaSteps = kWhich == kBwdFusedDQ;
-  const uint32_t full_bar0 = sdQ_addr + 2 * kDQTileFloats * 4;
+  // kBwdFusedDQ and kTmaLoads: each Q_i / dO_i stage's "full" mbarrier (its copies' bytes), after
+  // the dQ tiles, or where a staged mask tile would be.
+  constexpr bool kTmaSteps = kWhich == kBwdFusedDQ || kTmaLoads;
+  static_assert(!kTmaLoads || (!kExtents && !kStageMask && !Tr::kOverlap),
+                "dense rows, no staged mask, the plain pipeline");
+  const uint32_t full_bar0 = kWhich == kBwdFusedDQ ? sdQ_addr + 2 * kDQTileFloats * 4 : sMask_addr;
   const auto staged_tile = [&] {
     if constexpr (kStageMask) {
       return MaskTile{sMask_addr, 0};

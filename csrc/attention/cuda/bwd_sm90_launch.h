@@ -38,14 +38,30 @@ struct BwdConfigSm90 {
   using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, kT.q_cols, kT.q_ctas, kT.q_stages, kT.q_overlap != 0>;
 };
 
-template <class KV, bool kGeneral, int kWhich, bool kExtents, int kFast>
-cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
+// kTmaLoads: the step loads through the copy engine, maps over q and grad_out in boxes of KV::Br
+// rows (the kernel's stages then end in their mbarriers).
+template <class KV, bool kGeneral, int kWhich, bool kExtents, int kFast, bool kTmaLoads = false>
+cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream,
+                        const BwdQueryMaps& maps = {}) {
   const int64_t blocks = bwd_dkdv_ctas(p, KV::Bc);
   constexpr bool kStageMask = dkdv_stages_mask<KV, kGeneral, kWhich, kExtents, kFast>();
-  const int64_t smem =
-      KV::kSmemBytes + (kStageMask && bwd_stages_mask(p, st) ? KV::Br * KV::Bc * 2 : 0);
-  return cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kFast>,
-                             blocks, KV::kNThreads, smem, stream, p, st, BwdQueryMaps{});
+  const int64_t smem = KV::kSmemBytes + (kTmaLoads ? 8 * KV::kStages : 0) +
+                       (kStageMask && bwd_stages_mask(p, st) ? KV::Br * KV::Bc * 2 : 0);
+  return cuda::launch_kernel(
+      attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kFast, kTmaLoads>, blocks,
+      KV::kNThreads, smem, stream, p, st, maps);
+}
+
+// Maps over q and grad_out as (batch, heads_q, seqlen_q, head_dim) in boxes of `rows` rows x 64
+// columns (BwdQueryMaps); false where TMA cannot take either (tma_ops.h).
+template <typename Elem>
+bool encode_bwd_query_maps(const AttentionBwdParams& p, int rows, BwdQueryMaps& maps) {
+  constexpr bool kBf16 = std::is_same_v<Elem, __nv_bfloat16>;
+  return encode_rows_tensor_map(&maps.q, kBf16, p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim,
+                                p.q_batch_stride, p.q_head_stride, p.q_row_stride, rows) &&
+         encode_rows_tensor_map(&maps.grad_out, kBf16, p.grad_out, p.batch, p.heads_q, p.seqlen_q,
+                                p.head_dim, p.grad_out_batch_stride, p.grad_out_head_stride,
+                                p.grad_out_row_stride, rows);
 }
 
 // grad_q = scale * dq_accum, the fused variant's fp32 sums. A thread per 16 bytes of a sum tile,
@@ -111,37 +127,11 @@ cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& 
                              blocks < 65536 ? blocks : 65536, 256, 0, stream, p, st);
 }
 
+// The dQ kernel of the seven-matmul backward.
 template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
           int kFast = kBwdFastNone>
-cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
-  using Cfg = BwdConfigSm90<Elem, kHeadDim, kTile>;
-  using KV = typename Cfg::KV;
-  using Q = typename Cfg::Q;
-  if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone && kHeadDim == kBwdFusedDQCols &&
-                kBwdSm90Tiles[kTile].is_default) {
-    // The fused variant's loads need tensor maps over q and grad_out (16-byte aligned bases and
-    // strides); where TMA cannot take them, the seven-matmul kernels run (its sums go unused).
-    BwdQueryMaps maps;
-    constexpr bool kBf16 = std::is_same_v<Elem, __nv_bfloat16>;
-    if (st.dq_accum != nullptr &&
-        encode_rows_tensor_map(&maps.q, kBf16, p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim,
-                               p.q_batch_stride, p.q_head_stride, p.q_row_stride, 64) &&
-        encode_rows_tensor_map(&maps.grad_out, kBf16, p.grad_out, p.batch, p.heads_q, p.seqlen_q,
-                               p.head_dim, p.grad_out_batch_stride, p.grad_out_head_stride,
-                               p.grad_out_row_stride, 64))
-      return launch_bwd_fused_dq<Elem, kHeadDim>(p, st, maps, stream);
-  }
-  cudaError_t err;
-  if constexpr (Cfg::kSplit == 1) {
-    err = launch_dkdv<KV, kGeneral, kBwdOnlyDV, kExtents, kFast>(p, st, stream);
-    if (err == cudaSuccess)
-      err = launch_dkdv<KV, kGeneral, kBwdOnlyDK, kExtents, kFast>(p, st, stream);
-  } else if constexpr (Cfg::kSplit == 2) {
-    err = launch_dkdv<KV, kGeneral, kBwdPair, kExtents, kFast>(p, st, stream);
-  } else {
-    err = launch_dkdv<KV, kGeneral, kBwdBoth, kExtents, kFast>(p, st, stream);
-  }
-  if (err != cudaSuccess) return err;
+cudaError_t launch_dq(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
+  using Q = typename BwdConfigSm90<Elem, kHeadDim, kTile>::Q;
   const int64_t q_blocks = bwd_dq_ctas(p, Q::Br);
   // The dQ kernel's staged mask tiles (additive_fast_variant, bwd_stages_mask): one per stage.
   constexpr bool kQStages = additive_fast_variant<kGeneral, kExtents, kFast, kHeadDim>();
@@ -153,6 +143,51 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
       Q::kSmemBytes + (kQStages && bwd_stages_mask(p, st) ? Q::kStages * Q::Br * Q::Bc * 2 : 0);
   return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral, kExtents, kFast>, q_blocks,
                              Q::kNThreads, q_smem, stream, p, st);
+}
+
+template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
+          int kFast = kBwdFastNone>
+cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
+  using Cfg = BwdConfigSm90<Elem, kHeadDim, kTile>;
+  using KV = typename Cfg::KV;
+  if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone && kHeadDim == kBwdFusedDQCols &&
+                kBwdSm90Tiles[kTile].is_default) {
+    // The fused variant's loads need tensor maps over q and grad_out (16-byte aligned bases and
+    // strides); where TMA cannot take them, the seven-matmul kernels run (its sums go unused).
+    BwdQueryMaps fused_maps;
+    if (st.dq_accum != nullptr && encode_bwd_query_maps<Elem>(p, 64, fused_maps))
+      return launch_bwd_fused_dq<Elem, kHeadDim>(p, st, fused_maps, stream);
+  }
+  cudaError_t err;
+  // Plain dense variants load their steps through the copy engine where TMA takes q and grad_out
+  // (FLASHMOD_BWD_TMA_LOADS=0: cp.async, for measurements).
+  BwdQueryMaps maps;
+  if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone && !KV::kOverlap) {
+    if (st.tma_loads && encode_bwd_query_maps<Elem>(p, KV::Br, maps)) {
+      if constexpr (Cfg::kSplit == 1) {
+        err = launch_dkdv<KV, false, kBwdOnlyDV, false, kBwdFastNone, true>(p, st, stream, maps);
+        if (err == cudaSuccess)
+          err = launch_dkdv<KV, false, kBwdOnlyDK, false, kBwdFastNone, true>(p, st, stream, maps);
+      } else if constexpr (Cfg::kSplit == 2) {
+        err = launch_dkdv<KV, false, kBwdPair, false, kBwdFastNone, true>(p, st, stream, maps);
+      } else {
+        err = launch_dkdv<KV, false, kBwdBoth, false, kBwdFastNone, true>(p, st, stream, maps);
+      }
+      return err == cudaSuccess ? launch_dq<Elem, kHeadDim, kTile, false, false>(p, st, stream)
+                                : err;
+    }
+  }
+  if constexpr (Cfg::kSplit == 1) {
+    err = launch_dkdv<KV, kGeneral, kBwdOnlyDV, kExtents, kFast>(p, st, stream);
+    if (err == cudaSuccess)
+      err = launch_dkdv<KV, kGeneral, kBwdOnlyDK, kExtents, kFast>(p, st, stream);
+  } else if constexpr (Cfg::kSplit == 2) {
+    err = launch_dkdv<KV, kGeneral, kBwdPair, kExtents, kFast>(p, st, stream);
+  } else {
+    err = launch_dkdv<KV, kGeneral, kBwdBoth, kExtents, kFast>(p, st, stream);
+  }
+  if (err != cudaSuccess) return err;
+  return launch_dq<Elem, kHeadDim, kTile, kGeneral, kExtents, kFast>(p, st, stream);
 }
 
 }  // namespace sm90

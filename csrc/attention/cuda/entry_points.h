@@ -174,6 +174,9 @@ struct BwdRowStats {
   // order (bwd_sm90_kernel.h: dq_tile_offset). nullptr: dQ by its own kernel (no atomics: bitwise
   // reproducible).
   float* dq_accum = nullptr;
+  // The Hopper dK/dV kernels' step loads through the copy engine (bwd_sm90_launch.h); 0:
+  // FLASHMOD_BWD_TMA_LOADS=0, every thread's cp.async (plain variants; for measurements).
+  int tma_loads = 1;
 };
 
 // Whether the Hopper backward can take dQ into its dK/dV kernel (five matmuls per block pair
