@@ -169,6 +169,28 @@ def test_fused_dq_side_stream_and_cuda_graph(monkeypatch):
         within_rule(captured[:3])
 
 
+@pytest.mark.parametrize("d", [59, 64, 128, 256])
+@pytest.mark.parametrize("options", [{}, {"is_causal": True}], ids=str)
+def test_copy_engine_step_loads_equal_cp_async(monkeypatch, d, options):
+    """The Hopper backward's plain kernels load each step's tiles through the copy engine
+    (FLASHMOD_BWD_TMA_LOADS=1, the default; 2 in the dK/dV kernel only) or by every thread's
+    cp.async (0): the same bytes land, rows past the sequence as zeros, so the gradients are bitwise
+    equal (deterministic mode, the suite's fixture: no atomics). Odd lengths reach the partial last
+    blocks of both kernels; a GQA group shares each kv head."""
+    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 333, d)
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 4, 203, device=DEV)
+
+    def grads(knob):
+        monkeypatch.setenv("FLASHMOD_BWD_TMA_LOADS", knob)
+        return fused_grads(q, k, v, grad_out, grad_lse, **options)
+
+    cp_async = grads("0")
+    for knob in ("1", "2"):
+        for name, x, y in zip(("dq", "dk", "dv"), grads(knob), cp_async):
+            assert torch.equal(x, y), (knob, name)
+    check_grads(q, k, v, **options)  # and within the rule against fp64 (the default loads)
+
+
 def test_fused_dq_follows_the_knob_walk_length_and_deterministic_mode(monkeypatch):
     """FLASHMOD_BWD_FUSED_DQ=1 takes the fused variant only where each key sees enough queries
     (>= 1024 without a window, >= 2048 with one, causal included), over >= 1024 keys, and with

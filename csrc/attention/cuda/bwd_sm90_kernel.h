@@ -30,11 +30,12 @@
 
 namespace flashmod::cuda_kernels::sm90 {
 
-// The tensor maps of the fused-dQ variant's per-step loads: q and grad_out as (batch, heads_q,
-// seqlen_q, head_dim) in boxes of 64 rows x 64 columns (tma_ops.h: encode_rows_tensor_map). Other
-// variants get an unused value.
-struct BwdQueryMaps {
-  CUtensorMap q, grad_out;
+// The tensor maps of a kernel's per-step loads through the copy engine (tma_ops.h:
+// encode_rows_tensor_map, boxes of a step's rows x 64 columns): the dK/dV kernel's q and
+// grad_out as (batch, heads_q, seqlen_q, head_dim), the dQ kernel's k and v as (batch, heads_kv,
+// seqlen_k, head_dim). Variants that copy with cp.async get an unused value.
+struct BwdStepMaps {
+  CUtensorMap first, second;
 };
 
 // Shared-memory stages of the tiles a kernel streams (Q_i/dO_i in dK/dV, K_j/V_j in dQ), and how
@@ -201,11 +202,11 @@ constexpr bool additive_fast_variant() {
 // variant that the other soft caps and masks take, the plain code beside the general one spilled
 // (D = 128 dK/dV: 20 bytes; soft-capped fwd+bwd 3-4 % slower).
 // kTmaLoads: the step loads of kBwdFusedDQ's (Q_i, dO_i and their row statistics through the
-// copy engine, maps as BwdQueryMaps) in a plain dense variant.
+// copy engine, maps as BwdStepMaps) in a plain dense variant.
 template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast, bool kTmaLoads = false>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st,
-                                   const __grid_constant__ BwdQueryMaps maps) {
+                                   const __grid_constant__ BwdStepMaps maps) {
 #ifdef FLASHMOD_SM90A
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
@@ -286,9 +287,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 #pragma unroll
         for (int cb = 0; cb < D / 64; ++cb) {
           const uint32_t box = stage * Tr::kSmemQ + cb * Br * 128;
-          tma_load_4d(sQ_addr0 + box, &maps.q, cb * 64, static_cast<int>(r0), static_cast<int>(h),
-                      static_cast<int>(b), bar);
-          tma_load_4d(sdO_addr0 + box, &maps.grad_out, cb * 64, static_cast<int>(r0),
+          tma_load_4d(sQ_addr0 + box, &maps.first, cb * 64, static_cast<int>(r0),
+                      static_cast<int>(h), static_cast<int>(b), bar);
+          tma_load_4d(sdO_addr0 + box, &maps.second, cb * 64, static_cast<int>(r0),
                       static_cast<int>(h), static_cast<int>(b), bar);
         }
         const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
@@ -555,9 +556,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 #endif
 }
 
-template <class Tr, bool kGeneral, bool kExtents, int kFast>
+// kTmaLoads (plain dense variants): each key block's K_j / V_j through the copy engine (maps over
+// k and v), completing on its stage's "full" mbarrier, as the dK/dV kernel's step loads.
+template <class Tr, bool kGeneral, bool kExtents, int kFast, bool kTmaLoads = false>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
-    attention_bwd_dq_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st) {
+    attention_bwd_dq_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st,
+                                 const __grid_constant__ BwdStepMaps maps) {
 #ifdef FLASHMOD_SM90A
   static_assert(kFast == kBwdFastNone || (kGeneral && !kExtents), "fast paths: general, dense");
   constexpr bool kMask = kFast == kBwdFastMask || kFast == kBwdFastAdditive;
@@ -579,6 +583,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const uint32_t sK_addr0 = sdO_addr + Tr::kSmemQ;                // kStages stages
   const uint32_t sV_addr0 = sK_addr0 + kStages * Tr::kSmemKV;     // kStages stages
   const uint32_t sMask_addr0 = sV_addr0 + kStages * Tr::kSmemKV;  // stage_mask: kStages tiles
+  static_assert(!kTmaLoads || (!kGeneral && !kExtents && !Tr::kOverlap), "plain dense variants");
+  const uint32_t full_bar0 = sMask_addr0;  // kTmaLoads: the stages' mbarriers
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
   const int g = lane >> 2, t = lane & 3;
@@ -601,6 +607,21 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const Sw128TileCopy<Br, D, kThreads> q_copy(tid, head_dim);
   const Sw128TileCopy<Bc, D, kThreads> kv_copy(tid, head_dim);
   auto load_kv = [&](int n, int stage) {
+    if constexpr (kTmaLoads) {
+      if (tid == 0) {  // rows past seqlen_k arrive as zeros, as the cp.async zero fill leaves them
+        const uint32_t bar = full_bar0 + 8 * stage;
+        mbarrier_arrive_expect_tx(bar, 2 * Tr::kSmemKV);
+#pragma unroll
+        for (int cb = 0; cb < D / 64; ++cb) {
+          const uint32_t box = stage * Tr::kSmemKV + cb * Bc * 128;
+          tma_load_4d(sK_addr0 + box, &maps.first, cb * 64, n * Bc, static_cast<int>(hk),
+                      static_cast<int>(b), bar);
+          tma_load_4d(sV_addr0 + box, &maps.second, cb * 64, n * Bc, static_cast<int>(hk),
+                      static_cast<int>(b), bar);
+        }
+      }
+      return;
+    }
     const int valid = min(Bc, Nk - n * Bc);
     const int64_t row0 = static_cast<int64_t>(n) * Bc;
     kv_copy.load(sK_addr0 + stage * Tr::kSmemKV, gkv.k + row0 * p.k_row_stride, p.k_row_stride,
@@ -612,6 +633,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     }
   };
 
+  if constexpr (kTmaLoads) {
+    if (tid == 0) {
+      for (int stage = 0; stage < kStages; ++stage) mbarrier_init(full_bar0 + 8 * stage, 1);
+      fence_mbarrier_init();  // before this thread's first copy completes on one
+    }
+  }
   // One cp.async group per key block (the first also holds Q_i, dO_i), committed even when empty.
   q_copy.load(sQ_addr, gq.q, p.q_row_stride, rows_q);
   q_copy.load(sdO_addr, gq.grad_out, p.grad_out_row_stride, rows_q);
@@ -638,10 +665,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   if constexpr (!Tr::kOverlap) zero(dQ);  // kOverlap: written first by the first block's product
   uint32_t da[Bc / 16][4];  // dS packed; with kOverlap live until the next block's wait
 
+  if constexpr (kTmaLoads) {
+    cp_async_wait<0>();        // Q_i, dO_i: the only cp.async copies
+    fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
+  }
   for (int n = range.lo, stage = 0; n < range.hi;
        ++n, stage = stage + 1 < kStages ? stage + 1 : 0) {
-    cp_async_wait<kAhead - 1>();
-    fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
+    if constexpr (!kTmaLoads) {
+      cp_async_wait<kAhead - 1>();
+      fence_proxy_async_smem();  // this thread's copies -> visible to wgmma
+    }
     // Publishes K_j/V_j (and Q_i, dO_i at the first block) copied by every thread, and every
     // warp is done with the stage the prefetch below overwrites (block n - 1's; n - 2's with
     // kOverlap, whose dQ wgmma each warp waited for during block n - 1).
@@ -650,7 +683,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       const int ahead = stage + kAhead;
       load_kv(n + kAhead, ahead < kStages ? ahead : ahead - kStages);
     }
-    cp_async_commit();
+    if constexpr (kTmaLoads) {
+      // Block n's K_j / V_j have landed; the stage's barrier completes once per kStages blocks.
+      mbarrier_wait(full_bar0 + 8 * stage, ((n - range.lo) / kStages) & 1);
+    } else {
+      cp_async_commit();
+    }
     // Read ahead of the products, so the mask bytes' latency hides under them.
     const bool plain_keys = plain_key_block<kGeneral, kMask, Br, Bc>(p, b, h, tile.m_block, n);
 

@@ -42,7 +42,7 @@ struct BwdConfigSm90 {
 // rows (the kernel's stages then end in their mbarriers).
 template <class KV, bool kGeneral, int kWhich, bool kExtents, int kFast, bool kTmaLoads = false>
 cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream,
-                        const BwdQueryMaps& maps = {}) {
+                        const BwdStepMaps& maps = {}) {
   const int64_t blocks = bwd_dkdv_ctas(p, KV::Bc);
   constexpr bool kStageMask = dkdv_stages_mask<KV, kGeneral, kWhich, kExtents, kFast>();
   const int64_t smem = KV::kSmemBytes + (kTmaLoads ? 8 * KV::kStages : 0) +
@@ -52,16 +52,23 @@ cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cuda
       KV::kNThreads, smem, stream, p, st, maps);
 }
 
-// Maps over q and grad_out as (batch, heads_q, seqlen_q, head_dim) in boxes of `rows` rows x 64
-// columns (BwdQueryMaps); false where TMA cannot take either (tma_ops.h).
+// The maps of BwdStepMaps in boxes of box_rows rows x 64 columns: over q and grad_out as (batch,
+// heads_q, seqlen_q, head_dim) for the dK/dV kernel, over k and v as (batch, heads_kv, seqlen_k,
+// head_dim) with `keys` for the dQ kernel; false where TMA cannot take either (tma_ops.h).
 template <typename Elem>
-bool encode_bwd_query_maps(const AttentionBwdParams& p, int rows, BwdQueryMaps& maps) {
+bool encode_bwd_step_maps(const AttentionBwdParams& p, bool keys, int box_rows, BwdStepMaps& maps) {
   constexpr bool kBf16 = std::is_same_v<Elem, __nv_bfloat16>;
-  return encode_rows_tensor_map(&maps.q, kBf16, p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim,
-                                p.q_batch_stride, p.q_head_stride, p.q_row_stride, rows) &&
-         encode_rows_tensor_map(&maps.grad_out, kBf16, p.grad_out, p.batch, p.heads_q, p.seqlen_q,
-                                p.head_dim, p.grad_out_batch_stride, p.grad_out_head_stride,
-                                p.grad_out_row_stride, rows);
+  const int64_t heads = keys ? p.heads_kv : p.heads_q, rows = keys ? p.seqlen_k : p.seqlen_q;
+  if (keys)
+    return encode_rows_tensor_map(&maps.first, kBf16, p.k, p.batch, heads, rows, p.head_dim,
+                                  p.k_batch_stride, p.k_head_stride, p.k_row_stride, box_rows) &&
+           encode_rows_tensor_map(&maps.second, kBf16, p.v, p.batch, heads, rows, p.head_dim,
+                                  p.v_batch_stride, p.v_head_stride, p.v_row_stride, box_rows);
+  return encode_rows_tensor_map(&maps.first, kBf16, p.q, p.batch, heads, rows, p.head_dim,
+                                p.q_batch_stride, p.q_head_stride, p.q_row_stride, box_rows) &&
+         encode_rows_tensor_map(&maps.second, kBf16, p.grad_out, p.batch, heads, rows, p.head_dim,
+                                p.grad_out_batch_stride, p.grad_out_head_stride,
+                                p.grad_out_row_stride, box_rows);
 }
 
 // grad_q = scale * dq_accum, the fused variant's fp32 sums. A thread per 16 bytes of a sum tile,
@@ -110,7 +117,7 @@ __global__ void __launch_bounds__(256)
 // added by red.global.add.v4 from the registers 3.45 ms; without adding them at all 2.07.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& st,
-                                const BwdQueryMaps& maps, cudaStream_t stream) {
+                                const BwdStepMaps& maps, cudaStream_t stream) {
   using KV = BwdKVTraitsSm90<Elem, kHeadDim, 2, 64, 1, 3>;
   // + the step's dS^T (its base aligned up to 1 KB), each warpgroup's dQ tile and the stages'
   // mbarriers
@@ -127,10 +134,12 @@ cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& 
                              blocks < 65536 ? blocks : 65536, 256, 0, stream, p, st);
 }
 
-// The dQ kernel of the seven-matmul backward.
+// The dQ kernel of the seven-matmul backward; kTmaLoads: its key blocks through the copy engine,
+// maps over k and v in boxes of Q::Bc rows.
 template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
-          int kFast = kBwdFastNone>
-cudaError_t launch_dq(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
+          int kFast = kBwdFastNone, bool kTmaLoads = false>
+cudaError_t launch_dq(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream,
+                      const BwdStepMaps& maps = {}) {
   using Q = typename BwdConfigSm90<Elem, kHeadDim, kTile>::Q;
   const int64_t q_blocks = bwd_dq_ctas(p, Q::Br);
   // The dQ kernel's staged mask tiles (additive_fast_variant, bwd_stages_mask): one per stage.
@@ -139,10 +148,10 @@ cudaError_t launch_dq(const AttentionBwdParams& p, const BwdRowStats& st, cudaSt
       !kQStages ||
           Q::kMinBlocks * (Q::kSmemBytes + Q::kStages * Q::Br * Q::Bc * 2 + 1024) <= 228 * 1024,
       "the staged mask tiles keep kMinBlocks CTAs per SM");
-  const int64_t q_smem =
-      Q::kSmemBytes + (kQStages && bwd_stages_mask(p, st) ? Q::kStages * Q::Br * Q::Bc * 2 : 0);
-  return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral, kExtents, kFast>, q_blocks,
-                             Q::kNThreads, q_smem, stream, p, st);
+  const int64_t q_smem = Q::kSmemBytes + (kTmaLoads ? 8 * Q::kStages : 0) +
+                         (kQStages && bwd_stages_mask(p, st) ? Q::kStages * Q::Br * Q::Bc * 2 : 0);
+  return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral, kExtents, kFast, kTmaLoads>,
+                             q_blocks, Q::kNThreads, q_smem, stream, p, st, maps);
 }
 
 template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
@@ -154,16 +163,17 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
                 kBwdSm90Tiles[kTile].is_default) {
     // The fused variant's loads need tensor maps over q and grad_out (16-byte aligned bases and
     // strides); where TMA cannot take them, the seven-matmul kernels run (its sums go unused).
-    BwdQueryMaps fused_maps;
-    if (st.dq_accum != nullptr && encode_bwd_query_maps<Elem>(p, 64, fused_maps))
+    BwdStepMaps fused_maps;
+    if (st.dq_accum != nullptr && encode_bwd_step_maps<Elem>(p, false, 64, fused_maps))
       return launch_bwd_fused_dq<Elem, kHeadDim>(p, st, fused_maps, stream);
   }
   cudaError_t err;
   // Plain dense variants load their steps through the copy engine where TMA takes q and grad_out
-  // (FLASHMOD_BWD_TMA_LOADS=0: cp.async, for measurements).
-  BwdQueryMaps maps;
+  // (and the dQ kernel its key blocks where it takes k and v); BwdRowStats::tma_loads says
+  // otherwise for measurements.
+  BwdStepMaps maps;
   if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone && !KV::kOverlap) {
-    if (st.tma_loads && encode_bwd_query_maps<Elem>(p, KV::Br, maps)) {
+    if (st.tma_loads && encode_bwd_step_maps<Elem>(p, false, KV::Br, maps)) {
       if constexpr (Cfg::kSplit == 1) {
         err = launch_dkdv<KV, false, kBwdOnlyDV, false, kBwdFastNone, true>(p, st, stream, maps);
         if (err == cudaSuccess)
@@ -173,8 +183,15 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
       } else {
         err = launch_dkdv<KV, false, kBwdBoth, false, kBwdFastNone, true>(p, st, stream, maps);
       }
-      return err == cudaSuccess ? launch_dq<Elem, kHeadDim, kTile, false, false>(p, st, stream)
-                                : err;
+      if (err != cudaSuccess) return err;
+      using Q = typename Cfg::Q;
+      BwdStepMaps key_maps;
+      if constexpr (!Q::kOverlap) {
+        if (st.tma_loads == 1 && encode_bwd_step_maps<Elem>(p, true, Q::Bc, key_maps))
+          return launch_dq<Elem, kHeadDim, kTile, false, false, kBwdFastNone, true>(p, st, stream,
+                                                                                    key_maps);
+      }
+      return launch_dq<Elem, kHeadDim, kTile, false, false>(p, st, stream);
     }
   }
   if constexpr (Cfg::kSplit == 1) {

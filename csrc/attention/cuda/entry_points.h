@@ -174,8 +174,9 @@ struct BwdRowStats {
   // order (bwd_sm90_kernel.h: dq_tile_offset). nullptr: dQ by its own kernel (no atomics: bitwise
   // reproducible).
   float* dq_accum = nullptr;
-  // The Hopper dK/dV kernels' step loads through the copy engine (bwd_sm90_launch.h); 0:
-  // FLASHMOD_BWD_TMA_LOADS=0, every thread's cp.async (plain variants; for measurements).
+  // The Hopper backward's step loads through the copy engine in its plain variants
+  // (bwd_sm90_launch.h), FLASHMOD_BWD_TMA_LOADS: 1 (the default) in the dK/dV and dQ kernels, 2 in
+  // the dK/dV kernel only, 0 in neither (every thread's cp.async; for measurements).
   int tma_loads = 1;
 };
 

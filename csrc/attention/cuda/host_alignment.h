@@ -133,7 +133,7 @@ inline cuda_kernels::BwdRowStats allocate_bwd_row_stats(const AttentionBwdParams
   st.lse2 = storage[0].data_ptr<float>();
   st.delta = storage[1].data_ptr<float>();
   st.additive_fast = env_flag("FLASHMOD_BWD_ADDITIVE_FAST", true);
-  st.tma_loads = env_flag("FLASHMOD_BWD_TMA_LOADS", true);
+  st.tma_loads = static_cast<int>(env_int("FLASHMOD_BWD_TMA_LOADS", 1));
   return st;
 }
 
