@@ -23,7 +23,11 @@
 //     -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ \
 //     -gencode=arch=compute_90a,code=sm_90a -o /tmp/decode_timeline tools/decode_timeline.cu \
 //     && /tmp/decode_timeline [cache tokens, default 4096,16384] [splits, default 0,2,8; 0: the
-//     heuristic]
+//     heuristic] [warm]
+// With "warm", every timed call follows (after the L2 flush) a call of the same kernel on a small
+// cache of its own (B 1, 256 tokens, 2 splits): the kernel's machine code is then in L2 and the
+// SMs' instruction caches, its data is not. The difference to the cold rows is what fetching the
+// code costs a step.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -84,11 +88,14 @@ float median(std::vector<float> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const bool warm_code = argc > 3 && std::strcmp(argv[3], "warm") == 0;
   const auto lists = parse_lists(argc, argv);
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s, %d SMs; decode B %d, %d/%d heads, D %d, bf16, cold L2, median of 30 calls\n",
-              prop.name, prop.multiProcessorCount, kBatch, kHeadsQ, kHeadsKv, kDim);
+  std::printf("%s, %d SMs; decode B %d, %d/%d heads, D %d, bf16, cold L2, %s code, median of 30 "
+              "calls\n",
+              prop.name, prop.multiProcessorCount, kBatch, kHeadsQ, kHeadsKv, kDim,
+              warm_code ? "warm" : "cold");
   const ColdL2 cold_l2(prop);
   Arena arena;
   arena.size = 256 << 20;
@@ -148,6 +155,22 @@ int main(int argc, char** argv) {
     }
     fk::FwdLaunchFlags flags{};
     flags.out_vec16 = 1;
+    // The warm-up call's problem: the same packed layout on small buffers of its own.
+    constexpr int kWarmTokens = 256;
+    flashmod::AttentionParams p_warm = p;
+    const size_t warm_kv_elems = size_t(kWarmTokens) * kHeadsKv * kDim;
+    void *warm_q, *warm_k, *warm_v, *warm_out, *warm_lse;
+    CHECK(cudaMalloc(&warm_q, kHeadsQ * kDim * 2));
+    CHECK(cudaMalloc(&warm_k, warm_kv_elems * 2));
+    CHECK(cudaMalloc(&warm_v, warm_kv_elems * 2));
+    CHECK(cudaMalloc(&warm_out, kHeadsQ * kDim * 2));
+    CHECK(cudaMalloc(&warm_lse, kHeadsQ * 4));
+    CHECK(cudaMemset(warm_q, 0, kHeadsQ * kDim * 2));
+    CHECK(cudaMemset(warm_k, 0, warm_kv_elems * 2));
+    CHECK(cudaMemset(warm_v, 0, warm_kv_elems * 2));
+    p_warm.q = warm_q, p_warm.k = warm_k, p_warm.v = warm_v, p_warm.out = warm_out;
+    p_warm.lse = static_cast<float*>(warm_lse);
+    p_warm.batch = 1, p_warm.seqlen_k = kWarmTokens, p_warm.diag_offset = kWarmTokens - 1;
 
     std::printf("\n%d tokens: %.1f MB of K/V\n", tokens, kv_bytes / 1e6);
     std::printf("%-7s %5s %8s %6s %8s %7s %26s %6s %14s\n", "splits", "CTAs", "step us", "of cp",
@@ -218,6 +241,13 @@ int main(int argc, char** argv) {
       for (int rep = 0; rep < 33; ++rep) {
         CHECK(cudaMemset(timeline, 0, sizeof(fk::CtaTimelineEntry) * fk::kTimelineMaxCtas));
         cold_l2.flush();
+        if (warm_code) {
+          fk::DecodeOptions warm_opt = opt;
+          warm_opt.forced_splits = 2;
+          arena.used = 0;
+          CHECK((fk::run_attention_fwd_decode<__nv_bfloat16, kDim>(p_warm, flags, warm_opt, ws,
+                                                                   nullptr)));
+        }
         CHECK(cudaEventRecord(start));
         launch();
         CHECK(cudaEventRecord(stop));
@@ -337,6 +367,7 @@ int main(int argc, char** argv) {
     for (void* ptr : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
                       static_cast<void*>(out), static_cast<void*>(lse), copy_dst})
       CHECK(cudaFree(ptr));
+    for (void* ptr : {warm_q, warm_k, warm_v, warm_out, warm_lse}) CHECK(cudaFree(ptr));
   }
   return 0;
 }
