@@ -92,10 +92,11 @@ int main(int argc, char** argv) {
   const auto lists = parse_lists(argc, argv);
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s, %d SMs; decode B %d, %d/%d heads, D %d, bf16, cold L2, %s code, median of 30 "
-              "calls\n",
-              prop.name, prop.multiProcessorCount, kBatch, kHeadsQ, kHeadsKv, kDim,
-              warm_code ? "warm" : "cold");
+  std::printf(
+      "%s, %d SMs; decode B %d, %d/%d heads, D %d, bf16, cold L2, %s code, median of 30 "
+      "calls\n",
+      prop.name, prop.multiProcessorCount, kBatch, kHeadsQ, kHeadsKv, kDim,
+      warm_code ? "warm" : "cold");
   const ColdL2 cold_l2(prop);
   Arena arena;
   arena.size = 256 << 20;
