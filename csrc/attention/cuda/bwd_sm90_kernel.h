@@ -7,9 +7,14 @@
 // The accumulator layout is the mma.sync one, so the per-element score transform and gradient
 // (bwd_common.h) are shared with the portable kernels. One variant of the dK/dV kernel
 // (kBwdFusedDQ, D = 128) also takes each step's dQ partial and has the copy engine add it into
-// fp32 sums: five matmuls per block pair instead of seven, but not bitwise reproducible. That
-// variant also loads each step's Q_i / dO_i and row statistics through the copy engine (tensor
-// maps, one thread issuing, a "full" mbarrier per stage) instead of every thread's cp.async.
+// fp32 sums: five matmuls per block pair instead of seven, but not bitwise reproducible.
+// The streamed tiles (Q_i, dO_i and their row statistics in the dK/dV kernel, K_j and V_j in the dQ
+// kernel) come through the copy engine in that variant and in the plain dense ones (kTmaLoads:
+// tensor maps, one thread issuing, a "full" mbarrier per stage), through every thread's cp.async
+// in the others. Each thread's ten or more 16-byte copies a step waited on the load unit before
+// they released their registers (Nsight Compute: 6 % of the fused variant's stall samples at the
+// first instruction after them); the copy engine's loads were 5-19 % faster forward + backward
+// (H100; benchmarks/results/design/cuda-backward.md, session 30).
 #pragma once
 
 #include <math_constants.h>
