@@ -34,6 +34,9 @@
 //                                     >= 1024, windowed >= 2048; backward_dispatch.h) with
 //                                     deterministic algorithms off (default), 0 never, 2
 //                                     wherever it applies
+//   FLASHMOD_BWD_TMA_LOADS=0|1|2      the Hopper backward's plain kernels load their steps through
+//                                     the copy engine: 1 in the dK/dV and dQ kernels (default),
+//                                     2 in the dK/dV kernel only, 0 in neither (cp.async)
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
 //                                     BWD_SM90_TILES); a name not built for the head dim is an
 //                                     error

@@ -188,6 +188,9 @@ def test_copy_engine_step_loads_equal_cp_async(monkeypatch, d, options):
     for knob in ("1", "2"):
         for name, x, y in zip(("dq", "dk", "dv"), grads(knob), cp_async):
             assert torch.equal(x, y), (knob, name)
+    with pytest.raises(RuntimeError, match="FLASHMOD_BWD_TMA_LOADS must be 0, 1 or 2, got 3"):
+        grads("3")
+    monkeypatch.delenv("FLASHMOD_BWD_TMA_LOADS")
     check_grads(q, k, v, **options)  # and within the rule against fp64 (the default loads)
 
 

@@ -311,10 +311,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   };
 
   if constexpr (kTmaSteps) {
-    if (tid == 0) {
-      for (int stage = 0; stage < kStages; ++stage) mbarrier_init(full_bar0 + 8 * stage, 1);
-      fence_mbarrier_init();  // before this thread's first copy completes on one
-    }
+    if (tid == 0) init_stage_barriers(full_bar0, kStages, 1);
   }
   // One cp.async group per step (the first also holds K_j, V_j), committed even when empty so
   // that a step's group is always kAhead - 1 groups behind the newest.
@@ -639,10 +636,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   };
 
   if constexpr (kTmaLoads) {
-    if (tid == 0) {
-      for (int stage = 0; stage < kStages; ++stage) mbarrier_init(full_bar0 + 8 * stage, 1);
-      fence_mbarrier_init();  // before this thread's first copy completes on one
-    }
+    if (tid == 0) init_stage_barriers(full_bar0, kStages, 1);
   }
   // One cp.async group per key block (the first also holds Q_i, dO_i), committed even when empty.
   q_copy.load(sQ_addr, gq.q, p.q_row_stride, rows_q);

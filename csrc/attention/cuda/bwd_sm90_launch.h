@@ -167,26 +167,33 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
     if (st.dq_accum != nullptr && encode_bwd_step_maps<Elem>(p, false, 64, fused_maps))
       return launch_bwd_fused_dq<Elem, kHeadDim>(p, st, fused_maps, stream);
   }
-  cudaError_t err;
+  // The dK/dV launches of the tile's split (one warpgroup for both, a launch each, or a warpgroup
+  // each), with the step loads of kTma.
+  auto launch_dkdv_set = [&](auto tma, const BwdStepMaps& maps) {
+    constexpr bool kTma = decltype(tma)::value;
+    if constexpr (Cfg::kSplit == 1) {
+      const cudaError_t err =
+          launch_dkdv<KV, kGeneral, kBwdOnlyDV, kExtents, kFast, kTma>(p, st, stream, maps);
+      return err != cudaSuccess ? err
+                                : launch_dkdv<KV, kGeneral, kBwdOnlyDK, kExtents, kFast, kTma>(
+                                      p, st, stream, maps);
+    } else if constexpr (Cfg::kSplit == 2) {
+      return launch_dkdv<KV, kGeneral, kBwdPair, kExtents, kFast, kTma>(p, st, stream, maps);
+    } else {
+      return launch_dkdv<KV, kGeneral, kBwdBoth, kExtents, kFast, kTma>(p, st, stream, maps);
+    }
+  };
   // Plain dense variants load their steps through the copy engine where TMA takes q and grad_out
   // (and the dQ kernel its key blocks where it takes k and v); BwdRowStats::tma_loads says
   // otherwise for measurements.
-  BwdStepMaps maps;
   if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone && !KV::kOverlap) {
+    BwdStepMaps maps;
     if (st.tma_loads && encode_bwd_step_maps<Elem>(p, false, KV::Br, maps)) {
-      if constexpr (Cfg::kSplit == 1) {
-        err = launch_dkdv<KV, false, kBwdOnlyDV, false, kBwdFastNone, true>(p, st, stream, maps);
-        if (err == cudaSuccess)
-          err = launch_dkdv<KV, false, kBwdOnlyDK, false, kBwdFastNone, true>(p, st, stream, maps);
-      } else if constexpr (Cfg::kSplit == 2) {
-        err = launch_dkdv<KV, false, kBwdPair, false, kBwdFastNone, true>(p, st, stream, maps);
-      } else {
-        err = launch_dkdv<KV, false, kBwdBoth, false, kBwdFastNone, true>(p, st, stream, maps);
-      }
+      const cudaError_t err = launch_dkdv_set(std::true_type{}, maps);
       if (err != cudaSuccess) return err;
       using Q = typename Cfg::Q;
-      BwdStepMaps key_maps;
       if constexpr (!Q::kOverlap) {
+        BwdStepMaps key_maps;
         if (st.tma_loads == 1 && encode_bwd_step_maps<Elem>(p, true, Q::Bc, key_maps))
           return launch_dq<Elem, kHeadDim, kTile, false, false, kBwdFastNone, true>(p, st, stream,
                                                                                     key_maps);
@@ -194,15 +201,7 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
       return launch_dq<Elem, kHeadDim, kTile, false, false>(p, st, stream);
     }
   }
-  if constexpr (Cfg::kSplit == 1) {
-    err = launch_dkdv<KV, kGeneral, kBwdOnlyDV, kExtents, kFast>(p, st, stream);
-    if (err == cudaSuccess)
-      err = launch_dkdv<KV, kGeneral, kBwdOnlyDK, kExtents, kFast>(p, st, stream);
-  } else if constexpr (Cfg::kSplit == 2) {
-    err = launch_dkdv<KV, kGeneral, kBwdPair, kExtents, kFast>(p, st, stream);
-  } else {
-    err = launch_dkdv<KV, kGeneral, kBwdBoth, kExtents, kFast>(p, st, stream);
-  }
+  const cudaError_t err = launch_dkdv_set(std::false_type{}, BwdStepMaps{});
   if (err != cudaSuccess) return err;
   return launch_dq<Elem, kHeadDim, kTile, kGeneral, kExtents, kFast>(p, st, stream);
 }

@@ -173,7 +173,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   if constexpr (kKvTma) {
     if (kv_tma) {
       tma_end = new_from / Bc;
-      if (tid == 0) init_kv_tma_barriers(kv_bar0, Tr::kStages, Bc / maps.box_rows);
+      // One arrival per page of a key block (load_kv_pages_tma).
+      if (tid == 0) init_stage_barriers(kv_bar0, Tr::kStages, Bc / maps.box_rows);
       // The barriers are initialized before any other thread issues a copy that completes on one.
       __syncthreads();
     }

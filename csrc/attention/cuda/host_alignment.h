@@ -133,7 +133,10 @@ inline cuda_kernels::BwdRowStats allocate_bwd_row_stats(const AttentionBwdParams
   st.lse2 = storage[0].data_ptr<float>();
   st.delta = storage[1].data_ptr<float>();
   st.additive_fast = env_flag("FLASHMOD_BWD_ADDITIVE_FAST", true);
-  st.tma_loads = static_cast<int>(env_int("FLASHMOD_BWD_TMA_LOADS", 1));
+  const int64_t tma_loads = env_int("FLASHMOD_BWD_TMA_LOADS", 1);
+  TORCH_CHECK(tma_loads >= 0 && tma_loads <= 2,
+              error_message("FLASHMOD_BWD_TMA_LOADS must be 0, 1 or 2, got ", tma_loads));
+  st.tma_loads = static_cast<int>(tma_loads);
   return st;
 }
 

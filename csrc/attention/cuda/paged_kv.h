@@ -246,14 +246,6 @@ __device__ __forceinline__ void load_kv_pages_tma(const KvTensorMaps& maps, uint
 #endif  // other targets never take this path (the decode kernel's kKvTma)
 }
 
-// The stages' mbarriers of load_kv_pages_tma (one arrival per page of a key block), by one thread.
-__device__ __forceinline__ void init_kv_tma_barriers(uint32_t bar0, int stages, int arrivals) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  for (int s = 0; s < stages; ++s) mbarrier_init(bar0 + 8 * s, arrivals);
-  fence_mbarrier_init();  // visible to the copy engine before the first copy completes on one
-#endif
-}
-
 // Until the copies of the stage's round with this parity have landed (every thread that reads
 // the tile waits itself: the mbarrier makes the copy engine's writes visible to it).
 __device__ __forceinline__ void wait_kv_tma(uint32_t bar, uint32_t parity) {

@@ -123,4 +123,14 @@ __device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
 
 #endif  // __CUDA_ARCH__ >= 900
 
+// The "full" mbarriers of `stages` buffers that the copy engine fills, 8 bytes apart from bar0,
+// each completing after `arrivals` arrivals and their bytes; by one thread, before its first copy.
+// Declared for every target, so that code paths only sm_90 takes compile elsewhere.
+__device__ __forceinline__ void init_stage_barriers(uint32_t bar0, int stages, int arrivals) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  for (int s = 0; s < stages; ++s) mbarrier_init(bar0 + 8 * s, arrivals);
+  fence_mbarrier_init();  // visible to the copy engine before the first copy completes on one
+#endif
+}
+
 }  // namespace flashmod::cuda_kernels
