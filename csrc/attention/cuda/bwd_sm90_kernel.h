@@ -231,22 +231,28 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   constexpr int kStages = Tr::kStages, kAhead = Tr::kAhead;
   const uint32_t sQ_addr0 = sV_addr + Tr::kSmemKV;             // kStages stages
   const uint32_t sdO_addr0 = sQ_addr0 + kStages * Tr::kSmemQ;  // kStages stages
-  float* sL = reinterpret_cast<float*>(smem_raw + (sdO_addr0 + kStages * Tr::kSmemQ - raw_addr));
+  // kBwdFusedDQ: two steps' dS^T, Bc key rows x Br queries each (128-byte rows, swizzled), the A
+  // operand of dQ_i += dS_i K_j read MN-major (step s writes one while step s - 1's dQ product
+  // reads the other); then a dQ tile per warpgroup (dq_tile_offset's layout) that the copy engine
+  // adds into the sums while the next step runs. Every swizzled tile sits at a multiple of 1 KB
+  // from sK; the row statistics and the barriers come after them (the 512-byte gap that aligning
+  // sdS behind the statistics cost would not fit 227 KB).
+  constexpr bool kFusedDQ = kWhich == kBwdFusedDQ;
+  constexpr uint32_t kSdSBytes = Bc * Br * 2;
+  const uint32_t sdS_addr = sdO_addr0 + kStages * Tr::kSmemQ;
+  const uint32_t sdQ_addr = sdS_addr + 2 * kSdSBytes;
+  const uint32_t stats_addr = kFusedDQ ? sdQ_addr + 2 * kDQTileFloats * 4 : sdS_addr;
+  float* sL = reinterpret_cast<float*>(smem_raw + (stats_addr - raw_addr));
   float* sDelta = sL + kStages * Br;
   // kStageMask: one Br x Bc mask tile, the step's (staged_mask.h), refilled for the next step once
   // every warp has read it (a second stage would not fit two CTAs per SM at D = 128).
   const uint32_t sMask_addr = smem_addr(sDelta + kStages * Br);
-  // kBwdFusedDQ (no staged mask): the step's dS^T, Bc key rows x Br queries (128-byte rows,
-  // swizzled), the A operand of dQ_i += dS_i K_j read MN-major; then a dQ tile per warpgroup
-  // (dq_tile_offset's layout) that the copy engine adds into the sums while the next step runs.
-  const uint32_t sdS_addr = (sMask_addr + 1023) & ~1023u;  // the swizzle atom's alignment
-  const uint32_t sdQ_addr = sdS_addr + Bc * Br * 2;
   // kBwdFusedDQ and kTmaLoads: each Q_i / dO_i stage's "full" mbarrier (its copies' bytes), after
-  // the dQ tiles, or where a staged mask tile would be.
-  constexpr bool kTmaSteps = kWhich == kBwdFusedDQ || kTmaLoads;
+  // the row statistics, where a staged mask tile would be.
+  constexpr bool kTmaSteps = kFusedDQ || kTmaLoads;
   static_assert(!kTmaLoads || (!kExtents && !kStageMask && !Tr::kOverlap),
                 "dense rows, no staged mask, the plain pipeline");
-  const uint32_t full_bar0 = kWhich == kBwdFusedDQ ? sdQ_addr + 2 * kDQTileFloats * 4 : sMask_addr;
+  const uint32_t full_bar0 = sMask_addr;
   const auto staged_tile = [&] {
     if constexpr (kStageMask) {
       return MaskTile{sMask_addr, 0};
@@ -361,6 +367,64 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     // in flight) until the next step's wait.
     uint32_t pa[kDV ? Br / 16 : 1][4], da[kDK ? Br / 16 : 1][4];
 
+    // kDQ: step s's dQ product runs at step s + 1, after the loop-top barrier that already has
+    // both warpgroups' dS^T rows written, so the step needs no barrier of its own; the product
+    // and its adds then run under that step's score products. (Issued within the step behind a
+    // second CTA barrier, 15 % of the kernel's stall samples sat at that barrier: H100, N = 4k,
+    // design log, session 31.)
+    float dQ[kDQ ? 8 : 1][4];  // this warpgroup's 64 of dQ_i's columns
+    int64_t dq_h = 0;          // the head and query block of the dS^T tile the product reads
+    int dq_m = 0;
+    // dQ_i[:, 64 wg .. 64 wg + 63] = dS_i K_j[:, 64 wg ..]: A = the dS^T tile read MN-major
+    // (queries contiguous), B = the warpgroup's 64-column block of K_j read MN-major, k16 = 16
+    // keys.
+    auto issue_dq = [&](int tile) {
+      if constexpr (kDQ) {
+        const uint64_t ds_desc = sw128_desc(sdS_addr + tile * kSdSBytes, Bc * 128, 1024);
+        const uint64_t kb_desc = sw128_desc(sK_addr + warpgroup * Bc * 128, Bc * 128, 1024);
+        wgmma_fence();
+        WgmmaTT<Elem, 64>::ss_overwrite(dQ, ds_desc, kb_desc);
+#pragma unroll
+        for (int kk = 1; kk < Bc / 16; ++kk)
+          WgmmaTT<Elem, 64>::ss(dQ, desc_advance(ds_desc, kk * 2048),
+                                desc_advance(kb_desc, kk * 2048), 1);
+        wgmma_commit();
+      }
+    };
+    // This warpgroup's dQ partial through shared memory to the copy engine, which adds it into the
+    // sums while the next steps run (atomic adds from the warps' registers held the warps until the
+    // L2 took them: 3.45 ms against 2.07 without the sums at N = 4k). Each warp's 16 rows are 4 KB
+    // of their own, in the tile and in the sums (dq_tile_offset's layout), so each warp stages and
+    // adds its rows alone: no warpgroup barrier. (One add of the warpgroup's 16 KB behind two named
+    // barriers, the leader waiting for the previous add's read between them: forward + backward
+    // 1.5-5 % slower at D = 128, 1k-4k; session 30.)
+    auto add_dq = [&] {
+      if constexpr (kDQ) {
+        constexpr int kWarpFloats = kDQTileFloats / 4;
+        const uint32_t warp_addr =
+            sdQ_addr + (warpgroup * kDQTileFloats + (warp % 4) * kWarpFloats) * 4;
+        // The previous add has read the warp's rows. (It had a step to do so; a second tile per
+        // warpgroup, in place of the third stage of Q_i / dO_i, ran 10 % slower.)
+        if (lane == 0) tma_store_wait_read<0>();
+        __syncwarp();  // ... which every lane now knows
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni) {
+          const uint32_t words[4] = {__float_as_uint(dQ[ni][0]), __float_as_uint(dQ[ni][1]),
+                                     __float_as_uint(dQ[ni][2]), __float_as_uint(dQ[ni][3])};
+          sts_128(warp_addr + ni * 512 + lane * 16, words);
+        }
+        fence_proxy_async_smem();  // st.shared -> visible to the copy engine
+        __syncwarp();              // the warp's rows are all written
+        if (lane == 0) {
+          const int64_t rows_at =
+              dq_tile_offset(b * p.heads_q + dq_h, st.rows_padded / 64, dq_m, warpgroup);
+          bulk_reduce_add_f32(st.dq_accum + rows_at + (warp % 4) * kWarpFloats, warp_addr,
+                              kWarpFloats * 4);
+          tma_store_commit();
+        }
+      }
+    };
+
     StepCursor step{0, 0};  // the step s, and the step the prefetch loads next (s + kAhead)
     StepCursor ahead_step{0, 0};
     if (steps > kAhead) ahead_step = {kAhead / m_count, kAhead % m_count};
@@ -382,6 +446,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         load_step(ahead_step, ahead < kStages ? ahead : ahead - kStages);
         ahead_step.next(m_count);
       }
+      if constexpr (kDQ) {
+        if (s > 0) {  // step s - 1's dQ product and its adds, while this step's tiles land
+          issue_dq((s - 1) & 1);
+          wgmma_wait<0>();
+          pin_registers(dQ);
+          add_dq();
+        }
+      }
       if constexpr (kTmaSteps) {
         // Step s's Q_i, dO_i and row statistics have landed (visible to this thread and to its
         // wgmma); the stage's barrier completes once per kStages steps.
@@ -399,7 +471,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       const uint32_t stage_bytes = stage * Tr::kSmemQ;
 
       float St[NT][4], dPt[kDK ? NT : 1][4];
-      float dQ[kDQ ? 8 : 1][4];  // this warpgroup's 64 of dQ_i's columns
       wgmma_fence();
       wgmma_ss_first<Elem, Br, Tr::kOverlap>(St, k_desc, desc_advance(q_desc0, stage_bytes));
 #pragma unroll
@@ -459,30 +530,21 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
                                             Tr::kOverlap && s == 0);
       wgmma_commit();
       if constexpr (kDQ) {
-        // dS^T into this warpgroup's 64 rows of sdS: each 32-bit word of da is two queries of
-        // one key row (pack_a's layout: rows g / g + 8, queries 16 kk + 2 t (+ 8)).
+        // dS^T into this warpgroup's 64 rows of the step's tile: each 32-bit word of da is two
+        // queries of one key row (pack_a's layout: rows g / g + 8, queries 16 kk + 2 t (+ 8)).
+        // The tile was last read by step s - 2's dQ product, which each warpgroup waited for
+        // during step s - 1, before this step's loop-top barrier.
+        const uint32_t tile_addr = sdS_addr + (s & 1) * kSdSBytes;
 #pragma unroll
         for (int kk = 0; kk < Br / 16; ++kk)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = warp_row0 + g + 8 * (e & 1), chunk = 2 * kk + (e >> 1);
-            sts_32(sdS_addr + sw128_offset<Bc>(row, chunk) + 4 * t, da[kk][e]);
+            sts_32(tile_addr + sw128_offset<Bc>(row, chunk) + 4 * t, da[kk][e]);
           }
-        fence_proxy_async_smem();  // st.shared -> visible to wgmma
-        // Both warpgroups' dS^T rows are written before either reads all Bc of them. (sdS was
-        // last read by the previous step's dQ products, which each warpgroup waited for before
-        // this step's loop-top barrier.)
-        __syncthreads();
-        // dQ_i[:, 64 wg .. 64 wg + 63] = dS_i K_j[:, 64 wg ..]: A = sdS read MN-major (queries
-        // contiguous), B = the warpgroup's 64-column block of K_j read MN-major, k16 = 16 keys.
-        const uint64_t ds_desc = sw128_desc(sdS_addr, Bc * 128, 1024);
-        const uint64_t kb_desc = sw128_desc(sK_addr + warpgroup * Bc * 128, Bc * 128, 1024);
-        WgmmaTT<Elem, 64>::ss_overwrite(dQ, ds_desc, kb_desc);
-#pragma unroll
-        for (int kk = 1; kk < Bc / 16; ++kk)
-          WgmmaTT<Elem, 64>::ss(dQ, desc_advance(ds_desc, kk * 2048),
-                                desc_advance(kb_desc, kk * 2048), 1);
-        wgmma_commit();
+        fence_proxy_async_smem();  // st.shared -> visible to wgmma (after the next barrier)
+        dq_h = h;
+        dq_m = m;
       }
       if constexpr (!Tr::kOverlap) {
         wgmma_wait<0>();
@@ -490,39 +552,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         pin_registers(dK);
         pin_registers(pa);
         pin_registers(da);
-        if constexpr (kDQ) {
-          // This warpgroup's dQ partial through shared memory to the copy engine, which adds it
-          // into the sums while the next steps run (atomic adds from the warps' registers held
-          // the warps until the L2 took them: 3.45 ms against 2.07 without the sums at N = 4k).
-          pin_registers(dQ);
-          // Each warp's 16 rows are 4 KB of their own, in the tile and in the sums
-          // (dq_tile_offset's layout), so each warp stages and adds its rows alone: no warpgroup
-          // barrier. (One add of the warpgroup's 16 KB behind two named barriers, the leader
-          // waiting for the previous add's read between them: forward + backward 1.5-5 % slower at
-          // D = 128, 1k-4k; session 30.)
-          constexpr int kWarpFloats = kDQTileFloats / 4;
-          const uint32_t warp_addr =
-              sdQ_addr + (warpgroup * kDQTileFloats + (warp % 4) * kWarpFloats) * 4;
-          // Step s - 1's add has read the warp's rows. (It had this step to do so; a second tile
-          // per warpgroup, in place of the third stage of Q_i / dO_i, ran 10 % slower.)
-          if (lane == 0) tma_store_wait_read<0>();
-          __syncwarp();  // ... which every lane now knows
-#pragma unroll
-          for (int ni = 0; ni < 8; ++ni) {
-            const uint32_t words[4] = {__float_as_uint(dQ[ni][0]), __float_as_uint(dQ[ni][1]),
-                                       __float_as_uint(dQ[ni][2]), __float_as_uint(dQ[ni][3])};
-            sts_128(warp_addr + ni * 512 + lane * 16, words);
-          }
-          fence_proxy_async_smem();  // st.shared -> visible to the copy engine
-          __syncwarp();              // the warp's rows are all written
-          if (lane == 0) {
-            const int64_t rows_at =
-                dq_tile_offset(b * p.heads_q + h, st.rows_padded / 64, m, warpgroup);
-            bulk_reduce_add_f32(st.dq_accum + rows_at + (warp % 4) * kWarpFloats, warp_addr,
-                                kWarpFloats * 4);
-            tma_store_commit();
-          }
-        }
       }
     }
     if constexpr (Tr::kOverlap) {
@@ -534,6 +563,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     }
     cp_async_wait<0>();
     if constexpr (kDQ) {
+      if (steps > 0) {
+        __syncthreads();  // both warpgroups' dS^T rows of the last step are written
+        issue_dq((steps - 1) & 1);
+        wgmma_wait<0>();
+        pin_registers(dQ);
+        add_dq();
+      }
       if (lane == 0) tma_store_wait_all();  // the warp's last adds are done before the CTA exits
     }
     if (Tr::kOverlap && steps == 0) {  // no query sees these keys

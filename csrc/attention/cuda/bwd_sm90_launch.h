@@ -114,15 +114,16 @@ __global__ void __launch_bounds__(256)
 // block pair against the two kernels' seven. H100, bf16, B 4, H 16, N 4k, D 128 (design log,
 // session 28): dK/dV with dQ 3.00 ms + 0.12 (clearing and converting the sums) against dK/dV 2.18
 // + dQ 1.49; two stages of Q_i / dO_i with two dQ tiles per warpgroup 3.29 ms; the dQ partials
-// added by red.global.add.v4 from the registers 3.45 ms; without adding them at all 2.07.
+// added by red.global.add.v4 from the registers 3.45 ms; without adding them at all 2.07. Each
+// step's dQ product deferred to the next step, past its loop-top barrier instead of a barrier of
+// its own: forward + backward +4-11 % (session 31).
 template <typename Elem, int kHeadDim>
 cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& st,
                                 const BwdStepMaps& maps, cudaStream_t stream) {
   using KV = BwdKVTraitsSm90<Elem, kHeadDim, 2, 64, 1, 3>;
-  // + the step's dS^T (its base aligned up to 1 KB), each warpgroup's dQ tile and the stages'
-  // mbarriers
+  // + two steps' dS^T, each warpgroup's dQ tile and the stages' mbarriers (the kernel's layout)
   constexpr int64_t kSmem =
-      KV::kSmemBytes + 1024 + KV::Bc * KV::Br * 2 + 2 * kDQTileFloats * 4 + 8 * KV::kStages;
+      KV::kSmemBytes + 2 * KV::Bc * KV::Br * 2 + 2 * kDQTileFloats * 4 + 8 * KV::kStages;
   static_assert(kSmem <= 227 * 1024, "sm_90's per-block shared-memory limit");
   cudaError_t err = cuda::launch_kernel(
       attention_bwd_dkdv_sm90_kernel<KV, false, kBwdFusedDQ, false, kBwdFastNone>,
