@@ -56,8 +56,10 @@ inline int64_t bwd_queries_per_key(const AttentionBwdParams& p) {
 //   no window: N = 1k +2.4 % (GQA 32/8 +4 %), 2k +6 %, 4k-16k +8-11 % (GQA 4k +8 %);
 //   causal: 1k -7 % (GQA -8 %), 2k -1 %, 4k +4 % (GQA +0.6 %), 8k-16k +7-10 %;
 //   causal band of 1024 queries: -4 % at 4k and 16k.
-// (Session 30 sped up both paths, the fused one by 7-12 % and the seven-matmul one by up to 11 %
-// at short causal walks; the rule has not been re-measured since: design log, session 30.)
+// Re-measured after sessions 30-31 sped up both paths (H200, same process, fused / seven matmuls):
+// no window 1k 1.06, 2k 1.10, 4k-16k 1.13-1.15 (GQA 1k 1.09, 4k 1.14); causal 1k 0.96, 2k 1.01,
+// 4k 1.08, 8k-16k 1.11-1.13 (GQA 1k 0.97, 4k 1.05); causal band of 1024 queries 1.00-1.01. The
+// rule stands; causal 2k and the bands are ties either way.
 // A key's walk over its queries carries the adds' fixed costs, so the rule is the queries a key
 // sees: >= 1024 without a window, >= 2048 with one (causal's half is uneven from key to key), and
 // >= 1024 keys (only square shapes were measured).
