@@ -369,9 +369,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
     // kDQ: step s's dQ product runs at step s + 1, after the loop-top barrier that already has
     // both warpgroups' dS^T rows written, so the step needs no barrier of its own; the product
-    // and its adds then run under that step's score products. (Issued within the step behind a
-    // second CTA barrier, 15 % of the kernel's stall samples sat at that barrier: H100, N = 4k,
-    // design log, session 31.)
+    // and its adds come before that step's score products, while its tiles land. (Issued within
+    // the step behind a second CTA barrier, 15 % of the kernel's stall samples sat at that
+    // barrier: H100, N = 4k, design log, session 31; queued behind the score products instead,
+    // it spilled and ran 1-4 % slower.)
     float dQ[kDQ ? 8 : 1][4];  // this warpgroup's 64 of dQ_i's columns
     int64_t dq_h = 0;          // the head and query block of the dS^T tile the product reads
     int dq_m = 0;
