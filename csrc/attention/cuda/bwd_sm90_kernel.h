@@ -304,8 +304,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
                       static_cast<int>(h), static_cast<int>(b), bar);
         }
         const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
-        bulk_load_to_shared(smem_addr(sL + stage * Br), st.lse2 + stat, Br * 4, bar);
-        bulk_load_to_shared(smem_addr(sDelta + stage * Br), st.delta + stat, Br * 4, bar);
+        // Not marked to leave L2: every key block of the head reads them.
+        bulk_copy_to_shared<false>(smem_addr(sL + stage * Br), st.lse2 + stat, Br * 4, bar);
+        bulk_copy_to_shared<false>(smem_addr(sDelta + stage * Br), st.delta + stat, Br * 4, bar);
       }
       return;
     }
@@ -373,13 +374,22 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     // the step behind a second CTA barrier, 15 % of the kernel's stall samples sat at that
     // barrier: H100, N = 4k, design log, session 31; queued behind the score products instead,
     // it spilled and ran 1-4 % slower.)
-    float dQ[kDQ ? 8 : 1][4];  // this warpgroup's 64 of dQ_i's columns
-    int64_t dq_h = 0;          // the head and query block of the dS^T tile the product reads
+    // This warpgroup's 64 of dQ_i's columns, used by dq_product_and_add alone. (Declared here:
+    // inside it, ptxas orders the measured kernel's machine code differently.)
+    float dQ[kDQ ? 8 : 1][4];
+    int64_t dq_h = 0;  // the head and query block of the dS^T tile the next product reads
     int dq_m = 0;
-    // dQ_i[:, 64 wg .. 64 wg + 63] = dS_i K_j[:, 64 wg ..]: A = the dS^T tile read MN-major
-    // (queries contiguous), B = the warpgroup's 64-column block of K_j read MN-major, k16 = 16
-    // keys.
-    auto issue_dq = [&](int tile) {
+    // The dQ product of the dS^T tile `tile`, dQ_i[:, 64 wg .. 64 wg + 63] = dS_i K_j[:, 64 wg ..]
+    // (A = the tile read MN-major, queries contiguous; B = the warpgroup's 64-column block of K_j
+    // read MN-major; k16 = 16 keys), then this warpgroup's partial through shared memory to the
+    // copy engine, which adds it into the sums while the next steps run (atomic adds from the
+    // warps' registers held the warps until the L2 took them: 3.45 ms against 2.07 without the
+    // sums at N = 4k). Each warp's 16 rows are 4 KB of their own, in the tile and in the sums
+    // (dq_tile_offset's layout), so each warp stages and adds its rows alone: no warpgroup barrier.
+    // (One add of the warpgroup's 16 KB behind two named barriers, the leader waiting for the
+    // previous add's read between them: forward + backward 1.5-5 % slower at D = 128, 1k-4k;
+    // session 30.)
+    auto dq_product_and_add = [&](int tile) {
       if constexpr (kDQ) {
         const uint64_t ds_desc = sw128_desc(sdS_addr + tile * kSdSBytes, Bc * 128, 1024);
         const uint64_t kb_desc = sw128_desc(sK_addr + warpgroup * Bc * 128, Bc * 128, 1024);
@@ -390,17 +400,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
           WgmmaTT<Elem, 64>::ss(dQ, desc_advance(ds_desc, kk * 2048),
                                 desc_advance(kb_desc, kk * 2048), 1);
         wgmma_commit();
-      }
-    };
-    // This warpgroup's dQ partial through shared memory to the copy engine, which adds it into the
-    // sums while the next steps run (atomic adds from the warps' registers held the warps until the
-    // L2 took them: 3.45 ms against 2.07 without the sums at N = 4k). Each warp's 16 rows are 4 KB
-    // of their own, in the tile and in the sums (dq_tile_offset's layout), so each warp stages and
-    // adds its rows alone: no warpgroup barrier. (One add of the warpgroup's 16 KB behind two named
-    // barriers, the leader waiting for the previous add's read between them: forward + backward
-    // 1.5-5 % slower at D = 128, 1k-4k; session 30.)
-    auto add_dq = [&] {
-      if constexpr (kDQ) {
+        wgmma_wait<0>();
+        pin_registers(dQ);
+
         constexpr int kWarpFloats = kDQTileFloats / 4;
         const uint32_t warp_addr =
             sdQ_addr + (warpgroup * kDQTileFloats + (warp % 4) * kWarpFloats) * 4;
@@ -448,12 +450,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         ahead_step.next(m_count);
       }
       if constexpr (kDQ) {
-        if (s > 0) {  // step s - 1's dQ product and its adds, while this step's tiles land
-          issue_dq((s - 1) & 1);
-          wgmma_wait<0>();
-          pin_registers(dQ);
-          add_dq();
-        }
+        // Step s - 1's dQ product and its adds, while this step's tiles land.
+        if (s > 0) dq_product_and_add((s - 1) & 1);
       }
       if constexpr (kTmaSteps) {
         // Step s's Q_i, dO_i and row statistics have landed (visible to this thread and to its
@@ -566,10 +564,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     if constexpr (kDQ) {
       if (steps > 0) {
         __syncthreads();  // both warpgroups' dS^T rows of the last step are written
-        issue_dq((steps - 1) & 1);
-        wgmma_wait<0>();
-        pin_registers(dQ);
-        add_dq();
+        dq_product_and_add((steps - 1) & 1);
       }
       if (lane == 0) tma_store_wait_all();  // the warp's last adds are done before the CTA exits
     }

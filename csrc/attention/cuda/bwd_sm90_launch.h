@@ -118,9 +118,12 @@ __global__ void __launch_bounds__(256)
 // step's dQ product deferred to the next step, past its loop-top barrier instead of a barrier of
 // its own: forward + backward +4-11 % (session 31).
 template <typename Elem, int kHeadDim>
+using FusedDQTraits = BwdKVTraitsSm90<Elem, kHeadDim, 2, 64, 1, 3>;
+
+template <typename Elem, int kHeadDim>
 cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& st,
                                 const BwdStepMaps& maps, cudaStream_t stream) {
-  using KV = BwdKVTraitsSm90<Elem, kHeadDim, 2, 64, 1, 3>;
+  using KV = FusedDQTraits<Elem, kHeadDim>;
   // + two steps' dS^T, each warpgroup's dQ tile and the stages' mbarriers (the kernel's layout)
   constexpr int64_t kSmem =
       KV::kSmemBytes + 2 * KV::Bc * KV::Br * 2 + 2 * kDQTileFloats * 4 + 8 * KV::kStages;
@@ -165,7 +168,8 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
     // The fused variant's loads need tensor maps over q and grad_out (16-byte aligned bases and
     // strides); where TMA cannot take them, the seven-matmul kernels run (its sums go unused).
     BwdStepMaps fused_maps;
-    if (st.dq_accum != nullptr && encode_bwd_step_maps<Elem>(p, false, 64, fused_maps))
+    if (st.dq_accum != nullptr &&
+        encode_bwd_step_maps<Elem>(p, false, FusedDQTraits<Elem, kHeadDim>::Br, fused_maps))
       return launch_bwd_fused_dq<Elem, kHeadDim>(p, st, fused_maps, stream);
   }
   // The dK/dV launches of the tile's split (one warpgroup for both, a launch each, or a warpgroup

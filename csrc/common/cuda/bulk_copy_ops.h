@@ -65,29 +65,28 @@ __device__ __forceinline__ void mbarrier_wait_cluster(uint32_t bar, uint32_t par
 }
 
 // Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory into this
-// block's shared memory; completion counts `bytes` of transactions on `bar`. The source is read
-// once, so it is marked first to leave L2.
+// block's shared memory; completion counts `bytes` of transactions on `bar`. kReadOnce: nothing
+// else reads the source, so it is marked first to leave L2 (not for sources other blocks read).
+template <bool kReadOnce>
 __device__ __forceinline__ void bulk_copy_to_shared(uint32_t dst, const void* src, uint32_t bytes,
                                                     uint32_t bar) {
-  asm volatile(
-      "{\n"
-      ".reg .b64 policy;\n"
-      "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1], %2, [%3], policy;\n"
-      "}\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
-
-// As bulk_copy_to_shared, without the eviction hint: for sources other blocks read as well.
-__device__ __forceinline__ void bulk_load_to_shared(uint32_t dst, const void* src, uint32_t bytes,
-                                                    uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
+  if constexpr (kReadOnce) {
+    asm volatile(
+        "{\n"
+        ".reg .b64 policy;\n"
+        "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1], %2, [%3], policy;\n"
+        "}\n" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        "\n" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+  }
 }
 
 // The shared::cluster address of the same variable in block `rank` of this cluster.

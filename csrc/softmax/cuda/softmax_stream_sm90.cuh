@@ -171,8 +171,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (use > 0) mbarrier_wait(smem_addr(&sh.empty[slot]), (use - 1) & 1);
         const uint32_t bytes = chunk_bytes(k);
         mbarrier_arrive_expect_tx(smem_addr(&sh.full[slot]), bytes);
-        bulk_copy_to_shared(smem_addr(sh.ring[slot]), src + int64_t(k) * kChunkBytes, bytes,
-                            smem_addr(&sh.full[slot]));
+        bulk_copy_to_shared<true>(smem_addr(sh.ring[slot]), src + int64_t(k) * kChunkBytes, bytes,
+                                  smem_addr(&sh.full[slot]));
       }
     }
     return;
