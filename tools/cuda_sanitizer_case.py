@@ -80,10 +80,11 @@ def main() -> None:
 def backward_ops() -> None:
     """The fp16/bf16 backward's kernels (the row statistics, dK/dV and dQ; general variants with a
     soft cap and a mask) and, on Hopper, the dK/dV kernel that takes dQ itself (FLASHMOD_BWD_FUSED_DQ=2,
-    head dim 128) with the conversion of its sums: odd lengths, causal, GQA."""
+    head dims 64 and 128) with the conversion of its sums: odd lengths, causal, GQA."""
     for fused in ("0", "2"):
         os.environ["FLASHMOD_BWD_FUSED_DQ"] = fused
-        for nq, nk, d, hq, hkv in ((130, 77, 128, 2, 2), (200, 600, 128, 4, 2), (17, 113, 64, 2, 1)):
+        shapes = ((130, 77, 128, 2, 2), (200, 600, 128, 4, 2), (17, 113, 64, 2, 1), (200, 600, 64, 4, 2))
+        for nq, nk, d, hq, hkv in shapes:
             grad = {"device": "cuda", "dtype": torch.bfloat16, "requires_grad": True}
             q = torch.randn(1, hq, nq, d, **grad)
             k, v = (torch.randn(1, hkv, nk, d, **grad) for _ in range(2))

@@ -112,7 +112,7 @@ def test_strided_and_unaligned_inputs():
     assert dq.stride() == q.stride() and dk.stride() == k.stride()
 
 
-# The Hopper backward's fused variant (padded head dim 128, plain scores: dQ added up by atomics in
+# The Hopper backward's fused variant (padded head dim 64 or 128, plain scores: dQ added up by atomics in
 # the dK/dV kernel; csrc/attention/cuda/bwd_sm90_launch.h, launch_bwd_fused_dq). The suite's
 # fixture turns torch's deterministic algorithms on (to poison allocations), which takes the
 # bitwise-reproducible kernels; FLASHMOD_BWD_FUSED_DQ=2 takes the fused variant even then.
@@ -125,7 +125,7 @@ FUSED_DQ_CASES = [
 
 
 @pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("d", [97, 111, 128])
+@pytest.mark.parametrize("d", [40, 59, 64, 97, 111, 128])
 @pytest.mark.parametrize(("nq", "nk"), [(1, 1), (17, 203), (203, 113), (257, 300), (1023, 1023)])
 @pytest.mark.parametrize("options", FUSED_DQ_CASES, ids=str)
 def test_fused_dq(monkeypatch, dtype, d, nq, nk, options):
@@ -133,18 +133,20 @@ def test_fused_dq(monkeypatch, dtype, d, nq, nk, options):
     check_grads(*make_inputs(DEV, dtype, 2, 4, 2, nq, nk, d), **options)
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (8, 1), (6, 3)])
-def test_fused_dq_gqa(monkeypatch, hq, hkv):
+def test_fused_dq_gqa(monkeypatch, hq, hkv, d):
     monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
-    check_grads(*make_inputs(DEV, torch.bfloat16, 2, hq, hkv, 300, 413, 128), is_causal=True)
+    check_grads(*make_inputs(DEV, torch.bfloat16, 2, hq, hkv, 300, 413, d), is_causal=True)
 
 
-def test_fused_dq_side_stream_and_cuda_graph(monkeypatch):
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_dq_side_stream_and_cuda_graph(monkeypatch, d):
     """The fused variant (its zeroed fp32 sums allocated and cleared per call) on a side stream and
     replayed from a captured graph with new grad_out values: within the rule each time (the sums'
     order varies, so not bitwise)."""
     monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
-    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 300, 300, 128)
+    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 300, 300, d)
     out, lse = torch.ops.flashmod.attention(q, k, v)
     grad_out = torch.randn_like(out)
 

@@ -60,19 +60,26 @@ inline int64_t bwd_queries_per_key(const AttentionBwdParams& p) {
 // no window 1k 1.06, 2k 1.10, 4k-16k 1.13-1.15 (GQA 1k 1.09, 4k 1.14); causal 1k 0.96, 2k 1.01,
 // 4k 1.08, 8k-16k 1.11-1.13 (GQA 1k 0.97, 4k 1.05); causal band of 1024 queries 1.00-1.01. The
 // rule stands; causal 2k and the bands are ties either way.
+// D = 64 (steps of 128 queries; H100, bf16, B * N = 16k, same process, session 32), fused / seven
+// matmuls: no window 1k 0.97, 2k 1.03, 4k 1.06, 8k 1.11, 16k 1.08; causal 1k 0.86, 2k 0.95, 4k
+// 1.02, 8k 1.07, 16k 1.13.
 // A key's walk over its queries carries the adds' fixed costs, so the rule is the queries a key
-// sees: >= 1024 without a window, >= 2048 with one (causal's half is uneven from key to key), and
-// >= 1024 keys (only square shapes were measured).
-constexpr int64_t kBwdFusedDQMinQueries = 1024, kBwdFusedDQMinQueriesWindowed = 2048;
+// sees: at D = 128 >= 1024 without a window and >= 2048 with one (causal's half is uneven from
+// key to key); at D = 64, a step of twice the queries with the same fixed costs, >= 2048 either
+// way; and >= 1024 keys (only square shapes were measured).
+inline int64_t fused_dq_min_queries(int padded_head_dim, bool windowed) {
+  if (padded_head_dim == 64) return 2048;
+  return windowed ? 2048 : 1024;
+}
 constexpr int64_t kBwdFusedDQMinKeys = 1024;
-inline bool fused_dq_wanted(const AttentionBwdParams& p) {
+inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
   const int64_t knob = env_int("FLASHMOD_BWD_FUSED_DQ", 1);
   TORCH_CHECK(knob >= 0 && knob <= 2,
               error_message("FLASHMOD_BWD_FUSED_DQ must be 0, 1 or 2, got ", knob));
   if (knob != 1) return knob == 2;
   const bool windowed = p.window_left >= 0 || p.window_right >= 0;
-  const int64_t needed = windowed ? kBwdFusedDQMinQueriesWindowed : kBwdFusedDQMinQueries;
-  return p.seqlen_k >= kBwdFusedDQMinKeys && bwd_queries_per_key(p) >= needed &&
+  return p.seqlen_k >= kBwdFusedDQMinKeys &&
+         bwd_queries_per_key(p) >= fused_dq_min_queries(padded_head_dim, windowed) &&
          !at::globalContext().deterministicAlgorithms();
 }
 
@@ -98,9 +105,9 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
                          : bwd_sm90_tile(op, padded, p, st);
     cuda_kernels::BwdRowStats run_st = st;
     if (!has_sequence_extents(p) && cuda_kernels::kBwdSm90Tiles[tile].is_default &&
-        cuda_kernels::bwd_fused_dq(p, padded) && fused_dq_wanted(p)) {
-      const size_t bytes = static_cast<size_t>(p.batch * p.heads_q * st.rows_padded) *
-                           cuda_kernels::kBwdFusedDQCols * sizeof(float);
+        cuda_kernels::bwd_fused_dq(p, padded) && fused_dq_wanted(p, padded)) {
+      const size_t bytes =
+          static_cast<size_t>(p.batch * p.heads_q * st.rows_padded) * padded * sizeof(float);
       const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
       run_st.dq_accum = static_cast<float*>(ws.alloc(ws.ctx, bytes));
       if (run_st.dq_accum == nullptr) return cudaErrorMemoryAllocation;

@@ -109,15 +109,17 @@ struct BwdQTraitsSm90 : BwdStagesSm90<kStages_, kOverlap_> {
   static_assert(kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024, "kMinBlocks CTAs fit an SM");
 };
 
-// The fused variant's dQ sums (BwdRowStats::dq_accum): tile (head bh, 64-row block m, column half
-// w) of 64 x 64 floats, each in the accumulator's fragment order: warp w4 of the warpgroup, n8 tile
-// ni, lane, element e (rows g / g + 8, columns 2t / 2t + 1) at (w4 * 8 + ni) * 128 + lane * 4 +
-// e, so that a warp's 16-byte shared-memory stores of its fragments are contiguous (no bank
-// conflicts) and the copy engine adds each warp's rows as one 4 KB range.
+// The fused variant's dQ sums (BwdRowStats::dq_accum): tile (head bh, 64-row block m, 64-column
+// block c of col_blocks) of 64 x 64 floats, each in the accumulator's fragment order: warp w4 of
+// the warpgroup, n8 tile ni, lane, element e (rows g / g + 8, columns 2t / 2t + 1) at
+// (w4 * 8 + ni) * 128 + lane * 4 + e, so that a warp's 16-byte shared-memory stores of its
+// fragments are contiguous (no bank conflicts) and the copy engine adds each warp's rows as one
+// 4 KB range. A warpgroup's dQ partial of a step is one such tile: D = 128 steps of 64 queries,
+// each warpgroup one column block; D = 64 steps of 128 queries, each warpgroup one row block.
 constexpr int kDQTileFloats = 64 * 64;
 __host__ __device__ __forceinline__ int64_t dq_tile_offset(int64_t bh, int64_t row_blocks,
-                                                           int64_t m, int w) {
-  return ((bh * row_blocks + m) * 2 + w) * kDQTileFloats;
+                                                           int64_t m, int c, int col_blocks) {
+  return ((bh * row_blocks + m) * col_blocks + c) * kDQTileFloats;
 }
 
 // d = A B, the first k16 step of a score product. With kOverlap the previous step's gradient wgmma
@@ -356,9 +358,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   auto mainloop = [&](auto which) {
     constexpr int kW = decltype(which)::value;
     constexpr bool kDV = kW != kBwdOnlyDK, kDK = kW != kBwdOnlyDV, kDQ = kW == kBwdFusedDQ;
-    static_assert(!kDQ || (kThreads == 256 && Br == 64 && D == kBwdFusedDQCols && !kStageMask &&
-                           !Tr::kOverlap),
-                  "fused dQ: two warpgroups, each adding 64 of the 128 columns of a 64-row step");
+    static_assert(!kDQ || (kThreads == 256 && Br * D == 64 * 128 && !kStageMask && !Tr::kOverlap),
+                  "fused dQ: two warpgroups, each adding a 64 x 64 tile of the step's dQ_i: 64 of "
+                  "the 128 columns of a 64-row step, or 64 of the 128 rows of a 64-column one");
     float dV[kDV ? DT : 1][4], dK[kDK ? DT : 1][4];
     if constexpr (!Tr::kOverlap) {  // kOverlap: written first by step 0's products
       zero(dV);
@@ -379,20 +381,26 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     float dQ[kDQ ? 8 : 1][4];
     int64_t dq_h = 0;  // the head and query block of the dS^T tile the next product reads
     int dq_m = 0;
-    // The dQ product of the dS^T tile `tile`, dQ_i[:, 64 wg .. 64 wg + 63] = dS_i K_j[:, 64 wg ..]
-    // (A = the tile read MN-major, queries contiguous; B = the warpgroup's 64-column block of K_j
-    // read MN-major; k16 = 16 keys), then this warpgroup's partial through shared memory to the
-    // copy engine, which adds it into the sums while the next steps run (atomic adds from the
-    // warps' registers held the warps until the L2 took them: 3.45 ms against 2.07 without the
-    // sums at N = 4k). Each warp's 16 rows are 4 KB of their own, in the tile and in the sums
+    // The dQ product of the dS^T tile `tile` (D = 128: dQ_i[:, 64 wg .. 64 wg + 63] =
+    // dS_i K_j[:, 64 wg ..]; D = 64: dQ_i[64 wg .. 64 wg + 63, :] = dS_i[64 wg .., :] K_j. A = the
+    // tile read MN-major, queries contiguous, at D = 64 the warpgroup's 64-query column block of
+    // it; B = K_j read MN-major, at D = 128 the warpgroup's 64-column block; k16 = 16 keys),
+    // then this warpgroup's partial through shared memory to the copy engine, which adds it into
+    // the sums while the next steps run (atomic adds from the warps' registers held the warps
+    // until the L2 took them: 3.45 ms against 2.07 without the sums at N = 4k). Each warp's 16
+    // rows are 4 KB of their own, in the tile and in the sums
     // (dq_tile_offset's layout), so each warp stages and adds its rows alone: no warpgroup barrier.
     // (One add of the warpgroup's 16 KB behind two named barriers, the leader waiting for the
     // previous add's read between them: forward + backward 1.5-5 % slower at D = 128, 1k-4k;
     // session 30.)
+    constexpr int kColBlocks = D / 64;
     auto dq_product_and_add = [&](int tile) {
       if constexpr (kDQ) {
-        const uint64_t ds_desc = sw128_desc(sdS_addr + tile * kSdSBytes, Bc * 128, 1024);
-        const uint64_t kb_desc = sw128_desc(sK_addr + warpgroup * Bc * 128, Bc * 128, 1024);
+        const int a_block = kColBlocks == 1 ? warpgroup : 0,
+                  b_block = kColBlocks == 2 ? warpgroup : 0;
+        const uint64_t ds_desc =
+            sw128_desc(sdS_addr + tile * kSdSBytes + a_block * Bc * 128, Bc * 128, 1024);
+        const uint64_t kb_desc = sw128_desc(sK_addr + b_block * Bc * 128, Bc * 128, 1024);
         wgmma_fence();
         WgmmaTT<Elem, 64>::ss_overwrite(dQ, ds_desc, kb_desc);
 #pragma unroll
@@ -420,7 +428,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         __syncwarp();              // the warp's rows are all written
         if (lane == 0) {
           const int64_t rows_at =
-              dq_tile_offset(b * p.heads_q + dq_h, st.rows_padded / 64, dq_m, warpgroup);
+              kColBlocks == 2
+                  ? dq_tile_offset(b * p.heads_q + dq_h, st.rows_padded / 64, dq_m, warpgroup, 2)
+                  : dq_tile_offset(b * p.heads_q + dq_h, st.rows_padded / 64,
+                                   2 * static_cast<int64_t>(dq_m) + warpgroup, 0, 1);
           bulk_reduce_add_f32(st.dq_accum + rows_at + (warp % 4) * kWarpFloats, warp_addr,
                               kWarpFloats * 4);
           tma_store_commit();

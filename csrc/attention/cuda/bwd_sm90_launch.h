@@ -74,19 +74,20 @@ bool encode_bwd_step_maps(const AttentionBwdParams& p, bool keys, int box_rows, 
 // grad_q = scale * dq_accum, the fused variant's fp32 sums. A thread per 16 bytes of a sum tile,
 // read in its stored order (dq_tile_offset: four floats of a lane's fragment, rows g and g + 8 of
 // columns 2t and 2t + 1), so the reads are whole and the writes pairs of columns.
-template <typename Elem>
+template <typename Elem, int kColBlocks>
 __global__ void __launch_bounds__(256)
     attention_bwd_dq_from_sums_kernel(const AttentionBwdParams p, const BwdRowStats st) {
   const int head_dim = static_cast<int>(p.head_dim);
   const int64_t row_blocks = st.rows_padded / 64;
-  const int64_t quads = p.batch * p.heads_q * row_blocks * 2 * (kDQTileFloats / 4);
+  const int64_t quads = p.batch * p.heads_q * row_blocks * kColBlocks * (kDQTileFloats / 4);
   const float scale = static_cast<float>(p.scale);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < quads;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float4 sum = reinterpret_cast<const float4*>(st.dq_accum)[i];
     const int f = static_cast<int>(i % (kDQTileFloats / 4));  // (w4 * 8 + ni) * 32 + lane
-    const int64_t tile = i / (kDQTileFloats / 4), w = tile % 2, m = tile / 2 % row_blocks;
-    const int64_t bh = tile / 2 / row_blocks, h = bh % p.heads_q, b = bh / p.heads_q;
+    const int64_t tile = i / (kDQTileFloats / 4), w = tile % kColBlocks;
+    const int64_t m = tile / kColBlocks % row_blocks, bh = tile / kColBlocks / row_blocks;
+    const int64_t h = bh % p.heads_q, b = bh / p.heads_q;
     const int lane = f % 32, ni = f / 32 % 8, w4 = f / 256;
     const int c = static_cast<int>(w) * 64 + ni * 8 + 2 * (lane % 4);
     const int64_t r = m * 64 + w4 * 16 + lane / 4;
@@ -117,8 +118,13 @@ __global__ void __launch_bounds__(256)
 // added by red.global.add.v4 from the registers 3.45 ms; without adding them at all 2.07. Each
 // step's dQ product deferred to the next step, past its loop-top barrier instead of a barrier of
 // its own: forward + backward +4-11 % (session 31).
+// D = 64: steps of 128 queries, so that each warpgroup's dQ partial is again a 64 x 64 tile (its
+// 64 of the step's rows) and the registers are D = 128's; two stages (three would not fit 227 KB
+// with the steps' 32 KB dS^T tiles). Forward + backward against the seven matmuls +3-11 % from
+// N = 2k, causal +2-13 % from 4k (H100, session 32; backward_dispatch.h has the rule).
 template <typename Elem, int kHeadDim>
-using FusedDQTraits = BwdKVTraitsSm90<Elem, kHeadDim, 2, 64, 1, 3>;
+using FusedDQTraits = std::conditional_t<kHeadDim == 128, BwdKVTraitsSm90<Elem, 128, 2, 64, 1, 3>,
+                                         BwdKVTraitsSm90<Elem, 64, 2, 128, 1, 2>>;
 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& st,
@@ -132,9 +138,9 @@ cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& 
       attention_bwd_dkdv_sm90_kernel<KV, false, kBwdFusedDQ, false, kBwdFastNone>,
       bwd_dkdv_ctas(p, KV::Bc), KV::kNThreads, kSmem, stream, p, st, maps);
   if (err != cudaSuccess) return err;
-  const int64_t quads = p.batch * p.heads_q * st.rows_padded * kBwdFusedDQCols / 4;
+  const int64_t quads = p.batch * p.heads_q * st.rows_padded * kHeadDim / 4;
   const int64_t blocks = (quads + 255) / 256;
-  return cuda::launch_kernel(attention_bwd_dq_from_sums_kernel<Elem>,
+  return cuda::launch_kernel(attention_bwd_dq_from_sums_kernel<Elem, kHeadDim / 64>,
                              blocks < 65536 ? blocks : 65536, 256, 0, stream, p, st);
 }
 
@@ -163,8 +169,8 @@ template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   using Cfg = BwdConfigSm90<Elem, kHeadDim, kTile>;
   using KV = typename Cfg::KV;
-  if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone && kHeadDim == kBwdFusedDQCols &&
-                kBwdSm90Tiles[kTile].is_default) {
+  if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone &&
+                bwd_fused_dq_head_dim(kHeadDim) && kBwdSm90Tiles[kTile].is_default) {
     // The fused variant's loads need tensor maps over q and grad_out (16-byte aligned bases and
     // strides); where TMA cannot take them, the seven-matmul kernels run (its sums go unused).
     BwdStepMaps fused_maps;

@@ -168,9 +168,9 @@ struct BwdRowStats {
   // there moved ptxas's allocation of the variable-length soft-cap dK/dV variant, 0 -> 96 bytes
   // of spill at D = 128.)
   int additive_fast = 1;
-  // B * Hq * rows_padded * kBwdFusedDQCols fp32, zeroed: the Hopper backward's fused variant
+  // B * Hq * rows_padded * (padded head dim) fp32, zeroed: the Hopper backward's fused variant
   // (bwd_fused_dq) adds each step's dQ partial here and a conversion writes grad_q from it. Tiles
-  // of 64 rows x 64 columns (row block, then column half), each in the accumulator's fragment
+  // of 64 rows x 64 columns (row block, then column block), each in the accumulator's fragment
   // order (bwd_sm90_kernel.h: dq_tile_offset). nullptr: dQ by its own kernel (no atomics: bitwise
   // reproducible).
   float* dq_accum = nullptr;
@@ -182,11 +182,13 @@ struct BwdRowStats {
 
 // Whether the Hopper backward can take dQ into its dK/dV kernel (five matmuls per block pair
 // instead of seven; dQ added up in fp32 by atomics, so not bitwise reproducible): padded head
-// dim 128, plain scores (windows and causal included). The caller also rules out per-sequence
-// extents (has_sequence_extents), which the variant is not built for.
-constexpr int kBwdFusedDQCols = 128;
+// dim 64 or 128, plain scores (windows and causal included). The caller also rules out
+// per-sequence extents (has_sequence_extents), which the variant is not built for.
+FLASHMOD_HD constexpr bool bwd_fused_dq_head_dim(int padded_head_dim) {
+  return padded_head_dim == 64 || padded_head_dim == 128;
+}
 FLASHMOD_HD bool bwd_fused_dq(const AttentionBwdParams& p, int padded_head_dim) {
-  return padded_head_dim == kBwdFusedDQCols && !general_scores(p);
+  return bwd_fused_dq_head_dim(padded_head_dim) && !general_scores(p);
 }
 
 // Whether the Hopper backward takes p's mask through its paths for additive masks in q's dtype
