@@ -47,7 +47,7 @@ def main() -> None:
                 totals = kernel_us(train_step, 10, key=short, warmup=3)
                 total = sum(totals.values())
                 print(f"b{b} h{h} n{n} d{d}{' causal' if causal else ''}: {total / 1e3:.3f} ms per step")
-                for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:6]:
+                for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:8]:
                     print(f"    {us / 1e3:8.3f} ms  {100 * us / total:5.1f}%  {name}")
 
 
