@@ -3,7 +3,8 @@
 # warm-ups, clocks as found), summed per SASS instruction and per stall reason, for bf16 B x H x N x
 # D shapes given as "B,H,N,D,causal" arguments. By default the warp-specialized Hopper forward;
 # NCU_MODE=bwd profiles the backward's dK/dV kernel (a training step through flashmod.attention;
-# the fused-dQ variant where the backward picks it).
+# the fused-dQ variant where the backward picks it; NCU_KERNEL=attention_bwd_dq_sm90 profiles the
+# dQ kernel of the seven-matmul path instead).
 # Usage: bash tools/ncu_stalls.sh 4,16,4096,128,0 8,32,4096,64,0   (tables in $OUT)
 #        NCU_MODE=bwd bash tools/ncu_stalls.sh 4,16,4096,128,0
 # Keeps two files per shape in $OUT (the device tool brings back at most 8): the per-instruction
@@ -14,7 +15,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 MODE=${NCU_MODE:-fwd}
 if [ "$MODE" = bwd ]; then
-  KERNEL=attention_bwd_dkdv_sm90
+  KERNEL=${NCU_KERNEL:-attention_bwd_dkdv_sm90}
   STEP="out = flashmod.attention(q, k, v, is_causal=causal); torch.autograd.grad(out, (q, k, v), g)"
   GRAD=True
 else
@@ -24,7 +25,7 @@ else
 fi
 for shape in "$@"; do
   IFS=, read -r b h n d causal <<<"$shape"
-  rep="$OUT/stalls-$MODE-b${b}h${h}n${n}d${d}c${causal}"
+  rep="$OUT/stalls-$MODE${NCU_KERNEL:+-dq}-b${b}h${h}n${n}d${d}c${causal}"
   timeout 200 ncu --clock-control none --kernel-name regex:$KERNEL --launch-skip 2 \
     --launch-count 1 --section WarpStateStats --section SourceCounters --import-source no \
     -f -o "$rep" python -c "
