@@ -43,6 +43,22 @@ struct BwdStepMaps {
   CUtensorMap first, second;
 };
 
+#ifdef FLASHMOD_SM90A
+// A step's two tiles of kRows rows (D / 64 boxes of 64 columns each, kRows * 128 bytes apart)
+// from maps.first into dst_first and from maps.second into dst_second, completing on bar; by one
+// thread. Rows past the map's row count arrive as zeros.
+template <int D, int kRows>
+__device__ __forceinline__ void tma_load_step_tiles(uint32_t dst_first, uint32_t dst_second,
+                                                    const BwdStepMaps& maps, int row0, int head,
+                                                    int batch, uint32_t bar) {
+#pragma unroll
+  for (int cb = 0; cb < D / 64; ++cb) {
+    tma_load_4d(dst_first + cb * kRows * 128, &maps.first, cb * 64, row0, head, batch, bar);
+    tma_load_4d(dst_second + cb * kRows * 128, &maps.second, cb * 64, row0, head, batch, bar);
+  }
+}
+#endif  // FLASHMOD_SM90A
+
 // Shared-memory stages of the tiles a kernel streams (Q_i/dO_i in dK/dV, K_j/V_j in dQ), and how
 // far ahead cp.async runs. kOverlap: a step's gradient wgmma (dV/dK += ..., dQ += ...) is left in
 // flight while the next step waits for its tiles, passes the barrier and issues its score wgmma;
@@ -297,14 +313,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       if (tid == 0) {
         const uint32_t bar = full_bar0 + 8 * stage;
         mbarrier_arrive_expect_tx(bar, 2 * Tr::kSmemQ + 2 * Br * 4);
-#pragma unroll
-        for (int cb = 0; cb < D / 64; ++cb) {
-          const uint32_t box = stage * Tr::kSmemQ + cb * Br * 128;
-          tma_load_4d(sQ_addr0 + box, &maps.first, cb * 64, static_cast<int>(r0),
-                      static_cast<int>(h), static_cast<int>(b), bar);
-          tma_load_4d(sdO_addr0 + box, &maps.second, cb * 64, static_cast<int>(r0),
-                      static_cast<int>(h), static_cast<int>(b), bar);
-        }
+        tma_load_step_tiles<D, Br>(sQ_addr0 + stage * Tr::kSmemQ, sdO_addr0 + stage * Tr::kSmemQ,
+                                   maps, static_cast<int>(r0), static_cast<int>(h),
+                                   static_cast<int>(b), bar);
         const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
         // Not marked to leave L2: every key block of the head reads them.
         bulk_copy_to_shared<false>(smem_addr(sL + stage * Br), st.lse2 + stat, Br * 4, bar);
@@ -388,11 +399,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     // then this warpgroup's partial through shared memory to the copy engine, which adds it into
     // the sums while the next steps run (atomic adds from the warps' registers held the warps
     // until the L2 took them: 3.45 ms against 2.07 without the sums at N = 4k). Each warp's 16
-    // rows are 4 KB of their own, in the tile and in the sums
-    // (dq_tile_offset's layout), so each warp stages and adds its rows alone: no warpgroup barrier.
-    // (One add of the warpgroup's 16 KB behind two named barriers, the leader waiting for the
-    // previous add's read between them: forward + backward 1.5-5 % slower at D = 128, 1k-4k;
-    // session 30.)
+    // rows are 4 KB of their own, in the tile and in the sums (dq_tile_offset's layout), so each
+    // warp stages and adds its rows alone: no warpgroup barrier. (One add of the warpgroup's
+    // 16 KB behind two named barriers, the leader waiting for the previous add's read between
+    // them: forward + backward 1.5-5 % slower at D = 128, 1k-4k; session 30.)
     constexpr int kColBlocks = D / 64;
     auto dq_product_and_add = [&](int tile) {
       if constexpr (kDQ) {
@@ -427,6 +437,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         fence_proxy_async_smem();  // st.shared -> visible to the copy engine
         __syncwarp();              // the warp's rows are all written
         if (lane == 0) {
+          // D = 128: the step's row block, this warpgroup's column block; D = 64: this
+          // warpgroup's row block of the step's two.
           const int64_t rows_at =
               kColBlocks == 2
                   ? dq_tile_offset(b * p.heads_q + dq_h, st.rows_padded / 64, dq_m, warpgroup, 2)
@@ -656,14 +668,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       if (tid == 0) {  // rows past seqlen_k arrive as zeros, as the cp.async zero fill leaves them
         const uint32_t bar = full_bar0 + 8 * stage;
         mbarrier_arrive_expect_tx(bar, 2 * Tr::kSmemKV);
-#pragma unroll
-        for (int cb = 0; cb < D / 64; ++cb) {
-          const uint32_t box = stage * Tr::kSmemKV + cb * Bc * 128;
-          tma_load_4d(sK_addr0 + box, &maps.first, cb * 64, n * Bc, static_cast<int>(hk),
-                      static_cast<int>(b), bar);
-          tma_load_4d(sV_addr0 + box, &maps.second, cb * 64, n * Bc, static_cast<int>(hk),
-                      static_cast<int>(b), bar);
-        }
+        tma_load_step_tiles<D, Bc>(sK_addr0 + stage * Tr::kSmemKV, sV_addr0 + stage * Tr::kSmemKV,
+                                   maps, n * Bc, static_cast<int>(hk), static_cast<int>(b), bar);
       }
       return;
     }
