@@ -5,6 +5,7 @@
 # answers: how a faster contender is built (tiles per CTA, CTAs per SM), not only that it is faster.
 # One profiled call per contender after two warm-up calls; clocks as found. Needs a built tree.
 # Usage: SHAPE="16 32 1024 64" CAUSAL=True bash tools/ncu_contenders.sh   (B H N D; output in $OUT)
+#   WHO: the contenders to profile (default "flashmod CUDNN FLASH")
 #   EXTRA_METRICS: more ncu metrics, comma-separated (e.g. lts__t_sector_hit_rate.pct,dram__bytes_read.sum)
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
@@ -19,7 +20,7 @@ metrics="$metrics,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__through
 for m in $pipes; do metrics="$metrics,$m.avg.pct_of_peak_sustained_active"; done
 [[ -n ${EXTRA_METRICS:-} ]] && metrics="$metrics,$EXTRA_METRICS"
 rep="$OUT/ncu-contenders-$B-$H-$N-$D-$causal.txt"
-for who in flashmod CUDNN FLASH; do
+for who in ${WHO:-flashmod CUDNN FLASH}; do
   echo "== $who B $B H $H N $N D $D causal $causal" | tee -a "$rep"
   timeout 150 ncu --clock-control none --nvtx --nvtx-include "timed/" --metrics "$metrics" python -c "
 import torch, flashmod
