@@ -25,7 +25,7 @@ else
 fi
 for shape in "$@"; do
   IFS=, read -r b h n d causal <<<"$shape"
-  rep="$OUT/stalls-$MODE${NCU_KERNEL:+-dq}-b${b}h${h}n${n}d${d}c${causal}"
+  rep="$OUT/stalls-$MODE${NCU_KERNEL:+-$NCU_KERNEL}-b${b}h${h}n${n}d${d}c${causal}"
   timeout 200 ncu --clock-control none --kernel-name regex:$KERNEL --launch-skip 2 \
     --launch-count 1 --section WarpStateStats --section SourceCounters --import-source no \
     -f -o "$rep" python -c "
