@@ -13,7 +13,10 @@
 // and below each row: the time after the key loop (partial, count, combine), a CTA's mean and the
 // last CTA's, and when the last key loop ended; the spread of the CTA times: their sd over every
 // call, and the sd of their means by block index (the same work each call), by SM and by call; with
-// the heuristic's splits also the means by split, kv head and batch row. Every number is the median
+// the heuristic's splits also the means by split, kv head and batch row; and a CTA's mean time from
+// its start to its prologue's copies and to its first key block's landing, then per block to its
+// last one's, and that last block's math (tools/read_ceiling.cu's pipeline modes: the same without
+// the math). Every number is the median
 // over the timed calls. The output of two rows is checked against a double-precision reference
 // first.
 //
@@ -24,6 +27,7 @@
 //     -gencode=arch=compute_90a,code=sm_90a -o /tmp/decode_timeline tools/decode_timeline.cu \
 //     && /tmp/decode_timeline [cache tokens, default 4096,16384] [splits, default 0,2,8; 0: the
 //     heuristic] [warm]
+// FLAT_GRID=1 in the environment runs the decode kernel on its 1-D grid (cta_tile.h: cta_grid).
 // With "warm", every timed call follows (after the L2 flush) a call of the same kernel on a small
 // cache of its own (B 1, 256 tokens, 2 splits): the kernel's machine code is then in L2 and the
 // SMs' instruction caches, its data is not. The difference to the cold rows is what fetching the
@@ -193,6 +197,8 @@ int main(int argc, char** argv) {
       fk::DecodeOptions opt;
       opt.num_sms = prop.multiProcessorCount;
       opt.forced_splits = forced;
+      // FLAT_GRID=1 in the environment: the launch's 1-D grid (FLASHMOD_FLAT_GRID's A/B).
+      opt.flat_grid = std::getenv("FLAT_GRID") != nullptr;
       auto launch = [&] {
         arena.used = 0;
         CHECK((fk::run_attention_fwd_decode<__nv_bfloat16, kDim>(p, flags, opt, ws, nullptr)));
@@ -235,6 +241,9 @@ int main(int argc, char** argv) {
       // After the key loop: each CTA's epilogue (partial, count, combine), the last CTA's, and
       // when the last key loop ended.
       std::vector<float> epilogue_mean, epilogue_last, last_loop_done;
+      // Within a CTA (means over its CTAs): from its start to its first key block's landing, the
+      // blocks from then to its last one's landing (per block), and the last block's math.
+      std::vector<float> to_issue, to_first_block, per_block, last_block_math;
       // Each timed call's CTA times, by block index and by SM: what the spread comes from.
       std::map<int, std::vector<double>> by_cta, by_sm;
       std::vector<double> all_durations, rep_means;
@@ -268,6 +277,7 @@ int main(int argc, char** argv) {
         std::map<unsigned, int> per_sm;
         std::vector<float> ends;
         double summed = 0, epi = 0;  // the CTAs' times, and their times past the key loop
+        double issue_sum = 0, first_sum = 0, between_sum = 0, math_sum = 0;
         const fk::CtaTimelineEntry* final_cta = mine.front();
         unsigned long long loops_done = 0;
         for (auto* e : mine) {
@@ -276,11 +286,19 @@ int main(int argc, char** argv) {
           ends.push_back((e->end_ns - first) * 1e-3f);
           summed += (e->end_ns - e->start_ns) * 1e-3;
           epi += (e->end_ns - e->loop_done_ns) * 1e-3;
+          issue_sum += (e->issued_ns - e->start_ns) * 1e-3;
+          first_sum += (e->first_landed_ns - e->start_ns) * 1e-3;
+          between_sum += (e->last_landed_ns - e->first_landed_ns) * 1e-3;
+          math_sum += (e->loop_done_ns - e->last_landed_ns) * 1e-3;
           if (e->end_ns > final_cta->end_ns) final_cta = e;
           loops_done = std::max(loops_done, e->loop_done_ns);
           ++per_sm[e->sm];
         }
         ctas = static_cast<int>(mine.size());
+        to_issue.push_back(static_cast<float>(issue_sum / ctas));
+        to_first_block.push_back(static_cast<float>(first_sum / ctas));
+        per_block.push_back(static_cast<float>(between_sum / ctas));
+        last_block_math.push_back(static_cast<float>(math_sum / ctas));
         std::sort(ends.begin(), ends.end());
         const float sp = (last - first) * 1e-3f;
         span.push_back(sp);
@@ -339,6 +357,16 @@ int main(int argc, char** argv) {
           "        after the key loop: %.2f us a CTA, %.2f for the last one; the last loop ended "
           "at %.1f us\n",
           median(epilogue_mean), median(epilogue_last), median(last_loop_done));
+      // Key blocks per CTA: the tile's blocks over its splits (CTAs per (batch row, kv head)).
+      const int splits_run = ctas / (kBatch * kHeadsKv);
+      const int blocks_per_cta = (tokens / 64 + splits_run - 1) / splits_run;
+      std::printf(
+          "        a CTA issued its first copies %.2f us after its start; its first key block "
+          "landed %.2f us after its start, then %.3f us a block to its last (%d blocks), whose "
+          "math took %.2f us\n",
+          median(to_issue), median(to_first_block),
+          median(per_block) / std::max(1, blocks_per_cta - 1), blocks_per_cta,
+          median(last_block_math));
       std::printf(
           "        CTA time sd %.2f us; sd of means by block index %.2f, by SM %.2f, by call "
           "%.2f\n",

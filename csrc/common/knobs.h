@@ -51,6 +51,9 @@
 //   FLASHMOD_STREAM_COUNTERS=0        the decode combine's and the tile scheduler's counters
 //                                     zeroed by a memset per call, not shared per stream
 //                                     (stream_counters.h)
+//   FLASHMOD_FLAT_GRID=1              the CUDA decode kernel on a 1-D grid, its CTAs' tiles
+//                                     divided out of blockIdx.x (default: a (splits, heads,
+//                                     batch) grid; cta_tile.h)
 //   FLASHMOD_KVCACHE_FUSED_APPEND=0   decode-shaped KV-cache calls append with the append kernel
 //                                     before the attention, not inside it
 //   FLASHMOD_SOFTMAX_TRACE=1          prints the softmax launch path

@@ -638,6 +638,15 @@ def test_decode_bshd_layout(monkeypatch, nq):
         assert out.stride() == torch.empty_like(q).stride(), mode
 
 
+def test_decode_batch_past_grid_z_limit(monkeypatch):
+    # The decode grid is (splits x query blocks, heads, batch) while heads and batch fit gridDim's
+    # y / z limit (65535); past it the CTAs find their tiles from a flat index instead.
+    b = 65535 + 3
+    q = rand(b, 2, 1, 64, dtype=torch.float16)
+    k, v = rand(b, 1, 17, 64, dtype=torch.float16), rand(b, 1, 17, 64, dtype=torch.float16)
+    check_all_decode_modes(monkeypatch, q, k, v, is_causal=True)
+
+
 def test_decode_split_deterministic(monkeypatch):
     q = rand(1, 32, 1, 128, dtype=torch.bfloat16)
     k, v = rand(1, 8, 20000, 128, dtype=torch.bfloat16), rand(1, 8, 20000, 128, dtype=torch.bfloat16)

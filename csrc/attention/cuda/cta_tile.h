@@ -1,10 +1,15 @@
 // Which tile a CTA owns and where that tile lives in global memory. Shared by the tensor-core
 // kernel (fwd_sm80_kernel.h) and the fp32 kernel (fwd_fp32_ffma.cu).
 //
-// The grid is flat: blockIdx.x = ((b * heads_q + h) * splits + split) * num_m_blocks + m_block.
-// Query blocks vary fastest so neighbouring CTAs share K/V in L2; the split index (split-KV,
-// only > 0 in the decode kernel) comes next so the splits of one head run side by side.
+// CTAs are numbered ((b * heads_q + h) * splits + split) * num_m_blocks + m_block. Query blocks
+// vary fastest so neighbouring CTAs share K/V in L2; the split index (split-KV, only > 0 in the
+// decode kernel) comes next so the splits of one head run side by side. The grid is flat
+// (blockIdx.x is that number) or, for the decode kernel, cta_grid's (splits x num_m_blocks,
+// heads_q, batch), which the hardware numbers in the same order and whose CTAs read h and b off
+// blockIdx.
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -46,9 +51,42 @@ __device__ __forceinline__ CtaTile cta_tile_at(const AttentionParams& p, Index i
   return t;
 }
 
+// The decode kernel's grid: (splits x num_m_blocks, heads_q, batch) where heads and batch rows fit
+// gridDim.y / .z, else (or with `flat`: FLASHMOD_FLAT_GRID=1, for measurements) flat. A CTA of
+// the flat grid finds its head and batch row through a chain of 64-bit divisions: in the decode
+// kernel, with the query positions' 64-bit remainders, they held its first copies back by 0.3 us
+// (1.70 -> 1.40 us after its start; the step 0.3-0.4 us shorter at 4k and 16k tokens; H100, B 8,
+// 32 / 8 heads, D 128, tools/decode_timeline.cu; design log cuda-serving.md, session 34). The
+// caller checks the CTA count against cuda::kMaxGridBlocks first. Host code.
+inline dim3 cta_grid(const AttentionParams& p, int br, int splits, bool flat) {
+  constexpr int64_t kMaxGridYZ = 65535;
+  const int64_t per_head = (p.seqlen_q + br - 1) / br * splits;
+  if (!flat && p.heads_q <= kMaxGridYZ && p.batch <= kMaxGridYZ)
+    return dim3(static_cast<unsigned>(per_head), static_cast<unsigned>(p.heads_q),
+                static_cast<unsigned>(p.batch));
+  return dim3(static_cast<unsigned>(per_head * p.heads_q * p.batch));
+}
+
 __device__ __forceinline__ CtaTile cta_tile(const AttentionParams& p, int num_m_blocks,
                                             int splits) {
   return cta_tile_at<int64_t>(p, blockIdx.x, num_m_blocks, splits);
+}
+
+// The tile of a CTA of cta_grid's grid, in either of its shapes (the decode kernel's; the other
+// kernels keep cta_tile's flat grid, whose register allocation the extra branch moved: the
+// portable prefill kernel's paged variant spilled 146 bytes instead of 90).
+__device__ __forceinline__ CtaTile cta_tile_of_grid(const AttentionParams& p, int num_m_blocks,
+                                                    int splits) {
+  if (gridDim.y != p.heads_q || gridDim.z != p.batch) return cta_tile(p, num_m_blocks, splits);
+  CtaTile t;
+  t.m_block = static_cast<int>(blockIdx.x) % num_m_blocks;
+  t.split = static_cast<int>(blockIdx.x) / num_m_blocks;
+  t.h = blockIdx.y;
+  t.b = blockIdx.z;
+  if (p.window_right >= 0) t.m_block = num_m_blocks - 1 - t.m_block;
+  t.hk =
+      static_cast<int>(blockIdx.y) / (static_cast<int>(p.heads_q) / static_cast<int>(p.heads_kv));
+  return t;
 }
 
 // Global pointers of the tile: its q/out/lse rows from row r0 on and its kv head's k/v.

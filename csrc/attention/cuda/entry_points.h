@@ -122,6 +122,7 @@ struct DecodeOptions {
   // first dimension); 0 where the call has no page pool.
   bool kv_tma = false;
   int64_t kv_outer = 0;
+  bool flat_grid = false;  // FLASHMOD_FLAT_GRID=1: a 1-D grid (cta_tile.h: cta_grid)
 };
 
 // The decode kernel's whole key blocks of a paged cache through the copy engine (sm_90a builds,

@@ -91,7 +91,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
   const int num_m_blocks = static_cast<int>((params.seqlen_q + Br - 1) / Br);
   const int splits = kDecode ? sk.splits : 1;
-  const CtaTile tile = cta_tile(params, num_m_blocks, splits);
+  const CtaTile tile = kDecode ? cta_tile_of_grid(params, num_m_blocks, splits)
+                               : cta_tile(params, num_m_blocks, splits);
   constexpr bool kExtents = kAddr != kDense;
   const AttentionParams p = kExtents ? sequence_view(params, tile.b) : params;
   const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
@@ -114,13 +115,14 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
   // Query positions of rows [r0, r0 + rows_q). A packed tile that spans heads covers every
   // position in between, so the range is then all of [0, pos_period).
+  // (32-bit: a period is at most kDecodeMaxNq, and 64-bit divisions delay the first copies.)
   int64_t pos_first = r0, pos_last = r0 + rows_q - 1;
   if constexpr (kDecode) {
     if (p.pos_period > 0) {
-      const int64_t period = p.pos_period;
-      const bool one_head = pos_first / period == pos_last / period;
-      pos_first = one_head ? pos_first % period : 0;
-      pos_last = one_head ? pos_last % period : period - 1;
+      const int period = static_cast<int>(p.pos_period), last = r0 + rows_q - 1;
+      const bool one_head = r0 / period == last / period;
+      pos_first = one_head ? r0 % period : 0;
+      pos_last = one_head ? last % period : period - 1;
     }
   }
   KeyBlockRange range = key_block_range(p, pos_first, pos_last, Bc);
@@ -209,6 +211,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     if (range.lo + s < range.hi) load_kv(range.lo + s, s);
     cp_async_commit();
   }
+#ifdef FLASHMOD_CTA_TIMELINE
+  timeline.issued();
+#endif
   if constexpr (kDecode && kExtents) {
     if (new_rows && tile.split == 0 && tile.m_block == 0 &&
         tile.h % (params.heads_q / params.heads_kv) == 0)
@@ -276,6 +281,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     // Publishes K_j/V_j (and Q_i on the first pass) copied by other threads, and guarantees
     // every warp is done with the buffer the prefetch below overwrites (block n-1's).
     __syncthreads();
+#ifdef FLASHMOD_CTA_TIMELINE
+    timeline.landed(n == range.lo, n == range.hi - 1);
+#endif
     {
       const int next = n + Tr::kStages - 1;
       if (next < range.hi) load_kv(next, (next - range.lo) % Tr::kStages);

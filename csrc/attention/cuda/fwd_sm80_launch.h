@@ -184,8 +184,9 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
     if (err != cudaSuccess) return err;
   }
   const KvTensorMaps maps = decode_kv_maps<Tr>(p, opt, addr, (key_blocks + splits - 1) / splits);
-  const cudaError_t err = cuda::launch_kernel(kernel, ctas * splits, Tr::kNThreads,
-                                              decode_smem_bytes<Tr>(), stream, p, flags, sk, maps);
+  const cudaError_t err =
+      cuda::launch_kernel(kernel, cta_grid(p, Tr::Br, splits, opt.flat_grid), Tr::kNThreads,
+                          decode_smem_bytes<Tr>(), stream, p, flags, sk, maps);
   if (err != cudaSuccess || splits == 1 || sk.tile_counters != nullptr) return err;
   return launch_split_combine<Elem, kHeadDim>(p, sk, stream);
 }

@@ -61,7 +61,8 @@ inline bool use_sm90_ws_kernel(int padded_head_dim) {
 
 // The decode path's knobs, read per call: FLASHMOD_DECODE_SPLITS=n (exactly n splits),
 // FLASHMOD_DECODE_FUSED_COMBINE=0 (the combine kernel instead of each tile's last CTA),
-// FLASHMOD_DECODE_TMA=0 (K/V by cp.async only; the copy engine needs the sm_90a build).
+// FLASHMOD_DECODE_TMA=0 (K/V by cp.async only; the copy engine needs the sm_90a build),
+// FLASHMOD_FLAT_GRID=1 (a 1-D grid).
 inline cuda_kernels::DecodeOptions decode_options() {
   cuda_kernels::DecodeOptions opt;
   // torch caches the properties per device (one cudaGetDeviceProperties each).
@@ -69,6 +70,7 @@ inline cuda_kernels::DecodeOptions decode_options() {
   opt.forced_splits = static_cast<int>(env_int("FLASHMOD_DECODE_SPLITS", 0));
   opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
   opt.kv_tma = sm90_kernels_usable() && env_flag("FLASHMOD_DECODE_TMA", true);
+  opt.flat_grid = env_flag("FLASHMOD_FLAT_GRID", false);
   return opt;
 }
 

@@ -23,10 +23,12 @@ cudaError_t allow_dynamic_smem(Kernel kernel, int64_t smem_bytes) {
 }
 
 // kernel(args...) on `grid` of `threads`-thread CTAs with smem_bytes of dynamic shared memory, on
-// stream. Returns the opt-in's error or the launch's. (Cluster-shaped launches: cluster_launch.h.)
+// stream. Returns the opt-in's error or the launch's; an empty grid has nothing to run (success).
+// (Cluster-shaped launches: cluster_launch.h.)
 template <typename Kernel, typename... Args>
 cudaError_t launch_kernel(Kernel kernel, dim3 grid, int threads, int64_t smem_bytes,
                           cudaStream_t stream, Args... args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
   const cudaError_t err = allow_dynamic_smem(kernel, smem_bytes);
   if (err != cudaSuccess) return err;
   cudaLaunchConfig_t config = {};
@@ -44,7 +46,6 @@ template <typename Kernel, typename... Args>
 cudaError_t launch_kernel(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes,
                           cudaStream_t stream, Args... args) {
   if (blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
-  if (blocks == 0) return cudaSuccess;
   return launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), threads, smem_bytes, stream,
                        args...);
 }
