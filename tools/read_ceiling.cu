@@ -50,10 +50,16 @@
 #include <string>
 #include <vector>
 
+#include "../csrc/common/cuda/ptx_ops.h"
 #include "cold_l2.h"
 #include "cuda_check.h"
 
 namespace {
+
+using flashmod::cuda_kernels::cp_async_16;
+using flashmod::cuda_kernels::cp_async_commit;
+using flashmod::cuda_kernels::cp_async_wait;
+using flashmod::cuda_kernels::smem_addr;
 
 // The decode benchmark's shape: B 8, 8 kv heads, D 128, bf16; a token's row of one kv head is
 // 256 bytes, of all heads 2 KB. A page of 16 tokens is 32 KB of pool.
@@ -159,16 +165,10 @@ __global__ void __launch_bounds__(128) read_split(const uint4* k, const uint4* v
   add_to_total(total, s);
 }
 
-__device__ inline uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+// The model's own copy form, without the source size of the decode kernel's (ptx_ops.h:
+// cp_async_16, which the "kcopies" modes use).
 __device__ inline void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-}
-// The decode kernel's form (ptx_ops.h): a source size, the rest of the 16 bytes zero-filled.
-__device__ inline void cp_async16_zfill(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(src_bytes));
 }
 
 // Per-CTA global-timer stamps of the stream_chunks modes (thread 0: start, key loop done, end), so
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(128) stream_chunks(const ChunkWork w) {
   auto load_block = [&](int it, int j, int stage) {
     const int tile = tile_of(it), b = tile / kKvHeads, hk = tile % kKvHeads;
     const int64_t t0 = (int64_t(chunk_of(it)) * w.chunk_blocks + j) * kBlockTokens;
-    const uint32_t dst = smem_u32(stages + stage * kPipeStageBytes) + (tid % 16) * 16;
+    const uint32_t dst = smem_addr(stages + stage * kPipeStageBytes) + (tid % 16) * 16;
     auto src_of = [&](int u) {
       return ((b * w.tokens + t0 + u * 8 + tid / 16) * kKvHeads + hk) * kRowBytes + (tid % 16) * 16;
     };
@@ -232,11 +232,10 @@ __global__ void __launch_bounds__(128) stream_chunks(const ChunkWork w) {
     if (w.kernel_copies) {
 #pragma unroll
       for (int u = 0; u < 8; ++u)
-        cp_async16_zfill(dst + row_dst + u * 8 * kRowBytes, w.k + src_of(u), 16);
+        cp_async_16(dst + row_dst + u * 8 * kRowBytes, w.k + src_of(u), 16);
 #pragma unroll
       for (int u = 0; u < 8; ++u)
-        cp_async16_zfill(dst + kPipeStageBytes / 2 + row_dst + u * 8 * kRowBytes, w.v + src_of(u),
-                         16);
+        cp_async_16(dst + kPipeStageBytes / 2 + row_dst + u * 8 * kRowBytes, w.v + src_of(u), 16);
       return;
     }
 #pragma unroll
@@ -248,10 +247,10 @@ __global__ void __launch_bounds__(128) stream_chunks(const ChunkWork w) {
   int item = blockIdx.x, j = 0, stage = 0;
   if (item >= items) return;
   load_block(item, 0, 0);
-  asm volatile("cp.async.commit_group;");
+  cp_async_commit();
   unsigned long long s = 0;
   while (true) {
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    cp_async_wait<0>();
     // Block (item, j) landed for every thread's copies, and every warp is done reading the other
     // stage, which the copies below overwrite. At j = 0 it also orders the last read of next_item
     // (at the previous item's last block) before thread 0 rewrites it.
@@ -266,7 +265,7 @@ __global__ void __launch_bounds__(128) stream_chunks(const ChunkWork w) {
       following_j = 0;
     }
     if (following < items) load_block(following, following_j, stage ^ 1);
-    asm volatile("cp.async.commit_group;");
+    cp_async_commit();
     const uint4* data = reinterpret_cast<const uint4*>(stages + stage * kPipeStageBytes);
 #pragma unroll
     for (int u = 0; u < kPipeStageBytes / 16 / 128; ++u) s += sum4(data[u * 128 + tid]);
@@ -427,7 +426,7 @@ int main(int argc, char** argv) {
     modes.push_back({"empty grid", false,
                      [=] { empty_grid<<<kTiles * kSplits, 128, kPipeSmemBytes>>>(); },
                      kTiles * kSplits});
-    for (int per_tile : {8, 16})
+    for (int per_tile : {8, 16, 32})
       for (bool tile_major : {true, false})
         modes.push_back(
             {std::string(tile_major ? "pipe dyn " : "pipe dcm ") + std::to_string(per_tile), true,

@@ -60,11 +60,10 @@ __device__ __forceinline__ CtaTile cta_tile_at(const AttentionParams& p, Index i
 // caller checks the CTA count against cuda::kMaxGridBlocks first. Host code.
 inline dim3 cta_grid(const AttentionParams& p, int br, int splits, bool flat) {
   constexpr int64_t kMaxGridYZ = 65535;
-  const int64_t per_head = (p.seqlen_q + br - 1) / br * splits;
   if (!flat && p.heads_q <= kMaxGridYZ && p.batch <= kMaxGridYZ)
-    return dim3(static_cast<unsigned>(per_head), static_cast<unsigned>(p.heads_q),
-                static_cast<unsigned>(p.batch));
-  return dim3(static_cast<unsigned>(per_head * p.heads_q * p.batch));
+    return dim3(static_cast<unsigned>((p.seqlen_q + br - 1) / br * splits),
+                static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+  return dim3(static_cast<unsigned>(cta_count(p, br, splits)));
 }
 
 __device__ __forceinline__ CtaTile cta_tile(const AttentionParams& p, int num_m_blocks,
