@@ -243,7 +243,7 @@ int main(int argc, char** argv) {
       std::vector<float> epilogue_mean, epilogue_last, last_loop_done;
       // Within a CTA (means over its CTAs): from its start to its first key block's landing, the
       // blocks from then to its last one's landing (per block), and the last block's math.
-      std::vector<float> to_issue, to_first_block, per_block, last_block_math;
+      std::vector<float> to_range, to_issue, to_first_block, per_block, last_block_math;
       // Each timed call's CTA times, by block index and by SM: what the spread comes from.
       std::map<int, std::vector<double>> by_cta, by_sm;
       std::vector<double> all_durations, rep_means;
@@ -277,7 +277,7 @@ int main(int argc, char** argv) {
         std::map<unsigned, int> per_sm;
         std::vector<float> ends;
         double summed = 0, epi = 0;  // the CTAs' times, and their times past the key loop
-        double issue_sum = 0, first_sum = 0, between_sum = 0, math_sum = 0;
+        double range_sum = 0, issue_sum = 0, first_sum = 0, between_sum = 0, math_sum = 0;
         const fk::CtaTimelineEntry* final_cta = mine.front();
         unsigned long long loops_done = 0;
         for (auto* e : mine) {
@@ -286,6 +286,7 @@ int main(int argc, char** argv) {
           ends.push_back((e->end_ns - first) * 1e-3f);
           summed += (e->end_ns - e->start_ns) * 1e-3;
           epi += (e->end_ns - e->loop_done_ns) * 1e-3;
+          range_sum += (e->ranged_ns - e->start_ns) * 1e-3;
           issue_sum += (e->issued_ns - e->start_ns) * 1e-3;
           first_sum += (e->first_landed_ns - e->start_ns) * 1e-3;
           between_sum += (e->last_landed_ns - e->first_landed_ns) * 1e-3;
@@ -295,6 +296,7 @@ int main(int argc, char** argv) {
           ++per_sm[e->sm];
         }
         ctas = static_cast<int>(mine.size());
+        to_range.push_back(static_cast<float>(range_sum / ctas));
         to_issue.push_back(static_cast<float>(issue_sum / ctas));
         to_first_block.push_back(static_cast<float>(first_sum / ctas));
         per_block.push_back(static_cast<float>(between_sum / ctas));
@@ -361,10 +363,11 @@ int main(int argc, char** argv) {
       const int splits_run = ctas / (kBatch * kHeadsKv);
       const int blocks_per_cta = (tokens / 64 + splits_run - 1) / splits_run;
       std::printf(
-          "        a CTA issued its first copies %.2f us after its start; its first key block "
+          "        a CTA knew its key range %.2f us and issued its first copies %.2f us after its "
+          "start; its first key block "
           "landed %.2f us after its start, then %.3f us a block to its last (%d blocks), whose "
           "math took %.2f us\n",
-          median(to_issue), median(to_first_block),
+          median(to_range), median(to_issue), median(to_first_block),
           median(per_block) / std::max(1, blocks_per_cta - 1), blocks_per_cta,
           median(last_block_math));
       std::printf(

@@ -54,6 +54,8 @@
 //   FLASHMOD_FLAT_GRID=1              the CUDA decode kernel on a 1-D grid, its CTAs' tiles
 //                                     divided out of blockIdx.x (default: a (splits, heads,
 //                                     batch) grid; cta_tile.h)
+//   FLASHMOD_DECODE_KEY_SPLIT=0       CUDA decode tiles of <= 16 rows on the row-split kernel,
+//                                     not the key-split one (kernel_traits.h: KeySplitTraits)
 //   FLASHMOD_KVCACHE_FUSED_APPEND=0   decode-shaped KV-cache calls append with the append kernel
 //                                     before the attention, not inside it
 //   FLASHMOD_SOFTMAX_TRACE=1          prints the softmax launch path

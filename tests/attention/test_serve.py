@@ -624,12 +624,15 @@ def paged_copy(k_cont, v_cont, page_size, spare=3):
 @pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [0, 16, 8, 48, 256])
 @pytest.mark.parametrize("s_new", [1, 5, 70])
-@pytest.mark.parametrize("knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=3"])
+@pytest.mark.parametrize(
+    "knobs", ["FLASHMOD_DECODE_SPLITS=0", "FLASHMOD_DECODE_SPLITS=3", "FLASHMOD_DECODE_KEY_SPLIT=0"]
+)
 def test_kvcache_fused_append_equals_append_kernel(monkeypatch, page_size, s_new, knobs):
     """Decode-shaped calls append inside the attention kernel (new rows read from k/v, written by one
     CTA per kv head); the result and the caches are bitwise those of the separate append kernel,
     with new rows across key-block (64) and page boundaries, more new rows than a key block, split-KV
-    (the heuristic's and 3 forced), GQA 32/8 packed and (Sq = 2, causal) unpacked,
+    (the heuristic's and 3 forced), GQA 32/8 packed and (Sq = 2, causal) unpacked, tiles of <= 16
+    rows on the key-split kernel and (FLASHMOD_DECODE_KEY_SPLIT=0) the row-split one,
     contiguous (0) and paged caches; no slot outside the appended ones changes."""
     monkeypatch.setenv(*knobs.split("="))
     dtype, B, hq, hkv, d = torch.bfloat16, 5, 32, 8, 128
@@ -674,6 +677,45 @@ def test_kvcache_fused_append_equals_append_kernel(monkeypatch, page_size, s_new
             truth, _ = reference(q[b], ks, vs, opts_of("causal" if causal else "plain"), torch.float64)
             plain, _ = reference(q[b], ks, vs, opts_of("causal" if causal else "plain"), dtype)
             assert_within_rule(results["1"][0][b], truth, plain, 2, dtype, f"row {b}")
+
+
+@pytest.mark.cuda
+# Head dims padded to 128 (the key-split kernel's) and 40 (padded to 64: row split either way).
+@pytest.mark.parametrize("d", [104, 120, 128, 40])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("key_split", ["1", "0"])
+def test_kvcache_key_split_kernel_odd_shapes(monkeypatch, d, group, key_split):
+    """Decode tiles of <= 16 rows at head dims padded to 128 run the key-split kernel (every warp
+    on its quarter of each key block, the warps' softmax states merged after the loop; soft caps
+    stay on the row-split one) and, with FLASHMOD_DECODE_KEY_SPLIT=0, the row-split one: both
+    within the rule on odd cache lengths (1, 17, 113, 1023), one and two queries, GQA 1 / 4 / 8,
+    causal and windows, contiguous and 16-token paged caches, with NaN in every slot past a row's
+    length, so a key read that should not be shows."""
+    monkeypatch.setenv("FLASHMOD_DECODE_KEY_SPLIT", key_split)
+    dtype, hkv, S = torch.bfloat16, 2, 1040
+    seqlens = torch.tensor([1, 17, 113, 1023], dtype=torch.int32, device="cuda")
+    B = len(seqlens)
+    k_cont, v_cont = make_cache(B, S, hkv, d, dtype, "cuda")
+    for b in range(B):
+        k_cont[b, int(seqlens[b]) :] = float("nan")
+        v_cont[b, int(seqlens[b]) :] = float("nan")
+    for sq, variant in ((1, "plain"), (2, "causal"), (1, "window"), (2, "softcap_causal")):
+        opts = opts_of(variant)
+        q = torch.randn(B, sq, hkv * group, d, dtype=dtype, device="cuda")
+        for page_size in (0, 16):
+            if page_size:
+                k_pool, v_pool, table, _ = paged_copy(k_cont, v_cont, page_size)
+                caches, kw = (k_pool, v_pool), {"block_table": table}
+            else:
+                caches, kw = (k_cont, v_cont), {}
+            out = flashmod.flash_attn_with_kvcache(q, *caches, cache_seqlens=seqlens, **opts, **kw)
+            for b in range(B):
+                n = int(seqlens[b])
+                ks, vs = k_cont[b, :n], v_cont[b, :n]
+                truth, _ = reference(q[b], ks, vs, opts, torch.float64)
+                plain, _ = reference(q[b], ks, vs, opts, dtype)
+                where = f"row {b} ({n} keys), sq {sq}, {variant}, pages {page_size}"
+                assert_within_rule(out[b], truth, plain, 2, dtype, where)
 
 
 @pytest.mark.cuda

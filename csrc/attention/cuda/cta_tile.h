@@ -77,14 +77,19 @@ __device__ __forceinline__ CtaTile cta_tile(const AttentionParams& p, int num_m_
 __device__ __forceinline__ CtaTile cta_tile_of_grid(const AttentionParams& p, int num_m_blocks,
                                                     int splits) {
   if (gridDim.y != p.heads_q || gridDim.z != p.batch) return cta_tile(p, num_m_blocks, splits);
+  // Unsigned 32-bit divisions, skipped where they divide by 1 (one query block; GQA-packed rows,
+  // where heads_q is the kv heads' count): each is ~20 dependent instructions ahead of the first
+  // copies.
   CtaTile t;
-  t.m_block = static_cast<int>(blockIdx.x) % num_m_blocks;
-  t.split = static_cast<int>(blockIdx.x) / num_m_blocks;
-  t.h = blockIdx.y;
+  const unsigned x = blockIdx.x, y = blockIdx.y, blocks = static_cast<unsigned>(num_m_blocks);
+  t.m_block = blocks == 1 ? 0 : static_cast<int>(x % blocks);
+  t.split = blocks == 1 ? static_cast<int>(x) : static_cast<int>(x / blocks);
+  t.h = y;
   t.b = blockIdx.z;
   if (p.window_right >= 0) t.m_block = num_m_blocks - 1 - t.m_block;
-  t.hk =
-      static_cast<int>(blockIdx.y) / (static_cast<int>(p.heads_q) / static_cast<int>(p.heads_kv));
+  const unsigned heads_q = static_cast<unsigned>(p.heads_q);
+  const unsigned heads_kv = static_cast<unsigned>(p.heads_kv);
+  t.hk = heads_q == heads_kv ? y : y / (heads_q / heads_kv);
   return t;
 }
 

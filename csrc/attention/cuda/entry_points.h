@@ -123,6 +123,9 @@ struct DecodeOptions {
   bool kv_tma = false;
   int64_t kv_outer = 0;
   bool flat_grid = false;  // FLASHMOD_FLAT_GRID=1: a 1-D grid (cta_tile.h: cta_grid)
+  // Tiles of at most 16 rows on the key-split kernel (kernel_traits.h: KeySplitTraits; 0:
+  // FLASHMOD_DECODE_KEY_SPLIT=0, every tile on the row-split one).
+  bool key_split = true;
 };
 
 // The decode kernel's whole key blocks of a paged cache through the copy engine (sm_90a builds,

@@ -39,7 +39,9 @@ namespace flashmod::cuda_kernels {
 //   * split-KV (sk.splits > 1): each CTA walks one part of its key blocks and writes its rows'
 //     normalized partial O and lse (fp32) to sk's workspace; attention_fwd_split_combine_kernel
 //     (split_combine.h) merges them.
-// Without kDecode, sk is unused and the kernel is the prefill kernel, unchanged.
+// With KeySplitTraits (tiles of at most 16 rows) its warps split each key block instead of the
+// rows and merge their softmax states after the loop. Without kDecode, sk is unused and the kernel
+// is the prefill kernel, unchanged.
 //
 // kAddr != kDense: params carry per-sequence extents (varlen, KV-cache lengths, paged K/V;
 // attention_params.h). The grid is sized from the upper bounds in params, each CTA works on
@@ -65,7 +67,12 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
-  constexpr int MT = Tr::kMTiles, NT = Tr::kNTiles, DT = Tr::kDTiles;
+  constexpr int MT = Tr::kMTiles, DT = Tr::kDTiles;
+  // Key split (decode tiles of at most 16 real rows, kernel_traits.h: KeySplitTraits): each warp
+  // computes the tile's first 16 rows against its own kKeysPerWarp keys of every K_j / V_j.
+  constexpr bool kKeySplit = kDecode && Tr::kKeySplit;
+  constexpr int kKeysPerWarp = kKeySplit ? Bc / Tr::kNWarps : Bc;
+  constexpr int NT = kKeysPerWarp / 8;  // n8 tiles of this warp's S
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kKvTma = kDecode && kAddr == kRowPages && D % 64 == 0;
 #else
@@ -118,7 +125,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   // (32-bit: a period is at most kDecodeMaxNq, and 64-bit divisions delay the first copies.)
   int64_t pos_first = r0, pos_last = r0 + rows_q - 1;
   if constexpr (kDecode) {
-    if (p.pos_period > 0) {
+    if (p.pos_period == 1) {  // one query a head: every row is position 0
+      pos_first = pos_last = 0;
+    } else if (p.pos_period > 0) {
       const int period = static_cast<int>(p.pos_period), last = r0 + rows_q - 1;
       const bool one_head = r0 / period == last / period;
       pos_first = one_head ? r0 % period : 0;
@@ -131,11 +140,15 @@ __global__ void __launch_bounds__(Tr::kNThreads)
       kDecode ? tile.split * (p.batch * p.heads_q * p.seqlen_q) + gp.row_id : 0;
   if constexpr (kDecode) {
     if (splits > 1) {
-      const int per = (max(0, range.hi - range.lo) + splits - 1) / splits;
+      const int per = static_cast<int>(
+          (static_cast<unsigned>(max(0, range.hi - range.lo)) + splits - 1) / splits);
       range.lo += tile.split * per;
       range.hi = min(range.hi, range.lo + per);
     }
   }
+#ifdef FLASHMOD_CTA_TIMELINE
+  timeline.ranged();
+#endif
   // Split-KV, after this CTA wrote its partial: the fused combine (split_combine.h).
   auto finish_split = [&]() {
     if constexpr (kDecode) {
@@ -222,10 +235,15 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
   // Per-lane ldmatrix coordinates: lanes 8i..8i+7 address the rows of 8x8 matrix i.
   const int lm_mat = lane >> 3, lm_row = lane & 7;
+  // warp_row0: the rows this warp stores; q_row0 / kv_row0: the Q_i rows and K_j / V_j rows it
+  // computes with (key split: rows 0-15 and its quarter of the keys).
   const int warp_row0 = warp * Tr::kRowsPerWarp;
-  const LaneTileOffsets<D> q_off(warp_row0 + lm_row + (lm_mat & 1) * 8, lm_mat >> 1);    // A
-  const LaneTileOffsets<D, kKvBlockRows> k_off(lm_row + (lm_mat >> 1) * 8, lm_mat & 1);  // B
-  const LaneTileOffsets<D, kKvBlockRows> v_off(lm_row + (lm_mat & 1) * 8, lm_mat >> 1);  // B^T
+  const int q_row0 = kKeySplit ? 0 : warp_row0, kv_row0 = kKeySplit ? warp * kKeysPerWarp : 0;
+  const LaneTileOffsets<D> q_off(q_row0 + lm_row + (lm_mat & 1) * 8, lm_mat >> 1);  // A
+  const LaneTileOffsets<D, kKvBlockRows> k_off(kv_row0 + lm_row + (lm_mat >> 1) * 8,
+                                               lm_mat & 1);  // B
+  const LaneTileOffsets<D, kKvBlockRows> v_off(kv_row0 + lm_row + (lm_mat & 1) * 8,
+                                               lm_mat >> 1);  // B^T
 
   // Accumulator coordinates: row lane/4 (+8), columns 2*(lane%4) (+1).
   const int g = lane >> 2, t = lane & 3;
@@ -323,16 +341,18 @@ __global__ void __launch_bounds__(Tr::kNThreads)
       }
     }
 
-    // Scores -> logit units, hiding invisible keys.
-    mask_scores<Elem, kGeneral>(S, p, tf, b, h, r0 + warp_row0, row_first, row_last, n, Bc, lane,
-                                pos_of, tile_needs_mask(mask_classes, n));
+    // Scores -> logit units, hiding invisible keys (key split: this warp's keys as a block of
+    // their own).
+    mask_scores<Elem, kGeneral>(S, p, tf, b, h, r0 + q_row0, row_first, row_last,
+                                kKeySplit ? n * Tr::kNWarps + warp : n, kKeysPerWarp, lane, pos_of,
+                                tile_needs_mask(mask_classes, n));
 
     softmax.update(S, O, c);
 
     // O += P V_j
     const uint32_t sV_addr = sV_addr0 + stage * kStageBytes;
 #pragma unroll
-    for (int kk = 0; kk < Bc / 16; ++kk) {
+    for (int kk = 0; kk < kKeysPerWarp / 16; ++kk) {
       uint32_t pa[MT][4];
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi) {
@@ -354,6 +374,14 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     }
   }
   cp_async_wait<0>();  // only empty groups can be pending; retire them before exit
+  if constexpr (kKeySplit) {
+    static_assert(key_split_merge_bytes<Tr::kNWarps, DT>() <= 4 * Tr::kStages * Tr::kSmemKV,
+                  "the merge fits the K/V stages");
+    // Every warp is done reading the last K_j / V_j, whose stages now hold the merge. Afterwards
+    // warp 0 holds the tile's state; warps 1.. own rows past rows_q (<= 16) and store nothing.
+    __syncthreads();
+    merge_key_split_warps<Tr::kNWarps, DT>(softmax, O, c, reinterpret_cast<float*>(sK), warp, lane);
+  }
 #ifdef FLASHMOD_CTA_TIMELINE
   timeline.mark();
 #endif

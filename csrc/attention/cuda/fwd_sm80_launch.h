@@ -48,21 +48,36 @@ FLASHMOD_CONFIG(256, 64, 64, 4, 2, false)
 #undef FLASHMOD_CONFIG
 
 // The kernel variant for (general scores, K/V addressing); kDecode picks the decode variants.
+// The key-split decode kernel (kernel_traits.h: KeySplitTraits) is built for plain scores and
+// per-sequence K/V only (run_attention_fwd_decode): nullptr otherwise.
 template <class Tr, bool kDecode>
 auto pick_fwd_kernel(bool general, KvAddressing addr) {
-  switch (addr) {
-    case kSequences:
-      return general ? attention_fwd_kernel<Tr, true, kDecode, kSequences>
-                     : attention_fwd_kernel<Tr, false, kDecode, kSequences>;
-    case kBlockPages:
-      return general ? attention_fwd_kernel<Tr, true, kDecode, kBlockPages>
-                     : attention_fwd_kernel<Tr, false, kDecode, kBlockPages>;
-    case kRowPages:
-      return general ? attention_fwd_kernel<Tr, true, kDecode, kRowPages>
-                     : attention_fwd_kernel<Tr, false, kDecode, kRowPages>;
-    default:
-      return general ? attention_fwd_kernel<Tr, true, kDecode, kDense>
-                     : attention_fwd_kernel<Tr, false, kDecode, kDense>;
+  if constexpr (Tr::kKeySplit) {
+    using Kernel = decltype(&attention_fwd_kernel<Tr, false, kDecode, kSequences>);
+    switch (addr) {
+      case kSequences:
+        return general ? Kernel{} : attention_fwd_kernel<Tr, false, kDecode, kSequences>;
+      case kBlockPages:
+        return general ? Kernel{} : attention_fwd_kernel<Tr, false, kDecode, kBlockPages>;
+      case kRowPages:
+        return general ? Kernel{} : attention_fwd_kernel<Tr, false, kDecode, kRowPages>;
+      default: return Kernel{};
+    }
+  } else {
+    switch (addr) {
+      case kSequences:
+        return general ? attention_fwd_kernel<Tr, true, kDecode, kSequences>
+                       : attention_fwd_kernel<Tr, false, kDecode, kSequences>;
+      case kBlockPages:
+        return general ? attention_fwd_kernel<Tr, true, kDecode, kBlockPages>
+                       : attention_fwd_kernel<Tr, false, kDecode, kBlockPages>;
+      case kRowPages:
+        return general ? attention_fwd_kernel<Tr, true, kDecode, kRowPages>
+                       : attention_fwd_kernel<Tr, false, kDecode, kRowPages>;
+      default:
+        return general ? attention_fwd_kernel<Tr, true, kDecode, kDense>
+                       : attention_fwd_kernel<Tr, false, kDecode, kDense>;
+    }
   }
 }
 
@@ -162,6 +177,7 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
   const bool general = general_scores(p);
   const KvAddressing addr = kv_addressing(p, Tr::Bc);
   auto kernel = pick_fwd_kernel<Tr, true>(general, addr);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
   const int64_t ctas = cta_count(p, Tr::Br), key_blocks = decode_key_blocks(p, Tr::Bc);
   int splits = opt.forced_splits;
   if (splits <= 0) {
@@ -191,11 +207,28 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
   return launch_split_combine<Elem, kHeadDim>(p, sk, stream);
 }
 
+// KV-cache, paged and varlen decode tiles of at most one warp's 16 rows (a GQA group's heads of
+// one query, e.g. 32 / 8 heads) with plain scores at D = 128 take the key-split kernel: the
+// row-split one computes 48 padding rows there. H100, bf16, B 8, 32 / 8 heads,
+// flash_attn_with_kvcache from a cold L2, four runs, contiguous and paged (16 and 256): the step
+// 0.6-2.4 % shorter at 4k tokens, 0.4-1.6 % at 16k, 0.1-0.6 % from 64k, -0.2 to +3.1 % at 1k. The
+// rest stays on the row-split kernel: dense decode (flashmod.attention), whose key-split variant
+// (168 registers, 28 bytes of spill) made the step 0.3-0.7 us longer (tools/decode_timeline.cu);
+// soft caps and scales
+// <= 0, whose key-split variants spill 16-52 bytes (the row-split ones none); other head dims,
+// unmeasured, whose key-split variants spill 36-108 bytes at D = 64 and 256
+// (benchmarks/results/design/cuda-serving.md, session 35).
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
                                      const DecodeOptions& opt, const DeviceWorkspace& ws,
                                      cudaStream_t stream) {
-  return launch_decode<typename DecodeConfig<Elem, kHeadDim>::Traits>(p, flags, opt, ws, stream);
+  using Traits = typename DecodeConfig<Elem, kHeadDim>::Traits;
+  if constexpr (kHeadDim == 128) {
+    if (opt.key_split && p.seqlen_q <= Traits::kRowsPerWarp && has_sequence_extents(p) &&
+        !general_scores(p))
+      return launch_decode<KeySplitTraits<Traits>>(p, flags, opt, ws, stream);
+  }
+  return launch_decode<Traits>(p, flags, opt, ws, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

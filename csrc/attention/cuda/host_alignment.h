@@ -62,7 +62,7 @@ inline bool use_sm90_ws_kernel(int padded_head_dim) {
 // The decode path's knobs, read per call: FLASHMOD_DECODE_SPLITS=n (exactly n splits),
 // FLASHMOD_DECODE_FUSED_COMBINE=0 (the combine kernel instead of each tile's last CTA),
 // FLASHMOD_DECODE_TMA=0 (K/V by cp.async only; the copy engine needs the sm_90a build),
-// FLASHMOD_FLAT_GRID=1 (a 1-D grid).
+// FLASHMOD_FLAT_GRID=1 (a 1-D grid), FLASHMOD_DECODE_KEY_SPLIT=0 (no key-split kernel).
 inline cuda_kernels::DecodeOptions decode_options() {
   cuda_kernels::DecodeOptions opt;
   // torch caches the properties per device (one cudaGetDeviceProperties each).
@@ -71,6 +71,7 @@ inline cuda_kernels::DecodeOptions decode_options() {
   opt.fused_combine = env_flag("FLASHMOD_DECODE_FUSED_COMBINE", true);
   opt.kv_tma = sm90_kernels_usable() && env_flag("FLASHMOD_DECODE_TMA", true);
   opt.flat_grid = env_flag("FLASHMOD_FLAT_GRID", false);
+  opt.key_split = env_flag("FLASHMOD_DECODE_KEY_SPLIT", true);
   return opt;
 }
 

@@ -20,9 +20,11 @@ struct FwdTraits {
   // Keep Q_i's mma fragments in registers for the whole key loop instead of re-reading them from
   // shared memory for every K_j: saves a third of the ldmatrix traffic where registers allow.
   static constexpr bool kQInRegs = kQInRegs_;
+  // The decode kernel's key-split form (KeySplitTraits below); false: warps split Q_i by rows.
+  static constexpr bool kKeySplit = false;
 
   // Warps split Q_i by rows only, so every warp sees all of K_j/V_j and softmax rows never cross
-  // warps (no shared-memory reduction).
+  // warps (no shared-memory reduction); the decode kernel's KeySplitTraits is the exception.
   static constexpr int kRowsPerWarp = Br / kNWarps;
   static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles per warp
   static constexpr int kNTiles = Bc / 8;             // n8 tiles of S per warp
@@ -44,6 +46,18 @@ struct FwdTraits {
   static_assert(kStages >= 2, "one buffer computing, at least one loading");
   // 163 KB is sm80's opt-in per-block limit; sm90 allows 227 KB.
   static_assert(kSmemBytes <= 163 * 1024, "must also fit an A100");
+};
+
+// The decode kernel for tiles of at most 16 real rows (fwd_sm80_kernel.h: kKeySplit): every warp
+// takes those rows (one m16 tile) against its own Bc / kNWarps keys of each K_j / V_j, instead of
+// warps 1.. computing padding rows against all of them; the warps' softmax states merge once,
+// after the key loop (online_softmax.h: merge_key_split_warps).
+template <class Base>
+struct KeySplitTraits : Base {
+  static constexpr bool kKeySplit = true;
+  static constexpr int kKeysPerWarp = Base::Bc / Base::kNWarps;
+  static_assert(Base::kMTiles == 1, "the rows of one m16 tile");
+  static_assert(kKeysPerWarp % 16 == 0, "each warp's keys feed P V_j in whole k16 slices");
 };
 
 }  // namespace flashmod::cuda_kernels

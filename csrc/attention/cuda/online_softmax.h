@@ -177,4 +177,74 @@ struct OnlineSoftmax {
   }
 };
 
+// The key-split decode kernel (kernel_traits.h: KeySplitTraits): its kWarps warps ran the online
+// softmax of the same 16 rows over disjoint keys; their states fold into warp 0's. Per row, M is
+// the warps' largest m; each warp's O and l (summed under its offset c m_w) are scaled by
+// exp2(c m_w - c M) (0 for a warp that saw no visible key) and warp 0 adds the others' in warp
+// order, so the result does not depend on timing. scratch: shared memory of at least
+// key_split_merge_bytes, which nothing else reads now (the caller synchronized the CTA after its
+// last read of it); the other warps' states are meaningless afterwards.
+template <int kWarps, int kDTiles>
+constexpr int key_split_merge_bytes() {
+  return 4 * (kWarps * 16 + (kWarps - 1) * 32 * (2 + 4 * kDTiles));
+}
+template <int kWarps, int kDTiles>
+__device__ __forceinline__ void merge_key_split_warps(OnlineSoftmax<1>& softmax,
+                                                      float (&O)[1][kDTiles][4], float c,
+                                                      float* scratch, int warp, int lane) {
+  float* m_of = scratch;                   // [warp][row]
+  float* l_of = m_of + kWarps * 16;        // [warp - 1][lane][half]
+  float* o_of = l_of + (kWarps - 1) * 64;  // [warp - 1][di][lane][4]
+  const int g = lane >> 2;
+  if ((lane & 3) == 0) {  // a quad's four lanes hold the same m
+    m_of[warp * 16 + g] = softmax.m[0][0];
+    m_of[warp * 16 + g + 8] = softmax.m[0][1];
+  }
+  // Every warp's m is written before any warp reads them.
+  __syncthreads();
+  float scale[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float row_max = -CUDART_INF_F;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) row_max = fmaxf(row_max, m_of[w * 16 + g + 8 * h]);
+    const float m = softmax.m[0][h];
+    scale[h] = m == -CUDART_INF_F ? 0.f : exp2f(c * m - c * row_max);
+    softmax.m[0][h] = row_max;
+    softmax.l[0][h] *= scale[h];
+#pragma unroll
+    for (int di = 0; di < kDTiles; ++di) {
+      O[0][di][2 * h] *= scale[h];
+      O[0][di][2 * h + 1] *= scale[h];
+    }
+  }
+  if (warp > 0) {
+    float* l_mine = l_of + ((warp - 1) * 32 + lane) * 2;
+    l_mine[0] = softmax.l[0][0];
+    l_mine[1] = softmax.l[0][1];
+#pragma unroll
+    for (int di = 0; di < kDTiles; ++di)
+      *reinterpret_cast<float4*>(o_of + (((warp - 1) * kDTiles + di) * 32 + lane) * 4) =
+          make_float4(O[0][di][0], O[0][di][1], O[0][di][2], O[0][di][3]);
+  }
+  // The other warps' scaled states are written before warp 0 reads them.
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) {
+    const float* l_w = l_of + ((w - 1) * 32 + lane) * 2;
+    softmax.l[0][0] += l_w[0];
+    softmax.l[0][1] += l_w[1];
+#pragma unroll
+    for (int di = 0; di < kDTiles; ++di) {
+      const float4 o =
+          *reinterpret_cast<const float4*>(o_of + (((w - 1) * kDTiles + di) * 32 + lane) * 4);
+      O[0][di][0] += o.x;
+      O[0][di][1] += o.y;
+      O[0][di][2] += o.z;
+      O[0][di][3] += o.w;
+    }
+  }
+}
+
 }  // namespace flashmod::cuda_kernels
