@@ -287,6 +287,37 @@ def test_kvcache_paged_equals_contiguous(device, page_size):
         assert torch.equal(k_pool[spare], pool_before[spare]), "a page outside the table changed"
 
 
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kvcache_paged_decode_equals_contiguous(device, page_size, variant):
+    """Decode-shaped calls on a paged cache (the CPU decode engine reads each key block's rows through
+    the block table in place; CUDA's decode kernel through its page lookups) give the contiguous
+    cache's results bit for bit: pages that split the engines' key blocks unevenly (48), caches long
+    enough to be cut into splits (CPU: 512+ keys a split), odd lengths, one and three queries, GQA,
+    head dims that the CPU decode engine takes (64) and, on AVX-512, one it leaves to the gathering
+    path (40); within the rule against the fp64 reference too."""
+    opts = opts_of(variant)
+    for dtype in kvcache_dtypes(device):
+        for d, sq in ((64, 1), (40, 3)):
+            # Three kv heads: on CI's two threads the CPU decode cuts the longer rows into splits.
+            B, hq, hkv, pages_per_row = 3, 12, 3, 1536 // page_size
+            S = pages_per_row * page_size
+            k_cont, v_cont = make_cache(B, S, hkv, d, dtype, device)
+            k_pool, v_pool, table, _ = paged_copy(k_cont, v_cont, page_size)
+            q = torch.randn(B, sq, hq, d, dtype=dtype, device=device)
+            seqlens = torch.tensor([1, 1100, S - 17], dtype=torch.int32, device=device)
+            paged = flashmod.flash_attn_with_kvcache(
+                q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table, **opts
+            )
+            cont = flashmod.flash_attn_with_kvcache(q, k_cont, v_cont, cache_seqlens=seqlens, **opts)
+            assert torch.equal(paged, cont), f"{dtype}, d {d}, sq {sq}: paged differs from contiguous"
+            for b in range(B):
+                n = int(seqlens[b])
+                truth, _ = reference(q[b], k_cont[b, :n], v_cont[b, :n], opts, torch.float64)
+                plain, _ = reference(q[b], k_cont[b, :n], v_cont[b, :n], opts, dtype)
+                assert_within_rule(paged[b], truth, plain, 2, dtype, f"{dtype}, d {d}, sq {sq}, row {b}")
+
+
 def test_kvcache_batch_idx_int_seqlens_and_no_append(device):
     dtype = torch.bfloat16
     B, hq, hkv, d = 2, 4, 4, 32

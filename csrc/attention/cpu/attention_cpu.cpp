@@ -230,6 +230,11 @@ void run_attention_cpu(const AttentionParams& p) {
   }
 }
 
+bool run_attention_cpu_paged(const AttentionParams& p) {
+  return p.dtype != ScalarKind::kFloat64 && env_flag("FLASHMOD_CPU_DECODE", true) &&
+         attention_cpu_decode(pick_kernel(), p);
+}
+
 namespace {
 
 std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k,

@@ -59,10 +59,28 @@ inline int64_t pair_pos(int64_t d, int64_t D) {
   return blk + (i & 1) * kW + i / 2;
 }
 
-// acc[r][0..DV) += sum_c P[r][c] V_c over `cols` keys; then O_r = alpha_r O_r + acc_r.
-template <class Tag, int R, int DV>
-inline void decode_pv_block(const float* P, const typename Tag::storage* V, int64_t ldv,
-                            int64_t cols, const float* alpha, float* O, int64_t ldo) {
+// Where a key block's K or V rows are: equally strided (contiguous caches), or one pointer per row
+// (a paged cache's rows, resolved through its block table once per block). Row j of the block is
+// rows[j]; the kernels below read through either with the same arithmetic, so a paged cache gives
+// the contiguous one's results bit for bit.
+template <class T>
+struct StridedRows {
+  const T* base;
+  int64_t ld;
+  const T* operator[](int64_t j) const { return base + j * ld; }
+  StridedRows from(int64_t j) const { return {base + j * ld, ld}; }
+};
+template <class T>
+struct PointerRows {
+  const T* const* ptrs;
+  const T* operator[](int64_t j) const { return ptrs[j]; }
+  PointerRows from(int64_t j) const { return {ptrs + j}; }
+};
+
+// acc[r][0..DV) += sum_c P[r][c] V_c[col0..] over `cols` keys; then O_r = alpha_r O_r + acc_r.
+template <class Tag, int R, int DV, class Rows>
+inline void decode_pv_block(const float* P, const Rows& V, int64_t col0, int64_t cols,
+                            const float* alpha, float* O, int64_t ldo) {
   vf acc[R][DV] = {};
   for (int64_t c = 0; c < cols; ++c) {
     vf pr[R];
@@ -72,7 +90,7 @@ inline void decode_pv_block(const float* P, const typename Tag::storage* V, int6
 #pragma GCC unroll 8
       for (int dv = 0; dv + 1 < DV; dv += 2) {
         vf v0, v1;
-        load_pair<Tag>(V + c * ldv + dv * kW, v0, v1);
+        load_pair<Tag>(V[c] + col0 + dv * kW, v0, v1);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           acc[r][dv] = fmadd(pr[r], v0, acc[r][dv]);
@@ -80,14 +98,14 @@ inline void decode_pv_block(const float* P, const typename Tag::storage* V, int6
         }
       }
       if constexpr (DV % 2 == 1) {  // the lone last kW block of D (pair_pos leaves it in order)
-        const vf v = Tag::load(V + c * ldv + (DV - 1) * kW);
+        const vf v = Tag::load(V[c] + col0 + (DV - 1) * kW);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) acc[r][DV - 1] = fmadd(pr[r], v, acc[r][DV - 1]);
       }
     } else {
 #pragma GCC unroll 8
       for (int dv = 0; dv < DV; ++dv) {
-        const vf v = Tag::load(V + c * ldv + dv * kW);
+        const vf v = Tag::load(V[c] + col0 + dv * kW);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) acc[r][dv] = fmadd(pr[r], v, acc[r][dv]);
       }
@@ -104,9 +122,9 @@ inline void decode_pv_block(const float* P, const typename Tag::storage* V, int6
   }
 }
 
-template <class Tag, int R>
-inline void decode_pv_rows(const float* P, const typename Tag::storage* V, int64_t ldv,
-                           int64_t cols, const float* alpha, float* O, int64_t D) {
+template <class Tag, int R, class Rows>
+inline void decode_pv_rows(const float* P, const Rows& V, int64_t cols, const float* alpha,
+                           float* O, int64_t D) {
   // bf16 (V read in pairs): R x kDVd accumulators beside R broadcasts and a pair of V vectors, 16
   // in AVX-512's 32 registers, 8 in the 16 of AVX2 and SSE (16 spilled there). fp32 and fp16 keep
   // the block they had (8 or 4 vectors a row): with the pair loop and that block fp32 GQA lost
@@ -116,10 +134,9 @@ inline void decode_pv_rows(const float* P, const typename Tag::storage* V, int64
   static_assert(!kSplitPairs<Tag> || kDVd % 2 == 0, "whole pairs, so blocks keep pair_pos's order");
   int64_t d = 0;
   for (; d + kDVd * kW <= D; d += kDVd * kW)
-    decode_pv_block<Tag, R, kDVd>(P, V + d, ldv, cols, alpha, O + d, D);
-  for (; d + 2 * kW <= D; d += 2 * kW)
-    decode_pv_block<Tag, R, 2>(P, V + d, ldv, cols, alpha, O + d, D);
-  for (; d < D; d += kW) decode_pv_block<Tag, R, 1>(P, V + d, ldv, cols, alpha, O + d, D);
+    decode_pv_block<Tag, R, kDVd>(P, V, d, cols, alpha, O + d, D);
+  for (; d + 2 * kW <= D; d += 2 * kW) decode_pv_block<Tag, R, 2>(P, V, d, cols, alpha, O + d, D);
+  for (; d < D; d += kW) decode_pv_block<Tag, R, 1>(P, V, d, cols, alpha, O + d, D);
 }
 
 // q . k over D (a multiple of kW), k in Tag's storage, q in load_pair's order: two accumulators,
@@ -138,12 +155,12 @@ inline float dot_row(const typename Tag::storage* k, const float* q, int64_t D) 
   return hsum(acc0 + acc1);
 }
 
-// The scores of kW consecutive key rows (ldk apart) against q (in load_pair's order): one
+// The scores of kW key rows (k[0..kW)) against q (in load_pair's order): one
 // accumulator per key, then the kW accumulators folded lane into lane (fold_lanes), so the kW
 // horizontal sums share their shuffles: 3 (kW - 1) instructions instead of kW reductions of
 // log2(kW) shuffles and adds each. Lane j of the result is key j's score.
-template <class Tag>
-inline vf dot_keys(const typename Tag::storage* k, int64_t ldk, const float* q, int64_t D) {
+template <class Tag, class Rows>
+inline vf dot_keys(const Rows& k, const float* q, int64_t D) {
   vf acc[kW];
 #pragma GCC unroll 16
   for (int j = 0; j < kW; ++j) acc[j] = splat(0.0f);
@@ -153,31 +170,31 @@ inline vf dot_keys(const typename Tag::storage* k, int64_t ldk, const float* q, 
 #pragma GCC unroll 16
     for (int j = 0; j < kW; ++j) {
       vf k0, k1;
-      load_pair<Tag>(k + j * ldk + d, k0, k1);
+      load_pair<Tag>(k[j] + d, k0, k1);
       acc[j] = fmadd(k1, q1, fmadd(k0, q0, acc[j]));
     }
   }
   if (d < D) {
     const vf q0 = loadu(q + d);
 #pragma GCC unroll 16
-    for (int j = 0; j < kW; ++j) acc[j] = fmadd(Tag::load(k + j * ldk + d), q0, acc[j]);
+    for (int j = 0; j < kW; ++j) acc[j] = fmadd(Tag::load(k[j] + d), q0, acc[j]);
   }
   return fold_lanes(acc);
 }
 
-// kW key rows (ldk apart) widened to floats into buf, kW x D (D a multiple of kW), in load_pair's
+// kW key rows (k[0..kW)) widened to floats into buf, kW x D (D a multiple of kW), in load_pair's
 // order.
-template <class Tag>
-inline void widen_keys(const typename Tag::storage* k, int64_t ldk, int64_t D, float* buf) {
+template <class Tag, class Rows>
+inline void widen_keys(const Rows& k, int64_t D, float* buf) {
   for (int j = 0; j < kW; ++j) {
     int64_t d = 0;
     for (; d + 2 * kW <= D; d += 2 * kW) {
       vf k0, k1;
-      load_pair<Tag>(k + j * ldk + d, k0, k1);
+      load_pair<Tag>(k[j] + d, k0, k1);
       storeu(buf + j * D + d, k0);
       storeu(buf + j * D + d + kW, k1);
     }
-    if (d < D) storeu(buf + j * D + d, Tag::load(k + j * ldk + d));
+    if (d < D) storeu(buf + j * D + d, Tag::load(k[j] + d));
   }
 }
 
@@ -190,11 +207,17 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
   const int64_t D = p.head_dim, Nq = p.seqlen_q, group = p.heads_q / p.heads_kv;
   const DecodeLayout L = decode_layout(p, splits);
   const float scale = static_cast<float>(p.scale);
-  void* mem = std::aligned_alloc(64, sizeof(float) * (kDecRows * (kDecBc + 2 * D + 8) + kW * D));
+  // Paged K/V (a sequence view with a block table, serve_cpu.cpp): each key block's rows are
+  // looked up once into k_ptrs / v_ptrs.
+  const bool paged = p.block_table != nullptr;
+  const size_t floats = kDecRows * (kDecBc + 2 * D + 8) + kW * D;
+  void* mem = std::aligned_alloc(64, sizeof(float) * floats + 2 * kDecBc * sizeof(const T*));
   float* S = static_cast<float*>(mem);  // kDecRows x kDecBc
   float* Qs = S + kDecRows * kDecBc;    // kDecRows x D, scaled
   float* O = Qs + kDecRows * D;         // kDecRows x D
   float* Kf = O + kDecRows * D;         // kW x D: kW 16-bit key rows widened
+  const T** k_ptrs = reinterpret_cast<const T**>(static_cast<float*>(mem) + floats);
+  const T** v_ptrs = k_ptrs + kDecBc;
   float m[kDecRows], l[kDecRows], alpha[kDecRows];
   for (int64_t task = begin; task < end; ++task) {
     const int64_t split = task % splits, chunk = (task / splits) % L.chunks;
@@ -222,105 +245,119 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
     const bool plain = p.softcap <= 0 && p.mask_kind == MaskKind::kNone;
     for (int64_t c0 = s_lo; c0 < s_hi; c0 += kDecBc) {
       const int64_t cols = min64(kDecBc, s_hi - c0), colsp = (cols + kW - 1) / kW * kW;
-      // Scores, kW keys at a time (dot_keys), the last cols % kW one by one. With several rows
-      // 16-bit key rows are widened once for all of them (widened per row, their conversions
-      // outnumbered the products); a lone row reads them as they are (the round trip through Kf
-      // cost it 5-10 %).
-      const int64_t ldk = p.k_row_stride, whole = cols / kW * kW;
-      const bool widen = sizeof(T) == 2 && rows > 1;
-      for (int64_t c = 0; c < whole; c += kW) {
-        const T* k = K + (c0 + c) * ldk;
-        if (widen) {
-          widen_keys<Tag>(k, ldk, D, Kf);
-          for (int64_t r = 0; r < rows; ++r)
-            storeu(S + r * kDecBc + c, dot_keys<F32>(Kf, D, Qs + r * D, D));
-        } else {
-          for (int64_t r = 0; r < rows; ++r)
-            storeu(S + r * kDecBc + c, dot_keys<Tag>(k, ldk, Qs + r * D, D));
-        }
-      }
-      for (int64_t c = whole; c < cols; ++c) {
-        const T* k = K + (c0 + c) * ldk;
-        for (int64_t r = 0; r < rows; ++r) S[r * kDecBc + c] = dot_row<Tag>(k, Qs + r * D, D);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* s = S + r * kDecBc;
-        for (int64_t c = cols; c < colsp; ++c) s[c] = kNegInf;
-        if (!plain) {
-          if (p.softcap > 0) {
-            const float cap = static_cast<float>(p.softcap), inv_cap = 1.0f / cap;
-            for (int64_t c = 0; c < cols; ++c) s[c] = cap * tanhf(s[c] * inv_cap);
+      // One key block, its K and V rows read through krows / vrows (StridedRows or PointerRows).
+      // Inlined into both calls: as a called function the contiguous cache's step ran 1-3 %
+      // longer on AVX2 (bf16, 1k keys; this machine's A/B, session 35).
+      auto block = [&](const auto& krows, const auto& vrows) __attribute__((always_inline)) {
+        // Scores, kW keys at a time (dot_keys), the last cols % kW one by one. With several rows
+        // 16-bit key rows are widened once for all of them (widened per row, their conversions
+        // outnumbered the products); a lone row reads them as they are (the round trip through Kf
+        // cost it 5-10 %).
+        const int64_t whole = cols / kW * kW;
+        const bool widen = sizeof(T) == 2 && rows > 1;
+        for (int64_t c = 0; c < whole; c += kW) {
+          if (widen) {
+            widen_keys<Tag>(krows.from(c), D, Kf);
+            for (int64_t r = 0; r < rows; ++r)
+              storeu(S + r * kDecBc + c, dot_keys<F32>(StridedRows<float>{Kf, D}, Qs + r * D, D));
+          } else {
+            for (int64_t r = 0; r < rows; ++r)
+              storeu(S + r * kDecBc + c, dot_keys<Tag>(krows.from(c), Qs + r * D, D));
           }
-          if (p.mask_kind != MaskKind::kNone) {
-            const int64_t cs = p.mask_col_stride;
-            const int64_t base = b * p.mask_batch_stride + hs[r] * p.mask_head_stride +
-                                 is[r] * p.mask_row_stride + c0 * cs;
-            if (p.mask_kind == MaskKind::kBool) {
-              const auto* mk = static_cast<const uint8_t*>(p.mask) + base;
-              for (int64_t c = 0; c < cols; ++c) {
-                if (!mk[c * cs]) s[c] = kNegInf;
+        }
+        for (int64_t c = whole; c < cols; ++c) {
+          for (int64_t r = 0; r < rows; ++r)
+            S[r * kDecBc + c] = dot_row<Tag>(krows[c], Qs + r * D, D);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = S + r * kDecBc;
+          for (int64_t c = cols; c < colsp; ++c) s[c] = kNegInf;
+          if (!plain) {
+            if (p.softcap > 0) {
+              const float cap = static_cast<float>(p.softcap), inv_cap = 1.0f / cap;
+              for (int64_t c = 0; c < cols; ++c) s[c] = cap * tanhf(s[c] * inv_cap);
+            }
+            if (p.mask_kind != MaskKind::kNone) {
+              const int64_t cs = p.mask_col_stride;
+              const int64_t base = b * p.mask_batch_stride + hs[r] * p.mask_head_stride +
+                                   is[r] * p.mask_row_stride + c0 * cs;
+              if (p.mask_kind == MaskKind::kBool) {
+                const auto* mk = static_cast<const uint8_t*>(p.mask) + base;
+                for (int64_t c = 0; c < cols; ++c) {
+                  if (!mk[c * cs]) s[c] = kNegInf;
+                }
+              } else if (p.mask_kind == MaskKind::kAdditive) {
+                const auto* mk = static_cast<const T*>(p.mask) + base;
+                for (int64_t c = 0; c < cols; ++c) add_mask_value(s[c], Tag::to_float(mk[c * cs]));
+              } else {
+                const auto* mk = static_cast<const float*>(p.mask) + base;
+                for (int64_t c = 0; c < cols; ++c) add_mask_value(s[c], mk[c * cs]);
               }
-            } else if (p.mask_kind == MaskKind::kAdditive) {
-              const auto* mk = static_cast<const T*>(p.mask) + base;
-              for (int64_t c = 0; c < cols; ++c) add_mask_value(s[c], Tag::to_float(mk[c * cs]));
-            } else {
-              const auto* mk = static_cast<const float*>(p.mask) + base;
-              for (int64_t c = 0; c < cols; ++c) add_mask_value(s[c], mk[c * cs]);
             }
           }
+          const int64_t diag = is[r] + p.diag_offset;
+          if (p.window_left >= 0) {
+            for (int64_t c = 0; c < cols && c0 + c < diag - p.window_left; ++c) s[c] = kNegInf;
+          }
+          if (p.window_right >= 0) {
+            for (int64_t c = max64(0, diag + p.window_right + 1 - c0); c < cols; ++c)
+              s[c] = kNegInf;
+          }
+          // Online softmax over whole vectors of keys.
+          vf mx0 = splat(kNegInf), mx1 = mx0;
+          int64_t c = 0;
+          for (; c + 2 * kW <= colsp; c += 2 * kW) {
+            mx0 = vmax(mx0, loadu(s + c));
+            mx1 = vmax(mx1, loadu(s + c + kW));
+          }
+          if (c < colsp) mx0 = vmax(mx0, loadu(s + c));
+          mx0 = vmax(mx0, mx1);
+          float bm = mx0[0];
+          for (int i = 1; i < kW; ++i) bm = bm > mx0[i] ? bm : mx0[i];
+          const float m_new = m[r] > bm ? m[r] : bm;
+          const float m_use = m_new == kNegInf ? 0.0f : m_new;
+          const vf neg_m = splat(-m_use);
+          vf sum0 = splat(0.0f), sum1 = sum0;
+          for (c = 0; c + 2 * kW <= colsp; c += 2 * kW) {
+            const vf p0 = exp_neg(loadu(s + c) + neg_m), p1 = exp_neg(loadu(s + c + kW) + neg_m);
+            storeu(s + c, p0);
+            storeu(s + c + kW, p1);
+            sum0 += p0;
+            sum1 += p1;
+          }
+          if (c < colsp) {
+            const vf p0 = exp_neg(loadu(s + c) + neg_m);
+            storeu(s + c, p0);
+            sum0 += p0;
+          }
+          const float a = exp_neg(splat(m[r] - m_use))[0];
+          l[r] = l[r] * a + hsum(sum0 + sum1);
+          m[r] = m_new;
+          alpha[r] = a;
         }
-        const int64_t diag = is[r] + p.diag_offset;
-        if (p.window_left >= 0) {
-          for (int64_t c = 0; c < cols && c0 + c < diag - p.window_left; ++c) s[c] = kNegInf;
+        // P V.
+        int64_t r = 0;
+        for (; r + 4 <= rows; r += 4) {
+          decode_pv_rows<Tag, 4>(S + r * kDecBc, vrows, cols, alpha + r, O + r * D, D);
         }
-        if (p.window_right >= 0) {
-          for (int64_t c = max64(0, diag + p.window_right + 1 - c0); c < cols; ++c) s[c] = kNegInf;
+        for (; r + 2 <= rows; r += 2) {
+          decode_pv_rows<Tag, 2>(S + r * kDecBc, vrows, cols, alpha + r, O + r * D, D);
         }
-        // Online softmax over whole vectors of keys.
-        vf mx0 = splat(kNegInf), mx1 = mx0;
-        int64_t c = 0;
-        for (; c + 2 * kW <= colsp; c += 2 * kW) {
-          mx0 = vmax(mx0, loadu(s + c));
-          mx1 = vmax(mx1, loadu(s + c + kW));
+        if (r < rows) {
+          decode_pv_rows<Tag, 1>(S + r * kDecBc, vrows, cols, alpha + r, O + r * D, D);
         }
-        if (c < colsp) mx0 = vmax(mx0, loadu(s + c));
-        mx0 = vmax(mx0, mx1);
-        float bm = mx0[0];
-        for (int i = 1; i < kW; ++i) bm = bm > mx0[i] ? bm : mx0[i];
-        const float m_new = m[r] > bm ? m[r] : bm;
-        const float m_use = m_new == kNegInf ? 0.0f : m_new;
-        const vf neg_m = splat(-m_use);
-        vf sum0 = splat(0.0f), sum1 = sum0;
-        for (c = 0; c + 2 * kW <= colsp; c += 2 * kW) {
-          const vf p0 = exp_neg(loadu(s + c) + neg_m), p1 = exp_neg(loadu(s + c + kW) + neg_m);
-          storeu(s + c, p0);
-          storeu(s + c + kW, p1);
-          sum0 += p0;
-          sum1 += p1;
+      };
+      if (paged) {  // the block table row of this sequence view (sequence_view.h)
+        for (int64_t c = 0; c < cols; ++c) {
+          const int64_t j = c0 + c, page = p.block_table[j / p.page_size];
+          const int64_t in_page = j - j / p.page_size * p.page_size;
+          k_ptrs[c] = K + page * p.k_page_stride + in_page * p.k_row_stride;
+          v_ptrs[c] = V + page * p.v_page_stride + in_page * p.v_row_stride;
         }
-        if (c < colsp) {
-          const vf p0 = exp_neg(loadu(s + c) + neg_m);
-          storeu(s + c, p0);
-          sum0 += p0;
-        }
-        const float a = exp_neg(splat(m[r] - m_use))[0];
-        l[r] = l[r] * a + hsum(sum0 + sum1);
-        m[r] = m_new;
-        alpha[r] = a;
-      }
-      // P V.
-      int64_t r = 0;
-      for (; r + 4 <= rows; r += 4) {
-        decode_pv_rows<Tag, 4>(S + r * kDecBc, V + c0 * p.v_row_stride, p.v_row_stride, cols,
-                               alpha + r, O + r * D, D);
-      }
-      for (; r + 2 <= rows; r += 2) {
-        decode_pv_rows<Tag, 2>(S + r * kDecBc, V + c0 * p.v_row_stride, p.v_row_stride, cols,
-                               alpha + r, O + r * D, D);
-      }
-      if (r < rows) {
-        decode_pv_rows<Tag, 1>(S + r * kDecBc, V + c0 * p.v_row_stride, p.v_row_stride, cols,
-                               alpha + r, O + r * D, D);
+        block(PointerRows<T>{k_ptrs}, PointerRows<T>{v_ptrs});
+      } else {
+        block(StridedRows<T>{K + c0 * p.k_row_stride, p.k_row_stride},
+              StridedRows<T>{V + c0 * p.v_row_stride, p.v_row_stride});
       }
     }
     if (splits > 1) {

@@ -2,9 +2,9 @@
 // per-sequence extents live in host memory here, so each batch row runs the dense CPU forward on
 // its sequence_view(); nothing is padded. Two host-side fix-ups per row, both O(row) next to the
 // attention's O(rows x keys): varlen lse rows are strided by total_q in (Hq, total_q), so a
-// row's lse goes through a (Hq, Nq) scratch; a paged row's pages are gathered into one
-// contiguous K and V first (a copy of the keys the row reads, about doubling the memory traffic
-// of a decode step; the CPU engines take one row stride).
+// row's lse goes through a (Hq, Nq) scratch; a paged row that the decode engine takes (at most 8
+// queries) reads its pages in place, any other has its pages gathered into one contiguous K and V
+// first (a copy of the keys it reads; the prefill engine takes one row stride).
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -44,7 +44,8 @@ void run_row(const PreparedServe& r, const AttentionParams& p, int64_t b) {
     s.lse = lse_scratch.data_ptr<float>();
     s.lse_head_stride = s.seqlen_q;
   }
-  if (s.block_table != nullptr) {
+  const bool paged_done = s.block_table != nullptr && run_attention_cpu_paged(s);
+  if (s.block_table != nullptr && !paged_done) {
     const int64_t pages = (s.seqlen_k + s.page_size - 1) / s.page_size;
     const at::Tensor ids =
         at::from_blob(const_cast<int32_t*>(s.block_table), {pages}, at::kInt).to(at::kLong);
@@ -56,7 +57,7 @@ void run_row(const PreparedServe& r, const AttentionParams& p, int64_t b) {
     s.k_batch_stride = s.v_batch_stride = 0;
     s.block_table = nullptr;
   }
-  run_attention_cpu(s);
+  if (!paged_done) run_attention_cpu(s);
   if (lse_scratch.defined()) {
     for (int64_t h = 0; h < s.heads_q; ++h)
       std::memcpy(lse_out + h * p.lse_head_stride, s.lse + h * s.seqlen_q,
