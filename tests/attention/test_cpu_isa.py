@@ -74,7 +74,7 @@ def test_forced_instruction_set_paged_decode_matches_contiguous(isa, repo_root):
     """The decode engine reads a paged cache's rows in place at every ISA's vector width (head dims
     it takes and ones it leaves to the gathering path differ between them)."""
     serve_tests = Path(__file__).with_name("test_serve.py")
-    run_pytest_under_isa(isa, repo_root, str(serve_tests), "-k", "cpu and paged_decode_equals_contiguous")
+    run_pytest_under_isa(isa, repo_root, str(serve_tests), "-k", "paged_decode_equals_contiguous_cpu")
 
 
 SOFTMAX_SLICE = "cpu and (softmax_rows or every_dim or neg_inf_rows or matmul_softmax_shapes or matmul_softmax_masks)"

@@ -289,14 +289,15 @@ def test_kvcache_paged_equals_contiguous(device, page_size):
 
 @pytest.mark.parametrize("page_size", [16, 48, 256])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_kvcache_paged_decode_equals_contiguous(device, page_size, variant):
-    """Decode-shaped calls on a paged cache (the CPU decode engine reads each key block's rows through
-    the block table in place; CUDA's decode kernel through its page lookups) give the contiguous
-    cache's results bit for bit: pages that split the engines' key blocks unevenly (48), caches long
-    enough to be cut into splits (CPU: 512+ keys a split), odd lengths, one and three queries, GQA,
-    head dims that the CPU decode engine takes (64) and, on AVX-512, one it leaves to the gathering
-    path (40); within the rule against the fp64 reference too."""
+def test_kvcache_paged_decode_equals_contiguous_cpu(page_size, variant):
+    """Decode-shaped calls on a paged CPU cache (the decode engine reads each key block's rows through
+    the block table in place) give the contiguous cache's results bit for bit: pages that split the
+    engine's key blocks unevenly (48), caches long enough to be cut into splits (512+ keys a split),
+    odd lengths, one and three queries, GQA, head dims that the decode engine takes (64) and, on
+    AVX-512, one it leaves to the gathering path (40); within the rule against the fp64 reference
+    too. (CUDA's paged decode: test_kvcache_paged_equals_contiguous and the key-split test.)"""
     opts = opts_of(variant)
+    device = "cpu"
     for dtype in kvcache_dtypes(device):
         for d, sq in ((64, 1), (40, 3)):
             # Three kv heads: on CI's two threads the CPU decode cuts the longer rows into splits.
