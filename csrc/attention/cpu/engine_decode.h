@@ -210,7 +210,8 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
   // Paged K/V (a sequence view with a block table, serve_cpu.cpp): each key block's rows are
   // looked up once into k_ptrs / v_ptrs.
   const bool paged = p.block_table != nullptr;
-  const size_t floats = kDecRows * (kDecBc + 2 * D + 8) + kW * D;
+  // (Rounded to 64 bytes, so the pointer arrays after the floats are aligned.)
+  const size_t floats = (kDecRows * (kDecBc + 2 * D + 8) + kW * D + 15) / 16 * 16;
   void* mem = std::aligned_alloc(64, sizeof(float) * floats + 2 * kDecBc * sizeof(const T*));
   float* S = static_cast<float*>(mem);  // kDecRows x kDecBc
   float* Qs = S + kDecRows * kDecBc;    // kDecRows x D, scaled
