@@ -80,11 +80,13 @@ const cpu::KernelInfo& pick_kernel() {
 // Decode: at most kDecodeMaxQueries queries per head. When the (batch, kv head, row chunk) tasks
 // cannot keep every thread busy in equal shares, the visible keys are cut into splits whose
 // partial softmax states are merged in split order: the result depends on the shape and the
-// thread count only, never on scheduling.
+// thread count only, never on scheduling. FLASHMOD_CPU_DECODE=0 leaves every call to the prefill
+// engine.
 constexpr int64_t kDecodeMaxQueries = 8;
 constexpr int64_t kMinKeysPerSplit = 512;
 
 bool attention_cpu_decode(const cpu::KernelInfo& kernel, const AttentionParams& p) {
+  if (!env_flag("FLASHMOD_CPU_DECODE", true)) return false;
   if (p.seqlen_q > kDecodeMaxQueries || p.head_dim % kernel.vector_width != 0) return false;
   const int64_t tasks = p.batch * p.heads_kv * cpu::decode_chunks(p);
   const int64_t threads = at::get_num_threads();
@@ -113,7 +115,7 @@ bool attention_cpu_decode(const cpu::KernelInfo& kernel, const AttentionParams& 
 
 void attention_cpu_vectorized(const AttentionParams& p) {
   const cpu::KernelInfo& kernel = pick_kernel();
-  if (env_flag("FLASHMOD_CPU_DECODE", true) && attention_cpu_decode(kernel, p)) return;
+  if (attention_cpu_decode(kernel, p)) return;
   const int64_t shared_bytes = kernel.shared_bytes ? kernel.shared_bytes(p) : 0;
   at::Tensor shared;
   if (shared_bytes > 0) {
@@ -231,8 +233,7 @@ void run_attention_cpu(const AttentionParams& p) {
 }
 
 bool run_attention_cpu_paged(const AttentionParams& p) {
-  return p.dtype != ScalarKind::kFloat64 && env_flag("FLASHMOD_CPU_DECODE", true) &&
-         attention_cpu_decode(pick_kernel(), p);
+  return p.dtype != ScalarKind::kFloat64 && attention_cpu_decode(pick_kernel(), p);
 }
 
 namespace {

@@ -350,8 +350,8 @@ void decode_tasks(const AttentionParams& p, int64_t splits, float* partial, int6
       };
       if (paged) {  // the block table row of this sequence view (sequence_view.h)
         for (int64_t c = 0; c < cols; ++c) {
-          const int64_t j = c0 + c, page = p.block_table[j / p.page_size];
-          const int64_t in_page = j - j / p.page_size * p.page_size;
+          const int64_t j = c0 + c, page_idx = j / p.page_size;
+          const int64_t page = p.block_table[page_idx], in_page = j - page_idx * p.page_size;
           k_ptrs[c] = K + page * p.k_page_stride + in_page * p.k_row_stride;
           v_ptrs[c] = V + page * p.v_page_stride + in_page * p.v_row_stride;
         }

@@ -67,12 +67,12 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
-  constexpr int MT = Tr::kMTiles, DT = Tr::kDTiles;
+  constexpr int MT = Tr::kMTiles, NT = Tr::kNTiles, DT = Tr::kDTiles;
   // Key split (decode tiles of at most 16 real rows, kernel_traits.h: KeySplitTraits): each warp
   // computes the tile's first 16 rows against its own kKeysPerWarp keys of every K_j / V_j.
-  constexpr bool kKeySplit = kDecode && Tr::kKeySplit;
-  constexpr int kKeysPerWarp = kKeySplit ? Bc / Tr::kNWarps : Bc;
-  constexpr int NT = kKeysPerWarp / 8;  // n8 tiles of this warp's S
+  constexpr bool kKeySplit = Tr::kKeySplit;
+  constexpr int kKeysPerWarp = Tr::kKeysPerWarp;
+  static_assert(!kKeySplit || kDecode, "the key split is a decode kernel's form");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kKvTma = kDecode && kAddr == kRowPages && D % 64 == 0;
 #else

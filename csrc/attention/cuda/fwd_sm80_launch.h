@@ -214,9 +214,8 @@ cudaError_t launch_decode(const AttentionParams& p, const FwdLaunchFlags& flags,
 // 0.6-2.4 % shorter at 4k tokens, 0.4-1.6 % at 16k, 0.1-0.6 % from 64k, -0.2 to +3.1 % at 1k. The
 // rest stays on the row-split kernel: dense decode (flashmod.attention), whose key-split variant
 // (168 registers, 28 bytes of spill) made the step 0.3-0.7 us longer (tools/decode_timeline.cu);
-// soft caps and scales
-// <= 0, whose key-split variants spill 16-52 bytes (the row-split ones none); other head dims,
-// unmeasured, whose key-split variants spill 36-108 bytes at D = 64 and 256
+// soft caps and scales <= 0, whose key-split variants spill 16-52 bytes (the row-split ones none);
+// other head dims, unmeasured, whose key-split variants spill 36-108 bytes at D = 64 and 256
 // (benchmarks/results/design/cuda-serving.md, session 35).
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFlags& flags,

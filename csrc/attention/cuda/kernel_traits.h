@@ -27,7 +27,8 @@ struct FwdTraits {
   // warps (no shared-memory reduction); the decode kernel's KeySplitTraits is the exception.
   static constexpr int kRowsPerWarp = Br / kNWarps;
   static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles per warp
-  static constexpr int kNTiles = Bc / 8;             // n8 tiles of S per warp
+  static constexpr int kKeysPerWarp = Bc;            // every warp sees all of K_j / V_j
+  static constexpr int kNTiles = kKeysPerWarp / 8;   // n8 tiles of S per warp
   static constexpr int kDTiles = kHeadDim / 8;       // n8 tiles of O per warp
   static constexpr int kKSteps = kHeadDim / 16;      // k16 steps of Q K^T
 
@@ -56,6 +57,7 @@ template <class Base>
 struct KeySplitTraits : Base {
   static constexpr bool kKeySplit = true;
   static constexpr int kKeysPerWarp = Base::Bc / Base::kNWarps;
+  static constexpr int kNTiles = kKeysPerWarp / 8;
   static_assert(Base::kMTiles == 1, "the rows of one m16 tile");
   static_assert(kKeysPerWarp % 16 == 0, "each warp's keys feed P V_j in whole k16 slices");
 };
