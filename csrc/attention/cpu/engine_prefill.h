@@ -105,7 +105,9 @@ inline void pv_rows(const float* P, const float* V, int64_t ldv, int64_t cols, c
     pv_block<4, DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
     r += 4;
   }
-  for (; r < rows; r += 2) pv_block<2, DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
+  for (; r + 2 <= rows; r += 2) pv_block<2, DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
+  // An odd kRB (AVX2's 3) leaves one row of an even count.
+  if (r < rows) pv_block<1, DV>(P + r, V, ldv, cols, alpha + r, O + r * ldo, ldo);
 }
 
 // O_i = diag(alpha) O_i + P_ij V_j over the first `rows` (rounded up to even) rows, Dp columns.
