@@ -393,7 +393,7 @@ struct VecEngine {
   // fp16/bf16 K and V of one (batch, kv head), all Nk rows, widened into ws.wide_kv (K then V,
   // row stride Dp) once per thread and head: widening each key block in every task repeated the
   // same conversion for each of the head's Nq / Br query blocks, 5-8% of the bf16 forward on AVX2
-  // (Br = 16; measured in benchmarks/results/design/cpu-attention.md). Heads beyond
+  // (Br = 16 then; measured in benchmarks/results/design/cpu-attention.md). Heads beyond
   // kWideKvMaxFloats keep the per-block widening.
   static constexpr int64_t kWideKvMaxFloats = int64_t(8) << 20;  // 32 MiB per thread
   static void bind_kv(const T* K, int64_t ldk, const T* V, int64_t ldv, int64_t Nk, int64_t D,

@@ -34,17 +34,19 @@ inline vi load_u8(const uint8_t* p) {
   return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Scores: 6 keys x 2 vectors = 12 accumulators + 2 Q vectors + 1 broadcast of the 16 registers.
-// P V: 3 rows x 4 vectors = 12 accumulators + 3 broadcasts + 1 row of V.
+// Scores: 4 keys x 3 vectors (Br = 24 queries) = 12 accumulators + 3 Q vectors + 1 broadcast of
+// the 16 registers. P V: 3 rows x 4 vectors = 12 accumulators + 3 broadcasts + 1 row of V.
 // Measured (AMD EPYC Zen 5 forced to AVX2, 1 thread, CPU time, D = 128, vs torch in-process):
-// scores 4 -> 6 keys took fp32 from 1.05 to 1.08x and bf16 from 0.92 to 0.95x (8 accumulators
-// barely cover 2 FMA ports x 4 cycles of latency). P V at 6 rows x 2 vectors lost (0.85-0.89x):
-// GCC spilled 3 of its 12 accumulators, having hoisted all 6 broadcasts. P V at 3 rows x 4
-// vectors keeps 12 accumulators with room for the broadcasts (Xeon Sapphire Rapids forced to
-// AVX2, both sides; 1 thread, CPU time, two alternating rounds of two builds): against 4 x 2, the
-// fp32 forward at N = 2048, D = 128 went 257-263 -> 247-248 ms (0.92-0.93 -> 0.98-0.99x torch),
-// causal 128 -> 123 ms, bf16 255 -> 244 ms (1.00 -> 1.05x); N = 512, D = 64 +1-2 %.
-constexpr int kNV = 2, kKB = 6, kRB = 3, kDV = 4;
+// scores 4 -> 6 keys x 2 vectors took fp32 from 1.05 to 1.08x and bf16 from 0.92 to 0.95x (8
+// accumulators barely cover 2 FMA ports x 4 cycles of latency). P V at 6 rows x 2 vectors lost
+// (0.85-0.89x): GCC spilled 3 of its 12 accumulators, having hoisted all 6 broadcasts.
+// Session 36 (Xeon Sapphire Rapids forced to AVX2, both sides; 1 thread, CPU time, builds
+// alternating twice): P V 4 x 2 -> 3 x 4 (12 accumulators with room for the broadcasts) took the
+// fp32 forward at N = 2048, D = 128 from 257-263 to 247-248 ms; then scores 6 keys x 2 vectors ->
+// 4 keys x 3 vectors (each broadcast key element feeds 3 FMAs instead of 2: 7 loads per 12 FMAs,
+// not 8) to 232-234 ms (0.92-0.93 -> 1.02-1.04x torch), and every other shape measured 3-6 %
+// faster (fp32 D = 64 / 96 / 128 at N = 512-2048, causal, bf16).
+constexpr int kNV = 3, kKB = 4, kRB = 3, kDV = 4;
 
 // Bc = 64: S_ij (Bc x Br fp32) and a D=128 fp32 K_j/V_j tile (32 KiB) stay near L1.
 constexpr int64_t kBc = 64;
