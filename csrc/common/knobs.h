@@ -40,6 +40,9 @@
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
 //                                     BWD_SM90_TILES); a name not built for the head dim is an
 //                                     error
+//   FLASHMOD_CPU_BWD_BRGEMM=1|0       the CPU backward's fp32 products on oneDNN's micro-kernel
+//                                     over transposed operands, or on the BLAS's sgemm (default:
+//                                     the first on AMD CPUs running the AVX-512 kernel)
 //   FLASHMOD_FP32_FFMA=1              fp32 on the CUDA-core (FFMA) kernel, not 3xTF32
 //   FLASHMOD_DECODE=0                 CUDA decode shapes run the prefill kernel
 //   FLASHMOD_DECODE_PACK=0            no GQA row packing in the CUDA decode kernel

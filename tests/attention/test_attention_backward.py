@@ -146,6 +146,41 @@ def test_bf16_strided_gqa(device, opts):
     check_grads(q[:, :, :1], k, v, **opts)
 
 
+@pytest.mark.parametrize("products", ["1", "0"], ids=["brgemm", "blas"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "opts",
+    [{}, {"is_causal": True}, {"softcap": 5.0, "window_left": 40, "window_right": 3}, {"scale": 0.3}],
+    ids=["plain", "causal", "softcap_window", "scale"],
+)
+def test_cpu_fp32_products_both_ways(monkeypatch, products, dtype, opts):
+    """The CPU backward's fp32 products (fp32 tensors, fp16/bf16 rows widened) on oneDNN's kernel
+    over transposed operands (FLASHMOD_CPU_BWD_BRGEMM=1, the default on AMD CPUs with AVX-512) and on
+    the BLAS's sgemm (=0, elsewhere): (B, S, H, D) views, a row-strided V slice, GQA 6/2, odd
+    lengths and head dim, several key and query blocks with partial last ones, a masked row, one
+    query; each within the rule, and the same bits at 1 thread and at torch's count."""
+    monkeypatch.setenv("FLASHMOD_CPU_BWD_BRGEMM", products)
+    q = torch.randn(2, 203, 6, 59, dtype=dtype).transpose(1, 2)
+    k = torch.randn(2, 333, 2, 59, dtype=dtype).transpose(1, 2)
+    v = torch.randn(2, 2, 333, 80, dtype=dtype)[..., 3:62]
+    dq, dk, dv = check_grads(q, k, v, **opts)
+    assert dq.stride() == q.stride() and dk.stride() == k.stride()
+    mask = torch.rand(203, 333) > 0.3
+    mask[17] = False
+    dq, _, _ = check_grads(q, k, v, attn_mask=mask, **opts)
+    assert torch.all(dq[:, :, 17] == 0)
+    check_grads(q[:, :, :1], k, v, **opts)
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 6, 203)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = fused_grads(q, k, v, grad_out, grad_lse, **opts)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(single, fused_grads(q, k, v, grad_out, grad_lse, **opts)):
+        assert torch.equal(a, b)
+
+
 def test_strided_inputs(device):
     """(B, S, H, D) buffers viewed as (B, H, S, D), and a row-strided slice of a wider head_dim."""
     q = torch.randn(2, 113, 4, 64, device=device).transpose(1, 2)

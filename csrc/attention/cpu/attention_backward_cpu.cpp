@@ -2,17 +2,21 @@
 // P = exp(S - lse) from the saved lse, D_i = rowsum(dO_i o O_i) - grad_lse_i, then
 //   dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = P o (dP - D_i) (o (1 - tanh^2) under softcap),
 //   dK_j += scale dS^T Q_i,  dQ_i += scale dS K_j.
-// The five products run through the BLAS torch links (sgemm_/dgemm_, single-threaded inside
-// at::parallel_for), bf16 on AMX CPUs through MKL's bf16 GEMM on the tensors themselves (P and dS
-// rounded to bf16 for the gradient products, as the GPU kernels have them); the elementwise part
-// is plain loops the compiler vectorizes.
+// The five products run on fp32 operands through oneDNN's micro-kernel as ATen exposes it
+// (at::native::cpublas::brgemm), on the task's K, V, Q and dO also held transposed so that every
+// product is a plain row-major one; fp64 through the BLAS torch links (dgemm_, single-threaded
+// inside at::parallel_for), and bf16 on AMX CPUs through MKL's bf16 GEMM on the tensors themselves
+// (P and dS rounded to bf16 for the gradient products, as the GPU kernels have them). The
+// elementwise part is plain loops the compiler vectorizes.
 //
 // Determinism: one task is one (batch, kv head) and owns every gradient row it writes (dQ of its
 // query group, dK/dV of its kv head), walking key blocks, q heads and query blocks in a fixed
 // order. The result is bitwise the same on every run and at any thread count.
-// Memory: O(tile) per thread, plus (fp16/bf16 only) the task's rows widened to fp32.
+// Memory: O(tile) per thread, plus the task's rows: widened to fp32 (fp16/bf16) and transposed
+// (fp32 products), and its dK, dV accumulators transposed.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
@@ -27,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "../../common/knobs.h"
 #include "../attention_host.h"
 #include "kernel.h"
 
@@ -90,6 +95,55 @@ void matmul_rows_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t 
       kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans, static_cast<int>(m),
       static_cast<int>(n), static_cast<int>(k), alpha, reinterpret_cast<const uint16_t*>(a), lda_i,
       reinterpret_cast<const uint16_t*>(b), ldb_i, beta, c, leading_dim(ldc, m, n));
+}
+
+// Whether fp32 products take oneDNN's micro-kernel (what torch's own CPU flash attention calls; it
+// falls back to torch's gemm where oneDNN has no kernel for the CPU) rather than the BLAS's sgemm:
+// on AMD CPUs that run the AVX-512 forward, where MKL does not run its AVX-512 code (1 thread,
+// 128^3 fp32 products on a Zen 5: 257 GFLOP/s against MKL's 104). Not on AVX2: there oneDNN's
+// kernel lost to MKL's (fwd + bwd 0.83-0.90x at D = 128, the Zen 5 forced to AVX2), and not on
+// Intel CPUs, whose MKL runs AVX-512 (not measured against it). FLASHMOD_CPU_BWD_BRGEMM=1 / 0
+// forces it on / off. cpu-backward.md (session 37) has the numbers. A torch whose ATen lacks the
+// fp32 form keeps sgemm.
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+constexpr bool kHaveBrgemm = true;
+#else
+constexpr bool kHaveBrgemm = false;
+#endif
+bool brgemm_products() {
+  static const bool by_default = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") && std::string(cpu::kernel_name()) == "avx512";
+  }();
+  return kHaveBrgemm && env_flag("FLASHMOD_CPU_BWD_BRGEMM", by_default);
+}
+
+// Row-major C (m x n) = A (m x k) B (k x n), plus C if accumulate.
+void brgemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                 int64_t ldb, bool accumulate, float* c, int64_t ldc) {
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
+#else
+  TORCH_CHECK(false, "flashmod: oneDNN's fp32 brgemm is not in this torch build");
+#endif
+}
+
+// dst (cols x rows, row stride ldd) = factor * src^T (rows x cols, row stride lds), in blocks of
+// 16 x 16 so that both sides stay in cache lines they already hold.
+template <typename From, typename To>
+void transpose_rows(const From* src, int64_t lds, int64_t rows, int64_t cols, float factor, To* dst,
+                    int64_t ldd) {
+  constexpr int64_t kBlock = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
+    const int64_t r1 = std::min(rows, r0 + kBlock);
+    for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
+      const int64_t c1 = std::min(cols, c0 + kBlock);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c)
+          dst[c * ldd + r] = static_cast<To>(factor * static_cast<float>(src[r * lds + c]));
+      }
+    }
+  }
 }
 
 // The products of a tile on whichever operands the task holds: acc_t rows (BLAS) or bf16 ones.
@@ -276,11 +330,23 @@ bool mask_hides_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t r0,
 template <typename acc_t, typename op_t>
 constexpr int64_t kTileBuffers = std::is_same_v<op_t, acc_t> ? 3 : 4;
 
+// Products on fp32 operands (fp32 tensors, or fp16/bf16 rows widened) that take oneDNN's
+// micro-kernel: the task then holds K, V (Nk rows each) and every Q, dO of its group (Nq rows
+// each) transposed, and dK, dV transposed as accumulators, D floats a row.
+template <typename acc_t, typename op_t>
+bool transposed_operands() {
+  return std::is_same_v<acc_t, float> && std::is_same_v<op_t, float> && brgemm_products();
+}
+int64_t transposed_elements(const AttentionBwdParams& p) {
+  return (4 * p.seqlen_k + 2 * (p.heads_q / p.heads_kv) * p.seqlen_q) * p.head_dim;
+}
+
 // scalar_t: the tensors' element type; acc_t: the math (float, double for fp64); op_t: the
 // products' operands, acc_t (fp16/bf16 rows widened once per task) or bf16 (the tensors as they
 // are; bf16_products_usable).
+// transposed: transposed_operands, read once per call.
 template <typename scalar_t, typename acc_t, typename op_t = acc_t>
-void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
+void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, acc_t* scratch) {
   constexpr bool widen = !std::is_same_v<scalar_t, acc_t>;
   constexpr bool widen_operands = widen && std::is_same_v<op_t, acc_t>;
   static_assert(std::is_same_v<op_t, acc_t> || std::is_same_v<op_t, scalar_t>, "operands");
@@ -297,7 +363,8 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
   acc_t* low = T + Br * Bc;  // op_t = bf16: Br x Bc floats' room for P and dS in bf16
   acc_t* delta =
       scratch + kTileBuffers<acc_t, op_t> * Br * Bc;  // group x Nq: rowsum(dO o O) - grad_lse
-  acc_t* wide = delta + group * Nq;
+  acc_t* flipped = delta + group * Nq;                // transposed rows (transposed_operands)
+  acc_t* wide = flipped + (transposed ? transposed_elements(p) : 0);
   // P and dS as the gradient products' A operand: the acc_t tiles, or their bf16 copies.
   op_t* low_p = reinterpret_cast<op_t*>(low);
   op_t* low_ds = low_p + Br * Bc;
@@ -405,6 +472,24 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
     dq_ld = p.grad_q_row_stride;
   }
 
+  // fp32 products on oneDNN's kernel: row-major operands only, so K^T, V^T (D x Nk), Q^T, dO^T
+  // (D x Nq a head) once per task, dK^T, dV^T accumulated in place of dK, dV (turned back at the
+  // end), and dS used unscaled (dK and dQ scaled once at the end).
+  acc_t *KT = flipped, *VT = KT + D * Nk, *dKT = VT + D * Nk, *dVT = dKT + D * Nk;
+  auto QT = [&](int64_t g) { return dVT + D * Nk + 2 * g * D * Nq; };
+  auto dOT = [&](int64_t g) { return QT(g) + D * Nq; };
+  if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>) {
+    if (transposed) {
+      transpose_rows(K, k_ld, Nk, D, 1.0f, KT, Nk);
+      transpose_rows(V, v_ld, Nk, D, 1.0f, VT, Nk);
+      std::fill(dKT, dKT + 2 * D * Nk, 0.0f);  // dK^T and dV^T are adjacent
+      for (int64_t g = 0; g < group; ++g) {
+        transpose_rows(Q[g], q_ld, Nq, D, 1.0f, QT(g), Nq);
+        transpose_rows(dO[g], do_ld, Nq, D, 1.0f, dOT(g), Nq);
+      }
+    }
+  }
+
   const int64_t off = p.diag_offset, wl = p.window_left, wr = p.window_right;
   const bool has_mask = p.mask_kind != MaskKind::kNone;
   const bool capped = softcap > 0;
@@ -505,8 +590,17 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
         if (mask_hides_tile<acc_t, scalar_t>(p, b, h, r0, rows, c0, cols)) continue;
         const op_t* Qi = Q[g] + r0 * q_ld;
         const op_t* dOi = dO[g] + r0 * do_ld;
-        tile_product(false, true, rows, cols, D, acc_t(1), Qi, q_ld, K + c0 * k_ld, k_ld, acc_t(0),
-                     S, Bc);
+        if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>) {
+          if (transposed) {
+            brgemm_rows(rows, cols, D, Qi, q_ld, KT + c0, Nk, false, S, Bc);
+          } else {
+            tile_product(false, true, rows, cols, D, 1.0f, Qi, q_ld, K + c0 * k_ld, k_ld, 0.0f, S,
+                         Bc);
+          }
+        } else {
+          tile_product(false, true, rows, cols, D, acc_t(1), Qi, q_ld, K + c0 * k_ld, k_ld,
+                       acc_t(0), S, Bc);
+        }
         // Window bounds only matter on tiles the diagonal band's edges cross.
         const bool window_inside =
             (wr < 0 || c_last <= r0 + off + wr) && (wl < 0 || c0 >= r_last + off - wl);
@@ -534,10 +628,18 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
         }
         if constexpr (!std::is_same_v<op_t, acc_t>)
           round_rows_to_bf16(S, Bc, low_p, Bc, rows, cols);
-        tile_product(true, false, cols, D, rows, acc_t(1), P_op, Bc, dOi, do_ld, acc_t(1),
-                     dV + c0 * dv_ld, dv_ld);
-        tile_product(false, true, rows, cols, D, acc_t(1), dOi, do_ld, V + c0 * v_ld, v_ld,
-                     acc_t(0), dP, Bc);
+        if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>) {
+          if (transposed) {
+            brgemm_rows(D, cols, rows, dOT(g) + r0, Nq, P_op, Bc, true, dVT + c0, Nk);
+            brgemm_rows(rows, cols, D, dOi, do_ld, VT + c0, Nk, false, dP, Bc);
+          }
+        }
+        if (!transposed) {
+          tile_product(true, false, cols, D, rows, acc_t(1), P_op, Bc, dOi, do_ld, acc_t(1),
+                       dV + c0 * dv_ld, dv_ld);
+          tile_product(false, true, rows, cols, D, acc_t(1), dOi, do_ld, V + c0 * v_ld, v_ld,
+                       acc_t(0), dP, Bc);
+        }
         for (int64_t r = 0; r < rows; ++r) {
           const acc_t d_i = delta[g * Nq + r0 + r];
           acc_t* dp_row = dP + r * Bc;
@@ -562,10 +664,30 @@ void backward_task(const AttentionBwdParams& p, int64_t task, acc_t* scratch) {
         }
         if constexpr (!std::is_same_v<op_t, acc_t>)
           round_rows_to_bf16(dP, Bc, low_ds, Bc, rows, cols);
-        tile_product(true, false, cols, D, rows, scale, dS_op, Bc, Qi, q_ld, acc_t(1),
-                     dK + c0 * dk_ld, dk_ld);
-        tile_product(false, false, rows, D, cols, scale, dS_op, Bc, K + c0 * k_ld, k_ld, acc_t(1),
-                     dQ[g] + r0 * dq_ld, dq_ld);
+        if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>) {
+          if (transposed) {
+            brgemm_rows(D, cols, rows, QT(g) + r0, Nq, dS_op, Bc, true, dKT + c0, Nk);
+            brgemm_rows(rows, D, cols, dS_op, Bc, K + c0 * k_ld, k_ld, true, dQ[g] + r0 * dq_ld,
+                        dq_ld);
+          }
+        }
+        if (!transposed) {
+          tile_product(true, false, cols, D, rows, scale, dS_op, Bc, Qi, q_ld, acc_t(1),
+                       dK + c0 * dk_ld, dk_ld);
+          tile_product(false, false, rows, D, cols, scale, dS_op, Bc, K + c0 * k_ld, k_ld, acc_t(1),
+                       dQ[g] + r0 * dq_ld, dq_ld);
+        }
+      }
+    }
+  }
+
+  if (transposed) {  // dK, dV back to rows; the scale dK and dQ were accumulated without
+    transpose_rows(dKT, Nk, D, Nk, static_cast<float>(scale), dK, dk_ld);
+    transpose_rows(dVT, Nk, D, Nk, 1.0f, dV, dv_ld);
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t i = 0; i < Nq; ++i) {
+        acc_t* row = dQ[g] + i * dq_ld;
+        for (int64_t d = 0; d < D; ++d) row[d] *= scale;
       }
     }
   }
@@ -596,6 +718,8 @@ void backward_cpu(const AttentionBwdParams& p) {
   constexpr int64_t kTileElements = kTileBuffers<acc_t, op_t> * Br * Bc;
   const int64_t group = p.heads_q / p.heads_kv;
   int64_t per_task = kTileElements + group * p.seqlen_q;
+  const bool transposed = transposed_operands<acc_t, op_t>();
+  if (transposed) per_task += transposed_elements(p);
   if constexpr (std::is_same_v<op_t, acc_t> && !std::is_same_v<scalar_t, acc_t>) {
     per_task += (4 * p.seqlen_k + 3 * group * p.seqlen_q) * p.head_dim;  // operands widened
   } else if constexpr (!std::is_same_v<scalar_t, acc_t>) {
@@ -604,7 +728,7 @@ void backward_cpu(const AttentionBwdParams& p) {
   at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> scratch(per_task);
     for (int64_t task = begin; task < end; ++task)
-      backward_task<scalar_t, acc_t, op_t>(p, task, scratch.data());
+      backward_task<scalar_t, acc_t, op_t>(p, task, transposed, scratch.data());
   });
 }
 
