@@ -2,18 +2,19 @@
 // P = exp(S - lse) from the saved lse, D_i = rowsum(dO_i o O_i) - grad_lse_i, then
 //   dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = P o (dP - D_i) (o (1 - tanh^2) under softcap),
 //   dK_j += scale dS^T Q_i,  dQ_i += scale dS K_j.
-// The five products run on fp32 operands through oneDNN's micro-kernel as ATen exposes it
-// (at::native::cpublas::brgemm), on the task's K, V, Q and dO also held transposed so that every
-// product is a plain row-major one; fp64 through the BLAS torch links (dgemm_, single-threaded
-// inside at::parallel_for), and bf16 on AMX CPUs through MKL's bf16 GEMM on the tensors themselves
-// (P and dS rounded to bf16 for the gradient products, as the GPU kernels have them). The
-// elementwise part is plain loops the compiler vectorizes.
+// The five products run through the BLAS torch links (sgemm_/dgemm_, single-threaded inside
+// at::parallel_for); on AMD CPUs with AVX-512 the fp32 products of whole tiles run on oneDNN's
+// micro-kernel as ATen exposes it (at::native::cpublas::brgemm), with the task's K, V, Q and dO
+// also held transposed so that every product is a plain row-major one (brgemm_products); bf16 on
+// AMX CPUs runs on MKL's bf16 GEMM on the tensors themselves (P and dS rounded to bf16 for the
+// gradient products, as the GPU kernels have them). The elementwise part is plain loops the
+// compiler vectorizes.
 //
 // Determinism: one task is one (batch, kv head) and owns every gradient row it writes (dQ of its
 // query group, dK/dV of its kv head), walking key blocks, q heads and query blocks in a fixed
 // order. The result is bitwise the same on every run and at any thread count.
-// Memory: O(tile) per thread, plus the task's rows: widened to fp32 (fp16/bf16) and transposed
-// (fp32 products), and its dK, dV accumulators transposed.
+// Memory: O(tile) per thread, plus the task's rows: widened to fp32 (fp16/bf16), and with
+// oneDNN's kernel transposed, with its dK, dV accumulators.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -100,9 +101,9 @@ void matmul_rows_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t 
 // Whether fp32 products take oneDNN's micro-kernel (what torch's own CPU flash attention calls; it
 // falls back to torch's gemm where oneDNN has no kernel for the CPU) rather than the BLAS's sgemm:
 // on AMD CPUs that run the AVX-512 forward, where MKL does not run its AVX-512 code (1 thread,
-// 128^3 fp32 products on a Zen 5: 257 GFLOP/s against MKL's 104). Not on AVX2: there oneDNN's
-// kernel lost to MKL's (fwd + bwd 0.83-0.90x at D = 128, the Zen 5 forced to AVX2), and not on
-// Intel CPUs, whose MKL runs AVX-512 (not measured against it). FLASHMOD_CPU_BWD_BRGEMM=1 / 0
+// 128^3 fp32 products on a Zen 5: 257 GFLOP/s against MKL's 104). Not on AVX2: there it was
+// mixed against MKL's (fwd + bwd 0.90-1.11x, GQA the slowest; the Zen 5 forced to AVX2), and not
+// on Intel CPUs, whose MKL runs AVX-512 (not measured against it). FLASHMOD_CPU_BWD_BRGEMM=1 / 0
 // forces it on / off. cpu-backward.md (session 37) has the numbers. A torch whose ATen lacks the
 // fp32 form keeps sgemm.
 #ifdef CPUBLAS_BRGEMM_F32F32F32
@@ -118,14 +119,20 @@ bool brgemm_products() {
   return kHaveBrgemm && env_flag("FLASHMOD_CPU_BWD_BRGEMM", by_default);
 }
 
-// Row-major C (m x n) = A (m x k) B (k x n), plus C if accumulate.
-void brgemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                 int64_t ldb, bool accumulate, float* c, int64_t ldc) {
+// Row-major fp32 C (m x n) = A (m x k) B (k x n), plus C if accumulate. whole: a whole tile, on
+// oneDNN's kernel; partial tiles on the BLAS. ATen compiles one oneDNN kernel per shape and
+// leading dimensions and keeps it for the thread's lifetime, so only whole tiles, whose shapes
+// and leading dimensions are fixed for a model (Br, Bc, D, the tensors' row strides), go there:
+// tails of every length (varlen batches bring many) would each compile and keep one more.
+void plain_product(bool whole, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                   const float* b, int64_t ldb, bool accumulate, float* c, int64_t ldc) {
 #ifdef CPUBLAS_BRGEMM_F32F32F32
-  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
-#else
-  TORCH_CHECK(false, "flashmod: oneDNN's fp32 brgemm is not in this torch build");
+  if (whole) {
+    at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
+    return;
+  }
 #endif
+  matmul_rows<float>(false, false, m, n, k, 1.0f, a, lda, b, ldb, accumulate ? 1.0f : 0.0f, c, ldc);
 }
 
 // dst (cols x rows, row stride ldd) = factor * src^T (rows x cols, row stride lds), in blocks of
@@ -331,14 +338,19 @@ template <typename acc_t, typename op_t>
 constexpr int64_t kTileBuffers = std::is_same_v<op_t, acc_t> ? 3 : 4;
 
 // Products on fp32 operands (fp32 tensors, or fp16/bf16 rows widened) that take oneDNN's
-// micro-kernel: the task then holds K, V (Nk rows each) and every Q, dO of its group (Nq rows
-// each) transposed, and dK, dV transposed as accumulators, D floats a row.
+// micro-kernel: the task then holds, as panels of D rows with fixed leading dimensions (so that
+// whole tiles are a model's few fixed shapes, plain_product), K^T and V^T (a D x Bc panel per key
+// block), every Q^T and dO^T of its group (a D x Br panel per query block), dK^T and dV^T as
+// accumulators (D x Bc per key block), and a D x Br pair of tile copies of Q_i^T, dO_i^T for query
+// blocks that do not start on a panel's first row (under a window or causal bound).
 template <typename acc_t, typename op_t>
 bool transposed_operands() {
   return std::is_same_v<acc_t, float> && std::is_same_v<op_t, float> && brgemm_products();
 }
 int64_t transposed_elements(const AttentionBwdParams& p) {
-  return (4 * p.seqlen_k + 2 * (p.heads_q / p.heads_kv) * p.seqlen_q) * p.head_dim;
+  const int64_t key_blocks = (p.seqlen_k + Bc - 1) / Bc, query_blocks = (p.seqlen_q + Br - 1) / Br;
+  const int64_t group = p.heads_q / p.heads_kv;
+  return (4 * key_blocks * Bc + 2 * group * query_blocks * Br + 2 * Br) * p.head_dim;
 }
 
 // scalar_t: the tensors' element type; acc_t: the math (float, double for fp64); op_t: the
@@ -472,20 +484,33 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
     dq_ld = p.grad_q_row_stride;
   }
 
-  // fp32 products on oneDNN's kernel: row-major operands only, so K^T, V^T (D x Nk), Q^T, dO^T
-  // (D x Nq a head) once per task, dK^T, dV^T accumulated in place of dK, dV (turned back at the
-  // end), and dS used unscaled (dK and dQ scaled once at the end).
-  acc_t *KT = flipped, *VT = KT + D * Nk, *dKT = VT + D * Nk, *dVT = dKT + D * Nk;
-  auto QT = [&](int64_t g) { return dVT + D * Nk + 2 * g * D * Nq; };
-  auto dOT = [&](int64_t g) { return QT(g) + D * Nq; };
+  // fp32 products on oneDNN's kernel: row-major operands only, so K^T, V^T, Q^T, dO^T once per
+  // task (panels, transposed_operands), dK^T, dV^T accumulated in place of dK, dV (turned back at
+  // the end), and dS used unscaled (dK and dQ scaled once at the end).
+  const int64_t key_blocks = (Nk + Bc - 1) / Bc, query_blocks = (Nq + Br - 1) / Br;
+  acc_t* KT = flipped;                    // key block j: D x Bc at KT + j D Bc
+  acc_t* VT = KT + key_blocks * D * Bc;   // the same for V
+  acc_t* dKT = VT + key_blocks * D * Bc;  // dK^T, then dV^T: the same panels
+  acc_t* dVT = dKT + key_blocks * D * Bc;
+  // Head g's query block b: D x Br at QT(g) + b D Br, then dO's.
+  auto QT = [&](int64_t g) { return dVT + key_blocks * D * Bc + 2 * g * query_blocks * D * Br; };
+  auto dOT = [&](int64_t g) { return QT(g) + query_blocks * D * Br; };
+  acc_t* qt_tile = QT(group);  // Q_i^T, dO_i^T of a query block off the panels' rows
+  acc_t* dot_tile = qt_tile + D * Br;
   if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>) {
     if (transposed) {
-      transpose_rows(K, k_ld, Nk, D, 1.0f, KT, Nk);
-      transpose_rows(V, v_ld, Nk, D, 1.0f, VT, Nk);
-      std::fill(dKT, dKT + 2 * D * Nk, 0.0f);  // dK^T and dV^T are adjacent
+      for (int64_t j = 0; j < key_blocks; ++j) {
+        const int64_t cols = std::min(Bc, Nk - j * Bc);
+        transpose_rows(K + j * Bc * k_ld, k_ld, cols, D, 1.0f, KT + j * D * Bc, Bc);
+        transpose_rows(V + j * Bc * v_ld, v_ld, cols, D, 1.0f, VT + j * D * Bc, Bc);
+      }
+      std::fill(dKT, dKT + 2 * key_blocks * D * Bc, 0.0f);  // dK^T and dV^T are adjacent
       for (int64_t g = 0; g < group; ++g) {
-        transpose_rows(Q[g], q_ld, Nq, D, 1.0f, QT(g), Nq);
-        transpose_rows(dO[g], do_ld, Nq, D, 1.0f, dOT(g), Nq);
+        for (int64_t qb = 0; qb < query_blocks; ++qb) {
+          const int64_t rows = std::min(Br, Nq - qb * Br);
+          transpose_rows(Q[g] + qb * Br * q_ld, q_ld, rows, D, 1.0f, QT(g) + qb * D * Br, Br);
+          transpose_rows(dO[g] + qb * Br * do_ld, do_ld, rows, D, 1.0f, dOT(g) + qb * D * Br, Br);
+        }
       }
     }
   }
@@ -590,9 +615,11 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
         if (mask_hides_tile<acc_t, scalar_t>(p, b, h, r0, rows, c0, cols)) continue;
         const op_t* Qi = Q[g] + r0 * q_ld;
         const op_t* dOi = dO[g] + r0 * do_ld;
+        const acc_t* qt_of_tile = nullptr;  // transposed operands: Q_i^T, D x rows, row stride Br
         if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>) {
           if (transposed) {
-            brgemm_rows(rows, cols, D, Qi, q_ld, KT + c0, Nk, false, S, Bc);
+            plain_product(rows == Br && cols == Bc, rows, cols, D, Qi, q_ld, KT + c0 * D, Bc, false,
+                          S, Bc);
           } else {
             tile_product(false, true, rows, cols, D, 1.0f, Qi, q_ld, K + c0 * k_ld, k_ld, 0.0f, S,
                          Bc);
@@ -630,8 +657,19 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
           round_rows_to_bf16(S, Bc, low_p, Bc, rows, cols);
         if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>) {
           if (transposed) {
-            brgemm_rows(D, cols, rows, dOT(g) + r0, Nq, P_op, Bc, true, dVT + c0, Nk);
-            brgemm_rows(rows, cols, D, dOi, do_ld, VT + c0, Nk, false, dP, Bc);
+            // Q_i^T and dO_i^T: the panels where the block starts on a panel's first row, else
+            // tile copies (a window or causal bound moved its start).
+            const bool on_panel = r0 % Br == 0;
+            const float* qt = on_panel ? QT(g) + r0 * D : qt_tile;
+            const float* dot = on_panel ? dOT(g) + r0 * D : dot_tile;
+            if (!on_panel) {
+              transpose_rows(Qi, q_ld, rows, D, 1.0f, qt_tile, Br);
+              transpose_rows(dOi, do_ld, rows, D, 1.0f, dot_tile, Br);
+            }
+            const bool whole = rows == Br && cols == Bc;
+            plain_product(whole, D, cols, rows, dot, Br, P_op, Bc, true, dVT + c0 * D, Bc);
+            plain_product(whole, rows, cols, D, dOi, do_ld, VT + c0 * D, Bc, false, dP, Bc);
+            qt_of_tile = qt;
           }
         }
         if (!transposed) {
@@ -666,9 +704,10 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
           round_rows_to_bf16(dP, Bc, low_ds, Bc, rows, cols);
         if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>) {
           if (transposed) {
-            brgemm_rows(D, cols, rows, QT(g) + r0, Nq, dS_op, Bc, true, dKT + c0, Nk);
-            brgemm_rows(rows, D, cols, dS_op, Bc, K + c0 * k_ld, k_ld, true, dQ[g] + r0 * dq_ld,
-                        dq_ld);
+            const bool whole = rows == Br && cols == Bc;
+            plain_product(whole, D, cols, rows, qt_of_tile, Br, dS_op, Bc, true, dKT + c0 * D, Bc);
+            plain_product(whole, rows, D, cols, dS_op, Bc, K + c0 * k_ld, k_ld, true,
+                          dQ[g] + r0 * dq_ld, dq_ld);
           }
         }
         if (!transposed) {
@@ -682,8 +721,12 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
   }
 
   if (transposed) {  // dK, dV back to rows; the scale dK and dQ were accumulated without
-    transpose_rows(dKT, Nk, D, Nk, static_cast<float>(scale), dK, dk_ld);
-    transpose_rows(dVT, Nk, D, Nk, 1.0f, dV, dv_ld);
+    for (int64_t j = 0; j < key_blocks; ++j) {
+      const int64_t cols = std::min(Bc, Nk - j * Bc);
+      transpose_rows(dKT + j * D * Bc, Bc, D, cols, static_cast<float>(scale), dK + j * Bc * dk_ld,
+                     dk_ld);
+      transpose_rows(dVT + j * D * Bc, Bc, D, cols, 1.0f, dV + j * Bc * dv_ld, dv_ld);
+    }
     for (int64_t g = 0; g < group; ++g) {
       for (int64_t i = 0; i < Nq; ++i) {
         acc_t* row = dQ[g] + i * dq_ld;
