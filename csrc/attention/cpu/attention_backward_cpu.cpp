@@ -361,6 +361,8 @@ template <typename scalar_t, typename acc_t, typename op_t = acc_t>
 void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, acc_t* scratch) {
   constexpr bool widen = !std::is_same_v<scalar_t, acc_t>;
   constexpr bool widen_operands = widen && std::is_same_v<op_t, acc_t>;
+  // Products on fp32 operands: the only ones that may take oneDNN's kernel (transposed).
+  constexpr bool fp32_products = std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>;
   static_assert(std::is_same_v<op_t, acc_t> || std::is_same_v<op_t, scalar_t>, "operands");
   const int64_t D = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -497,7 +499,7 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
   auto dOT = [&](int64_t g) { return QT(g) + query_blocks * D * Br; };
   acc_t* qt_tile = QT(group);  // Q_i^T, dO_i^T of a query block off the panels' rows
   acc_t* dot_tile = qt_tile + D * Br;
-  if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>) {
+  if constexpr (fp32_products) {
     if (transposed) {
       for (int64_t j = 0; j < key_blocks; ++j) {
         const int64_t cols = std::min(Bc, Nk - j * Bc);
@@ -615,16 +617,14 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
         if (mask_hides_tile<acc_t, scalar_t>(p, b, h, r0, rows, c0, cols)) continue;
         const op_t* Qi = Q[g] + r0 * q_ld;
         const op_t* dOi = dO[g] + r0 * do_ld;
-        const acc_t* qt_of_tile = nullptr;  // transposed operands: Q_i^T, D x rows, row stride Br
-        if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>) {
-          if (transposed) {
-            plain_product(rows == Br && cols == Bc, rows, cols, D, Qi, q_ld, KT + c0 * D, Bc, false,
-                          S, Bc);
-          } else {
-            tile_product(false, true, rows, cols, D, 1.0f, Qi, q_ld, K + c0 * k_ld, k_ld, 0.0f, S,
-                         Bc);
-          }
-        } else {
+        // Transposed operands: whole tiles on oneDNN's kernel; Q_i^T (D x rows, row stride Br).
+        const bool whole = rows == Br && cols == Bc;
+        const acc_t* qt_of_tile = nullptr;
+        if constexpr (fp32_products) {
+          if (transposed)
+            plain_product(whole, rows, cols, D, Qi, q_ld, KT + c0 * D, Bc, false, S, Bc);
+        }
+        if (!transposed) {
           tile_product(false, true, rows, cols, D, acc_t(1), Qi, q_ld, K + c0 * k_ld, k_ld,
                        acc_t(0), S, Bc);
         }
@@ -655,7 +655,7 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
         }
         if constexpr (!std::is_same_v<op_t, acc_t>)
           round_rows_to_bf16(S, Bc, low_p, Bc, rows, cols);
-        if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>) {
+        if constexpr (fp32_products) {
           if (transposed) {
             // Q_i^T and dO_i^T: the panels where the block starts on a panel's first row, else
             // tile copies (a window or causal bound moved its start).
@@ -666,7 +666,6 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
               transpose_rows(Qi, q_ld, rows, D, 1.0f, qt_tile, Br);
               transpose_rows(dOi, do_ld, rows, D, 1.0f, dot_tile, Br);
             }
-            const bool whole = rows == Br && cols == Bc;
             plain_product(whole, D, cols, rows, dot, Br, P_op, Bc, true, dVT + c0 * D, Bc);
             plain_product(whole, rows, cols, D, dOi, do_ld, VT + c0 * D, Bc, false, dP, Bc);
             qt_of_tile = qt;
@@ -702,9 +701,8 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
         }
         if constexpr (!std::is_same_v<op_t, acc_t>)
           round_rows_to_bf16(dP, Bc, low_ds, Bc, rows, cols);
-        if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<op_t, float>) {
+        if constexpr (fp32_products) {
           if (transposed) {
-            const bool whole = rows == Br && cols == Bc;
             plain_product(whole, D, cols, rows, qt_of_tile, Br, dS_op, Bc, true, dKT + c0 * D, Bc);
             plain_product(whole, rows, D, cols, dS_op, Bc, K + c0 * k_ld, k_ld, true,
                           dQ[g] + r0 * dq_ld, dq_ld);
