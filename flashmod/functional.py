@@ -8,7 +8,8 @@
 Both reach ``torch.ops.flashmod.attention`` (differentiable through ``register_autograd``). GQA/MQA
 is automatic: q-head ``h`` uses kv-head ``h // (Hq // Hkv)``; K/V are never repeated in memory.
 Dropout in training has no fused kernel: with ``dropout_p > 0`` the call falls back to
-:func:`flashmod.reference.attention_reference` (correct, but it materializes the probabilities).
+:func:`flashmod.reference.attention_reference` (correct, at plain torch speed; large calls run in
+query-row chunks under activation checkpointing, so no ``Nq x Nk`` tensor outlives its chunk).
 """
 
 from __future__ import annotations

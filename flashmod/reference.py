@@ -25,12 +25,20 @@ import math
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 # Additive mask values at or below this hide their key (csrc/common/additive_mask.h says why).
 HIDING_MASK_VALUE = -32768.0
 
 # Elements of one backward chunk's (B, Hq, rows, Nk) score tensor: about 64 MB per fp32 buffer.
 BACKWARD_CHUNK_ELEMENTS = 1 << 24
+
+# The dropout fallback's (B, Hq, Nq, Nk) scores above which it runs in row chunks (256 MB per fp32
+# tensor; one pass keeps about five for autograd). Chunks recompute their forward in the backward,
+# which costs most where the call is small (CPU, 2 threads, fp32, causal, forward + backward, one
+# pass against chunks: B 4, H 8, N 1k, D 64 1.29 s / 2.03 s, peak RSS 1155 / 840 MiB; B 1, H 8,
+# N 4k 7.22 s / 7.73 s, peak RSS 3596 / 895 MiB).
+DROPOUT_ONE_PASS_ELEMENTS = 1 << 26
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:
@@ -134,21 +142,48 @@ def attention_reference(
 
     Returns ``(out, lse)`` in ``compute_dtype``, plus the probabilities if ``return_probs``.
     Differentiable; with ``dropout_p > 0`` the probabilities are dropped out (training fallback).
+    There, once the ``(B, Hq, Nq, Nk)`` scores pass ``DROPOUT_ONE_PASS_ELEMENTS``, the query rows
+    run in chunks of the backward's budget under activation checkpointing: autograd keeps each
+    chunk's inputs, not its probabilities and dropout mask, and the backward recomputes a chunk with
+    the random state it had, so the same keys are dropped (memory O(chunk x Nk) instead of several
+    ``Nq x Nk`` tensors a call, for a second forward pass in the backward).
     """
     dtype = compute_dtype or compute_dtype_for(q.dtype)
     batch, heads_q, seqlen_q, head_dim = q.shape
+    args = (
+        k, v, attn_mask, seqlen_q, resolve_scale(scale, head_dim), softcap,
+        effective_window(is_causal, window_left, window_right), bottom_right, dropout_p, dtype,
+    )  # fmt: skip
+    if dropout_p > 0 and not return_probs and batch * heads_q * seqlen_q * k.shape[2] > DROPOUT_ONE_PASS_ELEMENTS:
+        chunk_rows = backward_chunk_rows(batch, heads_q, seqlen_q, k.shape[2])
+        rows_of = [(q[:, :, r0 : r0 + chunk_rows], r0) for r0 in range(0, seqlen_q, chunk_rows)]
+        parts = [checkpoint(_attention_rows, q_rows, r0, *args, use_reentrant=False) for q_rows, r0 in rows_of]
+        return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
+    out, lse, p = _attention_rows(q, 0, *args, return_probs=True)
+    return (out, lse, p) if return_probs else (out, lse)
+
+
+def _attention_rows(
+    q: Tensor,
+    first_row: int,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    seqlen_q: int,
+    scale: float,
+    softcap: float,
+    window: tuple[int, int],
+    bottom_right: bool,
+    dropout_p: float,
+    dtype: torch.dtype,
+    return_probs: bool = False,
+) -> tuple[Tensor, ...]:
+    """attention_reference's math for the query rows ``first_row ..`` of a call with ``seqlen_q``
+    rows (``q`` holds those rows): ``(out, lse)``, and the probabilities if ``return_probs``."""
     heads_kv = k.shape[1]
-    rows = torch.arange(seqlen_q, device=q.device)
+    rows = torch.arange(first_row, first_row + q.shape[2], device=q.device)
     s, _ = _masked_scores(
-        _grouped(q.to(dtype), heads_kv),
-        k.to(dtype),
-        attn_mask,
-        rows,
-        seqlen_q,
-        resolve_scale(scale, head_dim),
-        softcap,
-        effective_window(is_causal, window_left, window_right),
-        bottom_right,
+        _grouped(q.to(dtype), heads_kv), k.to(dtype), attn_mask, rows, seqlen_q, scale, softcap, window, bottom_right
     )
     # A row with no visible key: logsumexp's gradient there would be 0 * NaN, so such rows take the
     # log-sum-exp of zeros (no gradient flows back through masked_fill) and are set to -inf after.
@@ -162,9 +197,7 @@ def attention_reference(
         p = torch.nn.functional.dropout(p, dropout_p)
     out = torch.matmul(p, v.to(dtype).unsqueeze(2))
     out, lse = out.flatten(1, 2), lse.flatten(1, 2)
-    if return_probs:
-        return out, lse, p.flatten(1, 2)
-    return out, lse
+    return (out, lse, p.flatten(1, 2)) if return_probs else (out, lse)
 
 
 def backward_chunk_rows(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int) -> int:

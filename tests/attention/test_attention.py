@@ -341,3 +341,38 @@ def test_dropout_is_applied_in_training_only(device):
     # Expectation is preserved: the mean over many draws approaches the plain output.
     mean = torch.stack([flashmod.attention(q, k, v, dropout_p=0.5) for _ in range(400)]).mean(0)
     assert (mean - plain).abs().mean() < 0.1 * plain.abs().mean()
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["row_chunks", "one_pass"])
+def test_dropout_fallback_keeps_no_score_matrix(device, monkeypatch, chunked):
+    """The dropout fallback (the reference) runs large calls in query-row chunks under activation
+    checkpointing: autograd then holds no (B, Hq, Nq, Nk) tensor, and the backward, recomputing each
+    chunk with its saved random state, drops the same keys: the gradients are those of the forward
+    (gradcheck in fp64 with the seed fixed per call), GQA, causal, a soft cap and an additive mask
+    that takes a gradient included. Small limits force four chunks of 4 rows; the one-pass path (a
+    limit past the call) is the control that holds the score matrices."""
+    monkeypatch.setattr(flashmod.reference, "DROPOUT_ONE_PASS_ELEMENTS", 200 if chunked else 1 << 30)
+    monkeypatch.setattr(flashmod.reference, "BACKWARD_CHUNK_ELEMENTS", 100)
+    q, k, v = make_qkv(1, 2, 1, 13, 11, 4, torch.float64, device, requires_grad=True)
+    mask = torch.randn(1, 1, 13, 11, device=device, dtype=torch.float64, requires_grad=True)
+
+    def dropped(q, k, v, mask):
+        torch.manual_seed(7)
+        return flashmod.attention(q, k, v, mask, dropout_p=0.3, is_causal=True, softcap=2.0)
+
+    score_sized = []
+
+    def pack(t):
+        if t.numel() >= 2 * 13 * 11:
+            score_sized.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = dropped(q, k, v, mask)
+    assert (score_sized == []) == chunked, score_sized
+    assert torch.autograd.gradcheck(dropped, (q, k, v, mask))
+    # Dropout still drops: the expectation over draws approaches the plain output.
+    plain = flashmod.attention(q, k, v, mask, is_causal=True, softcap=2.0)
+    assert not torch.allclose(out, plain)
+    mean = torch.stack([flashmod.attention(q, k, v, mask, 0.3, True, softcap=2.0) for _ in range(400)]).mean(0)
+    assert (mean - plain).abs().mean() < 0.1 * plain.abs().mean()
