@@ -41,6 +41,14 @@ TORCH_LIBRARY(flashmod, m) {
       "bool is_causal=False, bool bottom_right=True, int window_left=-1, int window_right=-1, "
       "float softcap=0.0, bool compute_grad_mask=False) -> "
       "(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_mask)");
+  // attention with dropout on the probabilities (training), which no kernel fuses: the reference
+  // math (flashmod/reference.py, in Python) behind attention's checks, as a
+  // CompositeImplicitAutograd op, so autograd and torch.compile see its torch ops while the checks
+  // run in the op, where torch.compile does not trace them. v's head dim may differ from q's.
+  m.def(
+      "attention_dropout_reference(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, "
+      "float? scale=None, bool is_causal=False, bool bottom_right=True, int window_left=-1, "
+      "int window_right=-1, float softcap=0.0, float dropout_p=0.0) -> (Tensor out, Tensor lse)");
   // Variable-length (packed) batches, flash-attn's varlen layout: q (total_q, Hq, D), k/v
   // (total_k, Hkv, D); sequence b owns rows [cu_seqlens[b], cu_seqlens[b+1]) (int32, batch + 1
   // entries); max_seqlen_q/k bound the lengths (no device sync). Causal and windows are

@@ -25,7 +25,7 @@ from .checks import (
     check_window,
     unbounded_past,
 )
-from .ops import attention_op, autocast_attention_args, check_attention_call
+from .ops import _tensor_scale, attention_op, autocast_attention_args
 from .reference import attention_reference
 from .softmax_ops import matmul_softmax
 
@@ -50,11 +50,13 @@ def attention_bhsd(
         attn_mask = attn_mask.to(torch.float64)
     if dropout_p > 0.0:
         q, k, v, attn_mask = autocast_attention_args((q, k, v, attn_mask))
-        check_attention_call(q, k, v, attn_mask, scale, window[0], window[1], softcap)
-        out, lse = attention_reference(
-            q, k, v, attn_mask, scale, is_causal, bottom_right, window[0], window[1], softcap, dropout_p
+        if isinstance(scale, Tensor):  # the op takes a float: read, or folded into q (ops.py)
+            check_tensor_types("flashmod.attention", ("attn_mask",), q=q, k=k, v=v, attn_mask=attn_mask)
+            q, scale = _tensor_scale(q, scale)
+        wl, wr = window
+        return torch.ops.flashmod.attention_dropout_reference(
+            q, k, v, attn_mask, scale, is_causal, bottom_right, wl, wr, softcap, dropout_p
         )
-        return out.to(q.dtype), lse.float()
     return attention_op(q, k, v, attn_mask, scale, is_causal, bottom_right, window[0], window[1], softcap)
 
 

@@ -36,7 +36,7 @@ from .checks import (
     check_tensor_types,
     unbounded_if_huge,
 )
-from .reference import attention_backward_chunked, attention_jvp_chunked
+from .reference import attention_backward_chunked, attention_jvp_chunked, attention_reference
 
 CUDA_MAX_HEAD_DIM = 256
 
@@ -202,6 +202,29 @@ def _attention_backward_reference(
 
 
 torch.library.register_fake("flashmod::attention_backward_reference")(_attention_backward_fake)
+
+
+@torch.library.impl("flashmod::attention_dropout_reference", "CompositeImplicitAutograd")
+def _attention_dropout_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    bottom_right: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """``flashmod::attention_dropout_reference``: attention's checks, then the reference math with
+    dropout; out in q's dtype, lse in fp32."""
+    check_attention_call(q, k, v, attn_mask, scale, window_left, window_right, softcap)
+    out, lse = attention_reference(
+        q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap, dropout_p
+    )
+    return out.to(q.dtype), lse.float()
 
 
 def _attention_backward_without_cuda_kernel(*args: Any) -> tuple[Tensor, Tensor, Tensor]:

@@ -376,3 +376,28 @@ def test_dropout_fallback_keeps_no_score_matrix(device, monkeypatch, chunked):
     assert not torch.allclose(out, plain)
     mean = torch.stack([flashmod.attention(q, k, v, mask, 0.3, True, softcap=2.0) for _ in range(400)]).mean(0)
     assert (mean - plain).abs().mean() < 0.1 * plain.abs().mean()
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["row_chunks", "one_pass"])
+def test_dropout_under_compile_fullgraph(device, monkeypatch, chunked):
+    """Dropout runs the reference as an op (flashmod::attention_dropout_reference) whose checks run
+    inside it, so torch.compile(fullgraph=True) traces the call (its torch._check messages stopped
+    Dynamo when the checks ran in the traced Python): the same seed gives the same output, the
+    gradients are those of the forward (gradcheck through the compiled call), and a bad input gets
+    the op's named error while compiling."""
+    monkeypatch.setattr(flashmod.reference, "DROPOUT_ONE_PASS_ELEMENTS", 200 if chunked else 1 << 30)
+    monkeypatch.setattr(flashmod.reference, "BACKWARD_CHUNK_ELEMENTS", 100)
+    torch._dynamo.reset()
+    q, k, v = make_qkv(1, 2, 1, 13, 11, 4, torch.float64, device, requires_grad=True)
+    compiled = torch.compile(lambda q, k, v: flashmod.attention(q, k, v, dropout_p=0.3, is_causal=True), fullgraph=True)
+
+    def seeded(q, k, v):
+        torch.manual_seed(3)
+        return compiled(q, k, v)
+
+    out = seeded(q, k, v)
+    assert torch.equal(out, seeded(q, k, v))
+    assert not torch.allclose(out, flashmod.attention(q, k, v, is_causal=True))
+    assert torch.autograd.gradcheck(seeded, (q, k, v))
+    with pytest.raises(Exception, match=r"flashmod.attention: k and v must have q's head_dim 4, got k "):
+        compiled(q, k[..., :3], v)
