@@ -393,6 +393,15 @@ def test_dropout_in_training_only():
     assert torch.isfinite(c).all() and not torch.allclose(a, c)
     c.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    # A training step under torch.compile(fullgraph=True) too: dropout runs the reference as an op
+    # whose checks Dynamo does not trace (traced, their message closures had stopped it).
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    d = compiled(input_ids=ids, attention_mask=mask).logits
+    assert torch.isfinite(d).all() and not torch.allclose(a, d)
+    model.zero_grad()
+    d.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 # ------------------------------------------------------------------------------------------ compile / export
