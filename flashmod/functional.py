@@ -49,9 +49,11 @@ def attention_bhsd(
         # float64 (exact) and float32 ones for fp16/bf16 queries as they are.
         attn_mask = attn_mask.to(torch.float64)
     if dropout_p > 0.0:
+        # As attention_op: the named type errors first (the op's schema would give its own), then
+        # a tensor scale read, or folded into q (the schema takes a float).
+        check_tensor_types("flashmod.attention", ("attn_mask",), q=q, k=k, v=v, attn_mask=attn_mask)
         q, k, v, attn_mask = autocast_attention_args((q, k, v, attn_mask))
-        if isinstance(scale, Tensor):  # the op takes a float: read, or folded into q (ops.py)
-            check_tensor_types("flashmod.attention", ("attn_mask",), q=q, k=k, v=v, attn_mask=attn_mask)
+        if isinstance(scale, Tensor):
             q, scale = _tensor_scale(q, scale)
         wl, wr = window
         return torch.ops.flashmod.attention_dropout_reference(

@@ -547,18 +547,15 @@ def check_attention_call(
     k: Tensor,
     v: Tensor,
     attn_mask: Tensor | None,
-    scale: float | Tensor | None,
+    scale: float | None,
     window_left: int,
     window_right: int,
     softcap: float,
 ) -> None:
-    """The checks ``attention_op`` gets from the op, for the calls that bypass it (dropout runs the
-    reference): the same errors for the same bad inputs. A value head dim other than q's passes, as
-    in ``attention_op``."""
-    check_tensor_types("flashmod.attention", ("attn_mask",), q=q, k=k, v=v, attn_mask=attn_mask)
-    if isinstance(scale, Tensor):
-        _tensor_scale(q, scale)
-        scale = None
+    """The checks ``attention_op`` gets from the op, for the op that bypasses it (dropout runs the
+    reference, ``flashmod::attention_dropout_reference``): the same errors for the same bad inputs.
+    Its schema takes tensors and a float scale (attention_bhsd read a tensor one first). A value head
+    dim other than q's passes, as in ``attention_op``."""
     if _value_head_dim_differs(q, k, v):
         v = v.new_empty(()).expand(*v.shape[:3], q.shape[3])  # v's dtype, device and extents, q's head dim
     _check_inputs(q, k, v, attn_mask, scale, window_left, window_right, softcap)
