@@ -343,18 +343,28 @@ def test_dropout_is_applied_in_training_only(device):
     assert (mean - plain).abs().mean() < 0.1 * plain.abs().mean()
 
 
+def gradcheck_dtype(device: str) -> tuple[torch.dtype, dict]:
+    """gradcheck's inputs: fp64 on CPU; fp32 on CUDA, where flashmod.attention takes no fp64, with
+    a step and tolerances for fp32 (central differences at eps = 1e-3 carry about 1e-4 of rounding;
+    dropping other keys in the backward than in the forward moves gradients by about 0.1)."""
+    if device == "cpu":
+        return torch.float64, {}
+    return torch.float32, {"eps": 1e-3, "atol": 5e-3, "rtol": 5e-3}
+
+
 @pytest.mark.parametrize("chunked", [True, False], ids=["row_chunks", "one_pass"])
 def test_dropout_fallback_keeps_no_score_matrix(device, monkeypatch, chunked):
     """The dropout fallback (the reference) runs large calls in query-row chunks under activation
     checkpointing: autograd then holds no (B, Hq, Nq, Nk) tensor, and the backward, recomputing each
-    chunk with its saved random state, drops the same keys: the gradients are those of the forward
-    (gradcheck in fp64 with the seed fixed per call), GQA, causal, a soft cap and an additive mask
-    that takes a gradient included. Small limits force four chunks of 4 rows; the one-pass path (a
-    limit past the call) is the control that holds the score matrices."""
+    chunk with its saved random state (the CUDA generator's on CUDA), drops the same keys: the
+    gradients are those of the forward (gradcheck with the seed fixed per call), GQA, causal, a soft
+    cap and an additive mask that takes a gradient included. Small limits force four chunks of 4
+    rows; the one-pass path (a limit past the call) is the control that holds the score matrices."""
     monkeypatch.setattr(flashmod.reference, "DROPOUT_ONE_PASS_ELEMENTS", 200 if chunked else 1 << 30)
     monkeypatch.setattr(flashmod.reference, "BACKWARD_CHUNK_ELEMENTS", 100)
-    q, k, v = make_qkv(1, 2, 1, 13, 11, 4, torch.float64, device, requires_grad=True)
-    mask = torch.randn(1, 1, 13, 11, device=device, dtype=torch.float64, requires_grad=True)
+    dtype, tolerances = gradcheck_dtype(device)
+    q, k, v = make_qkv(1, 2, 1, 13, 11, 4, dtype, device, requires_grad=True)
+    mask = torch.randn(1, 1, 13, 11, device=device, dtype=dtype, requires_grad=True)
 
     def dropped(q, k, v, mask):
         torch.manual_seed(7)
@@ -370,7 +380,7 @@ def test_dropout_fallback_keeps_no_score_matrix(device, monkeypatch, chunked):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = dropped(q, k, v, mask)
     assert (score_sized == []) == chunked, score_sized
-    assert torch.autograd.gradcheck(dropped, (q, k, v, mask))
+    assert torch.autograd.gradcheck(dropped, (q, k, v, mask), **tolerances)
     # Dropout still drops: the expectation over draws approaches the plain output.
     plain = flashmod.attention(q, k, v, mask, is_causal=True, softcap=2.0)
     assert not torch.allclose(out, plain)
@@ -388,7 +398,8 @@ def test_dropout_under_compile_fullgraph(device, monkeypatch, chunked):
     monkeypatch.setattr(flashmod.reference, "DROPOUT_ONE_PASS_ELEMENTS", 200 if chunked else 1 << 30)
     monkeypatch.setattr(flashmod.reference, "BACKWARD_CHUNK_ELEMENTS", 100)
     torch._dynamo.reset()
-    q, k, v = make_qkv(1, 2, 1, 13, 11, 4, torch.float64, device, requires_grad=True)
+    dtype, tolerances = gradcheck_dtype(device)
+    q, k, v = make_qkv(1, 2, 1, 13, 11, 4, dtype, device, requires_grad=True)
     compiled = torch.compile(lambda q, k, v: flashmod.attention(q, k, v, dropout_p=0.3, is_causal=True), fullgraph=True)
 
     def seeded(q, k, v):
@@ -398,6 +409,6 @@ def test_dropout_under_compile_fullgraph(device, monkeypatch, chunked):
     out = seeded(q, k, v)
     assert torch.equal(out, seeded(q, k, v))
     assert not torch.allclose(out, flashmod.attention(q, k, v, is_causal=True))
-    assert torch.autograd.gradcheck(seeded, (q, k, v))
+    assert torch.autograd.gradcheck(seeded, (q, k, v), **tolerances)
     with pytest.raises(Exception, match=r"flashmod.attention: k and v must have q's head_dim 4, got k "):
         compiled(q, k[..., :3], v)
