@@ -42,6 +42,7 @@ from harness import (
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flashmod.functional import attention_bhsd
 from flashmod.ops import attention_op
 
 SDPA_BACKENDS = {
@@ -135,7 +136,8 @@ def label(s: dict) -> str:
     )
     mask_kind = s.get("mask_kind", "padding")
     mask = (" mask" if mask_kind == "padding" else f" mask:{mask_kind}") if s["mask"] else ""
-    return base + (" causal" if s["causal"] else "") + mask + extra
+    dropout = f" dropout{s['dropout']:g}" if s.get("dropout", 0) > 0 else ""
+    return base + (" causal" if s["causal"] else "") + mask + extra + dropout
 
 
 def make_inputs(s: dict, device: str, requires_grad: bool):
@@ -160,10 +162,20 @@ def make_inputs(s: dict, device: str, requires_grad: bool):
 
 
 def flashmod_attend(q, k, v, mask, s):
+    if s.get("dropout", 0) > 0:  # flashmod.attention's path: the fused dropout op where it applies
+        window = (s.get("window", -1), -1)
+        return attention_bhsd(q, k, v, mask, s["dropout"], None, s["causal"], False, window, s.get("softcap", 0.0))[0]
     return attention_op(
         q, k, v, mask, is_causal=s["causal"], bottom_right=False, window_left=s.get("window", -1),
         softcap=s.get("softcap", 0.0),
     )[0]  # fmt: skip
+
+
+def flashmod_dropout_reference(q, k, v, mask, s):
+    """The dropout path before the fused kernels: the reference math (attention_dropout_reference)."""
+    return torch.ops.flashmod.attention_dropout_reference(
+        q, k, v, mask, None, s["causal"], False, s.get("window", -1), -1, s.get("softcap", 0.0), s["dropout"]
+    )[0]
 
 
 def band_mask(s: dict, device) -> torch.Tensor:
@@ -189,10 +201,15 @@ def sdpa_attend(backend: SDPBackend | None) -> Attend:
                 bands.clear()
                 bands[key] = band_mask(s, q.device)
             mask, causal = bands[key], False
+        p = s.get("dropout", 0.0)
         if backend is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, enable_gqa=gqa
+            )
         with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, enable_gqa=gqa
+            )
 
     return attend
 
@@ -244,7 +261,14 @@ def run(
         runnable = {}
         for name, fn in fns.items():
             reason = skip(name, s)
-            if reason is None and name != "flashmod":
+            # Dropout: every contender draws its own keys, so outputs differ by design (the fused
+            # kernels' correctness is tests/attention/test_dropout.py); each still runs once here.
+            if reason is None and name != "flashmod" and s.get("dropout", 0) > 0:
+                try:
+                    fn()
+                except RuntimeError as e:
+                    reason = "n/a: " + (str(e).splitlines() or [""])[0][:80]
+            elif reason is None and name != "flashmod":
                 try:
                     reason = mismatch(reference, fn(), s["dtype"])
                 except RuntimeError as e:  # this backend does not take the shape, dtype or mask
@@ -314,6 +338,17 @@ def main() -> None:
         help="also time the sm_90 forward without warp specialization (FLASHMOD_SM90_WS=0)",
     )
     ap.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="dropout probability for every shape (flashmod.attention's path and SDPA's dropout_p)",
+    )
+    ap.add_argument(
+        "--dropout-reference",
+        action="store_true",
+        help="with --dropout, also time the reference dropout path (attention_dropout_reference)",
+    )
+    ap.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -334,7 +369,11 @@ def main() -> None:
         and (not dims or s["d"] in dims)
         and (s["kind"] != "paper" or s["nq"] >= args.min_n)
     ]
+    for s in shapes:
+        s["dropout"] = args.dropout
     contenders: dict[str, Attend] = {"flashmod": flashmod_attend}
+    if args.dropout > 0 and args.dropout_reference:
+        contenders["flashmod-reference"] = flashmod_dropout_reference
     if args.portable:
         contenders["flashmod-mma"] = flashmod_attend
     if args.fa2_sm90:
@@ -348,8 +387,8 @@ def main() -> None:
         contenders[name] = sdpa_attend(SDPA_BACKENDS[name])
 
     def skip(name: str, s: dict) -> str | None:
-        if name == "MATH" and s["b"] * s["hq"] * s["nq"] * s["nk"] > MATH_MAX_SCORES:
-            return "skip (too large for MATH)"
+        if name in ("MATH", "flashmod-reference") and s["b"] * s["hq"] * s["nq"] * s["nk"] > MATH_MAX_SCORES:
+            return "skip (too large: materialized scores)"
         return None
 
     name = device_name("cuda")

@@ -49,6 +49,20 @@ TORCH_LIBRARY(flashmod, m) {
       "attention_dropout_reference(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, "
       "float? scale=None, bool is_causal=False, bool bottom_right=True, int window_left=-1, "
       "int window_right=-1, float softcap=0.0, float dropout_p=0.0) -> (Tensor out, Tensor lse)");
+  // attention with dropout fused into the kernels (CUDA: fp16/bf16 on the sm_80 kernels; other
+  // devices: the reference math in Python, flashmod/ops.py). Key j of query i of head h is dropped
+  // by a counter-based generator from rng_state's two int64 words (flashmod/reference.py:
+  // dropout_keep_mask, the definition), so the same rng_state drops the same keys on every device
+  // and in the backward, which takes the forward's rng_state and regenerates them.
+  m.def(
+      "attention_dropout(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float? scale, "
+      "bool is_causal, bool bottom_right, int window_left, int window_right, float softcap, "
+      "float dropout_p, Tensor rng_state) -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_dropout_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, "
+      "Tensor out, Tensor lse, Tensor? attn_mask, float? scale, bool is_causal, bool bottom_right, "
+      "int window_left, int window_right, float softcap, float dropout_p, Tensor rng_state) -> "
+      "(Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // Variable-length (packed) batches, flash-attn's varlen layout: q (total_q, Hq, D), k/v
   // (total_k, Hkv, D); sequence b owns rows [cu_seqlens[b], cu_seqlens[b+1]) (int32, batch + 1
   // entries); max_seqlen_q/k bound the lengths (no device sync). Causal and windows are

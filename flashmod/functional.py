@@ -25,7 +25,7 @@ from .checks import (
     check_window,
     unbounded_past,
 )
-from .ops import _tensor_scale, attention_op, autocast_attention_args
+from .ops import HAS_CUDA_DROPOUT_KERNELS, _tensor_scale, attention_op, autocast_attention_args
 from .reference import attention_reference
 from .softmax_ops import matmul_softmax
 
@@ -56,10 +56,30 @@ def attention_bhsd(
         if isinstance(scale, Tensor):
             q, scale = _tensor_scale(q, scale)
         wl, wr = window
+        if fused_dropout_applies(q, v, attn_mask):
+            # Fresh random words per call from torch's generator (seeded by torch.manual_seed,
+            # traced by torch.compile, captured by CUDA graphs); the backward reuses them.
+            rng_state = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=q.device)
+            return torch.ops.flashmod.attention_dropout(
+                q, k, v, attn_mask, scale, is_causal, bottom_right, wl, wr, softcap, dropout_p, rng_state
+            )
         return torch.ops.flashmod.attention_dropout_reference(
             q, k, v, attn_mask, scale, is_causal, bottom_right, wl, wr, softcap, dropout_p
         )
     return attention_op(q, k, v, attn_mask, scale, is_causal, bottom_right, window[0], window[1], softcap)
+
+
+def fused_dropout_applies(q: Tensor, v: Tensor, attn_mask: Tensor | None) -> bool:
+    """Whether a dropout call runs the fused kernels (flashmod::attention_dropout): CUDA fp16/bf16
+    in builds that carry them, v's head dim q's, and no mask that wants a gradient. The rest runs
+    the reference (flashmod::attention_dropout_reference), which the op's checks also guard."""
+    return (
+        HAS_CUDA_DROPOUT_KERNELS
+        and q.device.type == "cuda"
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and v.shape[-1] == q.shape[-1]
+        and not (attn_mask is not None and attn_mask.requires_grad)
+    )
 
 
 def attention_weights(

@@ -36,7 +36,7 @@ from .checks import (
     check_tensor_types,
     unbounded_if_huge,
 )
-from .reference import attention_backward_chunked, attention_jvp_chunked, attention_reference
+from .reference import attention_backward_chunked, attention_jvp_chunked, attention_reference, dropout_keep_mask
 
 CUDA_MAX_HEAD_DIM = 256
 
@@ -225,6 +225,159 @@ def _attention_dropout_reference(
         q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap, dropout_p
     )
     return out.to(q.dtype), lse.float()
+
+
+def _check_dropout_args(op: str, q: Tensor, dropout_p: float, rng_state: Tensor) -> None:
+    """Mirror of csrc/attention/cuda/host_alignment.h's set_dropout (after the shared checks);
+    the dtype rule is CUDA's (the sm_80 kernels carry dropout in fp16/bf16), the others every
+    device's."""
+    p = f"{op}: "
+    if q.device.type == "cuda":
+        torch._check(
+            q.dtype in (torch.float16, torch.bfloat16),
+            lambda: f"{p}fused dropout takes float16 or bfloat16 q, got {q.dtype}",
+        )
+    torch._check(0.0 <= dropout_p <= 1.0, lambda: f"{p}dropout_p must be a probability in [0, 1], got {dropout_p}")
+    torch._check(
+        rng_state.dtype == torch.int64
+        and rng_state.shape == (2,)
+        and rng_state.is_contiguous()
+        and rng_state.device == q.device,
+        lambda: (
+            f"{p}rng_state must be a contiguous (2,) int64 tensor on {q.device}, got {rng_state.dtype} "
+            f"of shape {list(rng_state.shape)} on {rng_state.device}"
+        ),
+    )
+
+
+@torch.library.register_fake("flashmod::attention_dropout")
+def _attention_dropout_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    scale: float | None,
+    is_causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    rng_state: Tensor,
+) -> tuple[Tensor, Tensor]:
+    out, lse = _attention_fake(q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap)
+    _check_dropout_args("flashmod.attention", q, dropout_p, rng_state)
+    return out, lse
+
+
+@torch.library.register_fake("flashmod::attention_dropout_backward")
+def _attention_dropout_backward_fake(
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor | None,
+    scale: float | None,
+    is_causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    rng_state: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    options = (scale, is_causal, bottom_right, window_left, window_right, softcap)
+    *grads, _ = _attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask, *options)
+    _check_dropout_args("flashmod.attention_backward", q, dropout_p, rng_state)
+    return tuple(grads)
+
+
+def _attention_dropout_by_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    scale: float | None,
+    is_causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    rng_state: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """``flashmod::attention_dropout`` without its CUDA kernels (CPU; CUDA in builds without
+    them): the reference math with the kernels' keep mask (reference.dropout_keep_mask), so the
+    same rng_state drops the same keys everywhere. It holds (B, Hq, Nq, Nk) tensors: for tests and
+    small calls (flashmod.attention sends CPU dropout to attention_dropout_reference)."""
+    out, _ = _attention_dropout_fake(
+        q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap, dropout_p, rng_state
+    )
+    keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
+    o, lse = attention_reference(
+        q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap, dropout_p,
+        dropout_mask=keep,
+    )  # fmt: skip
+    return out.copy_(o), lse.float()
+
+
+def _attention_dropout_backward_by_reference(
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor | None,
+    *options_dropout_rng: Any,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``flashmod::attention_dropout_backward`` without its CUDA kernels: autograd through the
+    reference with the forward's keep mask."""
+    grads = _attention_dropout_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask, *options_dropout_rng)
+    *options, dropout_p, rng_state = options_dropout_rng
+    keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
+    with torch.enable_grad():
+        inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        o, lse_ref = attention_reference(*inputs, attn_mask, *options, dropout_p, dropout_mask=keep)
+        cotangents = (grad_out.to(o.dtype), torch.zeros_like(lse_ref) if grad_lse is None else grad_lse.to(o.dtype))
+        computed = torch.autograd.grad((o, lse_ref), inputs, cotangents)
+    return tuple(g.copy_(c) for g, c in zip(grads, computed))
+
+
+def _attention_dropout_setup_context(ctx, inputs, output) -> None:
+    q, k, v, attn_mask, *options, dropout_p, rng_state = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state)
+    ctx.options = (*options, dropout_p)
+
+
+def _attention_dropout_backward(ctx, grad_out: Tensor, grad_lse: Tensor) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse, attn_mask, rng_state = ctx.saved_tensors
+    if ctx.needs_input_grad[3]:
+        raise NotImplementedError(
+            "flashmod.attention_dropout: attn_mask gets no gradient here; flashmod.attention sends a "
+            "mask that requires grad with dropout to the reference (attention_dropout_reference)"
+        )
+    dq, dk, dv = torch.ops.flashmod.attention_dropout_backward(
+        grad_out, grad_lse, q, k, v, out, lse, attn_mask, *ctx.options, rng_state
+    )
+    return dq, dk, dv, *([None] * 9)
+
+
+torch.library.register_autograd(
+    "flashmod::attention_dropout", _attention_dropout_backward, setup_context=_attention_dropout_setup_context
+)
+torch.library.impl("flashmod::attention_dropout", "CPU")(_attention_dropout_by_reference)
+torch.library.impl("flashmod::attention_dropout_backward", "CPU")(_attention_dropout_backward_by_reference)
+HAS_CUDA_DROPOUT_KERNELS = torch._C._dispatch_has_kernel_for_dispatch_key("flashmod::attention_dropout", "CUDA")
+"""Whether this build's C++ library carries the fused dropout kernels (CUDA builds)."""
+if not HAS_CUDA_DROPOUT_KERNELS:
+    torch.library.impl("flashmod::attention_dropout", "CUDA")(_attention_dropout_by_reference)
+    torch.library.impl("flashmod::attention_dropout_backward", "CUDA")(_attention_dropout_backward_by_reference)
 
 
 def _attention_backward_without_cuda_kernel(*args: Any) -> tuple[Tensor, Tensor, Tensor]:

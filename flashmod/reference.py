@@ -41,6 +41,63 @@ BACKWARD_CHUNK_ELEMENTS = 1 << 24
 DROPOUT_ONE_PASS_ELEMENTS = 1 << 26
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """(high, low) 32-bit words of ``a * b`` for a 32-bit constant ``a`` and int64 tensor ``b``
+    of 32-bit values, without leaving int64: ``b`` in 16-bit halves."""
+    low_part, high_part = a * (b & 0xFFFF), a * (b >> 16)  # each below 2^48
+    s = low_part + ((high_part & 0xFFFF) << 16)  # below 2^49
+    return (high_part >> 16) + (s >> 32), s & _MASK32
+
+
+def philox4x32_10(counter: tuple[Tensor, ...], key: tuple[int, int]) -> tuple[Tensor, ...]:
+    """Philox4x32-10 (Salmon et al., SC'11) on int64 tensors holding 32-bit words: four counter
+    words (broadcastable), two key words -> four output words. The fused dropout kernels'
+    generator (csrc/attention/cuda/dropout.h)."""
+    x0, x1, x2, x3 = counter
+    k0, k1 = key
+    for round_ in range(10):
+        if round_ > 0:  # the Weyl key schedule between rounds
+            k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+        hi0, lo0 = _mulhilo32(0xD2511F53, x0)
+        hi1, lo1 = _mulhilo32(0xCD9E8D57, x2)
+        x0, x1, x2, x3 = hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
+    return x0, x1, x2, x3
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The 16-bit draw at and above which a probability is kept: round(dropout_p * 2^16)."""
+    return int(math.floor(dropout_p * 65536.0 + 0.5))
+
+
+def dropout_keep_mask(rng_state: Tensor, shape: tuple[int, int, int, int], dropout_p: float) -> Tensor:
+    """Bool ``(B, Hq, Nq, Nk)``: which probabilities ``flashmod::attention_dropout`` keeps for
+    ``rng_state`` (two int64 words), the definition the CUDA kernels follow (dropout.h).
+
+    Query ``i`` of head ``bh = b * Hq + h`` keeps key ``j`` iff the 16-bit draw
+    ``2 * ((j % 32) / 8) + j % 2`` (low half of a word first) of Philox4x32-10 with key
+    ``(lo, hi words of rng_state[0])`` and counter ``(4 * (j / 32) + (j % 8) / 2, i, bh,
+    lo word of rng_state[1])`` is ``>= dropout_threshold(dropout_p)``. Memory: a few int64
+    tensors of ``B * Hq * Nq * Nk / 8`` elements; for tests and small calls.
+    """
+    batch, heads, seqlen_q, seqlen_k = shape
+    seed, stream = (int(w) & ((1 << 64) - 1) for w in rng_state.tolist())
+    device = rng_state.device
+    spans = -(-seqlen_k // 32)
+    calls = torch.arange(4 * spans, device=device).view(1, 1, -1)
+    rows = torch.arange(seqlen_q, device=device).view(1, -1, 1)
+    heads_ = torch.arange(batch * heads, device=device).view(-1, 1, 1)
+    words = philox4x32_10(
+        (calls, rows, heads_, torch.tensor(stream & _MASK32, device=device)), (seed & _MASK32, seed >> 32)
+    )
+    words = torch.stack(torch.broadcast_tensors(*words), -1)  # (B * Hq, Nq, calls, 4)
+    j = torch.arange(seqlen_k, device=device)
+    draws = words[:, :, 4 * (j // 32) + (j % 8) // 2, (j % 32) // 8] >> (16 * (j % 2)) & 0xFFFF
+    return (draws >= dropout_threshold(dropout_p)).view(batch, heads, seqlen_q, seqlen_k)
+
+
 def resolve_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
@@ -137,11 +194,15 @@ def attention_reference(
     dropout_p: float = 0.0,
     compute_dtype: torch.dtype | None = None,
     return_probs: bool = False,
+    dropout_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Attention materialized in ``compute_dtype`` (default: fp32, fp64 for fp64 inputs).
 
     Returns ``(out, lse)`` in ``compute_dtype``, plus the probabilities if ``return_probs``.
-    Differentiable; with ``dropout_p > 0`` the probabilities are dropped out (training fallback).
+    Differentiable; with ``dropout_p > 0`` the probabilities are dropped out (training fallback):
+    by torch's generator, or, given ``dropout_mask`` (bool ``(B, Hq, Nq, Nk)``, True = kept: the
+    fused kernels' choices, ``dropout_keep_mask``), where it is False (survivors scaled by
+    ``1 / (1 - dropout_p)``, 0 at ``dropout_p = 1``).
     There, once the ``(B, Hq, Nq, Nk)`` scores pass ``DROPOUT_ONE_PASS_ELEMENTS``, the query rows
     run in chunks of the backward's budget under activation checkpointing: autograd keeps each
     chunk's inputs, not its probabilities and dropout mask, and the backward recomputes a chunk with
@@ -154,6 +215,9 @@ def attention_reference(
         k, v, attn_mask, seqlen_q, resolve_scale(scale, head_dim), softcap,
         effective_window(is_causal, window_left, window_right), bottom_right, dropout_p, dtype,
     )  # fmt: skip
+    if dropout_mask is not None:
+        out, lse, p = _attention_rows(q, 0, *args, return_probs=True, dropout_mask=dropout_mask)
+        return (out, lse, p) if return_probs else (out, lse)
     if dropout_p > 0 and not return_probs and batch * heads_q * seqlen_q * k.shape[2] > DROPOUT_ONE_PASS_ELEMENTS:
         chunk_rows = backward_chunk_rows(batch, heads_q, seqlen_q, k.shape[2])
         rows_of = [(q[:, :, r0 : r0 + chunk_rows], r0) for r0 in range(0, seqlen_q, chunk_rows)]
@@ -177,9 +241,11 @@ def _attention_rows(
     dropout_p: float,
     dtype: torch.dtype,
     return_probs: bool = False,
+    dropout_mask: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """attention_reference's math for the query rows ``first_row ..`` of a call with ``seqlen_q``
-    rows (``q`` holds those rows): ``(out, lse)``, and the probabilities if ``return_probs``."""
+    rows (``q`` holds those rows): ``(out, lse)``, and the probabilities if ``return_probs``;
+    ``dropout_mask`` covers every row of the call."""
     heads_kv = k.shape[1]
     rows = torch.arange(first_row, first_row + q.shape[2], device=q.device)
     s, _ = _masked_scores(
@@ -193,7 +259,10 @@ def _attention_rows(
     lse = lse.masked_fill(torch.isposinf(lse), math.nan)
     # Hidden keys get 0 even in a NaN row (lse NaN): the row's NaN stays on the keys it sees.
     p = torch.exp(s - _finite_lse(lse)[..., None]).masked_fill(torch.isneginf(s), 0)
-    if dropout_p > 0:
+    if dropout_mask is not None:
+        kept = _grouped(dropout_mask[:, :, first_row : first_row + q.shape[2]], heads_kv)
+        p = p * kept.to(dtype) * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
+    elif dropout_p > 0:
         p = torch.nn.functional.dropout(p, dropout_p)
     out = torch.matmul(p, v.to(dtype).unsqueeze(2))
     out, lse = out.flatten(1, 2), lse.flatten(1, 2)

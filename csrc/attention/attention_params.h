@@ -106,6 +106,15 @@ struct AttentionParams {
   const uint8_t* mask_tiles = nullptr;
   int64_t mask_tiles_batch_stride = 0, mask_tiles_head_stride = 0, mask_tiles_k_blocks = 0;
   int32_t mask_tiles_br = 0, mask_tiles_bc = 0;
+
+  // Dropout on the probabilities (CUDA sm_80 kernels, dense calls; cuda/dropout.h): the call's two
+  // int64 random words on the kernel's device (read there, so a captured graph replays fresh
+  // ones), or nullptr for none. A 16-bit draw keeps its probability iff >= dropout_threshold
+  // (round(dropout_p * 2^16)); a kept probability is multiplied by dropout_scale (1 / (1 -
+  // dropout_p); 0 at dropout_p = 1).
+  const int64_t* dropout_rng = nullptr;
+  uint32_t dropout_threshold = 0;
+  float dropout_scale = 1.f;
 };
 
 // The backward's description: the forward's fields (q, k, v, out, lse, mask, window, scale,

@@ -23,19 +23,26 @@ namespace {
 
 using Gradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-Gradients attention_backward_cuda(const at::Tensor& grad_out,
-                                  const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
-                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                                  const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-                                  std::optional<double> scale, bool is_causal, bool bottom_right,
-                                  int64_t window_left, int64_t window_right, double softcap,
-                                  bool compute_grad_mask) {
+// Dropout's arguments (attention_dropout_backward): the forward's, so the kernels draw its keys.
+struct DropoutArgs {
+  double p;
+  const at::Tensor& rng_state;
+};
+
+Gradients run_attention_backward_cuda(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
+    bool bottom_right, int64_t window_left, int64_t window_right, double softcap,
+    bool compute_grad_mask, const DropoutArgs* dropout) {
   const c10::cuda::CUDAGuard guard(q.device());
   PreparedAttentionBackward r = prepare_attention_backward(
       grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal, bottom_right, window_left,
       window_right, softcap, compute_grad_mask);
   check_cuda_attention_inputs("flashmod.attention_backward", q);
   AttentionBwdParams& p = r.params;
+  if (dropout != nullptr)
+    set_dropout(p, "flashmod.attention_backward", q, dropout->p, dropout->rng_state);
   if (r.grad_q.numel() == 0 && r.grad_k.numel() == 0)
     return {r.grad_q, r.grad_k, r.grad_v, r.grad_mask};
   if (p.seqlen_q == 0 || p.seqlen_k == 0 || p.heads_q == 0) {
@@ -83,9 +90,35 @@ Gradients attention_backward_cuda(const at::Tensor& grad_out,
   return {r.grad_q, r.grad_k, r.grad_v, r.grad_mask};
 }
 
+Gradients attention_backward_cuda(const at::Tensor& grad_out,
+                                  const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                  const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+                                  std::optional<double> scale, bool is_causal, bool bottom_right,
+                                  int64_t window_left, int64_t window_right, double softcap,
+                                  bool compute_grad_mask) {
+  return run_attention_backward_cuda(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale,
+                                     is_causal, bottom_right, window_left, window_right, softcap,
+                                     compute_grad_mask, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_dropout_backward_cuda(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
+    bool bottom_right, int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+    const at::Tensor& rng_state) {
+  const DropoutArgs dropout{dropout_p, rng_state};
+  auto [grad_q, grad_k, grad_v, grad_mask] = run_attention_backward_cuda(
+      grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal, bottom_right, window_left,
+      window_right, softcap, false, &dropout);
+  return {grad_q, grad_k, grad_v};
+}
+
 }  // namespace
 }  // namespace flashmod
 
 TORCH_LIBRARY_IMPL(flashmod, CUDA, m) {
   m.impl("attention_backward", &flashmod::attention_backward_cuda);
+  m.impl("attention_dropout_backward", &flashmod::attention_dropout_backward_cuda);
 }

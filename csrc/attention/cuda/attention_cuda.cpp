@@ -36,16 +36,25 @@ bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, in
   return cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, err);
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k,
-                                                  const at::Tensor& v,
-                                                  const std::optional<at::Tensor>& attn_mask,
-                                                  std::optional<double> scale, bool is_causal,
-                                                  bool bottom_right, int64_t window_left,
-                                                  int64_t window_right, double softcap) {
+// Dropout's arguments (attention_dropout); its calls run the sm_80 kernels, which carry it.
+struct DropoutArgs {
+  double p;
+  const at::Tensor& rng_state;
+};
+
+std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v,
+                                                      const std::optional<at::Tensor>& attn_mask,
+                                                      std::optional<double> scale, bool is_causal,
+                                                      bool bottom_right, int64_t window_left,
+                                                      int64_t window_right, double softcap,
+                                                      const DropoutArgs* dropout) {
   const c10::cuda::CUDAGuard guard(q.device());
   PreparedAttention prepared = prepare_attention(q, k, v, attn_mask, scale, is_causal, bottom_right,
                                                  window_left, window_right, softcap);
   check_cuda_attention_inputs("flashmod.attention", q);
+  if (dropout != nullptr)
+    set_dropout(prepared.params, "flashmod.attention", q, dropout->p, dropout->rng_state);
   if (nothing_to_compute(prepared)) return {prepared.out, prepared.lse};
 
   AttentionParams& p = prepared.params;
@@ -68,9 +77,10 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
     flags.half_blocks = env_flag("FLASHMOD_SM90_WS_HALF_BLOCKS", true);
     const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
     const int key = cuda_kernels::variant_key(p.dtype, padded);
-    if (run_decode(p, flags, padded, q.options(), stream, err)) {
+    const bool sm80_only = dropout != nullptr;
+    if (!sm80_only && run_decode(p, flags, padded, q.options(), stream, err)) {
       // run_decode launched it
-    } else if (use_sm90_ws_kernel(padded)) {
+    } else if (!sm80_only && use_sm90_ws_kernel(padded)) {
       TorchWorkspace workspace(q.options(), stream);  // the tile scheduler's counter, mask tiles
       const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
       switch (key) {
@@ -81,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
         FLASHMOD_FWD_SM90_WS_VARIANTS(FLASHMOD_SM90_WS_CASE)
 #undef FLASHMOD_SM90_WS_CASE
       }
-    } else if (use_sm90_kernel(padded)) {
+    } else if (!sm80_only && use_sm90_kernel(padded)) {
       TorchWorkspace workspace(q.options(), stream);  // a mask tensor's tile classes
       const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
       switch (key) {
@@ -117,9 +127,30 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
   return {prepared.out, prepared.lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v,
+                                                  const std::optional<at::Tensor>& attn_mask,
+                                                  std::optional<double> scale, bool is_causal,
+                                                  bool bottom_right, int64_t window_left,
+                                                  int64_t window_right, double softcap) {
+  return run_attention_cuda(q, k, v, attn_mask, scale, is_causal, bottom_right, window_left,
+                            window_right, softcap, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_dropout_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
+    bool bottom_right, int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+    const at::Tensor& rng_state) {
+  const DropoutArgs dropout{dropout_p, rng_state};
+  return run_attention_cuda(q, k, v, attn_mask, scale, is_causal, bottom_right, window_left,
+                            window_right, softcap, &dropout);
+}
+
 }  // namespace
 }  // namespace flashmod
 
 TORCH_LIBRARY_IMPL(flashmod, CUDA, m) {
   m.impl("attention", &flashmod::attention_cuda);
+  m.impl("attention_dropout", &flashmod::attention_dropout_cuda);
 }

@@ -97,7 +97,9 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
   }
   const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim);
   const int key = cuda_kernels::variant_key(p.dtype, padded);
-  if (sm90_kernels_usable() && cuda_kernels::has_head_dim(cuda_kernels::kBwdSm90HeadDims, padded)) {
+  // Dropout runs on the mma.sync kernels, which carry it (dropout.h).
+  if (p.dropout_rng == nullptr && sm90_kernels_usable() &&
+      cuda_kernels::has_head_dim(cuda_kernels::kBwdSm90HeadDims, padded)) {
     // Tile indices are below 64 (tools/gen_kernels.py checks). Variable-length calls run the
     // default tile, the only one built with their variants (bwd_sm90_launch.h).
     const int tile = has_sequence_extents(p)

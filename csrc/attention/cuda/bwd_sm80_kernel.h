@@ -26,6 +26,7 @@
 #include "../attention_params.h"
 #include "../sequence_view.h"
 #include "bwd_common.h"
+#include "dropout.h"
 #include "entry_points.h"
 #include "kernel_traits.h"
 
@@ -74,7 +75,10 @@ __device__ __forceinline__ void mma_ab(float (&acc)[kHeadDim / 8][4],
 // kExtents (both kernels): a variable-length call. The grid is sized from the upper bounds in
 // params, each CTA works on sequence_view_bwd(params, b), and a CTA whose block lies past its
 // sequence's end exits without writing.
-template <class Tr, bool kGeneral, int kWhich, bool kExtents>
+//
+// kDropout (both kernels): dropout on P (dropout.h), dense general variants only; a variant of
+// its own so that the others keep their registers.
+template <class Tr, bool kGeneral, int kWhich, bool kExtents, bool kDropout = false>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_bwd_dkdv_kernel(const AttentionBwdParams params, const BwdRowStats st) {
   using Elem = typename Tr::Elem;
@@ -144,6 +148,11 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   float dV[kDV ? DT : 1][4], dK[kDK ? DT : 1][4];
   zero(dV);
   zero(dK);
+  // Dropout: dP^T is masked and scaled before dS^T (whose delta = rowsum(dO * O) already holds
+  // the dropped O), and P^T before dV.
+  static_assert(!kDropout || (kGeneral && !kExtents), "dropout: dense general variants only");
+  DropoutState drop;
+  if constexpr (kDropout) drop = dropout_state(p);
 
   for (int s = 0; s < steps; ++s) {
     const int stage = s & 1;
@@ -173,8 +182,16 @@ __global__ void __launch_bounds__(Tr::kNThreads)
       mma_abt<Elem, D, NT>(dPt, sV_addr, a_off, sdO_addr, b_off);
     }
 
+    uint32_t keep = 0;
+    if constexpr (kDropout) {
+      keep = keep_bits_key_rows<NT>(drop, static_cast<uint32_t>(b * p.heads_q + h), key_row[0],
+                                    static_cast<uint32_t>(r0), t);
+      if constexpr (kDK) apply_dropout(dPt, keep, drop.scale);
+    }
+
     transposed_probs_and_grads<Elem, kGeneral, kDK>(
         St, dPt, p, tf, scale_log2, b, h, r0, Br, n_block, Bc, key_row, lse2, delta, t, plain_keys);
+    if constexpr (kDropout && kDV) apply_dropout(St, keep, drop.scale);
 
     if constexpr (kDV) mma_ab<Elem, D, NT>(dV, St, sdO_addr, bt_off);
     if constexpr (kDK) mma_ab<Elem, D, NT>(dK, dPt, sQ_addr, bt_off);
@@ -185,7 +202,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
                                st.vec_store != 0);
 }
 
-template <class Tr, bool kGeneral, bool kExtents>
+template <class Tr, bool kGeneral, bool kExtents, bool kDropout = false>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_bwd_dq_kernel(const AttentionBwdParams params, const BwdRowStats st) {
   using Elem = typename Tr::Elem;
@@ -253,6 +270,10 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const LaneRows rows = lane_rows(p, st, b, h, r0 + warp_row0 + g);
   float dQ[DT][4];
   zero(dQ);
+  // Dropout: dP is masked and scaled before dS.
+  static_assert(!kDropout || (kGeneral && !kExtents), "dropout: dense general variants only");
+  DropoutState drop;
+  if constexpr (kDropout) drop = dropout_state(p);
 
   for (int n = range.lo; n < range.hi; ++n) {
     const int stage = (n - range.lo) & 1;
@@ -273,6 +294,13 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
     const bool plain_keys = plain_key_block<kGeneral, kMask, Br, Bc>(p, b, h, m_block, n);
 
+    if constexpr (kDropout) {
+      apply_dropout(dP,
+                    keep_bits_query_rows<NT>(drop, static_cast<uint32_t>(b * p.heads_q + h),
+                                             static_cast<uint32_t>(r0 + warp_row0 + g),
+                                             static_cast<uint32_t>(n * Bc), t),
+                    drop.scale);
+    }
     probs_and_grads<Elem, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t, plain_keys);
     mma_ab<Elem, D, NT>(dQ, S, sK_addr, bt_off);
   }

@@ -22,29 +22,31 @@ struct BwdConfig {
   using Q = BwdQTraits<Elem, kHeadDim, 4, kHeadDim <= 128 ? 64 : 32>;
 };
 
-template <class Tr, bool kGeneral, int kWhich, bool kExtents>
+template <class Tr, bool kGeneral, int kWhich, bool kExtents, bool kDropout>
 cudaError_t launch_bwd_dkdv(const AttentionBwdParams& p, const BwdRowStats& st,
                             cudaStream_t stream) {
   const int64_t blocks = bwd_dkdv_ctas(p, Tr::Bc);
-  return cuda::launch_kernel(attention_bwd_dkdv_kernel<Tr, kGeneral, kWhich, kExtents>, blocks,
-                             Tr::kNThreads, Tr::kSmemBytes, stream, p, st);
+  return cuda::launch_kernel(attention_bwd_dkdv_kernel<Tr, kGeneral, kWhich, kExtents, kDropout>,
+                             blocks, Tr::kNThreads, Tr::kSmemBytes, stream, p, st);
 }
 
-template <typename Elem, int kHeadDim, bool kGeneral, bool kExtents>
+template <typename Elem, int kHeadDim, bool kGeneral, bool kExtents, bool kDropout = false>
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   using Cfg = BwdConfig<Elem, kHeadDim>;
   cudaError_t err;
   if constexpr (Cfg::kSplit) {
-    err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdOnlyDV, kExtents>(p, st, stream);
+    err =
+        launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdOnlyDV, kExtents, kDropout>(p, st, stream);
     if (err == cudaSuccess)
-      err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdOnlyDK, kExtents>(p, st, stream);
+      err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdOnlyDK, kExtents, kDropout>(p, st,
+                                                                                        stream);
   } else {
-    err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdBoth, kExtents>(p, st, stream);
+    err = launch_bwd_dkdv<typename Cfg::KV, kGeneral, kBwdBoth, kExtents, kDropout>(p, st, stream);
   }
   if (err != cudaSuccess) return err;
   using TrQ = typename Cfg::Q;
   const int64_t blocks = bwd_dq_ctas(p, TrQ::Br);
-  return cuda::launch_kernel(attention_bwd_dq_kernel<TrQ, kGeneral, kExtents>, blocks,
+  return cuda::launch_kernel(attention_bwd_dq_kernel<TrQ, kGeneral, kExtents, kDropout>, blocks,
                              TrQ::kNThreads, TrQ::kSmemBytes, stream, p, st);
 }
 
@@ -54,6 +56,9 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st,
                               cudaStream_t stream) {
   const bool general = general_scores(p);
+  // Dropout: dense calls only (the host checks that attention_dropout gets no per-sequence
+  // extents).
+  if (p.dropout_rng != nullptr) return launch_bwd<Elem, kHeadDim, true, false, true>(p, st, stream);
   if (has_sequence_extents(p)) {
     return general ? launch_bwd<Elem, kHeadDim, true, true>(p, st, stream)
                    : launch_bwd<Elem, kHeadDim, false, true>(p, st, stream);

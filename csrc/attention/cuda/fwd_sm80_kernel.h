@@ -16,6 +16,7 @@
 #include "../attention_params.h"
 #include "cta_tile.h"
 #include "cta_timeline.h"
+#include "dropout.h"
 #include "entry_points.h"
 #include "fwd_epilogue.h"
 #include "kernel_traits.h"
@@ -57,7 +58,12 @@ namespace flashmod::cuda_kernels {
 // cp.async copies, into the same layout. (Contiguous caches and larger pages keep cp.async: the
 // copy engine ran them 0-6 % slower on an H100; benchmarks/results/design/cuda-serving.md,
 // session 23.)
-template <class Tr, bool kGeneral, bool kDecode = false, KvAddressing kAddr = kDense>
+//
+// kDropout: the dense prefill kernel's general variant with dropout on P (dropout.h), a variant
+// of its own so that the others keep their registers (the general one spilled 32 bytes more with
+// dropout behind a run-time branch).
+template <class Tr, bool kGeneral, bool kDecode = false, KvAddressing kAddr = kDense,
+          bool kDropout = false>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_fwd_kernel(const AttentionParams params, const FwdLaunchFlags flags,
                          const SplitKvArgs sk, const __grid_constant__ KvTensorMaps maps) {
@@ -271,6 +277,11 @@ __global__ void __launch_bounds__(Tr::kNThreads)
       for (int e = 0; e < 4; ++e) O[mi][di][e] = 0.f;
   OnlineSoftmax<MT> softmax;
   softmax.init();
+  static_assert(!kDropout || (kGeneral && !kDecode && kAddr == kDense),
+                "dropout is built into the dense prefill kernel's general variant");
+  DropoutState drop;
+  if constexpr (kDropout) drop = dropout_state(p);
+  const uint32_t dropout_bh = static_cast<uint32_t>(b * p.heads_q + h);
 
   // Q_i fragments, loaded once when kQRegs (otherwise re-read per K_j and this stays unused).
   // The general path needs its registers for the mask/soft-cap arithmetic (it spilled with both).
@@ -348,6 +359,14 @@ __global__ void __launch_bounds__(Tr::kNThreads)
                                 tile_needs_mask(mask_classes, n));
 
     softmax.update(S, O, c);
+    // Dropout after the row sums took P: l normalizes the undropped probabilities.
+    if constexpr (kDropout) {
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+        apply_dropout(
+            S[mi], keep_bits_query_rows<NT>(drop, dropout_bh, r0 + q_row0 + mi * 16 + g, n * Bc, t),
+            drop.scale);
+    }
 
     // O += P V_j
     const uint32_t sV_addr = sV_addr0 + stage * kStageBytes;

@@ -1,0 +1,235 @@
+"""Fused dropout (flashmod::attention_dropout): the generator's definition (reference.py:
+dropout_keep_mask, Philox4x32-10), the kernels against the reference with the same keep mask, the
+backward's regenerated choices, the edges (p = 0 and 1, rows without keys), the op's contract, and
+how flashmod.attention routes dropout calls."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tolerance import assert_within_rule
+
+import flashmod
+from flashmod.reference import attention_reference, dropout_keep_mask, dropout_threshold, philox4x32_10
+
+LOW = [torch.bfloat16, torch.float16]
+
+
+def test_philox_known_answers():
+    """Random123's published Philox4x32-10 vectors (its kat_vectors file)."""
+    cases = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
+    ]
+    for counter, key, expected in cases:
+        words = philox4x32_10(tuple(torch.tensor([w]) for w in counter), key)
+        assert tuple(int(w) for w in words) == expected
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_mask_statistics(p):
+    """Each of the eight draws of a call, each key position and each query keeps at the rate 1 - p
+    (within 5 sigma), and two rng states disagree as independent draws would."""
+    rng = torch.randint(0, 1 << 62, (2,))
+    shape = (2, 4, 96, 320)
+    keep = dropout_keep_mask(rng, shape, p).double()
+    rate = 1 - dropout_threshold(p) / 65536
+
+    def check(fractions, count):
+        sigma = math.sqrt(rate * (1 - rate) / count)
+        assert (fractions - rate).abs().max() < 5 * sigma, (fractions, rate)
+
+    n = keep.numel()
+    check(keep.mean().view(1), n)
+    by_draw = keep.view(*shape[:3], -1, 32).unflatten(-1, (4, 8))  # (.., span, word, key % 8)
+    check(by_draw.mean((0, 1, 2, 3)).flatten(), n // 32)
+    check(keep.mean((0, 1, 2)), n // shape[3])
+    check(keep.mean((0, 1, 3)), n // shape[2])
+    other = dropout_keep_mask(rng + 1, shape, p).double()
+    disagree = (keep != other).double().mean().item()
+    expected = 2 * rate * (1 - rate)
+    assert abs(disagree - expected) < 5 * math.sqrt(expected * (1 - expected) / n)
+
+
+def _case(device, dtype, b, hq, hkv, nq, nk, d, mask_kind):
+    q = torch.randn(b, hq, nq, d, device=device, dtype=dtype)
+    k, v = (torch.randn(b, hkv, nk, d, device=device, dtype=dtype) for _ in range(2))
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(b, 1, nq, nk, device=device) > 0.3
+        mask[:, :, : min(2, nq)] = False  # rows without a visible key
+    elif mask_kind == "additive":
+        mask = torch.randn(1, hq, nq, nk, device=device).to(dtype)
+    return q, k, v, mask
+
+
+# (b, hq, hkv, nq, nk, d, options, mask): odd lengths and head dims, GQA, both causal alignments,
+# a window, a soft cap, bool (with empty rows) and additive masks.
+CASES = {
+    "plain": (2, 4, 4, 113, 203, 64, {}, None),
+    "causal_gqa": (1, 6, 2, 203, 113, 59, {"is_causal": True}, None),
+    "causal_top_left": (2, 2, 1, 17, 260, 40, {"is_causal": True, "bottom_right": False}, None),
+    "window_softcap": (1, 4, 2, 256, 256, 128, {"window_left": 37, "window_right": 5, "softcap": 20.0}, None),
+    "bool_mask": (2, 4, 2, 130, 77, 111, {}, "bool"),
+    "additive_mask": (1, 4, 4, 70, 300, 256, {"is_causal": True}, "additive"),
+    "one_query": (3, 8, 2, 1, 1023, 128, {}, None),
+}
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_dropout_matches_reference_with_its_mask(device, dtype, case):
+    """Forward (2x) and gradients (3x) against the fp64 reference that drops what
+    dropout_keep_mask says, the error of the same math in the inputs' precision as the yardstick."""
+    b, hq, hkv, nq, nk, d, opts, mask_kind = CASES[case]
+    q, k, v, mask = _case(device, dtype, b, hq, hkv, nq, nk, d, mask_kind)
+    p = 0.17 if case != "plain" else 0.5
+    rng = torch.randint(0, 1 << 62, (2,), device=device)
+    options = (
+        mask, None, opts.get("is_causal", False), opts.get("bottom_right", True),
+        opts.get("window_left", -1), opts.get("window_right", -1), opts.get("softcap", 0.0),
+    )  # fmt: skip
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    out, lse = torch.ops.flashmod.attention_dropout(*inputs, *options, p, rng)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+
+    keep = dropout_keep_mask(rng, (b, hq, nq, nk), p)
+
+    def reference(compute_dtype):
+        xs = tuple(
+            t.detach().to(compute_dtype if compute_dtype == torch.float64 else dtype).requires_grad_() for t in inputs
+        )
+        m = mask.double() if mask is not None and mask.dtype != torch.bool and compute_dtype == torch.float64 else mask
+        o, lse_ref = attention_reference(*xs, m, *options[1:], p, compute_dtype=compute_dtype, dropout_mask=keep)
+        return o, lse_ref, torch.autograd.grad(o, xs, grad_out.to(o.dtype))
+
+    truth, plain = reference(torch.float64), reference(dtype)
+    assert_within_rule(out, truth[0], plain[0], 2, dtype, "out")
+    lse_plain32 = attention_reference(q, k, v, *options, compute_dtype=torch.float32)[1]
+    assert_within_rule(lse, truth[1], lse_plain32, 2, torch.float32, "lse")
+    for name, ours, t, pl in zip(("dq", "dk", "dv"), grads, truth[2], plain[2]):
+        assert_within_rule(ours, t, pl, 3, dtype, name)
+
+
+def test_same_rng_state_same_result(device):
+    """The call is a function of rng_state: bitwise equal outputs and gradients; another state
+    drops other keys."""
+    q, k, v, _ = _case(device, torch.bfloat16, 2, 4, 2, 150, 150, 64, None)
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    rng = torch.randint(0, 1 << 62, (2,), device=device)
+
+    def run(state):
+        out, _ = torch.ops.flashmod.attention_dropout(*inputs, None, None, True, True, -1, -1, 0.0, 0.3, state)
+        return (out, *torch.autograd.grad(out.float().square().sum(), inputs))
+
+    first, second, other = run(rng), run(rng.clone()), run(rng + 1)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert not torch.equal(first[0], other[0])
+
+
+def test_dropout_p_zero_and_one(device):
+    """p = 0 keeps every key (plain attention); p = 1 drops every one: output and gradients 0, no
+    NaN (the survivors' scale is 0, not 1 / 0), lse still the undropped one."""
+    q, k, v, _ = _case(device, torch.float16, 1, 4, 4, 65, 97, 64, None)
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    rng = torch.randint(0, 1 << 62, (2,), device=device)
+    plain_out, plain_lse = attention_reference(q, k, v, is_causal=True)
+    for p in (0.0, 1.0):
+        out, lse = torch.ops.flashmod.attention_dropout(*inputs, None, None, True, True, -1, -1, 0.0, p, rng)
+        grads = torch.autograd.grad(out, inputs, torch.randn_like(out))
+        torch.testing.assert_close(lse, plain_lse.float(), atol=2e-3, rtol=2e-3)
+        if p == 0.0:
+            torch.testing.assert_close(out.float(), plain_out.float(), atol=2e-3, rtol=2e-3)
+        else:
+            assert not out.any() and not any(g.any() for g in grads)
+
+
+def test_rows_without_keys(device):
+    """A row whose keys are all masked: output 0, lse -inf, gradients finite (0 for its query)."""
+    q, k, v, _ = _case(device, torch.bfloat16, 1, 2, 2, 40, 70, 64, None)
+    mask = torch.rand(1, 1, 40, 70, device=device) > 0.5
+    mask[:, :, 3] = False
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    rng = torch.randint(0, 1 << 62, (2,), device=device)
+    out, lse = torch.ops.flashmod.attention_dropout(*inputs, mask, None, False, True, -1, -1, 0.0, 0.4, rng)
+    dq, dk, dv = torch.autograd.grad(out, inputs, torch.randn_like(out))
+    assert not out[:, :, 3].any() and torch.isneginf(lse[:, :, 3]).all()
+    assert all(torch.isfinite(g).all() for g in (out, dq, dk, dv))
+    assert not dq[:, :, 3].any()
+
+
+def test_bad_dropout_arguments(device):
+    """Each bad argument raises naming it, the same while tracing (the fake mirrors the C++)."""
+    q, k, v, _ = _case(device, torch.bfloat16, 1, 2, 2, 8, 8, 32, None)
+    rng = torch.randint(0, 1 << 62, (2,), device=device)
+    args = (None, None, False, True, -1, -1, 0.0)
+    bad = [
+        ((q, k, v, *args, 1.5, rng), r"dropout_p must be a probability in \[0, 1\], got 1.5"),
+        ((q, k, v, *args, 0.1, rng.int()), r"rng_state must be a contiguous \(2,\) int64 tensor"),
+        ((q, k, v, *args, 0.1, rng[:1]), r"rng_state must be a contiguous \(2,\) int64 tensor"),
+        ((q, k.float(), v, *args, 0.1, rng), r"k must have q's dtype"),
+    ]
+    if device == "cuda":
+        bad.append(((q.float(), k.float(), v.float(), *args, 0.1, rng), r"fused dropout takes float16 or bfloat16"))
+    for call, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.flashmod.attention_dropout(*call)
+        with pytest.raises(Exception, match=message), torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            fakes = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in call]
+            torch.ops.flashmod.attention_dropout(*fakes)
+
+
+def test_opcheck(device):
+    q, k, v, _ = _case(device, torch.float16, 1, 4, 2, 33, 47, 64, None)
+    rng = torch.randint(0, 1 << 62, (2,), device=device)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, None, True, True, -1, -1, 0.0, 0.2, rng)
+    torch.library.opcheck(torch.ops.flashmod.attention_dropout, args)
+
+
+def test_attention_routes_dropout_to_the_fused_op(device):
+    """flashmod.attention with dropout on CUDA fp16/bf16 draws rng_state from torch's generator and
+    runs the fused op: after the same seed the reference with that state's mask gives its output.
+    Elsewhere (CPU, fp32, a mask that wants a gradient) it runs attention_dropout_reference."""
+    q, k, v, _ = _case(device, torch.bfloat16, 2, 4, 2, 77, 99, 64, None)
+    torch.manual_seed(11)
+    out = flashmod.attention(q, k, v, dropout_p=0.25, is_causal=True)
+    torch.manual_seed(11)
+    rng = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=device)
+    keep = dropout_keep_mask(rng, (2, 4, 77, 99), 0.25)
+    ref, _ = attention_reference(q, k, v, None, None, True, False, -1, -1, 0.0, 0.25, dropout_mask=keep)
+    matches = torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert matches == (device == "cuda" and flashmod.ops.HAS_CUDA_DROPOUT_KERNELS)
+
+
+def test_dropout_op_under_compile_fullgraph(device):
+    """The op traces (its fake) and the compiled call equals the eager one bitwise, gradients
+    too; flashmod.attention with dropout compiles whole."""
+    q, k, v, _ = _case(device, torch.float16, 1, 4, 2, 90, 130, 64, None)
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    rng = torch.randint(0, 1 << 62, (2,), device=device)
+
+    def call(q, k, v, rng):
+        return torch.ops.flashmod.attention_dropout(q, k, v, None, None, True, True, -1, -1, 0.0, 0.3, rng)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True)
+    eager, traced = call(*inputs, rng), compiled(*inputs, rng)
+    assert torch.equal(eager, traced)
+    grad = torch.randn_like(eager)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(torch.autograd.grad(eager, inputs, grad), torch.autograd.grad(traced, inputs, grad))
+    )
+    whole = torch.compile(lambda q, k, v: flashmod.attention(q, k, v, dropout_p=0.3), fullgraph=True)
+    torch.manual_seed(5)
+    first = whole(*inputs)
+    torch.manual_seed(5)
+    assert torch.equal(first, whole(*inputs))
