@@ -11,8 +11,8 @@
 // Why that grouping: one call's eight draws are exactly the eight elements a lane of an mma.sync
 // accumulator holds in one row of a 32-key span (keys 2t, 2t + 1 of each of four n8 tiles), so a
 // lane whose rows are queries makes one call per row and span. The dK/dV kernel holds S^T (keys
-// as rows): there one call serves a lane's two keys (g and g + 8 of one span) of one query, four
-// times the calls per element.
+// as rows): there one call serves two lanes' keys (g and g + 8, and g ^ 1's) of one query, twice
+// the calls per element (keep_bits_key_rows).
 #pragma once
 
 #include <cstdint>
@@ -90,25 +90,31 @@ __device__ __forceinline__ uint32_t keep_bits_query_rows(const DropoutState& d, 
 }
 
 // Keep bits of an accumulator in the key-rows layout (the dK/dV kernel's S^T): element [ni][e] is
-// key key_g + 8 * (e / 2), query row0 + 8 * ni + 2 t + e % 2; bit 4 ni + e. key_g % 32 is below 8
-// or in [16, 24) (16-key warp slices of blocks of whole 32-key spans), so keys key_g and key_g + 8
-// share a span and a call.
+// key key_g + 8 * (e / 2), query row0 + 8 * ni + 2 t + e % 2; bit 4 ni + e. key_g is the lane's
+// first key, g its row in the m16 tile: key_g % 32 is below 8 or in [16, 24) (16-key warp slices
+// of blocks of whole 32-key spans), so keys key_g and key_g + 8 share a span and a call, and
+// key_g % 2 == g % 2. The call of a query also holds the draws of keys key_g ^ 1 (+ 8), which lane
+// g ^ 1 (this lane ^ 4, same t, same queries) owns: each lane of the pair makes the calls of the
+// queries of its own parity (NT calls, not 2 NT) and passes the other's bits over by a shuffle.
+// Every lane of the warp must call it (the shuffle).
 template <int NT>
 __device__ __forceinline__ uint32_t keep_bits_key_rows(const DropoutState& d, uint32_t bh,
                                                        uint32_t key_g, uint32_t row0, int t) {
   static_assert(4 * NT <= 32, "one 32-bit mask");
   const uint32_t span = key_g / 32, key_t = (key_g % 8) / 2;
-  const int word0 = static_cast<int>((key_g % 32) / 8), half = static_cast<int>(key_g % 2);
-  uint32_t bits = 0;
+  const int word0 = static_cast<int>((key_g % 32) / 8), parity = static_cast<int>(key_g % 2);
+  uint32_t mine = 0, partners = 0;  // bits of queries e % 2 == parity: own keys, the pair's keys
 #pragma unroll
-  for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const uint4 w = dropout_draws(d, bh, row0 + 8 * ni + 2 * t + e, span, key_t);
-      bits |= static_cast<uint32_t>(kept(d, word_of(w, word0), half)) << (4 * ni + e);
-      bits |= static_cast<uint32_t>(kept(d, word_of(w, word0 + 1), half)) << (4 * ni + 2 + e);
-    }
-  return bits;
+  for (int ni = 0; ni < NT; ++ni) {
+    const uint4 w = dropout_draws(d, bh, row0 + 8 * ni + 2 * t + parity, span, key_t);
+    const int bit = 4 * ni + parity;
+    mine |= static_cast<uint32_t>(kept(d, word_of(w, word0), parity)) << bit;
+    mine |= static_cast<uint32_t>(kept(d, word_of(w, word0 + 1), parity)) << (bit + 2);
+    partners |= static_cast<uint32_t>(kept(d, word_of(w, word0), parity ^ 1)) << bit;
+    partners |= static_cast<uint32_t>(kept(d, word_of(w, word0 + 1), parity ^ 1)) << (bit + 2);
+  }
+  // The pair's lane made the calls of the queries of the other parity, for this lane's keys too.
+  return mine | __shfl_xor_sync(0xffffffffu, partners, 4);
 }
 
 // acc[ni][e] *= scale where bit 4 ni + e is set, else 0.
