@@ -96,10 +96,11 @@ def backward_ops() -> None:
                 mask = torch.rand(nq, nk, device="cuda") > 0.3
                 out, _ = attention_op(q, k, v, mask, softcap=5.0)
                 torch.autograd.grad(out.float().sum(), (q, k, v))
-                # The dropout variants (forward, dK/dV, dQ).
+                # The dropout variants (forward, dK/dV, dQ), general and plain scores.
                 rng = torch.randint(0, 1 << 62, (2,), device="cuda")
-                out, _ = torch.ops.flashmod.attention_dropout(q, k, v, mask, None, True, True, -1, -1, 0.0, 0.3, rng)
-                torch.autograd.grad(out.float().sum(), (q, k, v))
+                for m in (mask, None):
+                    out, _ = torch.ops.flashmod.attention_dropout(q, k, v, m, None, True, True, -1, -1, 0.0, 0.3, rng)
+                    torch.autograd.grad(out.float().sum(), (q, k, v))
     os.environ.pop("FLASHMOD_BWD_FUSED_DQ")
 
 

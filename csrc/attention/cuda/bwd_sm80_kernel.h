@@ -76,8 +76,8 @@ __device__ __forceinline__ void mma_ab(float (&acc)[kHeadDim / 8][4],
 // params, each CTA works on sequence_view_bwd(params, b), and a CTA whose block lies past its
 // sequence's end exits without writing.
 //
-// kDropout (both kernels): dropout on P (dropout.h), dense general variants only; a variant of
-// its own so that the others keep their registers.
+// kDropout (both kernels): dropout on P (dropout.h), dense calls only; variants of their own so
+// that the others keep their registers.
 template <class Tr, bool kGeneral, int kWhich, bool kExtents, bool kDropout = false>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_bwd_dkdv_kernel(const AttentionBwdParams params, const BwdRowStats st) {
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   zero(dK);
   // Dropout: dP^T is masked and scaled before dS^T (whose delta = rowsum(dO * O) already holds
   // the dropped O), and P^T before dV.
-  static_assert(!kDropout || (kGeneral && !kExtents), "dropout: dense general variants only");
+  static_assert(!kDropout || !kExtents, "dropout: dense calls only");
   DropoutState drop;
   if constexpr (kDropout) drop = dropout_state(p);
 
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   float dQ[DT][4];
   zero(dQ);
   // Dropout: dP is masked and scaled before dS.
-  static_assert(!kDropout || (kGeneral && !kExtents), "dropout: dense general variants only");
+  static_assert(!kDropout || !kExtents, "dropout: dense calls only");
   DropoutState drop;
   if constexpr (kDropout) drop = dropout_state(p);
 

@@ -58,7 +58,9 @@ cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st
   const bool general = general_scores(p);
   // Dropout: dense calls only (the host checks that attention_dropout gets no per-sequence
   // extents).
-  if (p.dropout_rng != nullptr) return launch_bwd<Elem, kHeadDim, true, false, true>(p, st, stream);
+  if (p.dropout_rng != nullptr)
+    return general ? launch_bwd<Elem, kHeadDim, true, false, true>(p, st, stream)
+                   : launch_bwd<Elem, kHeadDim, false, false, true>(p, st, stream);
   if (has_sequence_extents(p)) {
     return general ? launch_bwd<Elem, kHeadDim, true, true>(p, st, stream)
                    : launch_bwd<Elem, kHeadDim, false, true>(p, st, stream);

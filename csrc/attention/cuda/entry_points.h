@@ -68,11 +68,10 @@ inline cudaError_t acquire_zeroed_counters(const DeviceWorkspace& ws, size_t cou
   return cudaMemsetAsync(out, 0, count * sizeof(int), stream);
 }
 
-// Whether p's scores need more than a plain scaled product (a mask tensor, a soft cap, a scale
-// the kernels must take from p, or dropout): the kernels' general variants, forward and backward.
+// Whether p's scores need more than a plain scaled product (a mask tensor, a soft cap, or a scale
+// the kernels must take from p): the kernels' general variants, forward and backward.
 FLASHMOD_HD bool general_scores(const AttentionParams& p) {
-  return p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0) ||
-         p.dropout_rng != nullptr;
+  return p.mask_kind != MaskKind::kNone || p.softcap > 0.0 || !(p.scale > 0.0);
 }
 
 // fp16/bf16 (Elem = __half or __nv_bfloat16) on tensor cores, head_dim <= kHeadDim. Requires

@@ -59,9 +59,9 @@ namespace flashmod::cuda_kernels {
 // copy engine ran them 0-6 % slower on an H100; benchmarks/results/design/cuda-serving.md,
 // session 23.)
 //
-// kDropout: the dense prefill kernel's general variant with dropout on P (dropout.h), a variant
-// of its own so that the others keep their registers (the general one spilled 32 bytes more with
-// dropout behind a run-time branch).
+// kDropout: the dense prefill kernel (plain or general scores) with dropout on P (dropout.h),
+// variants of their own so that the others keep their registers (the general one spilled 32
+// bytes more with dropout behind a run-time branch).
 template <class Tr, bool kGeneral, bool kDecode = false, KvAddressing kAddr = kDense,
           bool kDropout = false>
 __global__ void __launch_bounds__(Tr::kNThreads)
@@ -277,8 +277,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
       for (int e = 0; e < 4; ++e) O[mi][di][e] = 0.f;
   OnlineSoftmax<MT> softmax;
   softmax.init();
-  static_assert(!kDropout || (kGeneral && !kDecode && kAddr == kDense),
-                "dropout is built into the dense prefill kernel's general variant");
+  static_assert(!kDropout || (!kDecode && kAddr == kDense),
+                "dropout is built into the dense prefill kernel");
   DropoutState drop;
   if constexpr (kDropout) drop = dropout_state(p);
   const uint32_t dropout_bh = static_cast<uint32_t>(b * p.heads_q + h);

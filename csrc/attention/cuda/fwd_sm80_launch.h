@@ -91,7 +91,9 @@ cudaError_t launch_fwd(const AttentionParams& params, const FwdLaunchFlags& flag
   auto kernel = pick_fwd_kernel<Tr, false>(general, kv_addressing(p, Tr::Bc));
   // Dropout: dense calls only (the host checks that attention_dropout gets no per-sequence
   // extents).
-  if (p.dropout_rng != nullptr) kernel = attention_fwd_kernel<Tr, true, false, kDense, true>;
+  if (p.dropout_rng != nullptr)
+    kernel = general ? attention_fwd_kernel<Tr, true, false, kDense, true>
+                     : attention_fwd_kernel<Tr, false, false, kDense, true>;
   return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads, Tr::kSmemBytes, stream, p,
                              flags, SplitKvArgs{}, KvTensorMaps{});
 }
