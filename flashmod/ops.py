@@ -340,11 +340,13 @@ def _attention_dropout_backward_by_reference(
     grads = _attention_dropout_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask, *options_dropout_rng)
     *options, dropout_p, rng_state = options_dropout_rng
     keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
-    with torch.enable_grad():
-        inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
-        o, lse_ref = attention_reference(*inputs, attn_mask, *options, dropout_p, dropout_mask=keep)
-        cotangents = (grad_out.to(o.dtype), torch.zeros_like(lse_ref) if grad_lse is None else grad_lse.to(o.dtype))
-        computed = torch.autograd.grad((o, lse_ref), inputs, cotangents)
+
+    def forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return attention_reference(q, k, v, attn_mask, *options, dropout_p, dropout_mask=keep)
+
+    # torch.func: this kernel runs below autograd, where torch.autograd.grad would see no graph.
+    (o, lse_ref), vjp_fn = torch.func.vjp(forward, q, k, v)
+    computed = vjp_fn((grad_out.to(o.dtype), torch.zeros_like(lse_ref) if grad_lse is None else grad_lse.to(o.dtype)))
     return tuple(g.copy_(c) for g, c in zip(grads, computed))
 
 
@@ -368,8 +370,46 @@ def _attention_dropout_backward(ctx, grad_out: Tensor, grad_lse: Tensor) -> tupl
     return dq, dk, dv, *([None] * 9)
 
 
+def _attention_dropout_backward_setup_context(ctx, inputs, output) -> None:
+    grad_out, grad_lse, q, k, v, _, _, attn_mask, *options, dropout_p, rng_state = inputs
+    ctx.save_for_backward(grad_out, grad_lse, q, k, v, attn_mask, rng_state)
+    ctx.options = (*options, dropout_p)
+
+
+def _attention_dropout_double_backward(ctx, *cotangents: Tensor) -> tuple[Tensor | None, ...]:
+    """attention_dropout_backward's own derivative (double backward): autograd twice through the
+    reference with the forward's keep mask, in (B, Hq, Nq, Nk) memory, only when asked for."""
+    grad_out, grad_lse, q, k, v, attn_mask, rng_state = ctx.saved_tensors
+    if ctx.needs_input_grad[7]:
+        raise NotImplementedError("flashmod.attention_dropout: attn_mask gets no gradient here")
+    *options, dropout_p = ctx.options
+    keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
+    with torch.enable_grad():
+        primals = [t.detach().requires_grad_() for t in (grad_out, q, k, v)]
+        g_lse = None if grad_lse is None else grad_lse.detach().requires_grad_()
+        g_out, q_, k_, v_ = primals
+        o, lse = attention_reference(q_, k_, v_, attn_mask, *options, dropout_p, dropout_mask=keep)
+        lse_cotangent = torch.zeros_like(lse) if g_lse is None else g_lse.to(lse.dtype)
+        first = torch.autograd.grad((o, lse), (q_, k_, v_), (g_out.to(o.dtype), lse_cotangent), create_graph=True)
+        inputs = primals + ([g_lse] if g_lse is not None else [])
+        second = torch.autograd.grad(
+            first,
+            inputs,
+            [c.to(f.dtype) if c is not None else torch.zeros_like(f) for c, f in zip(cotangents, first)],
+            allow_unused=True,
+        )
+    g_grad_out, g_q, g_k, g_v = (g if g is None else g.to(t.dtype) for g, t in zip(second[:4], primals))
+    g_grad_lse = second[4] if g_lse is not None else None
+    return g_grad_out, g_grad_lse, g_q, g_k, g_v, *([None] * 11)
+
+
 torch.library.register_autograd(
     "flashmod::attention_dropout", _attention_dropout_backward, setup_context=_attention_dropout_setup_context
+)
+torch.library.register_autograd(
+    "flashmod::attention_dropout_backward",
+    _attention_dropout_double_backward,
+    setup_context=_attention_dropout_backward_setup_context,
 )
 torch.library.impl("flashmod::attention_dropout", "CPU")(_attention_dropout_by_reference)
 torch.library.impl("flashmod::attention_dropout_backward", "CPU")(_attention_dropout_backward_by_reference)

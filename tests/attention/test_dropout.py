@@ -233,3 +233,31 @@ def test_dropout_op_under_compile_fullgraph(device):
     first = whole(*inputs)
     torch.manual_seed(5)
     assert torch.equal(first, whole(*inputs))
+
+
+def test_double_backward(device):
+    """Gradients of the gradients (a gradient penalty under dropout) go through the reference with
+    the forward's keep mask: gradgradcheck in fp64 on the CPU (out only: lse is an fp32 output, too
+    coarse for finite differences); on CUDA the same rng_state drops the same keys, so bf16 there
+    matches the CPU's fp64 within bf16's precision."""
+    rng = torch.randint(0, 1 << 62, (2,))
+    shape = (1, 4, 2, 13, 21, 16)  # b, hq, hkv, nq, nk, d
+
+    def penalty(q, k, v, state):
+        out = torch.ops.flashmod.attention_dropout(q, k, v, None, None, True, True, -1, -1, 0.0, 0.3, state)[0]
+        dq, dk, dv = torch.autograd.grad(out.float().square().sum(), (q, k, v), create_graph=True)
+        return torch.autograd.grad(dq.float().square().sum() + (dk.float() * dv.float()).sum(), (q, k, v))
+
+    q64, k64, v64, _ = _case("cpu", torch.float64, *shape, None)
+    if device == "cpu":
+        out_only = lambda q, k, v: torch.ops.flashmod.attention_dropout(  # noqa: E731
+            q, k, v, None, None, True, True, -1, -1, 0.0, 0.3, rng
+        )[0]
+        assert torch.autograd.gradgradcheck(out_only, tuple(t.requires_grad_() for t in (q64, k64, v64)))
+        return
+    inputs = tuple(t.to(device, torch.bfloat16).requires_grad_() for t in (q64, k64, v64))
+    ours = penalty(*inputs, rng.to(device))
+    truth = penalty(*(t.requires_grad_() for t in (q64, k64, v64)), rng)
+    for name, a, b in zip(("q", "k", "v"), ours, truth):
+        err = (a.double().cpu() - b).abs().max().item()
+        assert err <= 0.05 * b.abs().max().item(), f"d{name}: {err:.3e} against {b.abs().max().item():.3e}"
