@@ -41,10 +41,11 @@ TORCH_LIBRARY(flashmod, m) {
       "bool is_causal=False, bool bottom_right=True, int window_left=-1, int window_right=-1, "
       "float softcap=0.0, bool compute_grad_mask=False) -> "
       "(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_mask)");
-  // attention with dropout on the probabilities (training), which no kernel fuses: the reference
-  // math (flashmod/reference.py, in Python) behind attention's checks, as a
-  // CompositeImplicitAutograd op, so autograd and torch.compile see its torch ops while the checks
-  // run in the op, where torch.compile does not trace them. v's head dim may differ from q's.
+  // attention with dropout on the probabilities (training) where attention_dropout (below) does not
+  // apply (CPU, fp32, a mask that requires grad, another value head dim): the reference math
+  // (flashmod/reference.py, in Python) behind attention's checks, as a CompositeImplicitAutograd
+  // op, so autograd and torch.compile see its torch ops while the checks run in the op, where
+  // torch.compile does not trace them. v's head dim may differ from q's.
   m.def(
       "attention_dropout_reference(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, "
       "float? scale=None, bool is_causal=False, bool bottom_right=True, int window_left=-1, "
