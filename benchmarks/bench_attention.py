@@ -178,6 +178,28 @@ def flashmod_dropout_reference(q, k, v, mask, s):
     )[0]
 
 
+def add_dropout_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="dropout probability for every shape (flashmod.attention's path and SDPA's dropout_p)",
+    )
+    ap.add_argument(
+        "--dropout-reference",
+        action="store_true",
+        help="with --dropout, also time the reference dropout path (attention_dropout_reference)",
+    )
+
+
+def apply_dropout_arguments(args: argparse.Namespace, shapes: list[dict], contenders: dict[str, Attend]) -> None:
+    """--dropout on every shape; --dropout-reference adds the reference path as a contender."""
+    for s in shapes:
+        s["dropout"] = args.dropout
+    if args.dropout > 0 and args.dropout_reference:
+        contenders["flashmod-reference"] = flashmod_dropout_reference
+
+
 def band_mask(s: dict, device) -> torch.Tensor:
     """The (Nq, Nk) bool mask of a causal window: what SDPA needs for what flashmod takes as options."""
     i = torch.arange(s["nq"], device=device)[:, None]
@@ -337,17 +359,7 @@ def main() -> None:
         action="store_true",
         help="also time the sm_90 forward without warp specialization (FLASHMOD_SM90_WS=0)",
     )
-    ap.add_argument(
-        "--dropout",
-        type=float,
-        default=0.0,
-        help="dropout probability for every shape (flashmod.attention's path and SDPA's dropout_p)",
-    )
-    ap.add_argument(
-        "--dropout-reference",
-        action="store_true",
-        help="with --dropout, also time the reference dropout path (attention_dropout_reference)",
-    )
+    add_dropout_arguments(ap)
     ap.add_argument(
         "--variant",
         action="append",
@@ -369,11 +381,8 @@ def main() -> None:
         and (not dims or s["d"] in dims)
         and (s["kind"] != "paper" or s["nq"] >= args.min_n)
     ]
-    for s in shapes:
-        s["dropout"] = args.dropout
     contenders: dict[str, Attend] = {"flashmod": flashmod_attend}
-    if args.dropout > 0 and args.dropout_reference:
-        contenders["flashmod-reference"] = flashmod_dropout_reference
+    apply_dropout_arguments(args, shapes, contenders)
     if args.portable:
         contenders["flashmod-mma"] = flashmod_attend
     if args.fa2_sm90:

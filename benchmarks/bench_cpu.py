@@ -26,7 +26,17 @@ import os
 import platform
 
 import torch
-from bench_attention import DEFAULT_OUT_DIR, MASK_KINDS, flashmod_attend, report, run, sdpa_attend, shape
+from bench_attention import (
+    DEFAULT_OUT_DIR,
+    MASK_KINDS,
+    add_dropout_arguments,
+    apply_dropout_arguments,
+    flashmod_attend,
+    report,
+    run,
+    sdpa_attend,
+    shape,
+)
 from harness import cpu_name, track_rss_of_large_blocks
 
 import flashmod  # noqa: F401  (loads the operators)
@@ -113,6 +123,7 @@ def main() -> None:
     ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the JSON and the plot go (default: %(default)s)")
     ap.add_argument("--tag", default=None, help="file name stem (default: <date>-cpu-<mode>)")
     ap.add_argument("--masks", action="store_true", help="the mask group instead: every mask tensor kind")
+    add_dropout_arguments(ap)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -123,6 +134,7 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     shapes = mask_shapes(dtypes, args.smoke) if args.masks else cpu_shapes(args.mode, dtypes, args.quick, args.smoke)
     contenders = {"flashmod": flashmod_attend, "SDPA": sdpa_attend(None)}
+    apply_dropout_arguments(args, shapes, contenders)
     meta = dict(
         device=f"{cpu_name()} ({torch.get_num_threads()} threads)",
         cpu=cpu_name(),
@@ -138,7 +150,10 @@ def main() -> None:
     )
     rows = run(shapes, contenders, "cpu", args.mode, warmup, reps)
     group = "-masks" if args.masks else ""
-    tag = args.tag or f"{datetime.date.today().isoformat()}-cpu-{args.mode}{group}{'-smoke' if args.smoke else ''}"
+    dropout = f"-dropout{args.dropout:g}" if args.dropout > 0 else ""
+    tag = args.tag or (
+        f"{datetime.date.today().isoformat()}-cpu-{args.mode}{group}{dropout}{'-smoke' if args.smoke else ''}"
+    )
     report(rows, list(contenders), "cpu", args.mode, args.out_dir, tag, meta)
 
 

@@ -70,16 +70,15 @@ def attention_bhsd(
 
 
 def fused_dropout_applies(q: Tensor, v: Tensor, attn_mask: Tensor | None) -> bool:
-    """Whether a dropout call runs the fused kernels (flashmod::attention_dropout): CUDA fp16/bf16
-    in builds that carry them, v's head dim q's, and no mask that wants a gradient. The rest runs
-    the reference (flashmod::attention_dropout_reference), which the op's checks also guard."""
-    return (
-        HAS_CUDA_DROPOUT_KERNELS
-        and q.device.type == "cuda"
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and v.shape[-1] == q.shape[-1]
-        and not (attn_mask is not None and attn_mask.requires_grad)
-    )
+    """Whether a dropout call runs the fused kernels (flashmod::attention_dropout): the CPU's (every
+    dtype) and CUDA's (fp16/bf16, in builds that carry them), with v's head dim q's and no mask that
+    wants a gradient. The rest runs the reference (flashmod::attention_dropout_reference), which the
+    op's checks also guard."""
+    if v.shape[-1] != q.shape[-1] or (attn_mask is not None and attn_mask.requires_grad):
+        return False
+    if q.device.type == "cpu":
+        return True
+    return HAS_CUDA_DROPOUT_KERNELS and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def attention_weights(

@@ -309,10 +309,9 @@ def _attention_dropout_by_reference(
     dropout_p: float,
     rng_state: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """``flashmod::attention_dropout`` without its CUDA kernels (CPU; CUDA in builds without
-    them): the reference math with the kernels' keep mask (reference.dropout_keep_mask), so the
-    same rng_state drops the same keys everywhere. It holds (B, Hq, Nq, Nk) tensors: for tests and
-    small calls (flashmod.attention sends CPU dropout to attention_dropout_reference)."""
+    """``flashmod::attention_dropout``'s CUDA kernel in builds without one: the reference math with
+    the kernels' keep mask (reference.dropout_keep_mask), so the same rng_state drops the same keys.
+    It holds (B, Hq, Nq, Nk) tensors."""
     out, _ = _attention_dropout_fake(
         q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap, dropout_p, rng_state
     )
@@ -411,8 +410,6 @@ torch.library.register_autograd(
     _attention_dropout_double_backward,
     setup_context=_attention_dropout_backward_setup_context,
 )
-torch.library.impl("flashmod::attention_dropout", "CPU")(_attention_dropout_by_reference)
-torch.library.impl("flashmod::attention_dropout_backward", "CPU")(_attention_dropout_backward_by_reference)
 HAS_CUDA_DROPOUT_KERNELS = torch._C._dispatch_has_kernel_for_dispatch_key("flashmod::attention_dropout", "CUDA")
 """Whether this build's C++ library carries the fused dropout kernels (CUDA builds)."""
 if not HAS_CUDA_DROPOUT_KERNELS:

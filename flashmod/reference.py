@@ -79,8 +79,8 @@ def dropout_keep_mask(rng_state: Tensor, shape: tuple[int, int, int, int], dropo
     Query ``i`` of head ``bh = b * Hq + h`` keeps key ``j`` iff the 16-bit draw
     ``2 * ((j % 32) / 8) + j % 2`` (low half of a word first) of Philox4x32-10 with key
     ``(lo, hi words of rng_state[0])`` and counter ``(4 * (j / 32) + (j % 8) / 2, i, bh,
-    lo word of rng_state[1])`` is ``>= dropout_threshold(dropout_p)``. Memory: a few int64
-    tensors of ``B * Hq * Nq * Nk / 8`` elements; for tests and small calls.
+    lo word of rng_state[1])`` is ``>= dropout_threshold(dropout_p)``. Memory: int64 tensors of
+    up to ``B * Hq * Nq * Nk`` elements; for tests and small calls.
     """
     batch, heads, seqlen_q, seqlen_k = shape
     seed, stream = (int(w) & ((1 << 64) - 1) for w in rng_state.tolist())

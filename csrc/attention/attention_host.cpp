@@ -270,4 +270,19 @@ bool nothing_to_compute(const PreparedAttention& prepared) {
   return prepared.out.numel() == 0 || prepared.params.seqlen_k == 0;
 }
 
+void set_dropout(AttentionParams& p, const char* op, const at::Tensor& q, double dropout_p,
+                 const at::Tensor& rng_state) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0,
+              error_message(op, ": dropout_p must be a probability in [0, 1], got ", dropout_p));
+  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.dim() == 1 &&
+                  rng_state.size(0) == 2 && rng_state.is_contiguous() &&
+                  rng_state.device() == q.device(),
+              error_message(op, ": rng_state must be a contiguous (2,) int64 tensor on ",
+                            q.device(), ", got ", rng_state.scalar_type(), " of shape ",
+                            rng_state.sizes(), " on ", rng_state.device()));
+  p.dropout_rng = rng_state.data_ptr<int64_t>();
+  p.dropout_threshold = static_cast<uint32_t>(std::llround(dropout_p * 65536.0));
+  p.dropout_scale = dropout_p < 1.0 ? 1.0 / (1.0 - dropout_p) : 0.0;
+}
+
 }  // namespace flashmod

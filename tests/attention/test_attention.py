@@ -390,17 +390,21 @@ def test_dropout_fallback_keeps_no_score_matrix(device, monkeypatch, chunked):
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["row_chunks", "one_pass"])
 def test_dropout_under_compile_fullgraph(device, monkeypatch, chunked):
-    """Dropout runs the reference as an op (flashmod::attention_dropout_reference) whose checks run
-    inside it, so torch.compile(fullgraph=True) traces the call (its torch._check messages stopped
-    Dynamo when the checks ran in the traced Python): the same seed gives the same output, the
-    gradients are those of the forward (gradcheck through the compiled call), and a bad input gets
-    the op's named error while compiling."""
+    """Dropout on the reference runs as an op (flashmod::attention_dropout_reference) whose checks
+    run inside it, so torch.compile(fullgraph=True) traces the call (its torch._check messages
+    stopped Dynamo when the checks ran in the traced Python): the same seed gives the same output,
+    the gradients are those of the forward (gradcheck through the compiled call), and a bad input
+    gets the op's named error while compiling. A bias that requires grad keeps the call on the
+    reference (the fused op's own compile test is test_dropout.py's)."""
     monkeypatch.setattr(flashmod.reference, "DROPOUT_ONE_PASS_ELEMENTS", 200 if chunked else 1 << 30)
     monkeypatch.setattr(flashmod.reference, "BACKWARD_CHUNK_ELEMENTS", 100)
     torch._dynamo.reset()
     dtype, tolerances = gradcheck_dtype(device)
     q, k, v = make_qkv(1, 2, 1, 13, 11, 4, dtype, device, requires_grad=True)
-    compiled = torch.compile(lambda q, k, v: flashmod.attention(q, k, v, dropout_p=0.3, is_causal=True), fullgraph=True)
+    bias = torch.zeros(13, 11, device=device, dtype=dtype, requires_grad=True)
+    compiled = torch.compile(
+        lambda q, k, v: flashmod.attention(q, k, v, bias, dropout_p=0.3, is_causal=True), fullgraph=True
+    )
 
     def seeded(q, k, v):
         torch.manual_seed(3)

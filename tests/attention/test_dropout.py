@@ -195,18 +195,24 @@ def test_opcheck(device):
 
 
 def test_attention_routes_dropout_to_the_fused_op(device):
-    """flashmod.attention with dropout on CUDA fp16/bf16 draws rng_state from torch's generator and
-    runs the fused op: after the same seed the reference with that state's mask gives its output.
-    Elsewhere (CPU, fp32, a mask that wants a gradient) it runs attention_dropout_reference."""
+    """flashmod.attention with dropout draws rng_state from torch's generator and runs the fused op
+    (CPU: every dtype; CUDA: fp16/bf16 where built): after the same seed, the reference with that
+    state's mask gives its output. A mask that requires grad goes to attention_dropout_reference,
+    which drops by torch's generator: other keys."""
     q, k, v, _ = _case(device, torch.bfloat16, 2, 4, 2, 77, 99, 64, None)
-    torch.manual_seed(11)
-    out = flashmod.attention(q, k, v, dropout_p=0.25, is_causal=True)
+    bias = torch.zeros(77, 99, device=device, dtype=torch.bfloat16)
+
+    def output(mask):
+        torch.manual_seed(11)
+        return flashmod.attention(q, k, v, mask, dropout_p=0.25, is_causal=True).float()
+
     torch.manual_seed(11)
     rng = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=device)
     keep = dropout_keep_mask(rng, (2, 4, 77, 99), 0.25)
     ref, _ = attention_reference(q, k, v, None, None, True, False, -1, -1, 0.0, 0.25, dropout_mask=keep)
-    matches = torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    assert matches == (device == "cuda" and flashmod.ops.HAS_CUDA_DROPOUT_KERNELS)
+    fused = device == "cpu" or flashmod.ops.HAS_CUDA_DROPOUT_KERNELS
+    assert torch.allclose(output(bias), ref.float(), atol=2e-2, rtol=2e-2) == fused
+    assert not torch.allclose(output(bias.requires_grad_()), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_dropout_op_under_compile_fullgraph(device):
@@ -253,7 +259,8 @@ def test_double_backward(device):
         out_only = lambda q, k, v: torch.ops.flashmod.attention_dropout(  # noqa: E731
             q, k, v, None, None, True, True, -1, -1, 0.0, 0.3, rng
         )[0]
-        assert torch.autograd.gradgradcheck(out_only, tuple(t.requires_grad_() for t in (q64, k64, v64)))
+        inputs = tuple(t.requires_grad_() for t in (q64, k64, v64))
+        assert torch.autograd.gradgradcheck(out_only, inputs, fast_mode=True)
         return
     inputs = tuple(t.to(device, torch.bfloat16).requires_grad_() for t in (q64, k64, v64))
     ours = penalty(*inputs, rng.to(device))

@@ -332,10 +332,10 @@ bool mask_hides_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t r0,
   return true;
 }
 
-// Br x Bc acc_t buffers at the head of a task's scratch: S, dP, T, and with bf16 products (op_t
-// bf16) the room for P and dS rounded to bf16.
+// Br x Bc acc_t buffers at the head of a task's scratch: S, dP, T, dropout's multipliers and
+// dropped P, and with bf16 products (op_t bf16) the room for P and dS rounded to bf16.
 template <typename acc_t, typename op_t>
-constexpr int64_t kTileBuffers = std::is_same_v<op_t, acc_t> ? 3 : 4;
+constexpr int64_t kTileBuffers = std::is_same_v<op_t, acc_t> ? 5 : 6;
 
 // Products on fp32 operands (fp32 tensors, or fp16/bf16 rows widened) that take oneDNN's
 // micro-kernel: the task then holds, as panels of D rows with fixed leading dimensions (so that
@@ -371,10 +371,12 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
 
   // Tile buffers first, then (fp16/bf16) the widened rows of this task.
-  acc_t* S = scratch;        // Br x Bc: scores, then P
-  acc_t* dP = S + Br * Bc;   // Br x Bc: dP, then dS
-  acc_t* T = dP + Br * Bc;   // Br x Bc: tanh(raw / softcap)
-  acc_t* low = T + Br * Bc;  // op_t = bf16: Br x Bc floats' room for P and dS in bf16
+  acc_t* S = scratch;         // Br x Bc: scores, then P
+  acc_t* dP = S + Br * Bc;    // Br x Bc: dP, then dS
+  acc_t* T = dP + Br * Bc;    // Br x Bc: tanh(raw / softcap)
+  acc_t* Z = T + Br * Bc;     // Br x Bc: dropout's multipliers (scale where kept, else 0)
+  acc_t* Pd = Z + Br * Bc;    // Br x Bc: P o Z, dV's operand under dropout
+  acc_t* low = Pd + Br * Bc;  // op_t = bf16: Br x Bc floats' room for P and dS in bf16
   acc_t* delta =
       scratch + kTileBuffers<acc_t, op_t> * Br * Bc;  // group x Nq: rowsum(dO o O) - grad_lse
   acc_t* flipped = delta + group * Nq;                // transposed rows (transposed_operands)
@@ -384,7 +386,13 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
   op_t* low_ds = low_p + Br * Bc;
   const op_t* P_op = low_p;
   const op_t* dS_op = low_ds;
-  if constexpr (std::is_same_v<op_t, acc_t>) P_op = S, dS_op = dP;
+  // Dropout (dropout_draws.h): dV takes P o Z, and dS = P o (dP o Z - delta) (delta = rowsum(dO o
+  // O) already holds the dropped O).
+  const bool dropout = p.dropout_rng != nullptr;
+  const DropoutState drop = dropout ? dropout_state(p) : DropoutState{};
+  const acc_t drop_scale = static_cast<acc_t>(p.dropout_scale);
+  std::vector<uint8_t> keep(dropout ? Bc : 0);
+  if constexpr (std::is_same_v<op_t, acc_t>) P_op = dropout ? Pd : S, dS_op = dP;
 
   const auto* Kin = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const auto* Vin = static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
@@ -653,8 +661,17 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
             for (int64_t c = 0; c < cols; ++c) s_row[c] = std::exp(s_row[c] - row_lse);
           }
         }
+        if (dropout) {
+          for (int64_t r = 0; r < rows; ++r) {
+            keep_row(drop, b * p.heads_q + h, r0 + r, c0, cols, keep.data());
+            for (int64_t c = 0; c < cols; ++c) {
+              Z[r * Bc + c] = keep[c] ? drop_scale : acc_t(0);
+              Pd[r * Bc + c] = S[r * Bc + c] * Z[r * Bc + c];
+            }
+          }
+        }
         if constexpr (!std::is_same_v<op_t, acc_t>)
-          round_rows_to_bf16(S, Bc, low_p, Bc, rows, cols);
+          round_rows_to_bf16(dropout ? Pd : S, Bc, low_p, Bc, rows, cols);
         if constexpr (fp32_products) {
           if (transposed) {
             // Q_i^T and dO_i^T: the panels where the block starts on a panel's first row, else
@@ -681,6 +698,9 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
           const acc_t d_i = delta[g * Nq + r0 + r];
           acc_t* dp_row = dP + r * Bc;
           const acc_t* p_row = S + r * Bc;
+          if (dropout) {
+            for (int64_t c = 0; c < cols; ++c) dp_row[c] *= Z[r * Bc + c];
+          }
           if (d_i !=
               d_i) {  // a NaN row: hidden keys (P = 0) keep dS = 0, as autograd of the masked math
             for (int64_t c = 0; c < cols; ++c)
@@ -773,20 +793,8 @@ void backward_cpu(const AttentionBwdParams& p) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
-    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
-    bool bottom_right, int64_t window_left, int64_t window_right, double softcap,
-    bool compute_grad_mask) {
-  PreparedAttentionBackward prepared = prepare_attention_backward(
-      grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal, bottom_right, window_left,
-      window_right, softcap, compute_grad_mask);
-  // The kernel accumulates: fp32/fp64 straight into the gradients. Rows no key reaches (and all of
-  // an empty problem) stay 0.
-  prepared.grad_q.zero_();
-  prepared.grad_k.zero_();
-  prepared.grad_v.zero_();
+// prepared's gradients (zeroed: prepare_zeroed) by the fused kernels.
+void run_backward_cpu(const PreparedAttentionBackward& prepared) {
   const AttentionBwdParams& p = prepared.params;
   // BLAS takes 32-bit leading dimensions; offsets along them are 64-bit pointer arithmetic.
   for (auto [name, stride] :
@@ -809,7 +817,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
         break;
     }
   }
+}
+
+PreparedAttentionBackward prepare_zeroed(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
+    bool bottom_right, int64_t window_left, int64_t window_right, double softcap,
+    bool compute_grad_mask) {
+  PreparedAttentionBackward prepared = prepare_attention_backward(
+      grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal, bottom_right, window_left,
+      window_right, softcap, compute_grad_mask);
+  // The kernel accumulates: fp32/fp64 straight into the gradients. Rows no key reaches (and all of
+  // an empty problem) stay 0.
+  prepared.grad_q.zero_();
+  prepared.grad_k.zero_();
+  prepared.grad_v.zero_();
+  return prepared;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
+    bool bottom_right, int64_t window_left, int64_t window_right, double softcap,
+    bool compute_grad_mask) {
+  PreparedAttentionBackward prepared =
+      prepare_zeroed(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
+                     bottom_right, window_left, window_right, softcap, compute_grad_mask);
+  run_backward_cpu(prepared);
   return {prepared.grad_q, prepared.grad_k, prepared.grad_v, prepared.grad_mask};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_dropout_backward_cpu(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
+    bool bottom_right, int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+    const at::Tensor& rng_state) {
+  PreparedAttentionBackward prepared =
+      prepare_zeroed(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
+                     bottom_right, window_left, window_right, softcap, false);
+  set_dropout(prepared.params, "flashmod.attention_backward", q, dropout_p, rng_state);
+  run_backward_cpu(prepared);
+  return {prepared.grad_q, prepared.grad_k, prepared.grad_v};
 }
 
 }  // namespace
@@ -817,4 +868,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
 
 TORCH_LIBRARY_IMPL(flashmod, CPU, m) {
   m.impl("attention_backward", &flashmod::attention_backward_cpu);
+  m.impl("attention_dropout_backward", &flashmod::attention_dropout_backward_cpu);
 }

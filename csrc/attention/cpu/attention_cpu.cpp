@@ -86,7 +86,7 @@ constexpr int64_t kDecodeMaxQueries = 8;
 constexpr int64_t kMinKeysPerSplit = 512;
 
 bool attention_cpu_decode(const cpu::KernelInfo& kernel, const AttentionParams& p) {
-  if (!env_flag("FLASHMOD_CPU_DECODE", true)) return false;
+  if (!env_flag("FLASHMOD_CPU_DECODE", true) || p.dropout_rng != nullptr) return false;
   if (p.seqlen_q > kDecodeMaxQueries || p.head_dim % kernel.vector_width != 0) return false;
   const int64_t tasks = p.batch * p.heads_kv * cpu::decode_chunks(p);
   const int64_t threads = at::get_num_threads();
@@ -147,6 +147,8 @@ void attention_cpu_fp64(const AttentionParams& p) {
 
   at::parallel_for(0, p.batch * p.heads_q * Tr, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> O_i(Br * D), S_ij(Br * Bc), m(Br), l(Br);
+    std::vector<uint8_t> keep(Bc);
+    const DropoutState drop = p.dropout_rng != nullptr ? dropout_state(p) : DropoutState{};
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i_block = task % Tr, h = (task / Tr) % p.heads_q, b = task / (Tr * p.heads_q);
       const int64_t hk = h / group;
@@ -195,13 +197,17 @@ void attention_cpu_fp64(const AttentionParams& p) {
           const double alpha = std::exp(m[r] - m_new);
           double* o_row = &O_i[r * D];
           for (int64_t d = 0; d < D; ++d) o_row[d] *= alpha;
+          // Dropout (dropout_draws.h) on what P V adds, after the row sum took P.
+          if (p.dropout_rng != nullptr) keep_row(drop, b * p.heads_q + h, i, c0, cols, keep.data());
           double row_sum = 0;
           for (int64_t c = 0; c < cols; ++c) {
             const double pij = std::exp(S_ij[r * Bc + c] - m_new);
             row_sum += pij;
-            if (pij == 0.0) continue;
+            const double weight =
+                p.dropout_rng == nullptr ? pij : (keep[c] ? pij * p.dropout_scale : 0.0);
+            if (weight == 0.0) continue;
             const double* v_row = V + (c0 + c) * p.v_row_stride;
-            for (int64_t d = 0; d < D; ++d) o_row[d] += pij * v_row[d];
+            for (int64_t d = 0; d < D; ++d) o_row[d] += weight * v_row[d];
           }
           l[r] = l[r] * alpha + row_sum;
           m[r] = m_new;
@@ -252,6 +258,21 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
   return {prepared.out, prepared.lse};
 }
 
+// Dropout runs the prefill kernels (not the decode or AMX ones) of every dtype.
+std::tuple<at::Tensor, at::Tensor> attention_dropout_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
+    bool bottom_right, int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+    const at::Tensor& rng_state) {
+  PreparedAttention prepared = prepare_attention(q, k, v, attn_mask, scale, is_causal, bottom_right,
+                                                 window_left, window_right, softcap);
+  set_dropout(prepared.params, "flashmod.attention", q, dropout_p, rng_state);
+  if (!nothing_to_compute(prepared)) {
+    run_attention_cpu(prepared.params);
+  }
+  return {prepared.out, prepared.lse};
+}
+
 }  // namespace
 
 const char* cpu::kernel_name() {
@@ -262,4 +283,5 @@ const char* cpu::kernel_name() {
 
 TORCH_LIBRARY_IMPL(flashmod, CPU, m) {
   m.impl("attention", &flashmod::attention_cpu);
+  m.impl("attention_dropout", &flashmod::attention_dropout_cpu);
 }

@@ -477,6 +477,17 @@ struct VecEngine {
   }
 };
 
+// Dropout on P_ij (cols x Br, the softmax's layout) after the row sums took it
+// (dropout_draws.h): query r0 + r keeps key c0 + c or gets 0.
+inline void drop_probabilities(const DropoutState& d, int64_t bh, int64_t r0, int64_t rows,
+                               int64_t c0, int64_t cols, float* S) {
+  uint8_t keep[kBc];
+  for (int64_t r = 0; r < rows; ++r) {
+    keep_row(d, bh, r0 + r, c0, cols, keep);
+    for (int64_t c = 0; c < cols; ++c) S[c * kBr + r] = keep[c] ? S[c * kBr + r] * d.scale : 0.0f;
+  }
+}
+
 // One task: queries r0 .. r0+Br of one (batch, head) against all its visible keys.
 template <class Tag, template <class> class Engine>
 void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
@@ -505,6 +516,7 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
   }
   std::memset(ws.O, 0, sizeof(float) * kBr * Dp);
   Engine<Tag>::bind_kv(K, p.k_row_stride, V, p.v_row_stride, Nk, D, Dp, rows, ws);
+  const DropoutState drop = p.dropout_rng != nullptr ? dropout_state(p) : DropoutState{};
 
   // Keys outside every row's window are never visited; blocks wholly inside it skip the test.
   const int64_t diag_first = r0 + off, diag_last = r0 + rows - 1 + off;
@@ -529,6 +541,7 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
     } else {
       Engine<Tag>::softmax(cols, rows, score_scale, ws);
     }
+    if (p.dropout_rng != nullptr) drop_probabilities(drop, bh, r0, rows, c0, cols, ws.S);
     Engine<Tag>::pv(V + c0 * p.v_row_stride, p.v_row_stride, b * p.heads_kv + hk, c0, cols, D, Dp,
                     rows, ws);
   }

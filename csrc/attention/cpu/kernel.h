@@ -16,6 +16,7 @@
 
 #include "../../common/additive_mask.h"
 #include "../attention_params.h"
+#include "../dropout_draws.h"
 
 namespace flashmod::cpu {
 

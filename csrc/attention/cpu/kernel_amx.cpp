@@ -79,7 +79,10 @@ template <class Tag>
 struct AmxEngine {
   // Decode-sized query counts go to the vector engine's dot products: transposing V for them
   // would cost as much as the attention.
-  static bool supports(const AttentionParams& p) { return p.head_dim % 32 == 0 && p.seqlen_q > kW; }
+  // Not dropout: its softmax writes P straight into the bf16 operand of P V.
+  static bool supports(const AttentionParams& p) {
+    return p.head_dim % 32 == 0 && p.seqlen_q > kW && p.dropout_rng == nullptr;
+  }
   static constexpr bool kScaledScores = false;
   // K is read in bf16 by the tiles and V comes transposed from prepare: nothing to widen.
   static void bind_kv(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t,

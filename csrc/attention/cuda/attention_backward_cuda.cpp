@@ -41,8 +41,10 @@ Gradients run_attention_backward_cuda(
       window_right, softcap, compute_grad_mask);
   check_cuda_attention_inputs("flashmod.attention_backward", q);
   AttentionBwdParams& p = r.params;
-  if (dropout != nullptr)
+  if (dropout != nullptr) {
+    check_cuda_dropout("flashmod.attention_backward", q);
     set_dropout(p, "flashmod.attention_backward", q, dropout->p, dropout->rng_state);
+  }
   if (r.grad_q.numel() == 0 && r.grad_k.numel() == 0)
     return {r.grad_q, r.grad_k, r.grad_v, r.grad_mask};
   if (p.seqlen_q == 0 || p.seqlen_k == 0 || p.heads_q == 0) {

@@ -53,8 +53,10 @@ std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const
   PreparedAttention prepared = prepare_attention(q, k, v, attn_mask, scale, is_causal, bottom_right,
                                                  window_left, window_right, softcap);
   check_cuda_attention_inputs("flashmod.attention", q);
-  if (dropout != nullptr)
+  if (dropout != nullptr) {
+    check_cuda_dropout("flashmod.attention", q);
     set_dropout(prepared.params, "flashmod.attention", q, dropout->p, dropout->rng_state);
+  }
   if (nothing_to_compute(prepared)) return {prepared.out, prepared.lse};
 
   AttentionParams& p = prepared.params;

@@ -1,70 +1,15 @@
-// Dropout on the probabilities from a counter-based generator. Whether query i of head bh (=
-// batch * heads_q + q head) keeps key j is a pure function of (rng words, bh, i, j): the backward
-// regenerates the forward's choices with nothing stored, in its own tile shapes and layouts, and
-// flashmod/reference.py (dropout_keep_mask) computes the same bits for the tests.
-//
-// The definition (reference.py's docstring says the same):
-//   Philox4x32-10 (Salmon et al., SC'11) with key (lo, hi words of rng[0]) and counter
-//   (4 * (j / 32) + (j % 8) / 2, i, bh, lo word of rng[1]) gives four words, eight 16-bit draws
-//   (low half first); key j takes draw 2 * ((j % 32) / 8) + j % 2, and is kept iff that draw is
-//   >= the threshold round(dropout_p * 2^16).
-// Why that grouping: one call's eight draws are exactly the eight elements a lane of an mma.sync
-// accumulator holds in one row of a 32-key span (keys 2t, 2t + 1 of each of four n8 tiles), so a
-// lane whose rows are queries makes one call per row and span. The dK/dV kernel holds S^T (keys
-// as rows): there one call serves two lanes' keys (g and g + 8, and g ^ 1's) of one query, twice
-// the calls per element (keep_bits_key_rows).
+// Dropout on the probabilities in the mma.sync kernels: keep bits of the draws
+// (../dropout_draws.h, the definition) in the two accumulator layouts. A lane whose rows are
+// queries (forward, dQ) makes one call per row and 32-key span and uses its eight draws; the
+// dK/dV kernel holds S^T (keys as rows), where one call serves two lanes' keys (g and g + 8, and
+// g ^ 1's) of one query, twice the calls per element (keep_bits_key_rows).
 #pragma once
 
 #include <cstdint>
 
-#include "../attention_params.h"
+#include "../dropout_draws.h"
 
 namespace flashmod::cuda_kernels {
-
-struct DropoutState {
-  uint32_t key0 = 0, key1 = 0, stream = 0, threshold = 0;
-  float scale = 1.f;
-};
-
-// p's dropout words, read from device memory by every thread (one 16-byte load, L2-resident).
-__device__ __forceinline__ DropoutState dropout_state(const AttentionParams& p) {
-  DropoutState d;
-  const uint64_t seed = static_cast<uint64_t>(p.dropout_rng[0]);
-  d.key0 = static_cast<uint32_t>(seed);
-  d.key1 = static_cast<uint32_t>(seed >> 32);
-  d.stream = static_cast<uint32_t>(p.dropout_rng[1]);
-  d.threshold = p.dropout_threshold;
-  d.scale = p.dropout_scale;
-  return d;
-}
-
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1) {
-#pragma unroll
-  for (int round = 0; round < 10; ++round) {
-    if (round > 0) {  // the Weyl key schedule between rounds
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    const uint32_t lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
-    const uint32_t lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
-    c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
-  }
-  return c;
-}
-
-// The eight draws of query i's keys in the 32-key span `span` with (j % 8) / 2 == t.
-__device__ __forceinline__ uint4 dropout_draws(const DropoutState& d, uint32_t bh, uint32_t i,
-                                               uint32_t span, uint32_t t) {
-  return philox4x32_10(make_uint4(4 * span + t, i, bh, d.stream), d.key0, d.key1);
-}
-
-__device__ __forceinline__ uint32_t word_of(const uint4& w, int n) {
-  return n == 0 ? w.x : n == 1 ? w.y : n == 2 ? w.z : w.w;
-}
-
-__device__ __forceinline__ bool kept(const DropoutState& d, uint32_t word, int half) {
-  return ((word >> (16 * half)) & 0xFFFFu) >= d.threshold;
-}
 
 // Keep bits of an accumulator in the query-rows layout (the forward's and dQ kernel's S): element
 // [ni][e] is query row_g + 8 * (e / 2), key col0 + 8 * ni + 2 t + e % 2; bit 4 ni + e.
@@ -78,7 +23,7 @@ __device__ __forceinline__ uint32_t keep_bits_query_rows(const DropoutState& d, 
   for (int half_row = 0; half_row < 2; ++half_row)
 #pragma unroll
     for (int s = 0; s < NT / 4; ++s) {
-      const uint4 w = dropout_draws(d, bh, row_g + 8 * half_row, col0 / 32 + s, t);
+      const PhiloxWords w = dropout_draws(d, bh, row_g + 8 * half_row, col0 / 32 + s, t);
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
@@ -106,7 +51,7 @@ __device__ __forceinline__ uint32_t keep_bits_key_rows(const DropoutState& d, ui
   uint32_t mine = 0, partners = 0;  // bits of queries e % 2 == parity: own keys, the pair's keys
 #pragma unroll
   for (int ni = 0; ni < NT; ++ni) {
-    const uint4 w = dropout_draws(d, bh, row0 + 8 * ni + 2 * t + parity, span, key_t);
+    const PhiloxWords w = dropout_draws(d, bh, row0 + 8 * ni + 2 * t + parity, span, key_t);
     const int bit = 4 * ni + parity;
     mine |= static_cast<uint32_t>(kept(d, word_of(w, word0), parity)) << bit;
     mine |= static_cast<uint32_t>(kept(d, word_of(w, word0 + 1), parity)) << (bit + 2);

@@ -6,7 +6,6 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -31,26 +30,12 @@ inline void check_cuda_attention_inputs(const char* op, const at::Tensor& q) {
                                       " on CUDA, got ", q.size(3)));
 }
 
-// Dropout's arguments into p (dropout.h), after the CUDA checks (flashmod/ops.py's
-// _check_dropout_args mirrors them): fp16/bf16 only (the sm_80 kernels carry it), dropout_p in
-// [0, 1], rng_state a contiguous (2,) int64 tensor on q's device, read by the kernels.
-inline void set_dropout(AttentionParams& p, const char* op, const at::Tensor& q, double dropout_p,
-                        const at::Tensor& rng_state) {
+// CUDA's dropout rule, before set_dropout (attention_host.h): fp16/bf16 only, the dtypes of
+// the sm_80 kernels that carry it (flashmod/ops.py's _check_dropout_args mirrors it).
+inline void check_cuda_dropout(const char* op, const at::Tensor& q) {
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               flashmod::error_message(op, ": fused dropout takes float16 or bfloat16 q, got ",
                                       q.scalar_type()));
-  TORCH_CHECK(
-      dropout_p >= 0.0 && dropout_p <= 1.0,
-      flashmod::error_message(op, ": dropout_p must be a probability in [0, 1], got ", dropout_p));
-  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.dim() == 1 &&
-                  rng_state.size(0) == 2 && rng_state.is_contiguous() &&
-                  rng_state.device() == q.device(),
-              flashmod::error_message(op, ": rng_state must be a contiguous (2,) int64 tensor on ",
-                                      q.device(), ", got ", rng_state.scalar_type(), " of shape ",
-                                      rng_state.sizes(), " on ", rng_state.device()));
-  p.dropout_rng = rng_state.data_ptr<int64_t>();
-  p.dropout_threshold = static_cast<uint32_t>(std::llround(dropout_p * 65536.0));
-  p.dropout_scale = dropout_p < 1.0 ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 0.f;
 }
 
 // The wgmma (Hopper) kernels run on sm_90 (H100/H200) when the build carries their sm_90a machine
