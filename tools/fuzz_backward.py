@@ -5,6 +5,11 @@ caps, scales, bool / additive / fp32-additive masks of several broadcast shapes,
 grad_lse on and off; a failing configuration is printed whole, so it can become a test.
 
     PYTHONPATH=. python tools/fuzz_backward.py [--device cpu] [--dtype bf16] [--seed 0] [--configs 200]
+                                               [--dropout P]
+
+--dropout P checks flashmod::attention_dropout instead (a fresh rng_state per configuration): output
+and gradients against the fp64 reference that drops dropout_keep_mask's keys (test_dropout.py's
+check_dropout); fp64 inputs are taken there (the CPU's fp64 kernels).
 
 Run it under each FLASHMOD_CPU_ISA to reach every CPU path (session 21: 750 bf16 configurations on
 the AMX path and the AVX2 one, none failed). Two known limits show up at peak 3 (logits of ~100):
@@ -24,8 +29,9 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests" / p) for p in ("", "attention")]
 from test_attention_backward import check_grads  # noqa: E402
+from test_dropout import check_dropout  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 def random_case(rng: random.Random, device: str, dtype: torch.dtype) -> tuple[tuple, dict, dict]:
@@ -72,6 +78,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", type=int, default=200)
+    ap.add_argument("--dropout", type=float, default=0.0, help="check the dropout op at this probability")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
@@ -79,7 +86,11 @@ def main() -> None:
     for _ in range(args.configs):
         tensors, opts, desc = random_case(rng, args.device, DTYPES[args.dtype])
         try:
-            check_grads(*tensors, use_grad_lse=rng.random() < 0.5, **opts)
+            if args.dropout > 0:
+                state = torch.randint(0, 1 << 62, (2,), device=args.device)
+                check_dropout(*tensors, args.dropout, state, use_grad_lse=rng.random() < 0.5, **opts)
+            else:
+                check_grads(*tensors, use_grad_lse=rng.random() < 0.5, **opts)
         except AssertionError as err:
             failures += 1
             print("FAIL", desc, str(err)[:300])

@@ -83,6 +83,43 @@ CASES = {
 }
 
 
+def check_dropout(q, k, v, dropout_p, rng_state, use_grad_lse=False, **opts):
+    """flashmod::attention_dropout's output (2x) and gradients (3x, grad_lse too if asked) against
+    the fp64 reference that drops what dropout_keep_mask says, the same math in q's dtype as the
+    yardstick (tests/tolerance.py). opts: attention_op's keywords. Used by tools/fuzz_backward.py."""
+    dtype = q.dtype
+    mask = opts.get("attn_mask")
+    options = (
+        mask, opts.get("scale"), opts.get("is_causal", False), opts.get("bottom_right", True),
+        opts.get("window_left", -1), opts.get("window_right", -1), opts.get("softcap", 0.0),
+    )  # fmt: skip
+    inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = torch.ops.flashmod.attention_dropout(*inputs, *options, dropout_p, rng_state)
+    grad_out = torch.randn_like(out)
+    grad_lse = torch.randn_like(lse) if use_grad_lse else None
+    cotangents = (grad_out, torch.zeros_like(lse) if grad_lse is None else grad_lse)
+    grads = torch.autograd.grad((out, lse), inputs, cotangents)
+    keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
+
+    def reference(compute_dtype):
+        xs = tuple(t.detach().to(compute_dtype).requires_grad_() for t in inputs)
+        m = mask
+        if m is not None and m.dtype != torch.bool and compute_dtype == torch.float64:
+            m = m.double()
+        o, lse_ref = attention_reference(
+            *xs, m, *options[1:], dropout_p, compute_dtype=compute_dtype, dropout_mask=keep
+        )
+        cot = tuple(c.to(compute_dtype) for c in cotangents)
+        return o, lse_ref, torch.autograd.grad((o, lse_ref), xs, cot)
+
+    truth, plain = reference(torch.float64), reference(dtype)
+    assert_within_rule(out, truth[0], plain[0], 2, dtype, "out")
+    lse_plain32 = attention_reference(*(t.detach() for t in inputs), *options, compute_dtype=torch.float32)[1]
+    assert_within_rule(lse, truth[1], lse_plain32, 2, torch.float32, "lse")
+    for name, ours, t, pl in zip(("dq", "dk", "dv"), grads, truth[2], plain[2]):
+        assert_within_rule(ours, t, pl, 3, dtype, name)
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("case", list(CASES))
 def test_dropout_matches_reference_with_its_mask(device, dtype, case):
@@ -90,33 +127,10 @@ def test_dropout_matches_reference_with_its_mask(device, dtype, case):
     dropout_keep_mask says, the error of the same math in the inputs' precision as the yardstick."""
     b, hq, hkv, nq, nk, d, opts, mask_kind = CASES[case]
     q, k, v, mask = _case(device, dtype, b, hq, hkv, nq, nk, d, mask_kind)
-    p = 0.17 if case != "plain" else 0.5
     rng = torch.randint(0, 1 << 62, (2,), device=device)
-    options = (
-        mask, None, opts.get("is_causal", False), opts.get("bottom_right", True),
-        opts.get("window_left", -1), opts.get("window_right", -1), opts.get("softcap", 0.0),
-    )  # fmt: skip
-    inputs = tuple(t.requires_grad_() for t in (q, k, v))
-    out, lse = torch.ops.flashmod.attention_dropout(*inputs, *options, p, rng)
-    grad_out = torch.randn_like(out)
-    grads = torch.autograd.grad(out, inputs, grad_out)
-
-    keep = dropout_keep_mask(rng, (b, hq, nq, nk), p)
-
-    def reference(compute_dtype):
-        xs = tuple(
-            t.detach().to(compute_dtype if compute_dtype == torch.float64 else dtype).requires_grad_() for t in inputs
-        )
-        m = mask.double() if mask is not None and mask.dtype != torch.bool and compute_dtype == torch.float64 else mask
-        o, lse_ref = attention_reference(*xs, m, *options[1:], p, compute_dtype=compute_dtype, dropout_mask=keep)
-        return o, lse_ref, torch.autograd.grad(o, xs, grad_out.to(o.dtype))
-
-    truth, plain = reference(torch.float64), reference(dtype)
-    assert_within_rule(out, truth[0], plain[0], 2, dtype, "out")
-    lse_plain32 = attention_reference(q, k, v, *options, compute_dtype=torch.float32)[1]
-    assert_within_rule(lse, truth[1], lse_plain32, 2, torch.float32, "lse")
-    for name, ours, t, pl in zip(("dq", "dk", "dv"), grads, truth[2], plain[2]):
-        assert_within_rule(ours, t, pl, 3, dtype, name)
+    check_dropout(
+        q, k, v, 0.17 if case != "plain" else 0.5, rng, use_grad_lse=case == "causal_gqa", attn_mask=mask, **opts
+    )
 
 
 def test_same_rng_state_same_result(device):
