@@ -349,26 +349,6 @@ def _attention_dropout_backward_by_reference(
     return tuple(g.copy_(c) for g, c in zip(grads, computed))
 
 
-def _attention_dropout_setup_context(ctx, inputs, output) -> None:
-    q, k, v, attn_mask, *options, dropout_p, rng_state = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state)
-    ctx.options = (*options, dropout_p)
-
-
-def _attention_dropout_backward(ctx, grad_out: Tensor, grad_lse: Tensor) -> tuple[Tensor | None, ...]:
-    q, k, v, out, lse, attn_mask, rng_state = ctx.saved_tensors
-    if ctx.needs_input_grad[3]:
-        raise NotImplementedError(
-            "flashmod.attention_dropout: attn_mask gets no gradient here; flashmod.attention sends a "
-            "mask that requires grad with dropout to the reference (attention_dropout_reference)"
-        )
-    dq, dk, dv = torch.ops.flashmod.attention_dropout_backward(
-        grad_out, grad_lse, q, k, v, out, lse, attn_mask, *ctx.options, rng_state
-    )
-    return dq, dk, dv, *([None] * 9)
-
-
 def _attention_dropout_backward_setup_context(ctx, inputs, output) -> None:
     grad_out, grad_lse, q, k, v, _, _, attn_mask, *options, dropout_p, rng_state = inputs
     ctx.save_for_backward(grad_out, grad_lse, q, k, v, attn_mask, rng_state)
@@ -402,9 +382,6 @@ def _attention_dropout_double_backward(ctx, *cotangents: Tensor) -> tuple[Tensor
     return g_grad_out, g_grad_lse, g_q, g_k, g_v, *([None] * 11)
 
 
-torch.library.register_autograd(
-    "flashmod::attention_dropout", _attention_dropout_backward, setup_context=_attention_dropout_setup_context
-)
 torch.library.register_autograd(
     "flashmod::attention_dropout_backward",
     _attention_dropout_double_backward,
@@ -587,6 +564,59 @@ def _attention_backward_autograd(*args: Any) -> tuple[Tensor, ...]:
 
 torch.library.impl("flashmod::attention", "Autograd")(_attention_autograd)
 torch.library.impl("flashmod::attention_backward", "Autograd")(_attention_backward_autograd)
+
+
+class AttentionDropoutFunction(torch.autograd.Function):
+    """``flashmod::attention_dropout`` with its derivatives: reverse mode through the fused
+    attention_dropout_backward op (which regenerates the forward's keep mask from rng_state; its own
+    derivative runs the reference), forward mode through :func:`attention_jvp_chunked` with the same
+    keep mask."""
+
+    @staticmethod
+    def forward(q, k, v, attn_mask, *options_dropout_rng):
+        return forward_below_autograd(torch.ops.flashmod.attention_dropout, q, k, v, attn_mask, *options_dropout_rng)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        q, k, v, attn_mask, *options, dropout_p, rng_state = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state)
+        ctx.save_for_forward(q, k, v, lse, attn_mask, rng_state)
+        ctx.options = (*options, dropout_p)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+        q, k, v, out, lse, attn_mask, rng_state = ctx.saved_tensors
+        if ctx.needs_input_grad[3]:
+            raise NotImplementedError(
+                "flashmod.attention_dropout: attn_mask gets no gradient here; flashmod.attention sends a "
+                "mask that requires grad with dropout to the reference (attention_dropout_reference)"
+            )
+        if grad_out is None:  # only lse was used
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = torch.ops.flashmod.attention_dropout_backward(
+            grad_out, grad_lse, q, k, v, out, lse, attn_mask, *ctx.options, rng_state
+        )
+        return dq, dk, dv, *([None] * 9)
+
+    @staticmethod
+    def jvp(ctx, q_t, k_t, v_t, mask_t, *_):
+        q, k, v, lse, attn_mask, rng_state = ctx.saved_tensors
+        *options, dropout_p = ctx.options
+        keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
+        return attention_jvp_chunked(
+            q, k, v, lse, attn_mask, q_t, k_t, v_t, mask_t, *options, dropout_p=dropout_p, dropout_mask=keep
+        )
+
+
+def _attention_dropout_autograd(*args: Any) -> tuple[Tensor, Tensor]:
+    if differentiating(*args[:4]):
+        return apply_here(AttentionDropoutFunction, *args)
+    return below_autograd(torch.ops.flashmod.attention_dropout, *args)
+
+
+torch.library.impl("flashmod::attention_dropout", "Autograd")(_attention_dropout_autograd)
 
 
 def _vmap_front(t: Tensor | None, dim: int | None, size: int) -> Tensor | None:

@@ -366,12 +366,16 @@ def attention_jvp_chunked(
     window_right: int,
     softcap: float,
     chunk_rows: int | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Forward-mode derivative of attention's (out, lse) along the tangents (None = zero).
 
     With T the tangent of the scores (``scale (q_t k^T + q k_t^T)``, times ``1 - tanh^2`` under
     softcap, plus ``mask_t``): ``lse_t = sum_j P_ij T_ij`` and ``out_t = P (T - lse_t) V + P v_t``.
-    P is recomputed from the saved lse a chunk of queries at a time, as in the backward.
+    P is recomputed from the saved lse a chunk of queries at a time, as in the backward. With
+    ``dropout_mask`` (the kept keys, ``dropout_keep_mask``) the products take P o Z, Z the kept
+    keys scaled by ``1 / (1 - dropout_p)``; lse (undropped) keeps P.
     """
     dtype = compute_dtype_for(q.dtype)
     batch, heads_q, seqlen_q, head_dim = q.shape
@@ -404,6 +408,9 @@ def attention_jvp_chunked(
         # tangent, say) it must not turn 0 * T into NaN.
         t = torch.where(p > 0, t, torch.zeros_like(t))
         lse_t = (p * t).sum(-1, keepdim=True)
+        if dropout_mask is not None:
+            kept = _grouped(dropout_mask[:, :, r0:r1], heads_kv).to(dtype)
+            p = p * kept * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
         out_t = torch.matmul(p * (t - lse_t), vc)
         if v_t is not None:
             out_t = out_t + torch.matmul(p, v_t.to(dtype).unsqueeze(2))

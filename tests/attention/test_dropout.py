@@ -282,3 +282,29 @@ def test_double_backward(device):
     for name, a, b in zip(("q", "k", "v"), ours, truth):
         err = (a.double().cpu() - b).abs().max().item()
         assert err <= 0.05 * b.abs().max().item(), f"d{name}: {err:.3e} against {b.abs().max().item():.3e}"
+
+
+def test_forward_mode(device):
+    """Forward-mode AD (torch.func.jvp; flashmod.attention's path too) takes the forward's keep mask:
+    gradcheck's forward-AD check in fp64 on the CPU, with an additive mask that carries a tangent;
+    on CUDA bf16 against the CPU's fp64 with the same rng_state."""
+    rng = torch.randint(0, 1 << 62, (2,))
+    q64, k64, v64, mask64 = _case("cpu", torch.float64, 1, 4, 2, 13, 21, 16, "additive")
+
+    def op(q, k, v, mask, state):
+        return torch.ops.flashmod.attention_dropout(q, k, v, mask, None, True, True, -1, -1, 0.0, 0.3, state)[0]
+
+    if device == "cpu":
+        inputs = tuple(t.requires_grad_() for t in (q64, k64, v64, mask64))
+        assert torch.autograd.gradcheck(
+            lambda *x: op(*x, rng), inputs, check_forward_ad=True, check_backward_ad=False, fast_mode=True
+        )
+        return
+    tangents = tuple(torch.randn_like(t) for t in (q64, k64, v64, mask64))
+    _, truth = torch.func.jvp(lambda *x: op(*x, rng), (q64, k64, v64, mask64), tangents)
+    primals = tuple(t.to(device, torch.bfloat16) for t in (q64, k64, v64, mask64))
+    _, ours = torch.func.jvp(
+        lambda *x: op(*x, rng.to(device)), primals, tuple(t.to(device, torch.bfloat16) for t in tangents)
+    )
+    err = (ours.double().cpu() - truth).abs().max().item()
+    assert err <= 0.05 * truth.abs().max().item(), f"out tangent: {err:.3e} against {truth.abs().max().item():.3e}"
