@@ -195,6 +195,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void round_rows_
 struct RowOps {
   void (*probs)(float* s, int64_t n, float lse);                     // s = exp(s - lse)
   void (*dscores)(float* dp, const float* p, int64_t n, float d_i);  // dp = p (dp - d_i)
+  // dropout's keep bits of query i's keys [c0, c0 + cols) (cpu::DropoutLanes, keep_row)
+  void (*keep_row)(const DropoutState& d, int64_t bh, int64_t i, int64_t c0, int64_t cols,
+                   uint8_t* keep);
 };
 
 template <int W>
@@ -250,12 +253,16 @@ struct VecRows {
   }
 };
 
-#define FLASHMOD_BWD_ROW_OPS(SUFFIX, TARGET, W)                                   \
-  TARGET void probs_##SUFFIX(float* s, int64_t n, float lse) {                    \
-    VecRows<W>::probs(s, n, lse);                                                 \
-  }                                                                               \
-  TARGET void dscores_##SUFFIX(float* dp, const float* p, int64_t n, float d_i) { \
-    VecRows<W>::dscores(dp, p, n, d_i);                                           \
+#define FLASHMOD_BWD_ROW_OPS(SUFFIX, TARGET, W)                                           \
+  TARGET void probs_##SUFFIX(float* s, int64_t n, float lse) {                            \
+    VecRows<W>::probs(s, n, lse);                                                         \
+  }                                                                                       \
+  TARGET void dscores_##SUFFIX(float* dp, const float* p, int64_t n, float d_i) {         \
+    VecRows<W>::dscores(dp, p, n, d_i);                                                   \
+  }                                                                                       \
+  TARGET void keep_row_##SUFFIX(const DropoutState& d, int64_t bh, int64_t i, int64_t c0, \
+                                int64_t cols, uint8_t* keep) {                            \
+    cpu::DropoutLanes<W>::keep_row(d, bh, i, c0, cols, keep);                             \
   }
 FLASHMOD_BWD_ROW_OPS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma"))), 16)
 FLASHMOD_BWD_ROW_OPS(avx2, __attribute__((target("avx2,fma"))), 8)
@@ -265,9 +272,10 @@ FLASHMOD_BWD_ROW_OPS(baseline, , 4)
 const RowOps& row_ops() {
   static const RowOps ops = [] {
     const std::string isa = cpu::kernel_name();
-    if (isa == cpu::kAmxKernelName || isa == "avx512") return RowOps{probs_avx512, dscores_avx512};
-    if (isa == "avx2") return RowOps{probs_avx2, dscores_avx2};
-    return RowOps{probs_baseline, dscores_baseline};
+    if (isa == cpu::kAmxKernelName || isa == "avx512")
+      return RowOps{probs_avx512, dscores_avx512, keep_row_avx512};
+    if (isa == "avx2") return RowOps{probs_avx2, dscores_avx2, keep_row_avx2};
+    return RowOps{probs_baseline, dscores_baseline, keep_row_baseline};
   }();
   return ops;
 }
@@ -663,7 +671,7 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
         }
         if (dropout) {
           for (int64_t r = 0; r < rows; ++r) {
-            keep_row(drop, b * p.heads_q + h, r0 + r, c0, cols, keep.data());
+            row_ops().keep_row(drop, b * p.heads_q + h, r0 + r, c0, cols, keep.data());
             for (int64_t c = 0; c < cols; ++c) {
               Z[r * Bc + c] = keep[c] ? drop_scale : acc_t(0);
               Pd[r * Bc + c] = S[r * Bc + c] * Z[r * Bc + c];

@@ -483,7 +483,7 @@ inline void drop_probabilities(const DropoutState& d, int64_t bh, int64_t r0, in
                                int64_t c0, int64_t cols, float* S) {
   uint8_t keep[kBc];
   for (int64_t r = 0; r < rows; ++r) {
-    keep_row(d, bh, r0 + r, c0, cols, keep);
+    DropoutLanes<kW>::keep_row(d, bh, r0 + r, c0, cols, keep);
     for (int64_t c = 0; c < cols; ++c) S[c * kBr + r] = keep[c] ? S[c * kBr + r] * d.scale : 0.0f;
   }
 }

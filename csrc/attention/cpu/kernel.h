@@ -17,6 +17,7 @@
 #include "../../common/additive_mask.h"
 #include "../attention_params.h"
 #include "../dropout_draws.h"
+#include "dropout_lanes.h"
 
 namespace flashmod::cpu {
 
