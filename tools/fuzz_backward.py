@@ -16,9 +16,10 @@ the AMX path and the AVX2 one, none failed). Two known limits show up at peak 3 
 bf16 dq/dk of a very peaked row past the rule (delta comes from the bf16 output, flash-attn's
 design), and fp32 gradients past the tight fp32 bound (P recomputed from an lse of another
 summation order); both are in benchmarks/results/design/api-edges.md, session 19. With --dropout a
-third: dq of rows that see a single key (nk = 1, or the first row of a top-left causal mask), whose true dq is 0 while delta = rowsum(dO o O)
-comes from the stored output, which dropout's scale makes inexact (O = v / (1 - p) rounded; plain
-torch's softmax backward gives exactly 0 there; flash-attn's design too; session 39). A failure
+third: dq of rows that see a single key (nk = 1, or the first row of a top-left causal mask), whose
+true dq is 0 while delta = rowsum(dO o O) comes from the stored output, which dropout's scale makes
+inexact (O = v / (1 - p) rounded; plain torch's softmax backward gives exactly 0 there; flash-attn's
+design too; session 39). A failure
 outside those is new."""
 
 from __future__ import annotations
