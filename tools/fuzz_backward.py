@@ -19,8 +19,7 @@ summation order); both are in benchmarks/results/design/api-edges.md, session 19
 third: dq of rows that see a single key (nk = 1, or the first row of a top-left causal mask), whose
 true dq is 0 while delta = rowsum(dO o O) comes from the stored output, which dropout's scale makes
 inexact (O = v / (1 - p) rounded; plain torch's softmax backward gives exactly 0 there; flash-attn's
-design too; session 39). A failure
-outside those is new."""
+design too; session 39). A failure outside those is new."""
 
 from __future__ import annotations
 
