@@ -295,31 +295,15 @@ def _attention_dropout_backward_fake(
     return tuple(grads)
 
 
-def _attention_dropout_by_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    attn_mask: Tensor | None,
-    scale: float | None,
-    is_causal: bool,
-    bottom_right: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    dropout_p: float,
-    rng_state: Tensor,
-) -> tuple[Tensor, Tensor]:
+def _attention_dropout_by_reference(*args: Any) -> tuple[Tensor, Tensor]:
     """``flashmod::attention_dropout``'s CUDA kernel in builds without one: the reference math with
     the kernels' keep mask (reference.dropout_keep_mask), so the same rng_state drops the same keys.
     It holds (B, Hq, Nq, Nk) tensors."""
-    out, _ = _attention_dropout_fake(
-        q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap, dropout_p, rng_state
-    )
+    out, _ = _attention_dropout_fake(*args)
+    *call, dropout_p, rng_state = args
+    q, k = call[0], call[1]
     keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
-    o, lse = attention_reference(
-        q, k, v, attn_mask, scale, is_causal, bottom_right, window_left, window_right, softcap, dropout_p,
-        dropout_mask=keep,
-    )  # fmt: skip
+    o, lse = attention_reference(*call, dropout_p, dropout_mask=keep)
     return out.copy_(o), lse.float()
 
 

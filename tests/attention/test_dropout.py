@@ -308,3 +308,21 @@ def test_forward_mode(device):
     )
     err = (ours.double().cpu() - truth).abs().max().item()
     assert err <= 0.05 * truth.abs().max().item(), f"out tangent: {err:.3e} against {truth.abs().max().item():.3e}"
+
+
+def test_fallback_without_cuda_kernels_matches_the_kernels():
+    """What a build without the CUDA kernels registers for CUDA (the reference with the keep mask,
+    ops._attention_dropout_by_reference and its backward), run here on the CPU against the CPU
+    kernels: the same output and gradients (fp64)."""
+    q, k, v, mask = _case("cpu", torch.float64, 2, 4, 2, 19, 45, 24, "bool")
+    rng = torch.randint(0, 1 << 62, (2,))
+    args = (q, k, v, mask, None, True, True, 9, -1, 0.0, 0.35, rng)
+    out, lse = torch.ops.flashmod.attention_dropout(*args)
+    ref_out, ref_lse = flashmod.ops._attention_dropout_by_reference(*args)
+    torch.testing.assert_close(ref_out, out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ref_lse, lse)
+    grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.ops.flashmod.attention_dropout_backward(grad_out, grad_lse, q, k, v, out, lse, *args[3:])
+    ref_grads = flashmod.ops._attention_dropout_backward_by_reference(grad_out, grad_lse, q, k, v, out, lse, *args[3:])
+    for ours, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(ref, ours, rtol=1e-10, atol=1e-10)
