@@ -58,7 +58,7 @@ def attention_bhsd(
         wl, wr = window
         if fused_dropout_applies(q, v, attn_mask):
             # Fresh random words per call from torch's generator (seeded by torch.manual_seed,
-            # traced by torch.compile, captured by CUDA graphs); the backward reuses them.
+            # traced by torch.compile); the backward reuses them.
             rng_state = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=q.device)
             return torch.ops.flashmod.attention_dropout(
                 q, k, v, attn_mask, scale, is_causal, bottom_right, wl, wr, softcap, dropout_p, rng_state

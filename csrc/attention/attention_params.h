@@ -108,8 +108,8 @@ struct AttentionParams {
   int32_t mask_tiles_br = 0, mask_tiles_bc = 0;
 
   // Dropout on the probabilities (dense calls: the CUDA sm_80 kernels and the CPU ones;
-  // dropout_draws.h): the call's two int64 random words on the kernel's device (read there, so a
-  // captured graph replays fresh ones), or nullptr for none. A 16-bit draw keeps its probability
+  // dropout_draws.h): the call's two int64 random words on the kernel's device (read there: no
+  // host sync), or nullptr for none. A 16-bit draw keeps its probability
   // iff >= dropout_threshold (round(dropout_p * 2^16)); a kept probability is multiplied by
   // dropout_scale (1 / (1 - dropout_p); 0 at dropout_p = 1; double for the fp64 CPU path).
   const int64_t* dropout_rng = nullptr;
