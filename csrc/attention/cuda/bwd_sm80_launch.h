@@ -56,8 +56,8 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st,
                               cudaStream_t stream) {
   const bool general = general_scores(p);
-  // Dropout: dense calls only (the host checks that attention_dropout gets no per-sequence
-  // extents).
+  // Dropout: dense calls only (attention_dropout's params come from prepare_attention, which sets
+  // no per-sequence extents).
   if (p.dropout_rng != nullptr)
     return general ? launch_bwd<Elem, kHeadDim, true, false, true>(p, st, stream)
                    : launch_bwd<Elem, kHeadDim, false, false, true>(p, st, stream);

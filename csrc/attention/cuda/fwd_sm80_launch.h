@@ -89,8 +89,8 @@ cudaError_t launch_fwd(const AttentionParams& params, const FwdLaunchFlags& flag
   if (err != cudaSuccess) return err;
   const bool general = general_scores(p);
   auto kernel = pick_fwd_kernel<Tr, false>(general, kv_addressing(p, Tr::Bc));
-  // Dropout: dense calls only (the host checks that attention_dropout gets no per-sequence
-  // extents).
+  // Dropout: dense calls only (attention_dropout's params come from prepare_attention, which sets
+  // no per-sequence extents).
   if (p.dropout_rng != nullptr)
     kernel = general ? attention_fwd_kernel<Tr, true, false, kDense, true>
                      : attention_fwd_kernel<Tr, false, false, kDense, true>;
