@@ -227,10 +227,15 @@ def _attention_dropout_reference(
     return out.to(q.dtype), lse.float()
 
 
+def _call_keep_mask(q: Tensor, k: Tensor, dropout_p: float, rng_state: Tensor) -> Tensor:
+    """The keep mask (reference.dropout_keep_mask) of a dropout call on q, k."""
+    return dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
+
+
 def _check_dropout_args(op: str, q: Tensor, dropout_p: float, rng_state: Tensor) -> None:
-    """Mirror of csrc/attention/cuda/host_alignment.h's set_dropout (after the shared checks);
-    the dtype rule is CUDA's (the sm_80 kernels carry dropout in fp16/bf16), the others every
-    device's."""
+    """Mirror of the C++ dropout checks after the shared ones: CUDA's dtype rule
+    (csrc/attention/cuda/host_alignment.h: set_cuda_dropout; the sm_80 kernels carry dropout in
+    fp16/bf16), then set_dropout (csrc/attention/attention_host.cpp; every device)."""
     p = f"{op}: "
     if q.device.type == "cuda":
         torch._check(
@@ -302,7 +307,7 @@ def _attention_dropout_by_reference(*args: Any) -> tuple[Tensor, Tensor]:
     out, _ = _attention_dropout_fake(*args)
     *call, dropout_p, rng_state = args
     q, k = call[0], call[1]
-    keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
+    keep = _call_keep_mask(q, k, dropout_p, rng_state)
     o, lse = attention_reference(*call, dropout_p, dropout_mask=keep)
     return out.copy_(o), lse.float()
 
@@ -322,7 +327,7 @@ def _attention_dropout_backward_by_reference(
     reference with the forward's keep mask."""
     grads = _attention_dropout_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask, *options_dropout_rng)
     *options, dropout_p, rng_state = options_dropout_rng
-    keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
+    keep = _call_keep_mask(q, k, dropout_p, rng_state)
 
     def forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return attention_reference(q, k, v, attn_mask, *options, dropout_p, dropout_mask=keep)
@@ -346,7 +351,7 @@ def _attention_dropout_double_backward(ctx, *cotangents: Tensor) -> tuple[Tensor
     if ctx.needs_input_grad[7]:
         raise NotImplementedError("flashmod.attention_dropout: attn_mask gets no gradient here")
     *options, dropout_p = ctx.options
-    keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
+    keep = _call_keep_mask(q, k, dropout_p, rng_state)
     with torch.enable_grad():
         primals = [t.detach().requires_grad_() for t in (grad_out, q, k, v)]
         g_lse = None if grad_lse is None else grad_lse.detach().requires_grad_()
@@ -588,7 +593,7 @@ class AttentionDropoutFunction(torch.autograd.Function):
     def jvp(ctx, q_t, k_t, v_t, mask_t, *_):
         q, k, v, lse, attn_mask, rng_state = ctx.saved_tensors
         *options, dropout_p = ctx.options
-        keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
+        keep = _call_keep_mask(q, k, dropout_p, rng_state)
         return attention_jvp_chunked(
             q, k, v, lse, attn_mask, q_t, k_t, v_t, mask_t, *options, dropout_p=dropout_p, dropout_mask=keep
         )

@@ -60,9 +60,9 @@ PreparedAttentionBackward prepare_attention_backward(
     bool bottom_right, int64_t window_left, int64_t window_right, double softcap,
     bool compute_grad_mask);
 
-// Dropout's arguments into p (dropout_draws.h) after the shared checks (and, on CUDA,
-// check_cuda_dropout): dropout_p in [0, 1], rng_state a contiguous (2,) int64 tensor on q's device,
-// which the kernels read. flashmod/ops.py's _check_dropout_args mirrors it. Every backend.
+// Dropout's arguments into p (dropout_draws.h) after the shared checks (on CUDA through
+// set_cuda_dropout, after its dtype rule): dropout_p in [0, 1], rng_state a contiguous (2,) int64
+// tensor on q's device, which the kernels read. flashmod/ops.py's _check_dropout_args mirrors it.
 void set_dropout(AttentionParams& p, const char* op, const at::Tensor& q, double dropout_p,
                  const at::Tensor& rng_state);
 

@@ -23,12 +23,6 @@ namespace {
 
 using Gradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// Dropout's arguments (attention_dropout_backward): the forward's, so the kernels draw its keys.
-struct DropoutArgs {
-  double p;
-  const at::Tensor& rng_state;
-};
-
 Gradients run_attention_backward_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
@@ -41,10 +35,7 @@ Gradients run_attention_backward_cuda(
       window_right, softcap, compute_grad_mask);
   check_cuda_attention_inputs("flashmod.attention_backward", q);
   AttentionBwdParams& p = r.params;
-  if (dropout != nullptr) {
-    check_cuda_dropout("flashmod.attention_backward", q);
-    set_dropout(p, "flashmod.attention_backward", q, dropout->p, dropout->rng_state);
-  }
+  if (dropout != nullptr) set_cuda_dropout(p, "flashmod.attention_backward", q, *dropout);
   if (r.grad_q.numel() == 0 && r.grad_k.numel() == 0)
     return {r.grad_q, r.grad_k, r.grad_v, r.grad_mask};
   if (p.seqlen_q == 0 || p.seqlen_k == 0 || p.heads_q == 0) {

@@ -36,12 +36,6 @@ bool run_decode(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags, in
   return cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, err);
 }
 
-// Dropout's arguments (attention_dropout); its calls run the sm_80 kernels, which carry it.
-struct DropoutArgs {
-  double p;
-  const at::Tensor& rng_state;
-};
-
 std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& v,
                                                       const std::optional<at::Tensor>& attn_mask,
@@ -53,10 +47,7 @@ std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const
   PreparedAttention prepared = prepare_attention(q, k, v, attn_mask, scale, is_causal, bottom_right,
                                                  window_left, window_right, softcap);
   check_cuda_attention_inputs("flashmod.attention", q);
-  if (dropout != nullptr) {
-    check_cuda_dropout("flashmod.attention", q);
-    set_dropout(prepared.params, "flashmod.attention", q, dropout->p, dropout->rng_state);
-  }
+  if (dropout != nullptr) set_cuda_dropout(prepared.params, "flashmod.attention", q, *dropout);
   if (nothing_to_compute(prepared)) return {prepared.out, prepared.lse};
 
   AttentionParams& p = prepared.params;

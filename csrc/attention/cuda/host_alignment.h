@@ -12,6 +12,7 @@
 #include "../../common/alignment.h"
 #include "../../common/error_message.h"
 #include "../../common/knobs.h"
+#include "../attention_host.h"
 #include "entry_points.h"
 #include "generated/kernel_variants.h"
 #include "stream_counters.h"
@@ -30,12 +31,22 @@ inline void check_cuda_attention_inputs(const char* op, const at::Tensor& q) {
                                       " on CUDA, got ", q.size(3)));
 }
 
-// CUDA's dropout rule, before set_dropout (attention_host.h): fp16/bf16 only, the dtypes of
-// the sm_80 kernels that carry it (flashmod/ops.py's _check_dropout_args mirrors it).
-inline void check_cuda_dropout(const char* op, const at::Tensor& q) {
+// A dropout call's arguments (attention_dropout and its backward); the CUDA host passes nullptr
+// for calls without dropout.
+struct DropoutArgs {
+  double p;
+  const at::Tensor& rng_state;
+};
+
+// Dropout's arguments into p: CUDA's dtype rule (fp16/bf16 only, the dtypes of the sm_80 kernels
+// that carry it), then the shared set_dropout (attention_host.h). flashmod/ops.py's
+// _check_dropout_args mirrors both.
+inline void set_cuda_dropout(AttentionParams& p, const char* op, const at::Tensor& q,
+                             const DropoutArgs& dropout) {
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               flashmod::error_message(op, ": fused dropout takes float16 or bfloat16 q, got ",
                                       q.scalar_type()));
+  set_dropout(p, op, q, dropout.p, dropout.rng_state);
 }
 
 // The wgmma (Hopper) kernels run on sm_90 (H100/H200) when the build carries their sm_90a machine
