@@ -133,6 +133,19 @@ def test_dropout_matches_reference_with_its_mask(device, dtype, case):
     )
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(CASES))
+def test_portable_kernels_where_the_hopper_ones_run(monkeypatch, case):
+    """On a Hopper GPU the wgmma backward runs dropout at D = 64 / 128 / 256 (the cases above);
+    FLASHMOD_DISABLE_SM90=1 sends the same calls to the portable mma.sync kernels, which must hold
+    the same rule. (Elsewhere the two runs take the same kernels.)"""
+    monkeypatch.setenv("FLASHMOD_DISABLE_SM90", "1")
+    b, hq, hkv, nq, nk, d, opts, mask_kind = CASES[case]
+    q, k, v, mask = _case("cuda", torch.bfloat16, b, hq, hkv, nq, nk, d, mask_kind)
+    rng = torch.randint(0, 1 << 62, (2,), device="cuda")
+    check_dropout(q, k, v, 0.3, rng, use_grad_lse=True, attn_mask=mask, **opts)
+
+
 def test_same_rng_state_same_result(device):
     """The call is a function of rng_state: bitwise equal outputs and gradients; another state
     drops other keys."""

@@ -97,16 +97,16 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
   }
   const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim);
   const int key = cuda_kernels::variant_key(p.dtype, padded);
-  // Dropout runs on the mma.sync kernels, which carry it (dropout.h).
-  if (p.dropout_rng == nullptr && sm90_kernels_usable() &&
-      cuda_kernels::has_head_dim(cuda_kernels::kBwdSm90HeadDims, padded)) {
-    // Tile indices are below 64 (tools/gen_kernels.py checks). Variable-length calls run the
-    // default tile, the only one built with their variants (bwd_sm90_launch.h).
-    const int tile = has_sequence_extents(p)
+  if (sm90_kernels_usable() && cuda_kernels::has_head_dim(cuda_kernels::kBwdSm90HeadDims, padded)) {
+    // Tile indices are below 64 (tools/gen_kernels.py checks). Variable-length and dropout calls
+    // run the default tile, the only one built with their variants (bwd_sm90_launch.h); dropout
+    // has no form of the fused dQ variant.
+    const bool dropout = p.dropout_rng != nullptr;
+    const int tile = has_sequence_extents(p) || dropout
                          ? cuda_kernels::find_tile(cuda_kernels::kBwdSm90Tiles, "", padded)
                          : bwd_sm90_tile(op, padded, p, st);
     cuda_kernels::BwdRowStats run_st = st;
-    if (!has_sequence_extents(p) && cuda_kernels::kBwdSm90Tiles[tile].is_default &&
+    if (!has_sequence_extents(p) && !dropout && cuda_kernels::kBwdSm90Tiles[tile].is_default &&
         cuda_kernels::bwd_fused_dq(p, padded) && fused_dq_wanted(p, padded)) {
       const size_t bytes =
           static_cast<size_t>(p.batch * p.heads_q * st.rows_padded) * padded * sizeof(float);

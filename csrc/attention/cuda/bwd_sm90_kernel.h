@@ -30,6 +30,7 @@
 #include "../attention_params.h"
 #include "../sequence_view.h"
 #include "bwd_common.h"
+#include "dropout.h"
 #include "entry_points.h"
 #include "visibility.h"
 
@@ -226,7 +227,10 @@ constexpr bool additive_fast_variant() {
 // (D = 128 dK/dV: 20 bytes; soft-capped fwd+bwd 3-4 % slower).
 // kTmaLoads: the step loads of kBwdFusedDQ's (Q_i, dO_i and their row statistics through the
 // copy engine, maps as BwdStepMaps) in a plain dense variant.
-template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast, bool kTmaLoads = false>
+// kDropout (both kernels): dropout on P (dropout.h), as in the portable kernels; dense calls, the
+// seven-matmul kernels only (the fused dQ variant has no dropout form).
+template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast, bool kTmaLoads = false,
+          bool kDropout = false>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st,
                                    const __grid_constant__ BwdStepMaps maps) {
@@ -270,6 +274,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   constexpr bool kTmaSteps = kFusedDQ || kTmaLoads;
   static_assert(!kTmaLoads || (!kExtents && !kStageMask && !Tr::kOverlap),
                 "dense rows, no staged mask, the plain pipeline");
+  static_assert(!kDropout || (!kExtents && !kFusedDQ && kFast == kBwdFastNone),
+                "dropout: dense calls, seven-matmul kernels, no fast path");
   const uint32_t full_bar0 = sMask_addr;
   const auto staged_tile = [&] {
     if constexpr (kStageMask) {
@@ -363,6 +369,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const float scale_log2 = tf.scale * 1.4426950408889634f;
   const int warp_row0 = row_block * 64 + (warp % 4) * 16;  // the warp's 16 key rows
   const int key_row[2] = {k0 + warp_row0 + g, k0 + warp_row0 + g + 8};
+  // keep_bits_key_rows' layout: key_row[0] % 32 is below 8 or in [16, 24), as warp_row0 is a
+  // multiple of 16 and k0 one of Bc.
+  static_assert(!kDropout || (NT <= 8 && Bc % 32 == 0), "one 32-bit keep mask per step");
+  DropoutState drop;
+  if constexpr (kDropout) drop = dropout_state(p);
 
   // The step loop for one gradient set (a warpgroup's accumulators): kBwdPair runs it for dV on
   // warpgroup 0 and for dK on warpgroup 1, both over the same tiles and barriers.
@@ -517,9 +528,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         pin_registers(da);
       }
 
+      // Dropout: dP^T is masked and scaled before dS^T (whose delta = rowsum(dO * O) already holds
+      // the dropped O), and P^T before dV.
+      uint32_t keep = 0;
+      if constexpr (kDropout) {
+        keep = keep_bits_key_rows<NT>(drop, static_cast<uint32_t>(b * p.heads_q + h), key_row[0],
+                                      static_cast<uint32_t>(r0), t);
+        if constexpr (kDK) apply_dropout(dPt, keep, drop.scale);
+      }
       transposed_probs_and_grads<Elem, kGeneral, kDK, kSoftcapFast, kStageMask>(
           St, dPt, p, tf, scale_log2, b, h, r0, Br, n_block, Bc, key_row, sL + stage * Br,
           sDelta + stage * Br, t, plain_keys, stage_mask, staged_tile);
+      if constexpr (kDropout && kDV) apply_dropout(St, keep, drop.scale);
       if constexpr (kStageMask) {
         if (stage_mask) {
           // Every warp has read this step's mask tile: the next step's may overwrite it. (Its
@@ -615,7 +635,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
 // kTmaLoads (plain dense variants): each key block's K_j / V_j through the copy engine (maps over
 // k and v), completing on its stage's "full" mbarrier, as the dK/dV kernel's step loads.
-template <class Tr, bool kGeneral, bool kExtents, int kFast, bool kTmaLoads = false>
+// kDropout: as the dK/dV kernel's.
+template <class Tr, bool kGeneral, bool kExtents, int kFast, bool kTmaLoads = false,
+          bool kDropout = false>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dq_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st,
                                  const __grid_constant__ BwdStepMaps maps) {
@@ -641,6 +663,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const uint32_t sV_addr0 = sK_addr0 + kStages * Tr::kSmemKV;     // kStages stages
   const uint32_t sMask_addr0 = sV_addr0 + kStages * Tr::kSmemKV;  // stage_mask: kStages tiles
   static_assert(!kTmaLoads || (!kGeneral && !kExtents && !Tr::kOverlap), "plain dense variants");
+  static_assert(!kDropout || (!kExtents && kFast == kBwdFastNone && NT <= 8 && Bc % 32 == 0),
+                "dropout: dense calls, no fast path, one 32-bit keep mask per key block");
   const uint32_t full_bar0 = sMask_addr0;  // kTmaLoads: the stages' mbarriers
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
@@ -708,6 +732,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const float scale_log2 = tf.scale * 1.4426950408889634f;
   const int warp_row0 = warp * 16;
   const LaneRows rows = lane_rows(p, st, b, h, r0 + warp_row0 + g);
+  DropoutState drop;
+  if constexpr (kDropout) drop = dropout_state(p);
 
   float dQ[DT][4];
   if constexpr (!Tr::kOverlap) zero(dQ);  // kOverlap: written first by the first block's product
@@ -762,6 +788,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       pin_registers(da);
     }
 
+    if constexpr (kDropout) {  // dP is masked and scaled before dS
+      apply_dropout(dP,
+                    keep_bits_query_rows<NT>(drop, static_cast<uint32_t>(b * p.heads_q + h),
+                                             static_cast<uint32_t>(r0 + warp_row0 + g),
+                                             static_cast<uint32_t>(n * Bc), t),
+                    drop.scale);
+    }
     if constexpr (kAdditiveFast) {
       const MaskTile staged{sMask_addr0 + stage * MaskTile::kBytes, r0};
       probs_and_grads<Elem, kGeneral, kSoftcapFast, kAdditiveFast>(

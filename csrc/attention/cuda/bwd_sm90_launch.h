@@ -26,21 +26,29 @@ namespace sm90 {
 // and the registers of each are in the design log ("Hopper v4").
 // D = 256: dK and dV (128 accumulator floats per thread each) get a launch each, and the tiles
 // (K_j, V_j 64 KB; two stages of Q_i, dO_i 128 KB) leave room for one CTA per SM.
-template <typename Elem, int kHeadDim, int kTile>
+template <typename Elem, int kHeadDim, int kTile, bool kDropout = false>
 struct BwdConfigSm90 {
   static constexpr KernelTile kT = kBwdSm90Tiles[kTile];
   static_assert(kT.head_dim == kHeadDim, "a tile of the table is built for its own head dim");
   // kv_split: 0 dK and dV by one warpgroup, 1 one launch each, 2 one warpgroup each (kBwdPair).
   static constexpr int kSplit = kT.kv_split;
   static_assert(kSplit != 0 || kHeadDim <= 128, "D = 256: dK and dV do not fit one warpgroup");
-  using KV = BwdKVTraitsSm90<Elem, kHeadDim, 1, kT.kv_rows, kT.kv_ctas, kT.kv_stages,
+  // Dropout variants: the keep bits' Philox rounds need registers. At the D = 64 tile's four dQ
+  // CTAs per SM (128 registers) the dQ variants spilled 48-64 bytes, at three none (148-152
+  // registers); the dK/dV variants stay at three CTAs (168 registers, 16-28 bytes of spill in the
+  // plain ones; at two CTAs none, 214-244 registers). Chosen by ptxas, not yet timed against the
+  // other counts.
+  static constexpr int kKVCtas = kDropout && kT.kv_ctas > 3 ? 3 : kT.kv_ctas;
+  static constexpr int kQCtas = kDropout && kT.q_ctas > 3 ? 3 : kT.q_ctas;
+  using KV = BwdKVTraitsSm90<Elem, kHeadDim, 1, kT.kv_rows, kKVCtas, kT.kv_stages,
                              kT.kv_overlap != 0, kSplit == 2>;
-  using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, kT.q_cols, kT.q_ctas, kT.q_stages, kT.q_overlap != 0>;
+  using Q = BwdQTraitsSm90<Elem, kHeadDim, 1, kT.q_cols, kQCtas, kT.q_stages, kT.q_overlap != 0>;
 };
 
 // kTmaLoads: the step loads through the copy engine, maps over q and grad_out in boxes of KV::Br
 // rows (the kernel's stages then end in their mbarriers).
-template <class KV, bool kGeneral, int kWhich, bool kExtents, int kFast, bool kTmaLoads = false>
+template <class KV, bool kGeneral, int kWhich, bool kExtents, int kFast, bool kTmaLoads = false,
+          bool kDropout = false>
 cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream,
                         const BwdStepMaps& maps = {}) {
   const int64_t blocks = bwd_dkdv_ctas(p, KV::Bc);
@@ -48,8 +56,8 @@ cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cuda
   const int64_t smem = KV::kSmemBytes + (kTmaLoads ? 8 * KV::kStages : 0) +
                        (kStageMask && bwd_stages_mask(p, st) ? KV::Br * KV::Bc * 2 : 0);
   return cuda::launch_kernel(
-      attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kFast, kTmaLoads>, blocks,
-      KV::kNThreads, smem, stream, p, st, maps);
+      attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kFast, kTmaLoads, kDropout>,
+      blocks, KV::kNThreads, smem, stream, p, st, maps);
 }
 
 // The maps of BwdStepMaps in boxes of box_rows rows x 64 columns: over q and grad_out as (batch,
@@ -147,10 +155,10 @@ cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& 
 // The dQ kernel of the seven-matmul backward; kTmaLoads: its key blocks through the copy engine,
 // maps over k and v in boxes of Q::Bc rows.
 template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
-          int kFast = kBwdFastNone, bool kTmaLoads = false>
+          int kFast = kBwdFastNone, bool kTmaLoads = false, bool kDropout = false>
 cudaError_t launch_dq(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream,
                       const BwdStepMaps& maps = {}) {
-  using Q = typename BwdConfigSm90<Elem, kHeadDim, kTile>::Q;
+  using Q = typename BwdConfigSm90<Elem, kHeadDim, kTile, kDropout>::Q;
   const int64_t q_blocks = bwd_dq_ctas(p, Q::Br);
   // The dQ kernel's staged mask tiles (additive_fast_variant, bwd_stages_mask): one per stage.
   constexpr bool kQStages = additive_fast_variant<kGeneral, kExtents, kFast, kHeadDim>();
@@ -160,16 +168,17 @@ cudaError_t launch_dq(const AttentionBwdParams& p, const BwdRowStats& st, cudaSt
       "the staged mask tiles keep kMinBlocks CTAs per SM");
   const int64_t q_smem = Q::kSmemBytes + (kTmaLoads ? 8 * Q::kStages : 0) +
                          (kQStages && bwd_stages_mask(p, st) ? Q::kStages * Q::Br * Q::Bc * 2 : 0);
-  return cuda::launch_kernel(attention_bwd_dq_sm90_kernel<Q, kGeneral, kExtents, kFast, kTmaLoads>,
-                             q_blocks, Q::kNThreads, q_smem, stream, p, st, maps);
+  return cuda::launch_kernel(
+      attention_bwd_dq_sm90_kernel<Q, kGeneral, kExtents, kFast, kTmaLoads, kDropout>, q_blocks,
+      Q::kNThreads, q_smem, stream, p, st, maps);
 }
 
 template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
-          int kFast = kBwdFastNone>
+          int kFast = kBwdFastNone, bool kDropout = false>
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
-  using Cfg = BwdConfigSm90<Elem, kHeadDim, kTile>;
+  using Cfg = BwdConfigSm90<Elem, kHeadDim, kTile, kDropout>;
   using KV = typename Cfg::KV;
-  if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone &&
+  if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone && !kDropout &&
                 bwd_fused_dq_head_dim(kHeadDim) && kBwdSm90Tiles[kTile].is_default) {
     // The fused variant's loads need tensor maps over q and grad_out (16-byte aligned bases and
     // strides); where TMA cannot take them, the seven-matmul kernels run (its sums go unused).
@@ -184,14 +193,18 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
     constexpr bool kTma = decltype(tma)::value;
     if constexpr (Cfg::kSplit == 1) {
       const cudaError_t err =
-          launch_dkdv<KV, kGeneral, kBwdOnlyDV, kExtents, kFast, kTma>(p, st, stream, maps);
-      return err != cudaSuccess ? err
-                                : launch_dkdv<KV, kGeneral, kBwdOnlyDK, kExtents, kFast, kTma>(
-                                      p, st, stream, maps);
+          launch_dkdv<KV, kGeneral, kBwdOnlyDV, kExtents, kFast, kTma, kDropout>(p, st, stream,
+                                                                                 maps);
+      return err != cudaSuccess
+                 ? err
+                 : launch_dkdv<KV, kGeneral, kBwdOnlyDK, kExtents, kFast, kTma, kDropout>(
+                       p, st, stream, maps);
     } else if constexpr (Cfg::kSplit == 2) {
-      return launch_dkdv<KV, kGeneral, kBwdPair, kExtents, kFast, kTma>(p, st, stream, maps);
+      return launch_dkdv<KV, kGeneral, kBwdPair, kExtents, kFast, kTma, kDropout>(p, st, stream,
+                                                                                  maps);
     } else {
-      return launch_dkdv<KV, kGeneral, kBwdBoth, kExtents, kFast, kTma>(p, st, stream, maps);
+      return launch_dkdv<KV, kGeneral, kBwdBoth, kExtents, kFast, kTma, kDropout>(p, st, stream,
+                                                                                  maps);
     }
   };
   // Plain dense variants load their steps through the copy engine where TMA takes q and grad_out
@@ -206,15 +219,17 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
       if constexpr (!Q::kOverlap) {
         BwdStepMaps key_maps;
         if (st.tma_loads == 1 && encode_bwd_step_maps<Elem>(p, true, Q::Bc, key_maps))
-          return launch_dq<Elem, kHeadDim, kTile, false, false, kBwdFastNone, true>(p, st, stream,
-                                                                                    key_maps);
+          return launch_dq<Elem, kHeadDim, kTile, false, false, kBwdFastNone, true, kDropout>(
+              p, st, stream, key_maps);
       }
-      return launch_dq<Elem, kHeadDim, kTile, false, false>(p, st, stream);
+      return launch_dq<Elem, kHeadDim, kTile, false, false, kBwdFastNone, false, kDropout>(p, st,
+                                                                                           stream);
     }
   }
   const cudaError_t err = launch_dkdv_set(std::false_type{}, BwdStepMaps{});
   if (err != cudaSuccess) return err;
-  return launch_dq<Elem, kHeadDim, kTile, kGeneral, kExtents, kFast>(p, st, stream);
+  return launch_dq<Elem, kHeadDim, kTile, kGeneral, kExtents, kFast, false, kDropout>(p, st,
+                                                                                      stream);
 }
 
 }  // namespace sm90
@@ -226,6 +241,19 @@ cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStat
   // built for the default tile of each head dim only (they double a unit's kernels; the host
   // sends them there, backward_dispatch.h).
   const bool general = general_scores(p);
+  // Dropout (dense calls: attention_dropout's params come from prepare_attention, which sets no
+  // per-sequence extents) on variants of its own, built for the default tile only, as the
+  // variable-length ones.
+  if (p.dropout_rng != nullptr) {
+    if constexpr (kBwdSm90Tiles[kTile].is_default) {
+      return general ? sm90::launch_bwd<Elem, kHeadDim, kTile, true, false, kBwdFastNone, true>(
+                           p, st, stream)
+                     : sm90::launch_bwd<Elem, kHeadDim, kTile, false, false, kBwdFastNone, true>(
+                           p, st, stream);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  }
   if (has_sequence_extents(p)) {
     if constexpr (kBwdSm90Tiles[kTile].is_default) {
       return general ? sm90::launch_bwd<Elem, kHeadDim, kTile, true, true>(p, st, stream)
