@@ -80,6 +80,10 @@ CASES = {
     "bool_mask": (2, 4, 2, 130, 77, 111, {}, "bool"),
     "additive_mask": (1, 4, 4, 70, 300, 256, {"is_causal": True}, "additive"),
     "one_query": (3, 8, 2, 1, 1023, 128, {}, None),
+    # Plain scores over several key blocks at D = 128 / 256: the Hopper forward's dropout variant
+    # (128- and 64-key blocks) on a GPU that has it.
+    "causal_d128": (1, 4, 2, 300, 333, 128, {"is_causal": True}, None),
+    "plain_d256": (1, 2, 2, 150, 203, 256, {}, None),
 }
 
 

@@ -70,10 +70,13 @@ std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const
     flags.half_blocks = env_flag("FLASHMOD_SM90_WS_HALF_BLOCKS", true);
     const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
     const int key = cuda_kernels::variant_key(p.dtype, padded);
-    const bool sm80_only = dropout != nullptr;
-    if (!sm80_only && run_decode(p, flags, padded, q.options(), stream, err)) {
-      // run_decode launched it
-    } else if (!sm80_only && use_sm90_ws_kernel(padded)) {
+    // Dropout: the warp-specialized Hopper kernel where it takes the call (plain dense scores; it
+    // answers cudaErrorNotSupported otherwise), else the mma.sync kernels; never decode.
+    const bool with_dropout = dropout != nullptr;
+    bool launched = false;
+    if (!with_dropout && run_decode(p, flags, padded, q.options(), stream, err)) {
+      launched = true;  // by run_decode
+    } else if (use_sm90_ws_kernel(padded)) {
       TorchWorkspace workspace(q.options(), stream);  // the tile scheduler's counter, mask tiles
       const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
       switch (key) {
@@ -84,7 +87,9 @@ std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const
         FLASHMOD_FWD_SM90_WS_VARIANTS(FLASHMOD_SM90_WS_CASE)
 #undef FLASHMOD_SM90_WS_CASE
       }
-    } else if (!sm80_only && use_sm90_kernel(padded)) {
+      launched = !(with_dropout && err == cudaErrorNotSupported);
+      if (!launched) err = cudaSuccess;
+    } else if (!with_dropout && use_sm90_kernel(padded)) {
       TorchWorkspace workspace(q.options(), stream);  // a mask tensor's tile classes
       const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
       switch (key) {
@@ -95,7 +100,9 @@ std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const
         FLASHMOD_FWD_SM90_VARIANTS(FLASHMOD_SM90_CASE)
 #undef FLASHMOD_SM90_CASE
       }
-    } else {
+      launched = true;
+    }
+    if (!launched) {
       TorchWorkspace workspace(q.options(), stream);  // a mask tensor's tile classes
       const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
       switch (key) {

@@ -65,6 +65,7 @@
 #include "../attention_params.h"
 #include "../sequence_view.h"
 #include "cta_tile.h"
+#include "dropout.h"
 #include "entry_points.h"
 #include "fwd_epilogue.h"
 #include "online_softmax.h"
@@ -237,7 +238,11 @@ struct FwdWsTraits {
 // (r0 < 0, a multiple of 16): TMA zero-fills Q's rows there, and output, lse and rows without keys
 // are written from row 0 on. And (kHalfBlocks) a consumer's last key block is computed as its left
 // half where its rows see nothing in the right half. The launch says when it is taken.
-template <class Tr, bool kVarlen, bool kKeyMask, bool kSoftcap, bool kEndAligned = false>
+// kDropout: dropout on P (dropout.h) after the row sums took it (l normalizes the undropped
+// probabilities; lse is the undropped one), plain dense scores under any window: a variant of its
+// own, so the others keep their registers.
+template <class Tr, bool kVarlen, bool kKeyMask, bool kSoftcap, bool kEndAligned = false,
+          bool kDropout = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tm_q,
                                  const __grid_constant__ CUtensorMap tm_k,
@@ -251,6 +256,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
                 "rows before a head's first are skipped by the copy engine's epilogue only");
   static_assert(!kEndAligned || (!kKeyMask && !kSoftcap), "half blocks mask by windows alone");
   static_assert(!kKeyMask || Tr::Bc == 128, "a key block's mask bytes: 4 per lane of one warp");
+  static_assert(!kDropout || (!kVarlen && !kKeyMask && !kSoftcap && !kEndAligned),
+                "dropout: plain dense scores, whole key blocks");
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kStages = Tr::kStages;
@@ -516,6 +523,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     uint32_t pa[Bc / 16][4];
     // The lane's two row windows, computed once per tile: per block they would cost registers.
     RowWindow win[1][2];
+    // The rng words live in registers (read from device memory once); the threshold and scale
+    // are read from the kernel's parameters where used (two registers fewer across the loop:
+    // the D = 128 variant spilled 28 bytes with all five held).
+    DropoutState rng_words;
+    if constexpr (kDropout) rng_words = dropout_state(p);
 
     // half (kHalfBlocks): no row of this consumer sees a key in the block's right half, so only
     // its left half's scores are computed (mask_and_softmax turns only those into P) and only
@@ -622,6 +634,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       const Tile x = tile_of(cta_tile_at<uint32_t>(p, index, num_m_blocks, 1), seq);
       const int r0 = x.r0, lo = x.range.lo, hi = x.range.hi;
       const TilePointers<Elem> gp = tile_pointers<Elem>(seq, x.t, r0);
+      const uint32_t dropout_bh = static_cast<uint32_t>(x.t.b * p.heads_q + x.t.h);
       // kEndAligned: rows of the tile before the head's first (r0 < 0) are not written.
       if (lo >= hi) {
         const int first_row = kEndAligned ? max(0, -r0) : 0;
@@ -687,6 +700,23 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
           if (!bits.all) hide_keys(S, bits, lane);
         }
         softmax.scores_to_p(S, c, alpha);
+        if constexpr (kDropout) {
+          // keep_bits_query_rows' 64-key parts (one 32-bit mask each): query rows r0 + warp_row0
+          // + lane / 4 (+ 8), keys n * Bc + 64 part + 8 ni + 2 (lane % 4) + e % 2.
+          static_assert(NT % 8 == 0, "whole 64-key parts");
+          DropoutState drop = rng_words;
+          drop.threshold = p.dropout_threshold;
+          drop.scale = static_cast<float>(p.dropout_scale);
+#pragma unroll
+          for (int part = 0; part < NT / 8; ++part) {
+            auto& s_part = *reinterpret_cast<float (*)[8][4]>(&S[0][8 * part]);
+            apply_dropout(s_part,
+                          keep_bits_query_rows<8>(
+                              drop, dropout_bh, static_cast<uint32_t>(r0 + warp_row0 + lane / 4),
+                              static_cast<uint32_t>(n * Bc + 64 * part), lane % 4),
+                          drop.scale);
+          }
+        }
       };
 #pragma unroll
       for (int di = 0; di < DT; ++di)

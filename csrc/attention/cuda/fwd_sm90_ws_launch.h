@@ -54,6 +54,13 @@ inline bool ws_takes_options(const AttentionParams& p) {
          p.seqused_k == nullptr && p.kv_batch_idx == nullptr && p.block_table == nullptr;
 }
 
+// Dropout: this kernel's dropout variant takes plain dense scores (no mask tensor, no soft cap, no
+// packed rows) under any window.
+inline bool ws_takes_dropout(const AttentionParams& p) {
+  return ws_takes_options(p) && p.mask_kind == MaskKind::kNone && p.softcap == 0.0 &&
+         p.cu_seqlens_q == nullptr;
+}
+
 template <class Tr>
 cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
                           const DeviceWorkspace& ws, cudaStream_t stream, bool& launched) {
@@ -123,6 +130,9 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
     return cuda::launch_kernel(kernel, grid, Tr::kNThreads, Tr::kSmemBytes, stream, tm_q, tm_k,
                                tm_v, tm_o, p, launch_flags, sched);
   };
+  // Dropout calls come plain and dense (ws_takes_dropout).
+  if (p.dropout_rng != nullptr)
+    return launch(attention_fwd_sm90_ws_kernel<Tr, false, false, false, false, true>);
   const bool capped = p.softcap > 0.0;
   if (varlen)
     return capped ? launch(attention_fwd_sm90_ws_kernel<Tr, true, false, true>)
@@ -152,6 +162,10 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
                                       const DeviceWorkspace& ws, cudaStream_t stream) {
+  // Dropout where this kernel cannot take it is cudaErrorNotSupported: the host then runs the
+  // mma.sync kernels, which carry dropout for every option (the other Hopper kernel has none).
+  const bool dropout = p.dropout_rng != nullptr;
+  if (dropout && !sm90::ws_takes_dropout(p)) return cudaErrorNotSupported;
   if (sm90::ws_takes_options(p) && p.seqlen_q < (int64_t{1} << 31) &&
       p.seqlen_k < (int64_t{1} << 31) && p.batch < (int64_t{1} << 31) &&
       p.heads_q < (int64_t{1} << 31)) {
@@ -160,6 +174,7 @@ cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchF
         p, flags, ws, stream, launched);
     if (launched) return err;
   }
+  if (dropout) return cudaErrorNotSupported;
   // The tensors or options TMA or this kernel cannot take: the FlashAttention-2-style kernel.
   return run_attention_fwd_sm90<Elem, kHeadDim>(p, flags, ws, stream);
 }
