@@ -91,10 +91,13 @@ cudaError_t run_attention_fwd_sm90(const AttentionParams& p, const FwdLaunchFlag
                                    const DeviceWorkspace& ws, cudaStream_t stream);
 
 // The warp-specialized Hopper variant (TMA loads, ping-ponged consumer warpgroups; sm_90a machine
-// code only) for kHeadDim = 64 and 128: plain scores (causal and windows included, GQA) on tensors
-// TMA can address (16-byte aligned base, strides multiples of 16 bytes). Any other call it hands
-// to run_attention_fwd_sm90 itself, so the contract is run_attention_fwd_sm90's. ws holds the
-// dynamic tile scheduler's counter (4 bytes, under a right window bound).
+// code only) for kHeadDim = 64, 128 and 256: plain scores (causal and windows included, GQA) on
+// tensors TMA can address (16-byte aligned base, strides multiples of 16 bytes). Any other call it
+// hands to run_attention_fwd_sm90 itself, so the contract is run_attention_fwd_sm90's, except for
+// dropout calls (p.dropout_rng set), which that kernel has no form of: those it cannot take
+// (masks, soft caps, tensors TMA cannot address) return cudaErrorNotSupported, launching nothing,
+// for the caller to run elsewhere. ws holds the dynamic tile scheduler's counter (4 bytes, under a
+// right window bound).
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
                                       const DeviceWorkspace& ws, cudaStream_t stream);
