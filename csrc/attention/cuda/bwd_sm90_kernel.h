@@ -58,6 +58,54 @@ __device__ __forceinline__ void tma_load_step_tiles(uint32_t dst_first, uint32_t
     tma_load_4d(dst_second + cb * kRows * 128, &maps.second, cb * 64, row0, head, batch, bar);
   }
 }
+
+// keep_bits_key_rows (dropout.h) with each Philox call shared by the two warps of a 32-key span
+// (warps 2 w and 2 w + 1 of a warpgroup: its keys 0-15 and 16-31). A call's eight draws are four
+// keys of each warp (words 0-1 and 2-3), and the lane (g, t) of either warp needs the same calls,
+// so each warp makes those of half the n8 tiles (the first warp the first half) and hands the other
+// warp's four draws per call to its lane (g, t) through shared memory: a word of that lane's own
+// keys and a word of its pair lane's (g ^ 1), at exchange (this thread's two words, in the step's
+// buffer) and read from sibling_exchange (the other warp's lane's). Two buffers, alternating by
+// step, need one barrier per step: a warp writes a buffer again only past the next step's barrier,
+// which the other warp reaches after its read. Every lane of both warps calls it each step. (The
+// dK/dV kernel then makes NT / 2 calls per step and lane, the dQ kernel's rate per element.)
+template <int NT>
+__device__ __forceinline__ uint32_t keep_bits_key_rows_paired(const DropoutState& d, uint32_t bh,
+                                                              uint32_t key_g, uint32_t row0, int t,
+                                                              uint32_t exchange,
+                                                              uint32_t sibling_exchange,
+                                                              uint32_t barrier_id) {
+  static_assert(NT % 2 == 0 && 4 * NT <= 32, "halves of whole n8 tiles, one 32-bit mask");
+  const uint32_t span = key_g / 32, key_t = (key_g % 8) / 2;
+  const int upper = static_cast<int>((key_g % 32) / 16);  // this warp's keys: words 2, 3 of a call
+  const int parity = static_cast<int>(key_g % 2);
+  // Bits of queries e % 2 == parity: this lane's keys, its pair lane's, and the same two for the
+  // other warp's lane (g, t).
+  uint32_t mine = 0, partners = 0, sibling_mine = 0, sibling_partners = 0;
+#pragma unroll
+  for (int i = 0; i < NT / 2; ++i) {
+    const int ni = upper * (NT / 2) + i;
+    const PhiloxWords w = dropout_draws(d, bh, row0 + 8 * ni + 2 * t + parity, span, key_t);
+    const uint32_t own0 = upper ? w.z : w.x, own1 = upper ? w.w : w.y;
+    const uint32_t other0 = upper ? w.x : w.z, other1 = upper ? w.y : w.w;
+    const int bit = 4 * ni + parity;
+    mine |= (static_cast<uint32_t>(kept(d, own0, parity)) << bit) |
+            (static_cast<uint32_t>(kept(d, own1, parity)) << (bit + 2));
+    partners |= (static_cast<uint32_t>(kept(d, own0, parity ^ 1)) << bit) |
+                (static_cast<uint32_t>(kept(d, own1, parity ^ 1)) << (bit + 2));
+    sibling_mine |= (static_cast<uint32_t>(kept(d, other0, parity)) << bit) |
+                    (static_cast<uint32_t>(kept(d, other1, parity)) << (bit + 2));
+    sibling_partners |= (static_cast<uint32_t>(kept(d, other0, parity ^ 1)) << bit) |
+                        (static_cast<uint32_t>(kept(d, other1, parity ^ 1)) << (bit + 2));
+  }
+  sts_32(exchange, sibling_mine);
+  sts_32(exchange + 4, sibling_partners);
+  named_barrier(barrier_id, 64);  // both warps' words of this step are written
+  mine |= lds_32(sibling_exchange);
+  partners |= lds_32(sibling_exchange + 4);
+  // The pair lane made the calls of the queries of the other parity, for this lane's keys too.
+  return mine | __shfl_xor_sync(0xffffffffu, partners, 4);
+}
 #endif  // FLASHMOD_SM90A
 
 // Shared-memory stages of the tiles a kernel streams (Q_i/dO_i in dK/dV, K_j/V_j in dQ), and how
@@ -277,6 +325,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   static_assert(!kDropout || (!kExtents && !kFusedDQ && kFast == kBwdFastNone),
                 "dropout: dense calls, seven-matmul kernels, no fast path");
   const uint32_t full_bar0 = sMask_addr;
+  // kDropout: the keep bits' exchange between the warps of a 32-key span (two buffers of two words
+  // per thread; keep_bits_key_rows_paired), past the staged mask tile or the stages' mbarriers.
+  const uint32_t exchange_addr =
+      sMask_addr + (kStageMask ? Br * Bc * 2 : 0) + (kTmaSteps ? 8 * kStages : 0);
   const auto staged_tile = [&] {
     if constexpr (kStageMask) {
       return MaskTile{sMask_addr, 0};
@@ -532,8 +584,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       // the dropped O), and P^T before dV.
       uint32_t keep = 0;
       if constexpr (kDropout) {
-        keep = keep_bits_key_rows<NT>(drop, static_cast<uint32_t>(b * p.heads_q + h), key_row[0],
-                                      static_cast<uint32_t>(r0), t);
+        const uint32_t buffer = exchange_addr + (s & 1) * kThreads * 8;
+        keep = keep_bits_key_rows_paired<NT>(
+            drop, static_cast<uint32_t>(b * p.heads_q + h), key_row[0], static_cast<uint32_t>(r0),
+            t, buffer + tid * 8, buffer + (tid ^ 32) * 8, 1 + warp / 2);
         if constexpr (kDK) apply_dropout(dPt, keep, drop.scale);
       }
       transposed_probs_and_grads<Elem, kGeneral, kDK, kSoftcapFast, kStageMask>(

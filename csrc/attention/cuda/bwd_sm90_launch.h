@@ -53,8 +53,18 @@ cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cuda
                         const BwdStepMaps& maps = {}) {
   const int64_t blocks = bwd_dkdv_ctas(p, KV::Bc);
   constexpr bool kStageMask = dkdv_stages_mask<KV, kGeneral, kWhich, kExtents, kFast>();
-  const int64_t smem = KV::kSmemBytes + (kTmaLoads ? 8 * KV::kStages : 0) +
-                       (kStageMask && bwd_stages_mask(p, st) ? KV::Br * KV::Bc * 2 : 0);
+  // kDropout: the keep bits' exchange after the staged mask tile or the mbarriers (the kernel's
+  // layout; its place does not depend on whether the tile is staged).
+  constexpr int64_t kExchange = kDropout ? 2 * KV::kNThreads * 8 : 0;
+  static_assert(
+      kExchange == 0 || KV::kMinBlocks * (KV::kSmemBytes + (kStageMask ? KV::Br * KV::Bc * 2 : 0) +
+                                          8 * KV::kStages + kExchange + 1024) <=
+                            228 * 1024,
+      "the dropout exchange keeps kMinBlocks CTAs per SM");
+  const int64_t smem =
+      KV::kSmemBytes + (kTmaLoads ? 8 * KV::kStages : 0) +
+      (kStageMask && (kExchange != 0 || bwd_stages_mask(p, st)) ? KV::Br * KV::Bc * 2 : 0) +
+      kExchange;
   return cuda::launch_kernel(
       attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kFast, kTmaLoads, kDropout>,
       blocks, KV::kNThreads, smem, stream, p, st, maps);
