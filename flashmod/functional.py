@@ -157,7 +157,9 @@ def attention(
             without copying.
         attn_mask: bool (True = attend) or additive float, broadcastable to ``(B, Hq, Nq, Nk)``;
             additive entries at or below ``HIDING_MASK_VALUE`` (-32768) hide their key as ``-inf`` does.
-        dropout_p: dropout on the probabilities (reference fallback when > 0).
+        dropout_p: dropout on the probabilities, fused into the kernels (CPU: every dtype; CUDA:
+            fp16/bf16), with the reference (``attention_dropout_reference``) for the rest
+            (:func:`fused_dropout_applies`).
         is_causal: causal mask aligned top-left (query ``i`` sees keys ``j <= i``), as SDPA.
             May be combined with ``attn_mask``.
         scale: score scale, default ``1 / sqrt(D)``.
@@ -205,7 +207,7 @@ def flash_attn_func(
 
     Args:
         q: ``(B, Nq, Hq, D)``; k, v: ``(B, Nk, Hkv, D)`` with ``Hq % Hkv == 0``.
-        dropout_p: dropout on the probabilities (reference fallback when > 0).
+        dropout_p: dropout on the probabilities (as :func:`attention`'s).
         softmax_scale: default ``1 / sqrt(D)``.
         causal: causal mask aligned bottom-right: query ``i`` sees keys ``j <= i + Nk - Nq``.
         window_size: ``(left, right)``: query ``i`` sees keys in

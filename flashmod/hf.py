@@ -38,7 +38,9 @@ masks give the same results):
   layers, ``|q - k| <= sliding_window`` for bidirectional ones. (transformers drops the mask only when the
   window cannot bind, so this matters for direct calls only);
 * ``softcap`` (Gemma 2/3) is applied to the scores before the mask; ``scaling`` defaults to ``1/sqrt(D)``;
-* ``dropout > 0`` (transformers passes it in training only) uses the reference fallback;
+* ``dropout > 0`` (transformers passes it in training only) runs :func:`flashmod.attention`'s dropout
+  (fused into the kernels); packed sequences (below) then run each sequence through the dense op on its own
+  rows, as :func:`flashmod.flash_attn_varlen_func` takes no dropout;
 * ``output_attentions=True`` also returns the probabilities, computed by :func:`attention_weights` (also
   for models such as GPT-2 that do not forward the flag but record what the attention returns); with
   dropout in training they are the probabilities before dropout;
@@ -267,8 +269,15 @@ def hf_attention_forward(
 
     cap = float(softcap) if softcap else 0.0
     packed = None
-    if not dropout and position_bias is None and not _attentions_requested(module, kwargs):
+    if position_bias is None and not _attentions_requested(module, kwargs):
         packed = _packed_sequences(query, key, mask, kwargs)
+    if packed is not None and dropout:
+        # flash_attn_varlen_func takes no dropout: each sequence runs the dense op on its own rows.
+        out, lse = _each_packed_sequence(query, key, value, packed, float(dropout), scaling, bool(is_causal),
+                                         sliding_window, cap)  # fmt: skip
+        if sinks is not None:
+            out = (out.float() * _sink_factor(lse, sinks, 1).unsqueeze(-1)).to(out.dtype)
+        return out.transpose(1, 2).contiguous(), None
     if packed is not None:
         # Packed sequences: each attends to itself only (block-diagonal, causal per sequence when the layer
         # is), without the (N x N) mask and without computing the blocks off the diagonal.
@@ -299,6 +308,41 @@ def hf_attention_forward(
     # The op's output keeps q's memory layout, which for transformers' transposed projections is already
     # (B, S, H, D): this transpose + contiguous is then free.
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _each_packed_sequence(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    packed: tuple[Tensor, Tensor, int, int],
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool,
+    sliding_window: int | None,
+    cap: float,
+) -> tuple[Tensor, Tensor]:
+    """Packed sequences under attention dropout: ``(out (B, Hq, N, D), lse (B, Hq, N))`` with each sequence of
+    ``packed`` (:func:`_packed_sequences`' cu_seqlens over the B * N flattened tokens) attending to itself
+    alone, causal bottom-right and windowed as in the varlen path, through the dense op on its own rows (one
+    call each, each drawing its own dropout words; reading cu_seqlens costs a host sync, as the position_ids
+    detection does)."""
+    cu_q, cu_k = (c.tolist() for c in packed[:2])
+    window = (-1, -1)
+    if sliding_window:
+        window = (sliding_window - 1, -1) if is_causal else (sliding_window, sliding_window)
+    batch, hq, n, d = query.shape
+    # (1, H, B * N, D): the tokens in the flattened order cu_seqlens counts.
+    q, k, v = (t.transpose(0, 1).reshape(t.shape[1], -1, t.shape[3])[None] for t in (query, key, value))
+    outs, lses = [], []
+    for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+        if q1 > q0:
+            o, lse = attention_bhsd(
+                q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], None, dropout, scaling, is_causal, True, window, cap
+            )
+            outs.append(o)
+            lses.append(lse)
+    out = torch.cat(outs, 2).reshape(hq, batch, n, d).transpose(0, 1)
+    return out, torch.cat(lses, 2).reshape(hq, batch, n).transpose(0, 1)
 
 
 def _sink_factor(lse: Tensor, sinks: Tensor, head_dim_of_lse: int) -> Tensor:

@@ -28,7 +28,7 @@ class FlashAttention(nn.Module):
         causal: apply a causal mask. Its alignment follows ``layout``'s convention: top-left for
             ``"bhsd"`` (SDPA), bottom-right for ``"bshd"`` (flash-attn; right for KV-cache decode).
         softmax_scale: default ``1 / sqrt(head_dim)``.
-        dropout: attention dropout, applied only in training mode (reference fallback).
+        dropout: attention dropout, applied only in training mode (as :func:`flashmod.attention`'s).
         window_size: ``(left, right)`` sliding window, -1 = unbounded; with ``"bshd"`` a side that
             reaches over all keys is unbounded too (flash-attn's rule, as ``flash_attn_func``).
         softcap: if > 0, scores become ``softcap * tanh(score / softcap)``.

@@ -91,3 +91,45 @@ def test_unpacked_position_ids_keep_the_dense_path(device):
         model(input_ids=ids, position_ids=torch.arange(12, device=device)[None])
         model(input_ids=ids.expand(2, -1), attention_mask=torch.ones(2, 12, dtype=torch.long, device=device))
     assert varlen.call_count == 0
+
+
+def _with_attention_dropout(model, p: float):
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = p
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "mistral", "gpt_oss"])
+@pytest.mark.parametrize("varlen_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_packed_training_with_dropout_keeps_sequences_apart(device, family, varlen_kwargs):
+    """flash_attn_varlen_func takes no dropout, so under attention dropout each packed sequence runs alone
+    (before, the packed row ran as one causal sequence: every sequence saw the ones before it). With p so
+    small that no probability is dropped (threshold 0), the loss and gradients are the padded batch's; with
+    p = 0.3 and the same seed, the last sequence's logits do not change when the first one's tokens do."""
+    lengths = [9, 17, 3, 5]
+    (ids, mask, labels), (packed_ids, position_ids, packed_labels) = _padded_and_packed(lengths, device)
+    extra = {"position_ids": position_ids}
+    if varlen_kwargs:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        extra |= {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
+
+    model = _model(family, device)
+    loss_padded, grads_padded = _loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    _with_attention_dropout(model, 1e-9)
+    loss_packed, grads_packed = _loss_and_grads(model, input_ids=packed_ids, labels=packed_labels, **extra)
+    assert torch.allclose(loss_packed, loss_padded, rtol=1e-5, atol=1e-6), (loss_packed.item(), loss_padded.item())
+    for name, g in grads_padded.items():
+        assert torch.allclose(grads_packed[name], g, rtol=1e-4, atol=1e-6), name
+
+    _with_attention_dropout(model, 0.3)
+    other_first = packed_ids.clone()
+    other_first[0, : lengths[0]] = (other_first[0, : lengths[0]] + 1) % VOCAB
+    logits = []
+    for tokens in (packed_ids, other_first):
+        torch.manual_seed(7)
+        logits.append(model(input_ids=tokens, **extra).logits[0, -lengths[-1] :])
+    # (Close, not equal: gpt-oss's experts run the packed row's tokens together, in shapes that change with
+    # the routing.)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5, msg="the last sequence saw the first")
+    torch.manual_seed(8)
+    assert not torch.equal(model(input_ids=packed_ids, **extra).logits[0, -lengths[-1] :], logits[0]), "no dropout"
