@@ -1,13 +1,17 @@
 // Dropout's keep bits for the CPU kernels, a row of keys at a time on W lanes of Philox4x32-10
 // (../dropout_draws.h holds the definition; keep_row there is its scalar form, which W = 4 keeps:
-// SSE2's 64-bit products of two lanes lost to it). Generic vector code only, so that it compiles
-// for the instruction set of the function it is inlined into: the forward's kernel units
-// (#pragma GCC target) and the backward's per-ISA row operations (target attributes). One call's
-// counter word x0 is its index 4 * span + t, so W consecutive calls are a lane ramp.
-// Zen 5, 10 rounds, per call: 0.9 ns on 16 lanes (AVX-512), 6.1 ns on 8 (AVX2: no 64-bit lane
-// product, emulated), 9 ns scalar. A whole row (512 keys): 0.40 ns a key on 16 lanes, 1.37 on 8;
-// with the keep bytes written one draw at a time it was 0.67 on 16 lanes, most of it that loop.
+// SSE2's 64-bit products of two lanes lost to it). Generic vector code, so that it compiles for
+// the instruction set of the function it is inlined into: the forward's kernel units (#pragma GCC
+// target) and the backward's per-ISA row operations (target attributes); AVX2's products alone
+// are intrinsics (mul_hi_avx2). One call's counter word x0 is its index 4 * span + t, so W
+// consecutive calls are a lane ramp.
+// Zen 5, 10 rounds, per call: 0.9 ns on 16 lanes (AVX-512), 9 ns scalar. A whole row (512 keys):
+// 0.40 ns a key on 16 lanes, 0.61 on 8 (AVX2); with the keep bytes written one draw at a time it
+// was 0.67 on 16 lanes, most of it that loop, and 1.40 on 8 with GCC's 64-bit lane products
+// (mul_hi_avx2).
 #pragma once
+
+#include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
@@ -15,6 +19,20 @@
 #include "../dropout_draws.h"
 
 namespace flashmod::cpu {
+
+typedef unsigned int DropoutLanes8 __attribute__((vector_size(32)));
+
+// The high words of m * x on 8 lanes, for the AVX2 kernels (W = 8 runs there only). The generic
+// form (below) multiplies 64-bit lanes, which AVX2 lacks: GCC built each from three 32-bit
+// products, not knowing the operands' high halves are zero; one vpmuludq per lane pair is the
+// whole product. Not always_inline: GCC would then inline it into the template's mul_hi first,
+// whose target is the default, and refuse; left to itself it inlines it into the AVX2 callers.
+__attribute__((target("avx2"))) inline DropoutLanes8 mul_hi_avx2(uint32_t m, DropoutLanes8 x) {
+  const __m256i mv = _mm256_set1_epi32(static_cast<int>(m)), xv = (__m256i)x;
+  const __m256i even = _mm256_mul_epu32(xv, mv);                        // lanes 0, 2, 4, 6
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(xv, 32), mv);  // lanes 1, 3, 5, 7
+  return (DropoutLanes8)_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
 
 template <int W>
 struct DropoutLanes {
@@ -25,6 +43,14 @@ struct DropoutLanes {
 
   // The high words of m * x per lane: even and odd lanes as 64-bit products.
   static inline __attribute__((always_inline)) vu mul_hi(uint32_t m, vu x) {
+    if constexpr (W == 8) {  // (copies: GCC takes this template's vector type for a scalar here)
+      DropoutLanes8 x8;
+      std::memcpy(&x8, &x, sizeof x8);
+      const DropoutLanes8 hi = mul_hi_avx2(m, x8);
+      vu out;
+      std::memcpy(&out, &hi, sizeof hi);
+      return out;
+    }
     const vq pairs = (vq)x, mv = vq{} + m;
     const vq even = (pairs & 0xFFFFFFFFull) * mv, odd = (pairs >> 32) * mv;
     return (vu)((even >> 32) | (odd & 0xFFFFFFFF00000000ull));
