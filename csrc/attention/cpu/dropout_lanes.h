@@ -56,6 +56,70 @@ struct DropoutLanes {
     return (vu)((even >> 32) | (odd & 0xFFFFFFFF00000000ull));
   }
 
+  // Philox4x32-10 on W lanes of counters (x0, x1, x2, x3) under d's key: the output words, in
+  // place.
+  static inline __attribute__((always_inline)) void philox(vu& x0, vu& x1, vu& x2, vu& x3,
+                                                           const DropoutState& d) {
+    uint32_t k0 = d.key0, k1 = d.key1;
+    for (int round = 0; round < 10; ++round) {
+      if (round > 0) {  // the Weyl key schedule between rounds
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+      }
+      const vu hi0 = mul_hi(0xD2511F53u, x0), lo0 = x0 * 0xD2511F53u;
+      const vu hi1 = mul_hi(0xCD9E8D57u, x2), lo1 = x2 * 0xCD9E8D57u;
+      x0 = hi1 ^ x1 ^ k0;
+      x1 = lo1;
+      x2 = hi0 ^ x3 ^ k1;
+      x3 = lo0;
+    }
+  }
+
+  // Dropout on a block of probabilities with the queries in the lanes (the forward's layout:
+  // S[(c - c0) * ld + r] is query r0 + r and key c): survivors times d.scale, the rest 0. The lanes
+  // run over W consecutive queries of one call (span, t), so its eight draws are eight keys'
+  // keep masks for W queries at once: no keep bytes, no transposition. Rows are taken in whole
+  // vectors: those past `rows` are the block's padding, whose values no output reads.
+  static inline __attribute__((always_inline)) void drop_query_lanes(const DropoutState& d,
+                                                                     int64_t bh, int64_t r0,
+                                                                     int64_t rows, int64_t c0,
+                                                                     int64_t cols, float* S,
+                                                                     int64_t ld) {
+    typedef float vf __attribute__((vector_size(4 * W)));
+    typedef int vi __attribute__((vector_size(4 * W)));
+    const int64_t c_end = c0 + cols;
+    const vu threshold = vu{} + d.threshold;  // 32-bit: p = 1's 2^16 keeps no 16-bit draw
+    const vf scale = vf{} + d.scale;
+    uint32_t lane[W];
+    for (int l = 0; l < W; ++l) lane[l] = static_cast<uint32_t>(l);
+    vu ramp;
+    std::memcpy(&ramp, lane, sizeof ramp);
+    for (int64_t rv = 0; rv < rows; rv += W) {
+      const vu queries = ramp + static_cast<uint32_t>(r0 + rv);
+      for (int64_t span = c0 / 32; 32 * span < c_end; ++span) {
+        for (uint32_t t = 0; t < 4; ++t) {
+          vu x0 = vu{} + static_cast<uint32_t>(4 * span + t), x1 = queries,
+             x2 = vu{} + static_cast<uint32_t>(bh), x3 = vu{} + d.stream;
+          philox(x0, x1, x2, x3, d);
+          const vu words[4] = {x0, x1, x2, x3};
+          for (int jj = 0; jj < 4; ++jj) {
+            for (int e = 0; e < 2; ++e) {
+              const int64_t j = 32 * span + 8 * jj + 2 * t + e;
+              if (j < c0 || j >= c_end) continue;
+              const vu draws = e ? words[jj] >> 16 : words[jj] & 0xFFFFu;
+              const vi keep = (vi)(draws >= threshold);  // all ones or 0 per lane
+              float* s = S + (j - c0) * ld + rv;
+              vf v;
+              std::memcpy(&v, s, sizeof v);
+              v = (vf)((vi)(v * scale) & keep);
+              std::memcpy(s, &v, sizeof v);
+            }
+          }
+        }
+      }
+    }
+  }
+
   // keep[c] = 1 where query i of head bh keeps key c0 + c, for c < cols (keep_row's contract).
   static inline __attribute__((always_inline)) void keep_row(const DropoutState& d, int64_t bh,
                                                              int64_t i, int64_t c0, int64_t cols,
@@ -76,19 +140,7 @@ struct DropoutLanes {
         vu x0, x1 = vu{} + static_cast<uint32_t>(i), x2 = vu{} + static_cast<uint32_t>(bh),
                x3 = vu{} + d.stream;
         std::memcpy(&x0, ramp, sizeof x0);
-        uint32_t k0 = d.key0, k1 = d.key1;
-        for (int round = 0; round < 10; ++round) {
-          if (round > 0) {  // the Weyl key schedule between rounds
-            k0 += 0x9E3779B9u;
-            k1 += 0xBB67AE85u;
-          }
-          const vu hi0 = mul_hi(0xD2511F53u, x0), lo0 = x0 * 0xD2511F53u;
-          const vu hi1 = mul_hi(0xCD9E8D57u, x2), lo1 = x2 * 0xCD9E8D57u;
-          x0 = hi1 ^ x1 ^ k0;
-          x1 = lo1;
-          x2 = hi0 ^ x3 ^ k1;
-          x3 = lo0;
-        }
+        philox(x0, x1, x2, x3, d);
         // Word jj of call l holds the draws of keys 32 (call / 4) + 8 jj + 2 (call % 4) + e in its
         // halves e: read as 2 W 16-bit draws, word jj's draws 8 q .. 8 q + 7 are keys
         // 32 span + 8 jj + 0 .. 7 of the batch's span q, in order. So each word compares to

@@ -478,13 +478,18 @@ struct VecEngine {
 };
 
 // Dropout on P_ij (cols x Br, the softmax's layout) after the row sums took it
-// (dropout_draws.h): query r0 + r keeps key c0 + c or gets 0.
+// (dropout_draws.h): query r0 + r keeps key c0 + c or gets 0. Vector units draw with the queries
+// in the lanes, P's own layout; the baseline (4 lanes: scalar draws) a row of keys at a time.
 inline void drop_probabilities(const DropoutState& d, int64_t bh, int64_t r0, int64_t rows,
                                int64_t c0, int64_t cols, float* S) {
-  uint8_t keep[kBc];
-  for (int64_t r = 0; r < rows; ++r) {
-    DropoutLanes<kW>::keep_row(d, bh, r0 + r, c0, cols, keep);
-    for (int64_t c = 0; c < cols; ++c) S[c * kBr + r] = keep[c] ? S[c * kBr + r] * d.scale : 0.0f;
+  if constexpr (kW >= 8) {
+    DropoutLanes<kW>::drop_query_lanes(d, bh, r0, rows, c0, cols, S, kBr);
+  } else {
+    uint8_t keep[kBc];
+    for (int64_t r = 0; r < rows; ++r) {
+      DropoutLanes<kW>::keep_row(d, bh, r0 + r, c0, cols, keep);
+      for (int64_t c = 0; c < cols; ++c) S[c * kBr + r] = keep[c] ? S[c * kBr + r] * d.scale : 0.0f;
+    }
   }
 }
 
