@@ -255,10 +255,7 @@ def hf_attention_forward(
         # alignment is right even when the keys are a longer static cache) or, for one query, everything.
         causal = bool(is_causal) and seqlen_q > 1
         bottom_right = seqlen_q == 1
-        window = (-1, -1)
-        if sliding_window:
-            # transformers' window patterns: causal keeps q - k < w, bidirectional keeps |q - k| <= w.
-            window = (sliding_window - 1, -1) if is_causal else (sliding_window, sliding_window)
+        window = _window(sliding_window, bool(is_causal))
     else:
         # The mask already encodes causality, padding and any sliding window (what transformers' sdpa does).
         causal, bottom_right, window = False, True, (-1, -1)
@@ -274,16 +271,14 @@ def hf_attention_forward(
     if packed is not None and dropout:
         # flash_attn_varlen_func takes no dropout: each sequence runs the dense op on its own rows.
         out, lse = _each_packed_sequence(query, key, value, packed, float(dropout), scaling, bool(is_causal),
-                                         sliding_window, cap)  # fmt: skip
+                                         _window(sliding_window, bool(is_causal)), cap)  # fmt: skip
         if sinks is not None:
             out = (out.float() * _sink_factor(lse, sinks, 1).unsqueeze(-1)).to(out.dtype)
         return out.transpose(1, 2).contiguous(), None
     if packed is not None:
         # Packed sequences: each attends to itself only (block-diagonal, causal per sequence when the layer
         # is), without the (N x N) mask and without computing the blocks off the diagonal.
-        window = (-1, -1)
-        if sliding_window:
-            window = (sliding_window - 1, -1) if is_causal else (sliding_window, sliding_window)
+        window = _window(sliding_window, bool(is_causal))
         hq, hkv, d = query.shape[1], key.shape[1], query.shape[3]
         out, lse = flash_attn_varlen_func(
             query.transpose(1, 2).reshape(-1, hq, d), key.transpose(1, 2).reshape(-1, hkv, d),
@@ -310,6 +305,14 @@ def hf_attention_forward(
     return out.transpose(1, 2).contiguous(), weights
 
 
+def _window(sliding_window: int | None, is_causal: bool) -> tuple[int, int]:
+    """transformers' ``sliding_window`` (counting the token itself) as flashmod's ``(left, right)``: causal
+    layers keep ``q - k < w``, bidirectional ones ``|q - k| <= w``; None or 0 is no window."""
+    if not sliding_window:
+        return (-1, -1)
+    return (sliding_window - 1, -1) if is_causal else (sliding_window, sliding_window)
+
+
 def _each_packed_sequence(
     query: Tensor,
     key: Tensor,
@@ -318,7 +321,7 @@ def _each_packed_sequence(
     dropout: float,
     scaling: float | None,
     is_causal: bool,
-    sliding_window: int | None,
+    window: tuple[int, int],
     cap: float,
 ) -> tuple[Tensor, Tensor]:
     """Packed sequences under attention dropout: ``(out (B, Hq, N, D), lse (B, Hq, N))`` with each sequence of
@@ -327,9 +330,6 @@ def _each_packed_sequence(
     call each, each drawing its own dropout words; reading cu_seqlens costs a host sync, as the position_ids
     detection does)."""
     cu_q, cu_k = (c.tolist() for c in packed[:2])
-    window = (-1, -1)
-    if sliding_window:
-        window = (sliding_window - 1, -1) if is_causal else (sliding_window, sliding_window)
     batch, hq, n, d = query.shape
     # (1, H, B * N, D): the tokens in the flattened order cu_seqlens counts.
     q, k, v = (t.transpose(0, 1).reshape(t.shape[1], -1, t.shape[3])[None] for t in (query, key, value))
