@@ -268,14 +268,7 @@ def hf_attention_forward(
     packed = None
     if position_bias is None and not _attentions_requested(module, kwargs):
         packed = _packed_sequences(query, key, mask, kwargs)
-    if packed is not None and dropout:
-        # flash_attn_varlen_func takes no dropout: each sequence runs the dense op on its own rows.
-        out, lse = _each_packed_sequence(query, key, value, packed, float(dropout), scaling, bool(is_causal),
-                                         _window(sliding_window, bool(is_causal)), cap)  # fmt: skip
-        if sinks is not None:
-            out = (out.float() * _sink_factor(lse, sinks, 1).unsqueeze(-1)).to(out.dtype)
-        return out.transpose(1, 2).contiguous(), None
-    if packed is not None:
+    if packed is not None and not dropout:
         # Packed sequences: each attends to itself only (block-diagonal, causal per sequence when the layer
         # is), without the (N x N) mask and without computing the blocks off the diagonal.
         window = _window(sliding_window, bool(is_causal))
@@ -289,7 +282,12 @@ def hf_attention_forward(
             out = (out.float() * _sink_factor(lse, sinks, 0).t().unsqueeze(-1)).to(out.dtype)
         return out.reshape(query.shape[0], -1, hq, d), None
 
-    out, lse = attention_bhsd(query, key, value, mask, float(dropout), scaling, causal, bottom_right, window, cap)
+    if packed is not None:
+        # flash_attn_varlen_func takes no dropout: each sequence runs the dense op on its own rows.
+        out, lse = _each_packed_sequence(query, key, value, packed, float(dropout), scaling, bool(is_causal),
+                                         _window(sliding_window, bool(is_causal)), cap)  # fmt: skip
+    else:
+        out, lse = attention_bhsd(query, key, value, mask, float(dropout), scaling, causal, bottom_right, window, cap)
     factor = None
     if sinks is not None:
         factor = _sink_factor(lse, sinks, 1).unsqueeze(-1)
