@@ -85,8 +85,8 @@ def main() -> None:
 def backward_ops() -> None:
     """The fp16/bf16 backward's kernels (the row statistics, dK/dV and dQ; general variants with a
     soft cap and a mask, and with dropout, whose forward runs here too) and, on Hopper, the dK/dV
-    kernel that takes dQ itself (FLASHMOD_BWD_FUSED_DQ=2, head dims 64 and 128) with the conversion
-    of its sums: odd lengths, causal, GQA."""
+    kernel that takes dQ itself (FLASHMOD_BWD_FUSED_DQ=2, head dims 64 and 128; with dropout at
+    128) with the conversion of its sums: odd lengths, causal, GQA."""
     for fused in ("0", "2"):
         os.environ["FLASHMOD_BWD_FUSED_DQ"] = fused
         shapes = ((130, 77, 128, 2, 2), (200, 600, 128, 4, 2), (17, 113, 64, 2, 1), (200, 600, 64, 4, 2))
@@ -97,15 +97,16 @@ def backward_ops() -> None:
             for opts in ({}, {"is_causal": True}):
                 out, lse = attention_op(q, k, v, **opts)
                 torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
+            # The dropout variants (forward, dK/dV, dQ; general and plain scores), and the fused
+            # dQ variant's plain one.
+            rng = torch.randint(0, 1 << 62, (2,), device="cuda")
+            mask = torch.rand(nq, nk, device="cuda") > 0.3
+            for m in (mask, None) if fused == "0" else (None,):
+                out, _ = torch.ops.flashmod.attention_dropout(q, k, v, m, None, True, True, -1, -1, 0.0, 0.3, rng)
+                torch.autograd.grad(out.float().sum(), (q, k, v))
             if fused == "0":
-                mask = torch.rand(nq, nk, device="cuda") > 0.3
                 out, _ = attention_op(q, k, v, mask, softcap=5.0)
                 torch.autograd.grad(out.float().sum(), (q, k, v))
-                # The dropout variants (forward, dK/dV, dQ), general and plain scores.
-                rng = torch.randint(0, 1 << 62, (2,), device="cuda")
-                for m in (mask, None):
-                    out, _ = torch.ops.flashmod.attention_dropout(q, k, v, m, None, True, True, -1, -1, 0.0, 0.3, rng)
-                    torch.autograd.grad(out.float().sum(), (q, k, v))
     os.environ.pop("FLASHMOD_BWD_FUSED_DQ")
 
 

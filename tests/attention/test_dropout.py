@@ -150,6 +150,101 @@ def test_portable_kernels_where_the_hopper_ones_run(monkeypatch, case):
     check_dropout(q, k, v, 0.3, rng, use_grad_lse=True, attn_mask=mask, **opts)
 
 
+# The Hopper backward's fused dQ variant (dQ added up by atomics in the dK/dV kernel, whose dS^T
+# already holds the dropped dP) takes plain dropout calls at padded head dims 64 (steps of 128
+# queries, two keep words a thread) and 128. FLASHMOD_BWD_FUSED_DQ=2 takes it although the suite's
+# fixture turns deterministic algorithms on. (b, hq, hkv, nq, nk, d, options)
+FUSED_DQ_CASES = {
+    "plain_d128": (2, 4, 2, 203, 333, 128, {}),
+    "causal_d111": (1, 6, 2, 1023, 1023, 111, {"is_causal": True}),
+    "causal_top_left_d97": (2, 4, 4, 17, 260, 97, {"is_causal": True, "bottom_right": False}),
+    "window_d128": (1, 4, 1, 300, 300, 128, {"window_left": 70, "window_right": 5}),
+    "plain_d64": (1, 4, 2, 257, 300, 64, {}),
+    "causal_d40": (1, 6, 3, 1023, 1023, 40, {"is_causal": True}),
+    "causal_top_left_d59": (2, 4, 1, 113, 203, 59, {"is_causal": True, "bottom_right": False}),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("case", list(FUSED_DQ_CASES))
+def test_fused_dq_variant(monkeypatch, dtype, case):
+    """The fused dQ variant's gradients hold the rule against the fp64 reference with the same keep
+    mask, over odd lengths, GQA, both causal alignments and a window."""
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
+    b, hq, hkv, nq, nk, d, opts = FUSED_DQ_CASES[case]
+    q, k, v, _ = _case("cuda", dtype, b, hq, hkv, nq, nk, d, None)
+    rng = torch.randint(0, 1 << 62, (2,), device="cuda")
+    check_dropout(q, k, v, 0.2, rng, use_grad_lse=True, **opts)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("d", "nq", "is_causal", "fused"),
+    # causal: 550 queries a key of 1100
+    [(128, 1100, True, True), (128, 500, False, False), (64, 1100, False, True), (64, 1100, True, False)],
+)
+def test_fused_dq_rule_under_dropout(monkeypatch, d, nq, is_causal, fused):
+    """FLASHMOD_BWD_FUSED_DQ=1 takes the fused variant for dropout calls from 512 queries a key at
+    D = 128 and from 1024 at D = 64 (backward_dispatch.h: fused_dq_min_queries), over >= 1024 keys,
+    with deterministic algorithms off: its dQ then differs from the dQ kernel's in the last bits."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fused variant is a Hopper kernel")
+    torch.use_deterministic_algorithms(False)
+    q, k, v, _ = _case("cuda", torch.bfloat16, 1, 4, 2, nq, 1100, d, None)
+    q.requires_grad_()
+    grad_out, rng = torch.randn_like(q), torch.randint(0, 1 << 62, (2,), device="cuda")
+
+    def dq(knob):
+        monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", knob)
+        out, _ = torch.ops.flashmod.attention_dropout(q, k, v, None, None, is_causal, True, -1, -1, 0.0, 0.2, rng)
+        return torch.autograd.grad(out, q, grad_out)[0]
+
+    assert torch.equal(dq("1"), dq("0")) != fused
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused_dq", ["0", "2"])
+def test_cuda_graph_replays_draw_new_masks(monkeypatch, fused_dq):
+    """Forward and backward captured in a CUDA graph with rng_state drawn inside it: torch's
+    generator advances on every replay, so each replay drops other keys, and what a replay returns
+    is an eager call's with that replay's rng_state (bitwise; dQ of the fused variant, summed by
+    atomics in no fixed order, to rounding)."""
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", fused_dq)
+    q, k, v, _ = _case("cuda", torch.bfloat16, 2, 4, 2, 203, 300, 128, None)
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    grad_out = torch.randn_like(q)
+
+    def step(rng):
+        out, _ = torch.ops.flashmod.attention_dropout(*inputs, None, None, True, True, -1, -1, 0.0, 0.3, rng)
+        return (out, *torch.autograd.grad(out, inputs, grad_out))
+
+    def drawn_step():
+        rng = torch.randint(0, 1 << 62, (2,), device="cuda")
+        return (rng, *step(rng))
+
+    side = torch.cuda.Stream()  # warm-up off the capturing stream, as torch's graph docs ask
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        drawn_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = drawn_step()
+    states = []
+    for _ in range(3):
+        graph.replay()
+        rng = captured[0].clone()
+        states.append(rng)
+        eager = step(rng)
+        for name, x, y in zip(("out", "dq", "dk", "dv"), captured[1:], eager):
+            if name == "dq" and fused_dq == "2":
+                torch.testing.assert_close(x, y)
+            else:
+                assert torch.equal(x, y), name
+    assert len({tuple(s.tolist()) for s in states}) == 3
+
+
 def test_same_rng_state_same_result(device):
     """The call is a function of rng_state: bitwise equal outputs and gradients; another state
     drops other keys."""

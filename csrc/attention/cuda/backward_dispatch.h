@@ -67,8 +67,14 @@ inline int64_t bwd_queries_per_key(const AttentionBwdParams& p) {
 // sees: at D = 128 >= 1024 without a window and >= 2048 with one (causal's half is uneven from
 // key to key); at D = 64, a step of twice the queries with the same fixed costs, >= 2048 either
 // way; and >= 1024 keys (only square shapes were measured).
-inline int64_t fused_dq_min_queries(int padded_head_dim, bool windowed) {
-  if (padded_head_dim == 64) return 2048;
+// Under dropout the dQ kernel draws every keep bit again, which the fused variant does not
+// (H200, bf16, p = 0.1, same process, session 41, fused / seven matmuls): D = 128 no window 1k
+// 1.11 (GQA 32/8 1.14), 4k 1.18 (1.19); causal 1k 1.01 (1.02), 4k 1.14 (1.13); D = 64 no window
+// 1k 1.05, 4k 1.12; causal 1k 0.96, 4k 1.10. So >= 512 queries a key at D = 128, window or not,
+// and >= 1024 at D = 64.
+inline int64_t fused_dq_min_queries(int padded_head_dim, bool windowed, bool dropout) {
+  if (padded_head_dim == 64) return dropout ? 1024 : 2048;
+  if (dropout) return 512;
   return windowed ? 2048 : 1024;
 }
 constexpr int64_t kBwdFusedDQMinKeys = 1024;
@@ -79,7 +85,8 @@ inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
   if (knob != 1) return knob == 2;
   const bool windowed = p.window_left >= 0 || p.window_right >= 0;
   return p.seqlen_k >= kBwdFusedDQMinKeys &&
-         bwd_queries_per_key(p) >= fused_dq_min_queries(padded_head_dim, windowed) &&
+         bwd_queries_per_key(p) >=
+             fused_dq_min_queries(padded_head_dim, windowed, p.dropout_rng != nullptr) &&
          !at::globalContext().deterministicAlgorithms();
 }
 
@@ -99,14 +106,13 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
   const int key = cuda_kernels::variant_key(p.dtype, padded);
   if (sm90_kernels_usable() && cuda_kernels::has_head_dim(cuda_kernels::kBwdSm90HeadDims, padded)) {
     // Tile indices are below 64 (tools/gen_kernels.py checks). Variable-length and dropout calls
-    // run the default tile, the only one built with their variants (bwd_sm90_launch.h); dropout
-    // has no form of the fused dQ variant.
+    // run the default tile, the only one built with their variants (bwd_sm90_launch.h).
     const bool dropout = p.dropout_rng != nullptr;
     const int tile = has_sequence_extents(p) || dropout
                          ? cuda_kernels::find_tile(cuda_kernels::kBwdSm90Tiles, "", padded)
                          : bwd_sm90_tile(op, padded, p, st);
     cuda_kernels::BwdRowStats run_st = st;
-    if (!has_sequence_extents(p) && !dropout && cuda_kernels::kBwdSm90Tiles[tile].is_default &&
+    if (!has_sequence_extents(p) && cuda_kernels::kBwdSm90Tiles[tile].is_default &&
         cuda_kernels::bwd_fused_dq(p, padded) && fused_dq_wanted(p, padded)) {
       const size_t bytes =
           static_cast<size_t>(p.batch * p.heads_q * st.rows_padded) * padded * sizeof(float);

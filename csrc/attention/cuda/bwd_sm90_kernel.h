@@ -275,8 +275,9 @@ constexpr bool additive_fast_variant() {
 // (D = 128 dK/dV: 20 bytes; soft-capped fwd+bwd 3-4 % slower).
 // kTmaLoads: the step loads of kBwdFusedDQ's (Q_i, dO_i and their row statistics through the
 // copy engine, maps as BwdStepMaps) in a plain dense variant.
-// kDropout (both kernels): dropout on P (dropout.h), as in the portable kernels; dense calls, the
-// seven-matmul kernels only (the fused dQ variant has no dropout form).
+// kDropout (both kernels): dropout on P (dropout.h), as in the portable kernels; dense calls,
+// plain or general scores in the seven-matmul kernels, plain ones in the fused dQ variant (its
+// dS^T already holds the dropped dP, so dQ needs no draws of its own).
 template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast, bool kTmaLoads = false,
           bool kDropout = false>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
@@ -322,11 +323,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   constexpr bool kTmaSteps = kFusedDQ || kTmaLoads;
   static_assert(!kTmaLoads || (!kExtents && !kStageMask && !Tr::kOverlap),
                 "dense rows, no staged mask, the plain pipeline");
-  static_assert(!kDropout || (!kExtents && !kFusedDQ && kFast == kBwdFastNone),
-                "dropout: dense calls, seven-matmul kernels, no fast path");
+  static_assert(!kDropout || (!kExtents && kFast == kBwdFastNone && (!kFusedDQ || !kGeneral)),
+                "dropout: dense calls, no fast path; plain scores in the fused dQ variant");
   const uint32_t full_bar0 = sMask_addr;
   // kDropout: the keep bits' exchange between the warps of a 32-key span (two buffers of two words
-  // per thread; keep_bits_key_rows_paired), past the staged mask tile or the stages' mbarriers.
+  // per thread; keep_bits_key_rows_paired), past the staged mask tile or the stages' mbarriers;
+  // in the fused dQ variant, whose tiles leave no 4 KB free, inside the step's dS^T tile (below).
   const uint32_t exchange_addr =
       sMask_addr + (kStageMask ? Br * Bc * 2 : 0) + (kTmaSteps ? 8 * kStages : 0);
   const auto staged_tile = [&] {
@@ -423,7 +425,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const int key_row[2] = {k0 + warp_row0 + g, k0 + warp_row0 + g + 8};
   // keep_bits_key_rows' layout: key_row[0] % 32 is below 8 or in [16, 24), as warp_row0 is a
   // multiple of 16 and k0 one of Bc.
-  static_assert(!kDropout || (NT <= 8 && Bc % 32 == 0), "one 32-bit keep mask per step");
+  // A 32-bit keep mask per 64 queries of a step: the fused dQ variant's 128-query steps (D = 64)
+  // take two, each with its own exchange and barrier.
+  constexpr int kKeepWords = NT > 8 ? NT / 8 : 1;
+  static_assert(!kDropout || ((NT <= 8 || (kFusedDQ && NT == 16)) && Bc % 32 == 0),
+                "one 32-bit keep mask per 64 queries of a step");
   DropoutState drop;
   if constexpr (kDropout) drop = dropout_state(p);
 
@@ -582,18 +588,47 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
       // Dropout: dP^T is masked and scaled before dS^T (whose delta = rowsum(dO * O) already holds
       // the dropped O), and P^T before dV.
-      uint32_t keep = 0;
+      uint32_t keep[kKeepWords] = {};
+      constexpr int kPartTiles = NT / kKeepWords;  // n8 tiles of a keep word: 64 queries or fewer
+      // A keep word's part of an accumulator.
+      auto part = [](float (&acc)[NT][4], int w) -> float (&)[kPartTiles][4] {
+        return *reinterpret_cast<float (*)[kPartTiles][4]>(&acc[w * kPartTiles][0]);
+      };
       if constexpr (kDropout) {
-        const uint32_t buffer = exchange_addr + (s & 1) * kThreads * 8;
-        keep = keep_bits_key_rows_paired<NT>(
-            drop, static_cast<uint32_t>(b * p.heads_q + h), key_row[0], static_cast<uint32_t>(r0),
-            t, buffer + tid * 8, buffer + (tid ^ 32) * 8, 1 + warp / 2);
-        if constexpr (kDK) apply_dropout(dPt, keep, drop.scale);
+        uint32_t mine_at, sibling_at;
+        if constexpr (kDQ) {
+          // In the step's dS^T tile, each word where the warp that reads it later stores its own
+          // dS^T rows (16 key rows x 128 bytes of the first 64 queries: 2 KB): the tile is free
+          // from the loop-top barrier (step s - 2's dQ product, its last reader, was waited for
+          // in step s - 1) and the reader overwrites its words itself, after its reads (the
+          // __syncwarp there).
+          static_assert(kKeepWords * 32 * 8 <= 16 * 128, "a warp's words fit its 2 KB of rows");
+          const uint32_t tile_addr = sdS_addr + (s & 1) * kSdSBytes;
+          mine_at = tile_addr + (warp ^ 1) * 2048 + lane * 8;
+          sibling_at = tile_addr + warp * 2048 + lane * 8;
+        } else {
+          const uint32_t buffer = exchange_addr + (s & 1) * kThreads * 8;
+          mine_at = buffer + tid * 8;
+          sibling_at = buffer + (tid ^ 32) * 8;
+        }
+#pragma unroll
+        for (int w = 0; w < kKeepWords; ++w)
+          keep[w] = keep_bits_key_rows_paired<kPartTiles>(
+              drop, static_cast<uint32_t>(b * p.heads_q + h), key_row[0],
+              static_cast<uint32_t>(r0 + 64 * w), t, mine_at + w * 256, sibling_at + w * 256,
+              1 + warp / 2);
+        if constexpr (kDK) {
+#pragma unroll
+          for (int w = 0; w < kKeepWords; ++w) apply_dropout(part(dPt, w), keep[w], drop.scale);
+        }
       }
       transposed_probs_and_grads<Elem, kGeneral, kDK, kSoftcapFast, kStageMask>(
           St, dPt, p, tf, scale_log2, b, h, r0, Br, n_block, Bc, key_row, sL + stage * Br,
           sDelta + stage * Br, t, plain_keys, stage_mask, staged_tile);
-      if constexpr (kDropout && kDV) apply_dropout(St, keep, drop.scale);
+      if constexpr (kDropout && kDV) {
+#pragma unroll
+        for (int w = 0; w < kKeepWords; ++w) apply_dropout(part(St, w), keep[w], drop.scale);
+      }
       if constexpr (kStageMask) {
         if (stage_mask) {
           // Every warp has read this step's mask tile: the next step's may overwrite it. (Its
@@ -631,6 +666,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         // The tile was last read by step s - 2's dQ product, which each warpgroup waited for
         // during step s - 1, before this step's loop-top barrier.
         const uint32_t tile_addr = sdS_addr + (s & 1) * kSdSBytes;
+        if constexpr (kDropout) __syncwarp();  // every lane has read its keep-bit words here
 #pragma unroll
         for (int kk = 0; kk < Br / 16; ++kk)
 #pragma unroll

@@ -144,16 +144,17 @@ template <typename Elem, int kHeadDim>
 using FusedDQTraits = std::conditional_t<kHeadDim == 128, BwdKVTraitsSm90<Elem, 128, 2, 64, 1, 3>,
                                          BwdKVTraitsSm90<Elem, 64, 2, 128, 1, 2>>;
 
-template <typename Elem, int kHeadDim>
+template <typename Elem, int kHeadDim, bool kDropout = false>
 cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& st,
                                 const BwdStepMaps& maps, cudaStream_t stream) {
   using KV = FusedDQTraits<Elem, kHeadDim>;
-  // + two steps' dS^T, each warpgroup's dQ tile and the stages' mbarriers (the kernel's layout)
+  // + two steps' dS^T, each warpgroup's dQ tile and the stages' mbarriers (the kernel's layout;
+  // kDropout's keep-bit exchange lives in the dS^T tiles)
   constexpr int64_t kSmem =
       KV::kSmemBytes + 2 * KV::Bc * KV::Br * 2 + 2 * kDQTileFloats * 4 + 8 * KV::kStages;
   static_assert(kSmem <= 227 * 1024, "sm_90's per-block shared-memory limit");
   cudaError_t err = cuda::launch_kernel(
-      attention_bwd_dkdv_sm90_kernel<KV, false, kBwdFusedDQ, false, kBwdFastNone>,
+      attention_bwd_dkdv_sm90_kernel<KV, false, kBwdFusedDQ, false, kBwdFastNone, false, kDropout>,
       bwd_dkdv_ctas(p, KV::Bc), KV::kNThreads, kSmem, stream, p, st, maps);
   if (err != cudaSuccess) return err;
   const int64_t quads = p.batch * p.heads_q * st.rows_padded * kHeadDim / 4;
@@ -188,14 +189,14 @@ template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   using Cfg = BwdConfigSm90<Elem, kHeadDim, kTile, kDropout>;
   using KV = typename Cfg::KV;
-  if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone && !kDropout &&
+  if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone &&
                 bwd_fused_dq_head_dim(kHeadDim) && kBwdSm90Tiles[kTile].is_default) {
     // The fused variant's loads need tensor maps over q and grad_out (16-byte aligned bases and
     // strides); where TMA cannot take them, the seven-matmul kernels run (its sums go unused).
     BwdStepMaps fused_maps;
     if (st.dq_accum != nullptr &&
         encode_bwd_step_maps<Elem>(p, false, FusedDQTraits<Elem, kHeadDim>::Br, fused_maps))
-      return launch_bwd_fused_dq<Elem, kHeadDim>(p, st, fused_maps, stream);
+      return launch_bwd_fused_dq<Elem, kHeadDim, kDropout>(p, st, fused_maps, stream);
   }
   // The dK/dV launches of the tile's split (one warpgroup for both, a launch each, or a warpgroup
   // each), with the step loads of kTma.

@@ -189,8 +189,8 @@ struct BwdRowStats {
 
 // Whether the Hopper backward can take dQ into its dK/dV kernel (five matmuls per block pair
 // instead of seven; dQ added up in fp32 by atomics, so not bitwise reproducible): padded head
-// dim 64 or 128, plain scores (windows and causal included). The caller also rules out
-// per-sequence extents (has_sequence_extents), which the variant is not built for.
+// dim 64 or 128, plain scores (windows and causal included; dropout too). The caller also rules
+// out per-sequence extents (has_sequence_extents), which the variant is not built for.
 FLASHMOD_HD constexpr bool bwd_fused_dq_head_dim(int padded_head_dim) {
   return padded_head_dim == 64 || padded_head_dim == 128;
 }
