@@ -576,18 +576,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
                               desc_advance(do_desc0, stage_bytes + k_step(ks, Br)), 1);
       }
       wgmma_commit();
-      wgmma_wait<0>();  // with kOverlap, also step s - 1's gradient products
-      pin_registers(St);
-      pin_registers(dPt);
-      if constexpr (Tr::kOverlap) {
-        pin_registers(dV);
-        pin_registers(dK);
-        pin_registers(pa);
-        pin_registers(da);
-      }
-
-      // Dropout: dP^T is masked and scaled before dS^T (whose delta = rowsum(dO * O) already holds
-      // the dropped O), and P^T before dV.
+      // Dropout: the keep bits are drawn while the score products run (their registers are not
+      // touched); dP^T is masked and scaled before dS^T (whose delta = rowsum(dO * O) already
+      // holds the dropped O), and P^T before dV, once the products have landed.
       uint32_t keep[kKeepWords] = {};
       constexpr int kPartTiles = NT / kKeepWords;  // n8 tiles of a keep word: 64 queries or fewer
       // A keep word's part of an accumulator.
@@ -617,10 +608,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
               drop, static_cast<uint32_t>(b * p.heads_q + h), key_row[0],
               static_cast<uint32_t>(r0 + 64 * w), t, mine_at + w * 256, sibling_at + w * 256,
               1 + warp / 2);
-        if constexpr (kDK) {
+      }
+      wgmma_wait<0>();  // with kOverlap, also step s - 1's gradient products
+      pin_registers(St);
+      pin_registers(dPt);
+      if constexpr (Tr::kOverlap) {
+        pin_registers(dV);
+        pin_registers(dK);
+        pin_registers(pa);
+        pin_registers(da);
+      }
+
+      if constexpr (kDropout && kDK) {
 #pragma unroll
-          for (int w = 0; w < kKeepWords; ++w) apply_dropout(part(dPt, w), keep[w], drop.scale);
-        }
+        for (int w = 0; w < kKeepWords; ++w) apply_dropout(part(dPt, w), keep[w], drop.scale);
       }
       transposed_probs_and_grads<Elem, kGeneral, kDK, kSoftcapFast, kStageMask>(
           St, dPt, p, tf, scale_log2, b, h, r0, Br, n_block, Bc, key_row, sL + stage * Br,
@@ -870,6 +871,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       Wgmma<Elem, Bc>::ss(dP, desc_advance(do_desc, k_step(ks, Br)),
                           desc_advance(v_desc0, stage_bytes + k_step(ks, Bc)), 1);
     wgmma_commit();
+    // Dropout: the keep bits drawn while the score products run; dP is masked and scaled before
+    // dS.
+    uint32_t keep = 0;
+    if constexpr (kDropout)
+      keep = keep_bits_query_rows<NT>(drop, static_cast<uint32_t>(b * p.heads_q + h),
+                                      static_cast<uint32_t>(r0 + warp_row0 + g),
+                                      static_cast<uint32_t>(n * Bc), t);
     wgmma_wait<0>();  // with kOverlap, also block n - 1's dQ product
     pin_registers(S);
     pin_registers(dP);
@@ -878,13 +886,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       pin_registers(da);
     }
 
-    if constexpr (kDropout) {  // dP is masked and scaled before dS
-      apply_dropout(dP,
-                    keep_bits_query_rows<NT>(drop, static_cast<uint32_t>(b * p.heads_q + h),
-                                             static_cast<uint32_t>(r0 + warp_row0 + g),
-                                             static_cast<uint32_t>(n * Bc), t),
-                    drop.scale);
-    }
+    if constexpr (kDropout) apply_dropout(dP, keep, drop.scale);
     if constexpr (kAdditiveFast) {
       const MaskTile staged{sMask_addr0 + stage * MaskTile::kBytes, r0};
       probs_and_grads<Elem, kGeneral, kSoftcapFast, kAdditiveFast>(
