@@ -16,10 +16,12 @@ the AMX path and the AVX2 one, none failed). Two known limits show up at peak 3 
 bf16 dq/dk of a very peaked row past the rule (delta comes from the bf16 output, flash-attn's
 design), and fp32 gradients past the tight fp32 bound (P recomputed from an lse of another
 summation order); both are in benchmarks/results/design/api-edges.md, session 19. With --dropout a
-third: dq of rows that see a single key (nk = 1, or the first row of a top-left causal mask), whose
-true dq is 0 while delta = rowsum(dO o O) comes from the stored output, which dropout's scale makes
-inexact (O = v / (1 - p) rounded; plain torch's softmax backward gives exactly 0 there; flash-attn's
-design too; session 39). A failure outside those is new."""
+third: rows that see a single key (nk = 1, a (0, 0) window, the first row of a top-left causal
+mask), whose true dS = P (dP - delta) is 0 while delta = rowsum(dO o O) comes from the stored
+output, which dropout's scale makes inexact (O = v / (1 - p) rounded; plain torch's softmax
+backward gives exactly 0 there; flash-attn's design too; session 39). It fails the rule only where
+every row sees at most one key (plain torch's dq and dk are then exact, so the rule allows no
+error): such dq / dk failures print as KNOWN and do not count. A failure outside those is new."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests" / p) for p in ("", "attention")]
 from test_attention_backward import check_grads  # noqa: E402
 from test_dropout import check_dropout  # noqa: E402
+
+from flashmod.reference import effective_window, visible_keys  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -75,6 +79,21 @@ def random_case(rng: random.Random, device: str, dtype: torch.dtype) -> tuple[tu
     return (q, k, v), opts, desc
 
 
+def most_keys_a_row_sees(q: torch.Tensor, k: torch.Tensor, opts: dict) -> int:
+    """The largest number of keys any query row sees (causal, window and bool mask; additive masks
+    here are finite, so they hide none)."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    left, right = effective_window(
+        opts.get("is_causal", False), opts.get("window_left", -1), opts.get("window_right", -1)
+    )
+    window = visible_keys(torch.arange(nq), nq, nk, left, right, opts.get("bottom_right", True))
+    seen = torch.ones(nq, nk, dtype=torch.bool) if window is None else window
+    mask = opts.get("attn_mask")
+    if mask is not None and mask.dtype == torch.bool:
+        seen = seen & mask.cpu()
+    return int(seen.sum(-1).max())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -85,7 +104,7 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
-    failures = 0
+    failures = known = 0
     for _ in range(args.configs):
         tensors, opts, desc = random_case(rng, args.device, DTYPES[args.dtype])
         try:
@@ -98,9 +117,14 @@ def main() -> None:
             else:
                 check_grads(*tensors, use_grad_lse=rng.random() < 0.5, **opts)
         except AssertionError as err:
+            single_key_rows = args.dropout > 0 and most_keys_a_row_sees(tensors[0], tensors[1], opts) <= 1
+            if single_key_rows and str(err).startswith(("dq: error", "dk: error")):
+                known += 1
+                print("KNOWN (every row sees at most one key)", desc, str(err)[:200])
+                continue
             failures += 1
             print("FAIL", desc, str(err)[:300])
-    print(f"seed {args.seed}: {args.configs} configurations, {failures} failed")
+    print(f"seed {args.seed}: {args.configs} configurations, {failures} failed, {known} known")
     sys.exit(1 if failures else 0)
 
 
