@@ -15,14 +15,19 @@ Inside real models:
 """
 
 from . import hf as _hf
-from .functional import attention, flash_attn_func
+from .functional import attention, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from .hf import HF_ATTN_IMPLEMENTATION
 from .merge_ops import merge_attention
 from .modules import FlashAttention, FlashMultiheadAttention
 from .ops import attention_op
 from .patch import patch, patched, unpatch
 from .reference import attention_reference
-from .serve_ops import flash_attn_varlen_func, flash_attn_with_kvcache
+from .serve_ops import (
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
 from .softmax_ops import matmul_softmax, softmax
 
 _hf._install()
@@ -35,7 +40,11 @@ __all__ = [
     "attention_op",
     "attention_reference",
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "matmul_softmax",
     "merge_attention",

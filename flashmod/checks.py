@@ -190,6 +190,18 @@ def check_deterministic_backward(op: str, deterministic: bool, *tensors: Tensor)
         )
 
 
+def unpack_stacked(op: str, name: str, packed: object, parts: int, dims: str) -> tuple[Tensor, ...]:
+    """flash-attn's packed inputs (``qkv``: q, k, v stacked at dim -3; ``kv``: k, v): the parts as
+    views of ``packed``, no copy. ``dims`` names its dimensions for the error, e.g.
+    ``"batch, seqlen, 3, heads, head_dim"``."""
+    check_tensor_types(op, **{name: packed})
+    assert isinstance(packed, Tensor)
+    rank = len(dims.split(", "))
+    if packed.dim() != rank or packed.shape[-3] != parts:
+        raise RuntimeError(f"{op}: {name} must be a {rank}-D tensor ({dims}), got shape {list(packed.shape)}")
+    return packed.unbind(-3)
+
+
 def unbounded_past(window: tuple[int, int], seqlen_k: int) -> tuple[int, int]:
     """flash-attn's rule: a window side that reaches over all ``seqlen_k`` keys is unbounded (-1).
     With Nq > Nk the literal bound would hide keys from the first queries, which flash-attn's

@@ -5,11 +5,13 @@
 * :func:`flash_attn_func` — flash-attn's ``(B, S, H, D)`` layout and arguments; ``causal`` and
   ``window_size`` are bottom-right aligned, as in flash-attn (what KV-cache decoding needs).
 
+  :func:`flash_attn_qkvpacked_func` and :func:`flash_attn_kvpacked_func` take flash-attn's packed
+  forms of the same.
+
 Both reach ``torch.ops.flashmod.attention`` (differentiable through ``register_autograd``). GQA/MQA
 is automatic: q-head ``h`` uses kv-head ``h // (Hq // Hkv)``; K/V are never repeated in memory.
-Dropout in training has no fused kernel: with ``dropout_p > 0`` the call falls back to
-:func:`flashmod.reference.attention_reference` (correct, at plain torch speed; large calls run in
-query-row chunks under activation checkpointing, so no ``Nq x Nk`` tensor outlives its chunk).
+Dropout runs ``torch.ops.flashmod.attention_dropout`` (fused kernels on the CPU and on CUDA
+fp16/bf16), else the reference (:func:`fused_dropout_applies` says which).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .checks import (
     check_tensor_types,
     check_window,
     unbounded_past,
+    unpack_stacked,
 )
 from .ops import HAS_CUDA_DROPOUT_KERNELS, _tensor_scale, attention_op, autocast_attention_args
 from .reference import attention_reference
@@ -226,7 +229,79 @@ def flash_attn_func(
     Returns:
         ``(B, Nq, Hq, D)`` output in q's dtype (and the lse if asked).
     """
-    op = "flashmod.flash_attn_func"
+    return _flash_attn(
+        "flashmod.flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, return_lse,
+        alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_qkvpacked_func(
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    *,
+    alibi_slopes: None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, None]:
+    """flash-attn's ``flash_attn_qkvpacked_func``: :func:`flash_attn_func` on ``qkv`` of shape
+    ``(B, S, 3, H, D)`` (q, k, v stacked at dim 2, as a fused QKV projection writes them; read as
+    views, no copy). Its gradient arrives as one ``(B, S, 3, H, D)`` tensor. Arguments and returns
+    as :func:`flash_attn_func`'s."""
+    op = "flashmod.flash_attn_qkvpacked_func"
+    q, k, v = unpack_stacked(op, "qkv", qkv, 3, "batch, seqlen, 3, heads, head_dim")
+    return _flash_attn(
+        op, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, return_lse,
+        alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    *,
+    alibi_slopes: None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, None]:
+    """flash-attn's ``flash_attn_kvpacked_func``: :func:`flash_attn_func` on ``q`` ``(B, Nq, Hq, D)``
+    and ``kv`` of shape ``(B, Nk, 2, Hkv, D)`` (k and v stacked at dim 2; views, no copy; GQA as
+    there). Arguments and returns as :func:`flash_attn_func`'s."""
+    op = "flashmod.flash_attn_kvpacked_func"
+    check_tensor_types(op, q=q)
+    k, v = unpack_stacked(op, "kv", kv, 2, "batch, seqlen_k, 2, heads_k, head_dim")
+    return _flash_attn(
+        op, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, return_lse,
+        alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
+def _flash_attn(
+    op: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    return_lse: bool,
+    alibi_slopes: None,
+    deterministic: bool,
+    return_attn_probs: bool,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, None]:
+    """flash_attn_func's body; ``op`` names the public function in errors."""
     check_tensor_types(op, q=q, k=k, v=v)
     dropout_p = check_dropout(op, "dropout_p", dropout_p)
     check_flash_attn_extras(op, alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)

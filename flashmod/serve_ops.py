@@ -26,6 +26,7 @@ from .checks import (
     check_tensor_types,
     check_window,
     unbounded_past,
+    unpack_stacked,
 )
 from .ops import CUDA_MAX_HEAD_DIM, attention_op, below_autograd, has_tangent, no_grad_needed
 
@@ -438,7 +439,90 @@ def flash_attn_varlen_func(
     None). Differentiable in ``q``, ``k``, ``v``. fp32 on CUDA (no per-sequence kernel) runs the
     dense kernels on a padded copy of the batch (:func:`varlen_forward_padded`).
     """
-    op = "flashmod.flash_attn_varlen_func"
+    return _flash_attn_varlen(
+        "flashmod.flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        dropout_p, softmax_scale, causal, window_size, softcap, return_lse, alibi_slopes, deterministic,
+        return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    *,
+    alibi_slopes: None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, None]:
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: :func:`flash_attn_varlen_func` on ``qkv``
+    of shape ``(total, 3, H, D)`` (q, k, v stacked at dim 1; views, no copy), whose queries and keys
+    share ``cu_seqlens`` and ``max_seqlen``. Arguments and returns as
+    :func:`flash_attn_varlen_func`'s."""
+    op = "flashmod.flash_attn_varlen_qkvpacked_func"
+    q, k, v = unpack_stacked(op, "qkv", qkv, 3, "total, 3, heads, head_dim")
+    return _flash_attn_varlen(
+        op, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+        window_size, softcap, return_lse, alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    *,
+    alibi_slopes: None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, None]:
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: :func:`flash_attn_varlen_func` on ``q``
+    ``(total_q, Hq, D)`` and ``kv`` of shape ``(total_k, 2, Hkv, D)`` (k and v stacked at dim 1;
+    views, no copy). Arguments and returns as :func:`flash_attn_varlen_func`'s."""
+    op = "flashmod.flash_attn_varlen_kvpacked_func"
+    check_tensor_types(op, q=q)
+    k, v = unpack_stacked(op, "kv", kv, 2, "total_k, 2, heads_k, head_dim")
+    return _flash_attn_varlen(
+        op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+        causal, window_size, softcap, return_lse, alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
+def _flash_attn_varlen(
+    op: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    return_lse: bool,
+    alibi_slopes: None,
+    deterministic: bool,
+    return_attn_probs: bool,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, None]:
+    """flash_attn_varlen_func's body; ``op`` names the public function in errors."""
     check_tensor_types(op, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     check_flash_attn_extras(op, alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
     if check_dropout(op, "dropout_p", dropout_p) != 0.0:
