@@ -163,11 +163,17 @@ def check_dropout(op: str, name: str, dropout_p: object) -> float:
 
 def check_flash_attn_extras(op: str, alibi_slopes: object, **flags: object) -> None:
     """flash-attn's keyword arguments that code ported from it passes: the flags (``deterministic``,
-    ``return_attn_probs``, ``return_softmax_lse``) are bools; ``alibi_slopes`` has no kernel here,
-    so anything but None raises rather than being ignored."""
+    ``return_attn_probs``, ``return_softmax_lse``, and flashmod's ``return_lse``) are bools;
+    ``alibi_slopes`` has no kernel here, so anything but None raises rather than being ignored."""
     for name, flag in flags.items():
         if not isinstance(flag, bool):
-            raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
+            # flash-attn's own signatures put alibi_slopes where flashmod's return_lse stands: a
+            # positional call ported from it would otherwise return the lse and drop the slopes.
+            hint = " (flash-attn passes alibi_slopes in this place; pass flashmod's arguments by keyword)"
+            raise TypeError(
+                f"{op}: {name} must be a bool, got {type(flag).__name__}"
+                + (hint if name == "return_lse" and isinstance(flag, Tensor) else "")
+            )
     if alibi_slopes is not None:
         raise NotImplementedError(
             f"{op}: alibi_slopes is not supported (no ALiBi kernel); pass the bias as an additive "

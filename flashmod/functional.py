@@ -304,7 +304,9 @@ def _flash_attn(
     """flash_attn_func's body; ``op`` names the public function in errors."""
     check_tensor_types(op, q=q, k=k, v=v)
     dropout_p = check_dropout(op, "dropout_p", dropout_p)
-    check_flash_attn_extras(op, alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
+    check_flash_attn_extras(
+        op, alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, return_lse=return_lse
+    )
     check_deterministic_backward(op, deterministic, q, k, v)
     if return_attn_probs and dropout_p > 0.0:
         raise NotImplementedError(f"{op}: return_attn_probs with dropout_p > 0 (the dropout pattern) is not supported")

@@ -524,7 +524,9 @@ def _flash_attn_varlen(
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, None]:
     """flash_attn_varlen_func's body; ``op`` names the public function in errors."""
     check_tensor_types(op, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    check_flash_attn_extras(op, alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
+    check_flash_attn_extras(
+        op, alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, return_lse=return_lse
+    )
     if check_dropout(op, "dropout_p", dropout_p) != 0.0:
         raise NotImplementedError(f"{op}: dropout_p must be 0 (no variable-length dropout kernel), got {dropout_p}")
     left, right = unbounded_past(check_window(op, window_size), max_seqlen_k)
@@ -580,7 +582,7 @@ def flash_attn_with_kvcache(
     inputs that require grad (under grad mode) are an error.
     """
     op = "flashmod.flash_attn_with_kvcache"
-    check_flash_attn_extras(op, alibi_slopes, return_softmax_lse=return_softmax_lse)
+    check_flash_attn_extras(op, alibi_slopes, return_softmax_lse=return_softmax_lse, return_lse=return_lse)
     return_lse = return_lse or return_softmax_lse
     check_tensor_types(
         op, ("k", "v", "cache_batch_idx", "block_table"), q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,

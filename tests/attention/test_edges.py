@@ -181,7 +181,8 @@ def test_flash_attn_keywords_of_ported_code(device):
     flash-attn does without dropout, deterministic=True changes nothing where the backward is
     bitwise reproducible anyway (CPU; CUDA under the fixture's deterministic algorithms),
     return_softmax_lse is the KV-cache call's name for return_lse; alibi_slopes, which has no kernel
-    here, and return_attn_probs with dropout (flash-attn's dropout pattern) raise, never ignored."""
+    here, and return_attn_probs with dropout (flash-attn's dropout pattern) raise, never ignored, also
+    when passed positionally where flashmod's return_lse stands."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v = (torch.randn(2, n, h, 32, device=device, dtype=dtype) for n, h in ((9, 4), (11, 2), (11, 2)))
     out, lse = flashmod.flash_attn_func(q, k, v, causal=True, return_lse=True)
@@ -195,6 +196,11 @@ def test_flash_attn_keywords_of_ported_code(device):
         flashmod.flash_attn_func(q, k, v, deterministic="yes")
     with pytest.raises(NotImplementedError, match="return_attn_probs with dropout_p > 0"):
         flashmod.flash_attn_func(q, k, v, dropout_p=0.1, return_attn_probs=True)
+    # flash-attn's 9th positional argument is alibi_slopes, flashmod's return_lse: a one-head slope
+    # tensor there would otherwise read as True (the lse returned, the slopes dropped).
+    hint = "return_lse must be a bool, got Tensor .flash-attn passes alibi_slopes in this place"
+    with pytest.raises(TypeError, match=f"flash_attn_func: {hint}"):
+        flashmod.flash_attn_func(q, k, v, 0.0, None, True, (-1, -1), 0.0, torch.ones(1, device=device))
 
     cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
     qv, kv_, vv = (t.reshape(-1, t.shape[2], t.shape[3])[:9] for t in (q, k, v))
@@ -203,6 +209,8 @@ def test_flash_attn_keywords_of_ported_code(device):
     assert got[2] is None and torch.equal(got[0], out) and torch.equal(got[1], lse)
     with pytest.raises(NotImplementedError, match="flash_attn_varlen_func: alibi_slopes is not supported"):
         flashmod.flash_attn_varlen_func(qv, kv_, vv, cu, cu, 5, 5, alibi_slopes=slopes)
+    with pytest.raises(TypeError, match=f"flash_attn_varlen_func: {hint}"):
+        flashmod.flash_attn_varlen_func(qv, kv_, vv, cu, cu, 5, 5, 0.0, None, True, (-1, -1), 0.0, slopes[:1])
 
     with torch.no_grad():
         kc, vc = k.clone(), v.clone()
