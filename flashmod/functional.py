@@ -278,7 +278,6 @@ def flash_attn_kvpacked_func(
     and ``kv`` of shape ``(B, Nk, 2, Hkv, D)`` (k and v stacked at dim 2; views, no copy; GQA as
     there). Arguments and returns as :func:`flash_attn_func`'s."""
     op = "flashmod.flash_attn_kvpacked_func"
-    check_tensor_types(op, q=q)
     k, v = unpack_stacked(op, "kv", kv, 2, "batch, seqlen_k, 2, heads_k, head_dim")
     return _flash_attn(
         op, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, return_lse,

@@ -268,24 +268,25 @@ def hf_attention_forward(
     packed = None
     if position_bias is None and not _attentions_requested(module, kwargs):
         packed = _packed_sequences(query, key, mask, kwargs)
-    if packed is not None and not dropout:
-        # Packed sequences: each attends to itself only (block-diagonal, causal per sequence when the layer
-        # is), without the (N x N) mask and without computing the blocks off the diagonal.
-        window = _window(sliding_window, bool(is_causal))
-        hq, hkv, d = query.shape[1], key.shape[1], query.shape[3]
-        out, lse = flash_attn_varlen_func(
-            query.transpose(1, 2).reshape(-1, hq, d), key.transpose(1, 2).reshape(-1, hkv, d),
-            value.transpose(1, 2).reshape(-1, hkv, d), *packed, softmax_scale=scaling,
-            causal=bool(is_causal), window_size=window, softcap=cap, return_lse=True,
-        )  # fmt: skip
-        if sinks is not None:
-            out = (out.float() * _sink_factor(lse, sinks, 0).t().unsqueeze(-1)).to(out.dtype)
-        return out.reshape(query.shape[0], -1, hq, d), None
-
     if packed is not None:
+        # Packed sequences: each attends to itself only (block-diagonal, causal and windowed per sequence when
+        # the layer is), without the (N x N) mask.
+        window = _window(sliding_window, bool(is_causal))
+        if not dropout:
+            # Without computing the blocks off the diagonal.
+            hq, hkv, d = query.shape[1], key.shape[1], query.shape[3]
+            out, lse = flash_attn_varlen_func(
+                query.transpose(1, 2).reshape(-1, hq, d), key.transpose(1, 2).reshape(-1, hkv, d),
+                value.transpose(1, 2).reshape(-1, hkv, d), *packed, softmax_scale=scaling,
+                causal=bool(is_causal), window_size=window, softcap=cap, return_lse=True,
+            )  # fmt: skip
+            if sinks is not None:
+                out = (out.float() * _sink_factor(lse, sinks, 0).t().unsqueeze(-1)).to(out.dtype)
+            return out.reshape(query.shape[0], -1, hq, d), None
         # flash_attn_varlen_func takes no dropout: each sequence runs the dense op on its own rows.
-        out, lse = _each_packed_sequence(query, key, value, packed, float(dropout), scaling, bool(is_causal),
-                                         _window(sliding_window, bool(is_causal)), cap)  # fmt: skip
+        out, lse = _each_packed_sequence(
+            query, key, value, packed, float(dropout), scaling, bool(is_causal), window, cap
+        )
     else:
         out, lse = attention_bhsd(query, key, value, mask, float(dropout), scaling, causal, bottom_right, window, cap)
     factor = None

@@ -495,7 +495,6 @@ def flash_attn_varlen_kvpacked_func(
     ``(total_q, Hq, D)`` and ``kv`` of shape ``(total_k, 2, Hkv, D)`` (k and v stacked at dim 1;
     views, no copy). Arguments and returns as :func:`flash_attn_varlen_func`'s."""
     op = "flashmod.flash_attn_varlen_kvpacked_func"
-    check_tensor_types(op, q=q)
     k, v = unpack_stacked(op, "kv", kv, 2, "total_k, 2, heads_k, head_dim")
     return _flash_attn_varlen(
         op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
