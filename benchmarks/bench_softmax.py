@@ -155,7 +155,7 @@ def main() -> None:
     print_table("softmax over the last dim (speedup = torch time / flashmod time)", softmax_rows)
     mm_rows = []
     if not args.softmax_only:
-        mm_dtypes = dtypes if device == "cuda" else [torch.float32, torch.bfloat16]
+        mm_dtypes = dtypes if device == "cuda" else [torch.float32, torch.float16, torch.bfloat16]
         mm_rows = bench_matmul_softmax(device, mm_dtypes, mm_shapes, warmup, reps)
         print_table("matmul_softmax vs torch.softmax(scale * a @ b^T, -1) (memory_ratio = ours / torch)", mm_rows)
 

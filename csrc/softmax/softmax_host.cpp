@@ -135,6 +135,14 @@ void logits_into_output(PreparedMatmulSoftmax& r) {
   const at::Tensor a = r.a.reshape({p.batch * p.heads_b, group * p.rows, p.depth});
   const at::Tensor b = r.b.reshape({p.batch * p.heads_b, p.cols, p.depth});
   at::Tensor out = r.out.view({p.batch * p.heads_b, group * p.rows, p.cols});
+  // fp16 logits are written scaled (the GEMM's alpha; the normalizers then scale by 1): a raw
+  // logit past 65504 would be inf before the scale shrinks it, a NaN row where the fused kernels
+  // are exact. A scale of 0 keeps the raw logits, so that a NaN or inf product still shows.
+  if (p.dtype == ScalarKind::kFloat16 && p.scale != 0.0) {
+    out.baddbmm_(a, b.transpose(1, 2), /*beta=*/0.0, /*alpha=*/p.scale);
+    r.params.scale = 1.0;
+    return;
+  }
   at::bmm_out(out, a, b.transpose(1, 2));
 }
 

@@ -33,7 +33,8 @@ PreparedMatmulSoftmax prepare_matmul_softmax(const at::Tensor& a, const at::Tens
 
 // Writes the raw logits a @ b^T (b's heads broadcast over a's head groups) into prepared.out with
 // one batched GEMM of the backend's BLAS: the output buffer doubles as the logits buffer, so no
-// (B, Ha, M, N) temporary exists. The backend then scales, masks and normalizes it in place.
+// (B, Ha, M, N) temporary exists. The backend then scales, masks and normalizes it in place. fp16
+// logits come already scaled, and prepared.params.scale is then 1.
 void logits_into_output(PreparedMatmulSoftmax& prepared);
 
 }  // namespace flashmod

@@ -492,6 +492,30 @@ def test_matmul_softmax_fp32_single_pass(max_n, monkeypatch):
         assert (out[:, :, 1] == 0).all()
 
 
+@pytest.mark.parametrize("k", [12, 64, 264])
+def test_matmul_softmax_fp16_raw_logits_past_fp16_range(device, k):
+    """fp16 inputs whose raw logits a @ b^T (~1e5) pass fp16's 65504 while the scaled ones (~24) do
+    not: every path must stay finite and accurate (the CPU's fp32 logits; on CUDA the fused kernel
+    at depth 64, and the cuBLAS fallback at 12 and 264, which writes the logits scaled). Before, the
+    CPU and the fallback rounded the raw logits to fp16 first: inf, then a row of NaN. Plain torch
+    overflows the same way, so its yardstick here is plain torch with the scale inside the product
+    (as SDPA's math backend scales q and k), rounded to fp16 once."""
+    offset = math.sqrt(1e5 / k)  # rows of offset + noise: every raw logit ~1e5
+    a = (offset + torch.randn(1, 4, 37, k, device=device)).half()
+    b = (offset + torch.randn(1, 2, 203, k, device=device)).half()  # GQA: 2 a-heads per b-head
+    scale = 1 / 4096
+    assert torch.isinf(a[0, 0] @ b[0, 0].T).all(), "the setup must overflow raw fp16 logits"
+    for causal in (False, True):
+        ours = flashmod.matmul_softmax(a, b, scale=scale, is_causal=causal)
+        truth = matmul_softmax_ref(a, b, dtype=torch.float64, scale=scale, is_causal=causal)
+        logits = (scale * (a.float() @ b.float().repeat_interleave(2, dim=1).transpose(-1, -2))).half()
+        if causal:
+            logits = logits.masked_fill(~torch.ones(37, 203, dtype=torch.bool, device=device).tril(), NEG_INF)
+        plain = torch.softmax(logits, -1)
+        assert torch.isfinite(ours).all(), f"k={k} causal={causal}: non-finite output"
+        assert_rule(ours, truth, plain, f"fp16 k={k} causal={causal} raw logits past 65504")
+
+
 @pytest.mark.parametrize("n", [1100, 2100, 9000])
 def test_matmul_softmax_fallback_rows(device, n):
     """The fallback's normalize kernels on CUDA: rows cached in registers (16-byte packs when N is a

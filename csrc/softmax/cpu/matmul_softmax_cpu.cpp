@@ -1,7 +1,8 @@
 // CPU matmul_softmax: softmax(scale * a @ b^T + mask) with the output buffer as the only
-// (B, Ha, M, N) allocation. One batched GEMM (MKL/oneDNN through at::bmm_out) writes the raw
-// logits straight into the output; then each row is scaled, masked and normalized in place by the
-// same vectorized online-softmax row kernel as flashmod::softmax, while it is hot in cache.
+// (B, Ha, M, N) allocation. fp32 / fp64 / bf16: one batched GEMM (MKL/oneDNN through at::bmm_out)
+// writes the raw logits straight into the output; then each row is scaled, masked and normalized
+// in place by the same vectorized online-softmax row kernel as flashmod::softmax, while it is hot
+// in cache. fp16: fp32 logits by row blocks (matmul_softmax_f32_logits says why).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "../../common/additive_mask.h"
+#include "../../common/cpu_blas.h"
 #include "../softmax_host.h"
 #include "softmax_cpu_kernels.h"
 
@@ -60,6 +62,31 @@ void apply_mask(acc_t* logits, int64_t n, acc_t scale, const MatmulSoftmaxParams
   }
 }
 
+// Row i of (b, h): logits[0:visible] (in acc_t, already a @ b^T) scaled, masked and normalized
+// in place; the caller stores them.
+template <typename acc_t>
+void softmax_logits_row(const RowKernels& k, acc_t* logits, int64_t visible,
+                        const MatmulSoftmaxParams& p, int64_t b, int64_t h, int64_t i,
+                        float* chunk_max) {
+  acc_t scale = static_cast<acc_t>(p.scale);
+  if (p.mask_kind != MaskKind::kNone) {
+    apply_mask<acc_t>(logits, visible, scale, p, b, h, i);
+    scale = acc_t(1);
+  }
+  if constexpr (std::is_same_v<acc_t, double>) {
+    softmax_row_f64(logits, logits, visible, scale);
+  } else {
+    k.softmax_f32(logits, logits, visible, scale, chunk_max);
+  }
+}
+
+// Top-left causal: row i sees columns 0..i; the rest are written as exact zeros.
+inline int64_t visible_columns(const MatmulSoftmaxParams& p, int64_t i) {
+  return p.causal ? std::min(i + 1, p.cols) : p.cols;
+}
+
+// fp32/fp64 (and bf16): the logits a @ b^T were written into `out` by one batched GEMM
+// (logits_into_output); each row is normalized where it lies, while it is hot in cache.
 template <typename T>
 void normalize_rows_in_place(const MatmulSoftmaxParams& p) {
   using acc_t = typename Working<T>::type;
@@ -74,8 +101,7 @@ void normalize_rows_in_place(const MatmulSoftmaxParams& p) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t i = r % M, h = (r / M) % p.heads_a, b = r / (M * p.heads_a);
       T* row = out + r * N;
-      // Top-left causal: row i sees columns 0..i; the rest are written as exact zeros.
-      const int64_t visible = p.causal ? std::min(i + 1, N) : N;
+      const int64_t visible = visible_columns(p, i);
       acc_t* logits;
       if constexpr (kInPlace) {
         logits = row;
@@ -83,18 +109,55 @@ void normalize_rows_in_place(const MatmulSoftmaxParams& p) {
         logits = buf.data();
         to_f32(k, row, logits, visible);
       }
-      acc_t scale = static_cast<acc_t>(p.scale);
-      if (p.mask_kind != MaskKind::kNone) {
-        apply_mask<acc_t>(logits, visible, scale, p, b, h, i);
-        scale = acc_t(1);
-      }
-      if constexpr (std::is_same_v<acc_t, double>) {
-        softmax_row_f64(logits, logits, visible, scale);
-      } else {
-        k.softmax_f32(logits, logits, visible, scale, chunk_max.data());
-      }
+      softmax_logits_row<acc_t>(k, logits, visible, p, b, h, i, chunk_max.data());
       if constexpr (!kInPlace) from_f32(k, logits, row, visible);
       std::fill(row + visible, row + N, T(0));
+    }
+  });
+}
+
+// fp16: the logits in fp32, never rounded to fp16. Written into `out` they would round once more
+// than the fused CUDA kernel's (and plain torch's extra rounding after the scale then sometimes
+// cancels part of it: 1 seed in 3000 of one test shape failed the 2x rule, session 41), and a raw
+// logit past 65504 would become inf before the scale shrinks it (a NaN row where the fused CUDA
+// kernel is exact). CPUs without fp16 arithmetic also run torch's fp16 GEMM far slower than
+// sgemm (a (8, 512, 128) x (8, 128, 512) bmm: 211 ms against 2.7 ms on a Zen 5). So a and b are
+// widened once (O(inputs) memory), and each task, kRowsPerTask rows of one (batch, head), runs
+// sgemm into a per-thread fp32 buffer (the output stays the only (B, Ha, M, N) allocation) and
+// normalizes its rows from there; causal tasks stop the product at their last row's diagonal.
+template <typename T>
+void matmul_softmax_f32_logits(const PreparedMatmulSoftmax& r) {
+  const MatmulSoftmaxParams& p = r.params;
+  const int64_t N = p.cols, M = p.rows, K = p.depth, group = p.heads_a / p.heads_b;
+  const at::Tensor a32 = r.a.to(at::kFloat).contiguous();  // (B, Ha, M, K)
+  const at::Tensor b32 = r.b.to(at::kFloat).contiguous();  // (B, Hb, N, K)
+  const float* a_base = a32.data_ptr<float>();
+  const float* b_base = b32.data_ptr<float>();
+  auto* out = static_cast<T*>(p.out);
+  const RowKernels& k = row_kernels();
+  // 64 K floats of logits a task (L2-sized), and at least 16 rows, so that each pass over b's
+  // head feeds 16 rows' products.
+  const int64_t rows_per_task = std::min(M, std::max<int64_t>(16, (int64_t{1} << 16) / N));
+  const int64_t chunks = (M + rows_per_task - 1) / rows_per_task;
+  at::parallel_for(0, p.batch * p.heads_a * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> chunk_max(chunk_max_floats(N));
+    std::vector<float> logits(static_cast<size_t>(rows_per_task * N));
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t c = t % chunks, h = (t / chunks) % p.heads_a, b = t / (chunks * p.heads_a);
+      const int64_t i0 = c * rows_per_task, i1 = std::min(M, i0 + rows_per_task);
+      const int64_t cols = visible_columns(p, i1 - 1);  // the widest row of the task
+      const float* a_rows = a_base + ((b * p.heads_a + h) * M + i0) * K;  // K > 0 (checked)
+      const float* b_head = b_base + (b * p.heads_b + h / group) * N * K;
+      matmul_rows<float>(false, true, i1 - i0, cols, K, 1.f, a_rows, K, b_head, K, 0.f,
+                         logits.data(), cols);
+      for (int64_t i = i0; i < i1; ++i) {
+        float* row_logits = logits.data() + (i - i0) * cols;
+        T* row = out + ((b * p.heads_a + h) * M + i) * N;
+        const int64_t visible = visible_columns(p, i);
+        softmax_logits_row<float>(k, row_logits, visible, p, b, h, i, chunk_max.data());
+        from_f32(k, row_logits, row, visible);
+        std::fill(row + visible, row + N, T(0));
+      }
     }
   });
 }
@@ -103,13 +166,17 @@ at::Tensor matmul_softmax_cpu(const at::Tensor& a, const at::Tensor& b, std::opt
                               bool is_causal, const std::optional<at::Tensor>& attn_mask) {
   PreparedMatmulSoftmax prepared = prepare_matmul_softmax(a, b, scale, is_causal, attn_mask);
   if (prepared.out.numel() == 0) return prepared.out;
-  logits_into_output(prepared);
   const MatmulSoftmaxParams& p = prepared.params;
+  if (p.dtype == ScalarKind::kFloat16) {
+    matmul_softmax_f32_logits<c10::Half>(prepared);
+    return prepared.out;
+  }
+  logits_into_output(prepared);
   switch (p.dtype) {
     case ScalarKind::kFloat32: normalize_rows_in_place<float>(p); break;
     case ScalarKind::kFloat64: normalize_rows_in_place<double>(p); break;
-    case ScalarKind::kFloat16: normalize_rows_in_place<c10::Half>(p); break;
     case ScalarKind::kBFloat16: normalize_rows_in_place<c10::BFloat16>(p); break;
+    case ScalarKind::kFloat16: break;  // above
   }
   return prepared.out;
 }

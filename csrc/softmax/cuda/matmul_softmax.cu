@@ -25,8 +25,8 @@
 // matmul_softmax_rows_kernel): 16-row CTAs compute each logit once, park the rows in shared
 // memory and write `out` from there, half the two-pass kernel's 3xTF32 work.
 //
-// Fallback (other depths or layouts): cuBLAS writes the raw logits into `out`
-// (logits_into_output on the host), then a normalize kernel scales, masks and normalizes each row
+// Fallback (other depths or layouts): cuBLAS writes the raw logits into `out` (fp16: scaled;
+// logits_into_output on the host), then a normalize kernel scales, masks and normalizes each row
 // in place, caching the row in registers (one read, one write) unless it is very long.
 #include "../../common/additive_mask.h"
 #include "../../common/alignment.h"
