@@ -68,7 +68,8 @@ def plain_matmul_softmax(a, b, scale: float, keep) -> torch.Tensor:
     return torch.softmax(s, -1)
 
 
-def bench_matmul_softmax(device: str, dtypes, shapes, warmup: int, reps: int) -> list[dict]:
+def bench_matmul_softmax(device: str, dtypes, shapes, warmup: int, reps: int, variants: list[str]) -> list[dict]:
+    """torch, flashmod, and flashmod under each NAME=value of `variants`, in the same rounds."""
     rows_out = []
     for dtype in dtypes:
         for (batch, heads, m, n, k), causal in shapes:
@@ -79,7 +80,10 @@ def bench_matmul_softmax(device: str, dtypes, shapes, warmup: int, reps: int) ->
             plain = partial(plain_matmul_softmax, a, b, scale, keep)
             ours = partial(flashmod.matmul_softmax, a, b, scale=scale, is_causal=causal)
 
-            t = median_times({"torch": plain, "flashmod": ours}, device, warmup, reps)
+            fns = {"torch": plain, "flashmod": ours}
+            for setting in variants:
+                fns[setting] = with_env(setting, ours)
+            t = median_times(fns, device, warmup, reps)
             t_torch, t_ours = t["torch"], t["flashmod"]
             mem_torch = max(peak_extra_bytes(plain, device) for _ in range(2))
             mem_ours = max(peak_extra_bytes(ours, device) for _ in range(2))
@@ -95,6 +99,7 @@ def bench_matmul_softmax(device: str, dtypes, shapes, warmup: int, reps: int) ->
                     "torch_peak_MiB": mem_torch / 2**20,
                     "flashmod_peak_MiB": mem_ours / 2**20,
                     "memory_ratio": mem_ours / mem_torch if mem_torch else float("nan"),
+                    **{f"{setting}:speedup": t_torch / t[setting] for setting in variants},
                 }
             )
     return rows_out
@@ -124,7 +129,8 @@ def main() -> None:
         "--variant",
         action="append",
         default=[],
-        help="NAME=value[,NAME=value]: also time flashmod.softmax with these knobs, in the same rounds (repeatable)",
+        help="NAME=value[,NAME=value]: also time flashmod.softmax and matmul_softmax with these knobs, in the same"
+        " rounds (repeatable)",
     )
     parser.add_argument("--softmax-only", action="store_true", help="skip matmul_softmax")
     args = parser.parse_args()
@@ -156,7 +162,7 @@ def main() -> None:
     mm_rows = []
     if not args.softmax_only:
         mm_dtypes = dtypes if device == "cuda" else [torch.float32, torch.float16, torch.bfloat16]
-        mm_rows = bench_matmul_softmax(device, mm_dtypes, mm_shapes, warmup, reps)
+        mm_rows = bench_matmul_softmax(device, mm_dtypes, mm_shapes, warmup, reps, args.variant)
         print_table("matmul_softmax vs torch.softmax(scale * a @ b^T, -1) (memory_ratio = ours / torch)", mm_rows)
 
     date = datetime.date.today().isoformat()

@@ -462,6 +462,28 @@ def test_matmul_softmax_masks_fused_tiles(device, mnk):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["0", "2"])
+def test_matmul_softmax_both_cuda_paths(mode, monkeypatch):
+    """Both sides of the default rule (softmax_cuda.cpp: fused_preferred) on every shape, whichever
+    the rule picks on this GPU: FLASHMOD_MMSM_FUSED=0 (cuBLAS and the in-place normalize, its
+    unmasked and masked kernels) and 2 (the fused kernels wherever they run). Rows of 1100 and 4099
+    columns take the normalize's 128- and 512-thread cached kernels; depth 96 and 128 in fp32 the
+    single-pass kernel under 2; depth 200 the 16-bit 256-bucket."""
+    monkeypatch.setenv("FLASHMOD_MMSM_FUSED", mode)
+    for m, n, k in ((37, 1100, 128), (19, 4099, 64), (70, 131, 96), (9, 520, 200)):
+        for dtype in LOW:
+            a = torch.randn(2, 4, m, k, device="cuda", dtype=dtype)
+            b = torch.randn(2, 2, n, k, device="cuda", dtype=dtype)  # GQA: 2 a-heads per b-head
+            what = f"FUSED={mode} {dtype} {(m, n, k)}"
+            check_matmul_softmax(a, b, what)
+            check_matmul_softmax(a, b, f"{what} causal scale", is_causal=True, scale=0.3)
+            keep = torch.rand(m, n, device="cuda") > 0.3
+            keep[1] = False
+            out = check_matmul_softmax(a, b, f"{what} bool", attn_mask=keep)
+            assert (out[:, :, 1] == 0).all(), what
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("max_n", [None, "0", "512"])
 def test_matmul_softmax_fp32_single_pass(max_n, monkeypatch):
     """fp32 at depth 65..128 takes the single-pass kernel (16-row CTAs, the rows' logits parked in
@@ -470,6 +492,7 @@ def test_matmul_softmax_fp32_single_pass(max_n, monkeypatch):
     512 (N = 600 and 1100 fall back, the rest single-pass). Odd M and N straddle the 16-row CTAs and
     256-column tiles, N % 4 != 0 takes the element stores, depth 68 zero-fills most of the last
     depth chunks; causal with M > N and M < N, GQA, bool / additive masks with fully masked rows."""
+    monkeypatch.setenv("FLASHMOD_MMSM_FUSED", "2")  # the rule sends Hopper's non-causal calls to cuBLAS
     if max_n is None:
         monkeypatch.delenv("FLASHMOD_MMSM_SINGLE_PASS_MAX_N", raising=False)
     else:
@@ -624,6 +647,7 @@ def test_matmul_softmax_bad_inputs(device):
         ("FLASHMOD_SOFTMAX_STREAM", "off", "FLASHMOD_SOFTMAX_STREAM must be 0 or 1, got 'off'"),
         ("FLASHMOD_SOFTMAX_STREAM_CLUSTER", "4x", "FLASHMOD_SOFTMAX_STREAM_CLUSTER must be a whole number, got '4x'"),
         ("FLASHMOD_MMSM_SINGLE_PASS_MAX_N", "1e3", "FLASHMOD_MMSM_SINGLE_PASS_MAX_N must be a whole number, got '1e3'"),
+        ("FLASHMOD_MMSM_FUSED", "3", "FLASHMOD_MMSM_FUSED must be 0, 1 or 2, got 3"),
     ],
 )
 def test_softmax_knobs_reject_malformed_values(knob, value, message, monkeypatch):

@@ -672,11 +672,20 @@ __global__ void __launch_bounds__(RowsShape::kThreads, 1)
   }
 }
 
+// Logit j (< the row's visible limit) of row i as the fallback's normalizers see it: without a
+// mask tensor the scale alone, which keeps the per-element mask offsets out of the loops.
+template <typename T, bool kMasked>
+__device__ __forceinline__ float fallback_logit(float raw, const MatmulSoftmaxParams& p, int64_t b,
+                                                int64_t h, int64_t i, int64_t j) {
+  if constexpr (kMasked) return masked_logit<T>(raw, p, b, h, i, j);
+  return raw * static_cast<float>(p.scale);
+}
+
 // Fallback normalize, rows up to kThreads * kPacks * kVec long: each thread caches its packs of
 // the row (scaled and masked, fp32) in registers, so `out` is read once and written once.
 constexpr int kPacks = 4;
 
-template <typename T, int kVec, int kThreads>
+template <typename T, int kVec, int kThreads, bool kMasked>
 __global__ void __launch_bounds__(kThreads) normalize_cached_kernel(const MatmulSoftmaxParams p) {
   constexpr int kWarps = kThreads / 32;
   __shared__ float warp_m[kWarps], warp_s[kWarps];
@@ -693,7 +702,8 @@ __global__ void __launch_bounds__(kThreads) normalize_cached_kernel(const Matmul
     if (j0 < limit) pk = *reinterpret_cast<const Pack<T, kVec>*>(o + j0);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
-      v[k][e] = j0 + e < limit ? masked_logit<T>(to_float(pk.v[e]), p, b, h, i, j0 + e) : -INFINITY;
+      v[k][e] = j0 + e < limit ? fallback_logit<T, kMasked>(to_float(pk.v[e]), p, b, h, i, j0 + e)
+                               : -INFINITY;
       m = fmaxf(m, v[k][e]);
     }
   }
@@ -723,7 +733,7 @@ __global__ void __launch_bounds__(kThreads) normalize_cached_kernel(const Matmul
 }
 
 // Fallback normalize for longer rows: one pass for the normalizer, one to rewrite.
-template <typename T>
+template <typename T, bool kMasked>
 __global__ void __launch_bounds__(256) normalize_logits_kernel(const MatmulSoftmaxParams p) {
   __shared__ float warp_m[8], warp_s[8];
   const int64_t M = p.rows, N = p.cols;
@@ -732,7 +742,7 @@ __global__ void __launch_bounds__(256) normalize_logits_kernel(const MatmulSoftm
   T* o = static_cast<T*>(p.out) + row * N;
   float m = -INFINITY, s = 0.0f;
   for (int64_t j = threadIdx.x; j < limit; j += blockDim.x) {
-    const float x = masked_logit<T>(to_float(o[j]), p, b, h, i, j);
+    const float x = fallback_logit<T, kMasked>(to_float(o[j]), p, b, h, i, j);
     const float mn = fmaxf(m, x);
     s = s * exp_from(m, mn) + exp_from(x, mn);
     m = mn;
@@ -746,7 +756,8 @@ __global__ void __launch_bounds__(256) normalize_logits_kernel(const MatmulSoftm
   // Each thread rewrites exactly the elements it read, so reading and writing in place is safe.
   for (int64_t j = threadIdx.x; j < N; j += blockDim.x)
     o[j] = from_float<T>(
-        j < limit ? exp_from(masked_logit<T>(to_float(o[j]), p, b, h, i, j), m) * inv : 0.0f);
+        j < limit ? exp_from(fallback_logit<T, kMasked>(to_float(o[j]), p, b, h, i, j), m) * inv
+                  : 0.0f);
 }
 
 // A fused launch; false, launching nothing and clearing the error, where it cannot run (too many
@@ -809,14 +820,20 @@ bool launch_fused_typed(const MatmulSoftmaxParams& p, cudaStream_t stream) {
 }
 
 // A block per row: the row cached in registers where it fits 512 threads, else read twice.
-template <typename T, int kVec>
+template <typename T, int kVec, bool kMasked>
 cudaError_t launch_normalize_rows(const MatmulSoftmaxParams& p, cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads_a * p.rows;
   if (p.cols <= 128 * kPacks * kVec)
-    return launch_kernel(normalize_cached_kernel<T, kVec, 128>, rows, 128, 0, stream, p);
+    return launch_kernel(normalize_cached_kernel<T, kVec, 128, kMasked>, rows, 128, 0, stream, p);
   if (p.cols <= 512 * kPacks * kVec)
-    return launch_kernel(normalize_cached_kernel<T, kVec, 512>, rows, 512, 0, stream, p);
-  return launch_kernel(normalize_logits_kernel<T>, rows, 256, 0, stream, p);
+    return launch_kernel(normalize_cached_kernel<T, kVec, 512, kMasked>, rows, 512, 0, stream, p);
+  return launch_kernel(normalize_logits_kernel<T, kMasked>, rows, 256, 0, stream, p);
+}
+
+template <typename T, int kVec>
+cudaError_t launch_normalize_rows(const MatmulSoftmaxParams& p, cudaStream_t stream) {
+  return p.mask_kind == MaskKind::kNone ? launch_normalize_rows<T, kVec, false>(p, stream)
+                                        : launch_normalize_rows<T, kVec, true>(p, stream);
 }
 
 template <typename T>
