@@ -548,6 +548,74 @@ def _flash_attn_varlen(
     return (out, lse) if return_lse else out
 
 
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
+    """Rotary embedding of x (B, S, H, D) at positions (B, S): the first 2 * cos.shape[1] features
+    rotated in fp32 (pairs (0, 1), (2, 3), ... when interleaved, else (i, i + half), GPT-NeoX's), then
+    rounded to x's dtype; the rest unchanged (flash-attn's kvcache rotary)."""
+    half = cos.shape[1]
+    c = cos.float()[positions].unsqueeze(-2)  # (B, S, 1, half)
+    s = sin.float()[positions].unsqueeze(-2)
+    rot = x[..., : 2 * half].float()
+    x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
+    y1, y2 = x1 * c - x2 * s, x1 * s + x2 * c
+    y = torch.stack((y1, y2), dim=-1).flatten(-2) if interleaved else torch.cat((y1, y2), dim=-1)
+    return torch.cat((y.to(x.dtype), x[..., 2 * half :]), dim=-1)
+
+
+def _kvcache_rotary(
+    op: str,
+    q: Tensor,
+    k: Tensor | None,
+    cache_seqlens: Tensor,
+    rotary_cos: Tensor,
+    rotary_sin: Tensor,
+    interleaved: bool,
+    capacity: int,
+    positions_per_query: bool,
+) -> tuple[Tensor, Tensor]:
+    """q and the new keys k rotated as flash-attn's flash_attn_with_kvcache rotates them: k at
+    cache_seqlens[b], cache_seqlens[b] + 1, ...; q the same where positions_per_query (causal or a
+    window), else every query at cache_seqlens[b]. Checked here, as flash-attn checks them."""
+    check_tensor_types(op, (), rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"{op}: rotary_interleaved must be a bool, got {type(interleaved).__name__}")
+    if k is None:
+        raise ValueError(f"{op}: rotary_cos / rotary_sin rotate the new keys, so k and v must be given")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if t.device != q.device:
+            raise ValueError(f"{op}: {name} must be on q's device {q.device}, got {t.device}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{op}: {name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(
+                f"{op}: {name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2), got a {t.dim()}-D tensor "
+                f"of shape {list(t.shape)}"
+            )
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(
+            f"{op}: rotary_sin must have rotary_cos's shape {list(rotary_cos.shape)}, got {list(rotary_sin.shape)}"
+        )
+    seqlen_ro, half = rotary_cos.shape
+    head_dim = q.shape[-1]
+    if not 0 < 2 * half <= head_dim:
+        raise ValueError(
+            f"{op}: rotary_cos's rotary_dim / 2 (its second dimension) must be in [1, head_dim / 2 = {head_dim // 2}], "
+            f"got {half}"
+        )
+    if seqlen_ro < capacity:
+        raise ValueError(
+            f"{op}: rotary_cos must have a row per cache position, at least the cache's {capacity}, got {seqlen_ro}"
+        )
+    start = cache_seqlens.to(torch.int64).view(-1, 1)
+    k_pos = start + torch.arange(k.shape[1], device=q.device)
+    q_steps = torch.arange(q.shape[1], device=q.device) if positions_per_query else torch.zeros_like(q[0, :, 0, 0])
+    q_pos = start + q_steps.to(torch.int64)
+    return (
+        _rotate(q, rotary_cos, rotary_sin, q_pos, interleaved),
+        _rotate(k, rotary_cos, rotary_sin, k_pos, interleaved),
+    )
+
+
 def flash_attn_with_kvcache(
     q: Tensor,
     k_cache: Tensor,
@@ -563,6 +631,9 @@ def flash_attn_with_kvcache(
     softcap: float = 0.0,
     return_lse: bool = False,
     *,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    rotary_interleaved: bool = True,
     alibi_slopes: None = None,
     return_softmax_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -579,6 +650,13 @@ def flash_attn_with_kvcache(
     ``(B, Sq, Hq, D)``, and with ``return_lse`` (or flash-attn's name, ``return_softmax_lse``) also
     ``lse (B, Hq, Sq)`` fp32; ``alibi_slopes`` must be None. Not differentiable:
     inputs that require grad (under grad mode) are an error.
+
+    ``rotary_cos`` / ``rotary_sin`` ``(seqlen_ro, rotary_dim / 2)`` in q's dtype, keyword-only (flash-attn's
+    positional order puts them between ``v`` and ``cache_seqlens``; flashmod's follows issue #14): as
+    flash-attn, the new ``k`` is rotated at positions ``cache_seqlens[b] + i`` before it is appended, and
+    ``q`` at ``cache_seqlens[b] + i`` when causal or windowed, else at ``cache_seqlens[b]``; the first
+    ``rotary_dim`` features, pairs ``(0, 1), (2, 3), ...`` when ``rotary_interleaved`` (the default) and
+    ``(i, i + rotary_dim / 2)`` otherwise, in fp32. They need ``k``, ``v`` and ``cache_seqlens``.
     """
     op = "flashmod.flash_attn_with_kvcache"
     check_flash_attn_extras(op, alibi_slopes, return_softmax_lse=return_softmax_lse, return_lse=return_lse)
@@ -614,8 +692,30 @@ def flash_attn_with_kvcache(
     left, right = unbounded_past(check_window(op, window_size), capacity)
     if isinstance(cache_seqlens, bool):
         raise TypeError(f"{op}: cache_seqlens must be an int or an int32 tensor, got a bool")
+    # flash-attn's positional order is (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+    # cache_batch_idx, cache_leftpad, block_table, ...): say so where a ported positional call lands.
+    order_hint = (
+        " (flash-attn passes rotary_cos, rotary_sin, cache_seqlens in this order after v; pass flashmod's "
+        "arguments after v by keyword)"
+    )
+    if isinstance(cache_seqlens, Tensor) and cache_seqlens.is_floating_point():
+        raise TypeError(f"{op}: cache_seqlens must be an int or an int32 tensor, got {cache_seqlens.dtype}{order_hint}")
+    if isinstance(block_table, Tensor) and block_table.dim() == 1:  # RuntimeError: the op's own check's class
+        raise RuntimeError(
+            f"{op}: block_table must be a 2-D tensor (batch, max_pages), got a 1-D tensor of shape "
+            f"{list(block_table.shape)}{order_hint}"
+        )
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{op}: rotary_cos and rotary_sin come together, got only one of them")
+    if rotary_cos is not None:
+        if cache_seqlens is None:
+            raise ValueError(f"{op}: rotary_cos / rotary_sin need cache_seqlens (the new keys' positions)")
+        q, k = _kvcache_rotary(
+            op, q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, capacity,
+            positions_per_query=causal or tuple(window_size) != (-1, -1),
+        )  # fmt: skip
     out, lse = torch.ops.flashmod.attention_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
         softmax_scale, causal, left, right, softcap,

@@ -364,6 +364,123 @@ def test_kvcache_rejects_bad_inputs(device):
         assert torch.equal(k_cache, before), "a refused call wrote to the cache"
 
 
+def rotary_tables(seqlen, rotary_dim, dtype, device):
+    """cos / sin (seqlen, rotary_dim / 2) of RoPE's angles (base 10000), in dtype."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim)
+    angles = torch.arange(seqlen, dtype=torch.float64, device=device)[:, None] * inv_freq
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotary_ref(x, cos, sin, positions, interleaved):
+    """x (B, S, H, D) rotated at positions (B, S) in fp64, by complex multiplication: features (2i, 2i + 1)
+    (interleaved) or (i, i + rotary_dim / 2) are one complex number times cos + i sin."""
+    half = cos.shape[1]
+    x64 = x.double()
+    rot = x64[..., : 2 * half]
+    re, im = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
+    turned = torch.complex(re, im) * torch.complex(cos.double()[positions], sin.double()[positions])[:, :, None]
+    if interleaved:
+        rot = torch.stack((turned.real, turned.imag), dim=-1).flatten(-2)
+    else:
+        rot = torch.cat((turned.real, turned.imag), dim=-1)
+    return torch.cat((rot, x64[..., 2 * half :]), dim=-1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("variant", ["plain", "causal", "window"])
+@pytest.mark.parametrize("rotary_dim", [32, 64])
+def test_kvcache_rotary_as_flash_attn(device, interleaved, variant, rotary_dim):
+    """flash-attn's rotary_cos / rotary_sin: the new keys rotated at cache_seqlens[b] + i before they are
+    appended; the queries at cache_seqlens[b] + i when causal or windowed, else all at cache_seqlens[b];
+    the first rotary_dim features only. Checked against an fp64 rotation by complex multiplication: the
+    cache's new rows to the rounding of the dtype, the output by the rule against fp64 attention."""
+    opts = opts_of(variant)
+    for dtype in kvcache_dtypes(device):
+        B, S, hq, hkv, d, s_new = 3, 96, 8, 2, 64, 3
+        k_cache, v_cache = make_cache(B, S, hkv, d, dtype, device)
+        k_before = k_cache.clone()
+        q = torch.randn(B, s_new, hq, d, dtype=dtype, device=device)
+        k_new, v_new = (torch.randn(B, s_new, hkv, d, dtype=dtype, device=device) for _ in range(2))
+        seqlens = torch.tensor([0, 17, S - s_new], dtype=torch.int32, device=device)
+        cos, sin = rotary_tables(S, rotary_dim, dtype, device)
+        out = flashmod.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, rotary_cos=cos, rotary_sin=sin,
+            rotary_interleaved=interleaved, **opts,
+        )  # fmt: skip
+        steps = torch.arange(s_new, device=device)
+        k_pos = seqlens.long()[:, None] + steps
+        q_pos = k_pos if variant != "plain" else seqlens.long()[:, None].expand(B, s_new)
+        k_rot, q_rot = rotary_ref(k_new, cos, sin, k_pos, interleaved), rotary_ref(q, cos, sin, q_pos, interleaved)
+        ulp = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-7}[dtype]
+        for b in range(B):
+            n = int(seqlens[b])
+            torch.testing.assert_close(
+                k_cache[b, n : n + s_new].double(), k_rot[b], rtol=ulp, atol=ulp, msg=f"rotated keys of row {b}"
+            )
+            assert torch.equal(v_cache[b, n : n + s_new], v_new[b]), "values are not rotated"
+            assert torch.equal(k_cache[b, :n], k_before[b, :n]) and torch.equal(
+                k_cache[b, n + s_new :], k_before[b, n + s_new :]
+            ), f"row {b}: a cache slot outside the append changed"
+            ks64 = torch.cat((k_before[b, :n].double(), k_rot[b]))
+            vs = v_cache[b, : n + s_new]
+            truth, _ = reference(q_rot[b], ks64, vs.double(), opts, torch.float64)
+            plain, _ = reference(q_rot[b].to(dtype), ks64.to(dtype), vs, opts, dtype)
+            assert_within_rule(out[b], truth, plain, 2, dtype, f"{variant} interleaved={interleaved} row {b}")
+
+
+def test_kvcache_rotary_paged_equals_contiguous_and_int_seqlens(device):
+    """Rotary through a shuffled page pool gives the contiguous cache's output and rows, and an int
+    cache_seqlens the tensor's."""
+    dtype = torch.bfloat16
+    B, S, hkv, d = 2, 64, 2, 64
+    k_cache, v_cache = make_cache(B, S, hkv, d, dtype, device)
+    k_pool, v_pool, table, _ = paged_copy(k_cache, v_cache, 16)
+    q = torch.randn(B, 1, 4, d, dtype=dtype, device=device)
+    k_new, v_new = (torch.randn(B, 1, hkv, d, dtype=dtype, device=device) for _ in range(2))
+    cos, sin = rotary_tables(S, 32, dtype, device)
+    kw = {"rotary_cos": cos, "rotary_sin": sin, "causal": True}
+    out = flashmod.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=40, **kw)
+    seqlens = torch.full((B,), 40, dtype=torch.int32, device=device)
+    out_paged = flashmod.flash_attn_with_kvcache(
+        q, k_pool, v_pool, k_new, v_new, cache_seqlens=seqlens, block_table=table, **kw
+    )
+    torch.testing.assert_close(out_paged, out, rtol=0, atol=0 if device == "cpu" else 1e-2)
+    row = k_pool[table[:, 40 // 16].long(), 40 % 16]
+    assert torch.equal(row, k_cache[:, 40]), "the paged append wrote other rotated keys"
+
+
+def test_kvcache_rotary_rejects_bad_inputs_and_positional_flash_attn_order(device):
+    dtype = torch.bfloat16
+    k_cache, v_cache = make_cache(2, 32, 2, 16, dtype, device)
+    q = torch.randn(2, 1, 4, 16, dtype=dtype, device=device)
+    kn = torch.randn(2, 1, 2, 16, dtype=dtype, device=device)
+    seqlens = torch.tensor([3, 4], dtype=torch.int32, device=device)
+    cos, sin = rotary_tables(32, 8, dtype, device)
+    call = flashmod.flash_attn_with_kvcache
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin come together"):
+        call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=cos)
+    with pytest.raises(ValueError, match="so k and v must be given"):
+        call(q, k_cache, v_cache, cache_seqlens=seqlens, rotary_cos=cos, rotary_sin=sin)
+    with pytest.raises(ValueError, match="need cache_seqlens"):
+        call(q, k_cache, v_cache, kn, kn, rotary_cos=cos, rotary_sin=sin)
+    with pytest.raises(TypeError, match="rotary_cos must have q's dtype torch.bfloat16, got torch.float32"):
+        call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=cos.float(), rotary_sin=sin)
+    with pytest.raises(ValueError, match=r"rotary_sin must have rotary_cos's shape \[32, 4\], got \[32, 3\]"):
+        call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=cos, rotary_sin=sin[:, :3])
+    wide_cos, wide_sin = rotary_tables(32, 18, dtype, device)
+    with pytest.raises(ValueError, match=r"must be in \[1, head_dim / 2 = 8\], got 9"):
+        call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=wide_cos, rotary_sin=wide_sin)
+    with pytest.raises(ValueError, match="at least the cache's 32, got 31"):
+        call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=cos[:31], rotary_sin=sin[:31])
+    with pytest.raises(TypeError, match="rotary_interleaved must be a bool"):
+        call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=1)
+    # flash-attn's positional order: (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ...)
+    with pytest.raises(TypeError, match="got torch.bfloat16 .flash-attn passes rotary_cos, rotary_sin, cache_seqlens"):
+        call(q, k_cache, v_cache, kn, kn, cos, sin, seqlens)
+    with pytest.raises(RuntimeError, match="block_table must be a 2-D tensor .* in this order after v"):
+        call(q, k_cache, v_cache, kn, kn, None, None, seqlens)
+
+
 def test_kvcache_block_table_past_the_used_pages_is_not_read(device):
     """Servers pad block tables (e.g. with -1): only the pages a row reads, cache_seqlens + the new
     tokens, are looked up."""
@@ -488,6 +605,18 @@ def test_serving_ops_compile_fullgraph(device):
     out_eager = decode(qd, kc_eager, vc_eager, kn, vn)
     assert torch.equal(out, out_eager)
     assert torch.equal(k_cache, kc_eager) and torch.equal(v_cache, vc_eager), "compiled call lost the cache append"
+
+    cos, sin = rotary_tables(32, 16, dtype, device)
+
+    def decode_rotary(qd, kc, vc, kn, vn):
+        return flashmod.flash_attn_with_kvcache(
+            qd, kc, vc, kn, vn, cache_seqlens=seqlens, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False
+        )
+
+    out = torch.compile(decode_rotary, fullgraph=True, backend="aot_eager")(qd, k_cache, v_cache, kn, vn)
+    out_eager = decode_rotary(qd, kc_eager, vc_eager, kn, vn)
+    assert torch.equal(out, out_eager)
+    assert torch.equal(k_cache, kc_eager), "compiled rotary call appended other keys"
 
     with pytest.raises(Exception, match="cu_seqlens_q must be int32"):
         torch.compile(lambda q: flashmod.flash_attn_varlen_func(q, k, v, cq.long(), ck, 17, 17), fullgraph=True)(q)
