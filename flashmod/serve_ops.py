@@ -239,6 +239,55 @@ def varlen_forward_padded(
     return out, lse.t()
 
 
+def _varlen_paged(
+    op: str,
+    block_table: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float | None,
+    is_causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
+    """flash_attn_varlen_func with a block table: the KV-cache op (which reads the pages) on q padded
+    to ``max_seqlen_q`` rows a sequence, each sequence right-aligned so that the op's bottom-right
+    diagonal is its own, and cache lengths from ``cu_seqlens_k`` (device-side, no host sync). A
+    sequence longer than ``max_seqlen_q`` gets NaN rows, as in :func:`varlen_forward_padded`."""
+    check_tensor_types(op, block_table=block_table)
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{op}: with block_table, {name} must be a page pool (num_blocks, page_size, heads_k, head_dim), "
+                f"got a {t.dim()}-D tensor of shape {list(t.shape)}"
+            )
+    named = (("q", q), ("k", k), ("v", v))
+    wants_grad = [n for n, t in named if (t.requires_grad and torch.is_grad_enabled()) or has_tangent(t)]
+    if wants_grad:
+        raise RuntimeError(
+            f"{op}: with block_table the call is forward only (as flash-attn's paged varlen), got "
+            f"{', '.join(wants_grad)} requiring grad; call it under torch.no_grad()"
+        )
+    B = cu_seqlens_q.numel() - 1
+    seq, pos = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
+    overlong = (cu_seqlens_q.diff() > max_seqlen_q)[seq]
+    pos = pos.clamp(min=0)
+    padded_q = q.new_zeros((B, max_seqlen_q, *q.shape[1:]))
+    padded_q[seq, pos] = q
+    out, lse = torch.ops.flashmod.attention_kvcache(
+        padded_q, k, v, None, None, cu_seqlens_k.diff().to(torch.int32), None, block_table,
+        scale, is_causal, window_left, window_right, softcap,
+    )  # fmt: skip
+    out = out[seq, pos].masked_fill(overlong[:, None, None], float("nan"))
+    lse = lse.transpose(1, 2)[seq, pos].masked_fill(overlong[:, None], float("nan"))
+    return out, lse.t()
+
+
 @functools.cache
 def _warn_fp32_varlen_once() -> None:
     warnings.warn(
@@ -426,6 +475,7 @@ def flash_attn_varlen_func(
     alibi_slopes: None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    block_table: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, None]:
     """Attention over a packed batch of variable-length sequences (flash-attn's signature).
 
@@ -438,11 +488,17 @@ def flash_attn_varlen_func(
     lse, None)``; its ``deterministic`` is taken and changes nothing; ``alibi_slopes`` must be
     None). Differentiable in ``q``, ``k``, ``v``. fp32 on CUDA (no per-sequence kernel) runs the
     dense kernels on a padded copy of the batch (:func:`varlen_forward_padded`).
+
+    ``block_table`` (int32 ``(batch, max_pages)``, keyword-only; flash-attn's paged prefill): ``k``/``v``
+    are then page pools ``(num_blocks, page_size, Hkv, D)``, sequence ``b``'s keys the first
+    ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` rows of its pages. It runs the KV-cache op on ``q`` padded to
+    ``max_seqlen_q`` rows a sequence (each sequence's queries last, so causal and windows stay
+    bottom-right), forward only, as flash-attn's.
     """
     return _flash_attn_varlen(
         "flashmod.flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p, softmax_scale, causal, window_size, softcap, return_lse, alibi_slopes, deterministic,
-        return_attn_probs,
+        return_attn_probs, block_table,
     )  # fmt: skip
 
 
@@ -520,6 +576,7 @@ def _flash_attn_varlen(
     alibi_slopes: None,
     deterministic: bool,
     return_attn_probs: bool,
+    block_table: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, None]:
     """flash_attn_varlen_func's body; ``op`` names the public function in errors."""
     check_tensor_types(op, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
@@ -533,7 +590,9 @@ def _flash_attn_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, left, right, softcap,
     )  # fmt: skip
-    if q.device.type == "cuda" and q.dtype == torch.float32:
+    if block_table is not None:
+        out, lse = _varlen_paged(op, block_table, *args)
+    elif q.device.type == "cuda" and q.dtype == torch.float32:
         out, lse = varlen_forward_padded(*args)
     elif has_tangent(q, k, v):
         # Forward-mode AD: the variable-length op has a backward only (its autograd would drop the

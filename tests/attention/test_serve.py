@@ -337,12 +337,18 @@ def test_kvcache_batch_idx_int_seqlens_and_no_append(device):
     assert torch.equal(full, dense)
 
 
-def test_kvcache_rejects_bad_inputs(device):
+def small_kvcache_step(device):
+    """A bf16 decode step for the error tests: k_cache, v_cache (2, 32, 2, 16), q (2, 1, 4, 16), one new
+    key per row (also used as its value), cache_seqlens [3, 4]."""
     dtype = torch.bfloat16
     k_cache, v_cache = make_cache(2, 32, 2, 16, dtype, device)
     q = torch.randn(2, 1, 4, 16, dtype=dtype, device=device)
     kn = torch.randn(2, 1, 2, 16, dtype=dtype, device=device)
-    seqlens = torch.tensor([3, 4], dtype=torch.int32, device=device)
+    return k_cache, v_cache, q, kn, torch.tensor([3, 4], dtype=torch.int32, device=device)
+
+
+def test_kvcache_rejects_bad_inputs(device):
+    k_cache, v_cache, q, kn, seqlens = small_kvcache_step(device)
     call = flashmod.flash_attn_with_kvcache
     with pytest.raises(RuntimeError, match="k and v must be given together, got k without v"):
         call(q, k_cache, v_cache, kn, None, cache_seqlens=seqlens)
@@ -450,12 +456,8 @@ def test_kvcache_rotary_paged_equals_contiguous_and_int_seqlens(device):
 
 
 def test_kvcache_rotary_rejects_bad_inputs_and_positional_flash_attn_order(device):
-    dtype = torch.bfloat16
-    k_cache, v_cache = make_cache(2, 32, 2, 16, dtype, device)
-    q = torch.randn(2, 1, 4, 16, dtype=dtype, device=device)
-    kn = torch.randn(2, 1, 2, 16, dtype=dtype, device=device)
-    seqlens = torch.tensor([3, 4], dtype=torch.int32, device=device)
-    cos, sin = rotary_tables(32, 8, dtype, device)
+    k_cache, v_cache, q, kn, seqlens = small_kvcache_step(device)
+    cos, sin = rotary_tables(32, 8, q.dtype, device)
     call = flashmod.flash_attn_with_kvcache
     with pytest.raises(ValueError, match="rotary_cos and rotary_sin come together"):
         call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=cos)
@@ -467,7 +469,7 @@ def test_kvcache_rotary_rejects_bad_inputs_and_positional_flash_attn_order(devic
         call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=cos.float(), rotary_sin=sin)
     with pytest.raises(ValueError, match=r"rotary_sin must have rotary_cos's shape \[32, 4\], got \[32, 3\]"):
         call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=cos, rotary_sin=sin[:, :3])
-    wide_cos, wide_sin = rotary_tables(32, 18, dtype, device)
+    wide_cos, wide_sin = rotary_tables(32, 18, q.dtype, device)
     with pytest.raises(ValueError, match=r"must be in \[1, head_dim / 2 = 8\], got 9"):
         call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=wide_cos, rotary_sin=wide_sin)
     with pytest.raises(ValueError, match="at least the cache's 32, got 31"):
@@ -479,6 +481,64 @@ def test_kvcache_rotary_rejects_bad_inputs_and_positional_flash_attn_order(devic
         call(q, k_cache, v_cache, kn, kn, cos, sin, seqlens)
     with pytest.raises(RuntimeError, match="block_table must be a 2-D tensor .* in this order after v"):
         call(q, k_cache, v_cache, kn, kn, None, None, seqlens)
+
+
+def packed_into_pages(k, v, cu_k, page_size):
+    """Packed keys and values (total_k, H, D) as shuffled pools of pages (with unowned pages of noise)
+    and a block table whose columns past a sequence's pages are -1 (never read)."""
+    lengths = cu_k.diff().tolist()
+    pages = [-(-n // page_size) for n in lengths]
+    owned = sum(pages)
+    perm = torch.randperm(owned + 3, device=k.device)[:owned].tolist()
+    pools = [torch.randn(owned + 3, page_size, *t.shape[1:], dtype=t.dtype, device=t.device) for t in (k, v)]
+    table = torch.full((len(lengths), max(max(pages), 1)), -1, dtype=torch.int32, device=k.device)
+    start, used = 0, 0
+    for b, (n, p) in enumerate(zip(lengths, pages)):
+        for j in range(p):
+            rows = slice(start + j * page_size, start + min(n, (j + 1) * page_size))
+            for pool, t in zip(pools, (k, v)):
+                pool[perm[used], : rows.stop - rows.start] = t[rows]
+            table[b, j] = perm[used]
+            used += 1
+        start += n
+    return pools[0], pools[1], table
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+@pytest.mark.parametrize("page_size", [16, 48])
+def test_varlen_block_table_matches_each_sequence(device, variant, lengths, page_size):
+    """flash-attn's paged varlen (block_table): k/v as page pools, each sequence's keys the first
+    cu_seqlens_k[b+1] - cu_seqlens_k[b] rows of its pages; every sequence by the rule against the fp64
+    reference on it alone (empty sequences included), out and lse."""
+    opts = opts_of(variant)
+    lq, lk = LENGTHS[lengths]
+    for dtype in kvcache_dtypes(device):
+        q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 64, dtype, device)
+        k_pool, v_pool, table = packed_into_pages(k, v, ck, page_size)
+        out, lse = flashmod.flash_attn_varlen_func(
+            q, k_pool, v_pool, cq, ck, max(lq), max(lk), return_lse=True, block_table=table, **opts
+        )
+        assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+        for b in range(len(lq)):
+            qs, ks, vs = q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]]
+            truth, truth_lse = reference(qs, ks, vs, opts, torch.float64)
+            plain, _ = reference(qs, ks, vs, opts, dtype)
+            assert_within_rule(out[cq[b] : cq[b + 1]], truth, plain, 2, dtype, f"{variant} sequence {b}")
+            torch.testing.assert_close(lse[:, cq[b] : cq[b + 1]].double(), truth_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_varlen_block_table_is_forward_only_and_checks_pools(device):
+    dtype = torch.bfloat16
+    q, k, v, cq, ck = make_varlen([3, 5], [7, 2], 4, 2, 16, dtype, device, requires_grad=True)
+    k_pool, _, table = packed_into_pages(k.detach(), v.detach(), ck, 16)
+    with pytest.raises(RuntimeError, match="with block_table the call is forward only"):
+        flashmod.flash_attn_varlen_func(q, k_pool, k_pool, cq, ck, 5, 7, block_table=table)
+    with pytest.raises(ValueError, match=r"with block_table, k must be a page pool .* got a 3-D tensor"):
+        flashmod.flash_attn_varlen_func(q.detach(), k.detach(), v.detach(), cq, ck, 5, 7, block_table=table)
+    with torch.no_grad():
+        out = flashmod.flash_attn_varlen_func(q, k_pool, k_pool, cq, ck, 5, 7, block_table=table, causal=True)
+    assert out.shape == q.shape and not out.requires_grad
 
 
 def test_kvcache_block_table_past_the_used_pages_is_not_read(device):
