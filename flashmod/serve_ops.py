@@ -198,6 +198,14 @@ def _pad_to(t: Tensor, seq: Tensor, pos: Tensor, batch: int, n: int) -> Tensor:
     return padded.transpose(1, 2)
 
 
+def _packed_rows(out: Tensor, lse: Tensor, seq: Tensor, pos: Tensor, overlong: Tensor) -> tuple[Tensor, Tensor]:
+    """A padded batch's out ``(B, n, H, D)`` and lse ``(B, H, n)`` back as packed rows ``(total, H, D)``
+    and ``(H, total)`` from each row's ``(seq, pos)``; rows of an overlong sequence are NaN."""
+    out = out[seq, pos].masked_fill(overlong[:, None, None], float("nan"))
+    lse = lse.transpose(1, 2)[seq, pos].masked_fill(overlong[:, None], float("nan"))
+    return out, lse.t()
+
+
 def varlen_forward_padded(
     q: Tensor,
     k: Tensor,
@@ -233,10 +241,7 @@ def varlen_forward_padded(
         _pad_to(q, sq, pq, B, max_seqlen_q), _pad_to(k, sk, pk, B, max_seqlen_k), _pad_to(v, sk, pk, B, max_seqlen_k),
         key_ok[:, None, None, :], scale, is_causal, True, window_left, window_right, softcap,
     )  # fmt: skip
-    bad_rows = overlong[sq]
-    out = out.transpose(1, 2)[sq, pq].masked_fill(bad_rows[:, None, None], float("nan"))
-    lse = lse.transpose(1, 2)[sq, pq].masked_fill(bad_rows[:, None], float("nan"))
-    return out, lse.t()
+    return _packed_rows(out.transpose(1, 2), lse, sq, pq, overlong[sq])
 
 
 def _varlen_paged(
@@ -276,16 +281,14 @@ def _varlen_paged(
     B = cu_seqlens_q.numel() - 1
     seq, pos = _left_pad_index(cu_seqlens_q, q.shape[0], max_seqlen_q)
     overlong = (cu_seqlens_q.diff() > max_seqlen_q)[seq]
-    pos = pos.clamp(min=0)
+    pos = pos.clamp(min=0)  # an overlong sequence's first rows (its output is NaN)
     padded_q = q.new_zeros((B, max_seqlen_q, *q.shape[1:]))
     padded_q[seq, pos] = q
     out, lse = torch.ops.flashmod.attention_kvcache(
         padded_q, k, v, None, None, cu_seqlens_k.diff().to(torch.int32), None, block_table,
         scale, is_causal, window_left, window_right, softcap,
     )  # fmt: skip
-    out = out[seq, pos].masked_fill(overlong[:, None, None], float("nan"))
-    lse = lse.transpose(1, 2)[seq, pos].masked_fill(overlong[:, None], float("nan"))
-    return out, lse.t()
+    return _packed_rows(out, lse, seq, pos, overlong)
 
 
 @functools.cache

@@ -1,9 +1,10 @@
 """Random configurations of the serving functions against the fp64 reference on each sequence alone,
 by the tests' rule (output within 2x plain torch's error in the same dtype): flash_attn_varlen_func
-(empty and odd sequences, Nq != Nk) and flash_attn_with_kvcache (contiguous and paged caches, pages
-of 16 / 32 / 48, appends of 0-3 rows, several query rows), with GQA, causal, windows, soft caps and
-scales. A window side is judged as flash-attn does: against max_seqlen_k (varlen) or the cache's
-capacity (KV cache). A failing configuration is printed whole, so it can become a test.
+(empty and odd sequences, Nq != Nk; contiguous k/v, or page pools of 16 / 48 through block_table)
+and flash_attn_with_kvcache (contiguous and paged caches, pages of 16 / 32 / 48, appends of 0-3
+rows, several query rows), with GQA, causal, windows, soft caps and scales. A window side is judged
+as flash-attn does: against max_seqlen_k (varlen) or the cache's capacity (KV cache). A failing
+configuration is printed whole, so it can become a test.
 
     PYTHONPATH=. python tools/fuzz_serving.py [--device cpu] [--seed 0] [--configs 200] [--long]
 
@@ -55,6 +56,25 @@ def within_rule(ours, q, k, v, opts: dict, dtype: torch.dtype) -> tuple[bool, fl
     return not torch.isnan(ours).any() and err <= bound, err, plain_err
 
 
+def paged_pools(k, v, lengths: list[int], page: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Packed keys and values as shuffled page pools (two pages of noise nobody owns) and a block
+    table padded with -1 past each sequence's pages (flash_attn_varlen_func's block_table)."""
+    counts = [-(-n // page) for n in lengths]
+    perm = torch.randperm(sum(counts) + 2, device=k.device)[: sum(counts)].tolist()
+    pools = tuple(torch.randn(sum(counts) + 2, page, *t.shape[1:], device=t.device, dtype=t.dtype) for t in (k, v))
+    table = torch.full((len(lengths), max(max(counts), 1)), -1, dtype=torch.int32, device=k.device)
+    start, used = 0, 0
+    for b, (n, count) in enumerate(zip(lengths, counts)):
+        for j in range(count):
+            rows = slice(start + j * page, start + min(n, (j + 1) * page))
+            for pool, t in zip(pools, (k, v)):
+                pool[perm[used], : rows.stop - rows.start] = t[rows]
+            table[b, j] = perm[used]
+            used += 1
+        start += n
+    return pools, table
+
+
 def varlen_case(rng: random.Random, device: str, dtype: torch.dtype, base: dict) -> list[str]:
     batch = rng.choice([1, 2, 4])
     lq = [rng.choice([0, 1, 5, 17, 64, 100]) for _ in range(batch)]
@@ -67,11 +87,17 @@ def varlen_case(rng: random.Random, device: str, dtype: torch.dtype, base: dict)
     cq, ck = cu(lq), cu(lk)
     q = torch.randn(sum(lq), hq, d, device=device, dtype=dtype)
     k, v = (torch.randn(sum(lk), hkv, d, device=device, dtype=dtype) for _ in range(2))
-    desc = f"varlen lq {lq} lk {lk} {base}"
-    out = flashmod.flash_attn_varlen_func(
-        q, k, v, cq, ck, max(lq), max(lk), softmax_scale=base["scale"], causal=base["causal"],
-        window_size=(base["left"], base["right"]), softcap=base["softcap"],
-    )  # fmt: skip
+    page = rng.choice([0, 0, 16, 48])  # block_table: flash-attn's paged prefill
+    kv, extra = (k, v), {}
+    if page:
+        kv, table = paged_pools(k, v, lk, page)
+        extra = {"block_table": table}
+    desc = f"varlen lq {lq} lk {lk} page {page} {base}"
+    with torch.no_grad():
+        out = flashmod.flash_attn_varlen_func(
+            q, *kv, cq, ck, max(lq), max(lk), softmax_scale=base["scale"], causal=base["causal"],
+            window_size=(base["left"], base["right"]), softcap=base["softcap"], **extra,
+        )  # fmt: skip
     opts = {**base, "left": judged(base["left"], max(lk)), "right": judged(base["right"], max(lk))}
     failures = []
     for i in range(batch):
