@@ -697,6 +697,7 @@ def flash_attn_with_kvcache(
     rotary_sin: Tensor | None = None,
     rotary_interleaved: bool = True,
     alibi_slopes: None = None,
+    num_splits: int = 0,
     return_softmax_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of new queries against a KV cache, appending new keys/values in place (flash-attn's
@@ -719,10 +720,14 @@ def flash_attn_with_kvcache(
     ``q`` at ``cache_seqlens[b] + i`` when causal or windowed, else at ``cache_seqlens[b]``; the first
     ``rotary_dim`` features, pairs ``(0, 1), (2, 3), ...`` when ``rotary_interleaved`` (the default) and
     ``(i, i + rotary_dim / 2)`` otherwise, in fp32. They need ``k``, ``v`` and ``cache_seqlens``.
+    flash-attn's ``num_splits`` (a split-KV hint, an int >= 0) is taken and not followed: flashmod picks
+    its own split count, which changes the result only by rounding.
     """
     op = "flashmod.flash_attn_with_kvcache"
     check_flash_attn_extras(op, alibi_slopes, return_softmax_lse=return_softmax_lse, return_lse=return_lse)
     return_lse = return_lse or return_softmax_lse
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise TypeError(f"{op}: num_splits must be an int >= 0 (flash-attn's split-KV hint), got {num_splits!r}")
     check_tensor_types(
         op, ("k", "v", "cache_batch_idx", "block_table"), q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
         cache_batch_idx=cache_batch_idx, block_table=block_table,

@@ -474,6 +474,9 @@ def test_kvcache_rotary_rejects_bad_inputs_and_positional_flash_attn_order(devic
         call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=wide_cos, rotary_sin=wide_sin)
     with pytest.raises(ValueError, match="at least the cache's 32, got 31"):
         call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=cos[:31], rotary_sin=sin[:31])
+    with pytest.raises(TypeError, match=r"num_splits must be an int >= 0 .*, got -1"):
+        call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, num_splits=-1)
+    assert call(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=3).shape == q.shape  # taken, a hint
     with pytest.raises(TypeError, match="rotary_interleaved must be a bool"):
         call(q, k_cache, v_cache, kn, kn, cache_seqlens=seqlens, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=1)
     # flash-attn's positional order: (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ...)
