@@ -77,7 +77,10 @@ def test_forced_instruction_set_paged_decode_matches_contiguous(isa, repo_root):
     run_pytest_under_isa(isa, repo_root, str(serve_tests), "-k", "paged_decode_equals_contiguous_cpu")
 
 
-SOFTMAX_SLICE = "cpu and (softmax_rows or every_dim or neg_inf_rows or matmul_softmax_shapes or matmul_softmax_masks)"
+SOFTMAX_SLICE = (
+    "cpu and (softmax_rows or every_dim or neg_inf_rows or matmul_softmax_shapes or matmul_softmax_masks"
+    " or matmul_softmax_fp16_raw_logits)"
+)
 
 
 @pytest.mark.slow

@@ -2,13 +2,15 @@
 // (B, Ha, M, N) allocation. fp32 / fp64 / bf16: one batched GEMM (MKL/oneDNN through at::bmm_out)
 // writes the raw logits straight into the output; then each row is scaled, masked and normalized
 // in place by the same vectorized online-softmax row kernel as flashmod::softmax, while it is hot
-// in cache. fp16: fp32 logits by row blocks (matmul_softmax_f32_logits says why).
+// in cache. fp16, and bf16 on CPUs without AVX512-BF16: fp32 logits by row blocks
+// (matmul_softmax_f32_logits and bf16_logits_by_bf16_gemm say why).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -116,7 +118,8 @@ void normalize_rows_in_place(const MatmulSoftmaxParams& p) {
   });
 }
 
-// fp16: the logits in fp32, never rounded to fp16. Written into `out` they would round once more
+// fp16 (and bf16 where the CPU has no fast bf16 GEMM: bf16_logits_by_bf16_gemm): the logits in
+// fp32, never rounded to fp16. Written into `out` they would round once more
 // than the fused CUDA kernel's (and plain torch's extra rounding after the scale then sometimes
 // cancels part of it: 1 seed in 3000 of one test shape failed the 2x rule, session 41), and a raw
 // logit past 65504 would become inf before the scale shrinks it (a NaN row where the fused CUDA
@@ -162,6 +165,15 @@ void matmul_softmax_f32_logits(const PreparedMatmulSoftmax& r) {
   });
 }
 
+// Whether bf16 logits come from oneDNN's bf16 GEMM into the output (the row kernels on AVX-512 and
+// the CPU with AVX512-BF16 or AMX). Without those instructions torch's bf16 GEMM is a scalar loop:
+// (8, 512, 128) x (8, 128, 512), 2 threads on a Zen 5 with oneDNN held to AVX2, 193 ms against
+// sgemm's 2.7 ms (held to AVX-512 without BF16: 3.5 ms; with it: 0.66 ms), so bf16 then takes
+// the fp32-logit path, as fp16 does. FLASHMOD_CPU_ISA=avx2 (or baseline) selects it too.
+bool bf16_logits_by_bf16_gemm() {
+  return std::string(row_kernels().isa) == "avx512" && __builtin_cpu_supports("avx512bf16");
+}
+
 at::Tensor matmul_softmax_cpu(const at::Tensor& a, const at::Tensor& b, std::optional<double> scale,
                               bool is_causal, const std::optional<at::Tensor>& attn_mask) {
   PreparedMatmulSoftmax prepared = prepare_matmul_softmax(a, b, scale, is_causal, attn_mask);
@@ -169,6 +181,10 @@ at::Tensor matmul_softmax_cpu(const at::Tensor& a, const at::Tensor& b, std::opt
   const MatmulSoftmaxParams& p = prepared.params;
   if (p.dtype == ScalarKind::kFloat16) {
     matmul_softmax_f32_logits<c10::Half>(prepared);
+    return prepared.out;
+  }
+  if (p.dtype == ScalarKind::kBFloat16 && !bf16_logits_by_bf16_gemm()) {
+    matmul_softmax_f32_logits<c10::BFloat16>(prepared);
     return prepared.out;
   }
   logits_into_output(prepared);
