@@ -89,6 +89,17 @@ def _matmul_softmax_fake(
     return a.new_empty((a.shape[0], a.shape[1], a.shape[2], b.shape[2]))
 
 
+def _product_dtype(a: Tensor) -> torch.dtype:
+    """The dtype of matmul_softmax's derivative products: a's, except fp16 on the CPU and bf16 on CPUs
+    below AVX-512, where torch's GEMM in that dtype is a scalar loop (a (8, 512, 128) x (8, 128, 512)
+    product: 211 ms fp16, 193 ms bf16 held to AVX2, 2.7 ms fp32; session 42): fp32 there, rounded back."""
+    if a.device.type != "cpu":
+        return a.dtype
+    if a.dtype == torch.float16 or (a.dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() != "AVX512"):
+        return torch.float32
+    return a.dtype
+
+
 def _softmax_grad(grad: Tensor, y: Tensor, dim: int) -> Tensor:
     """y * (g - sum(g * y, dim)): aten's softmax backward, which does this in one pass and in fp32
     for fp16/bf16 (one rounding at the end). An all -inf row has y = 0 and gets a zero gradient."""
@@ -157,10 +168,10 @@ class MatmulSoftmaxFunction(torch.autograd.Function):
             grad_mask = ds.sum_to_size(shape).to(dtype)
         ds = ds.reshape(batch, heads_b, group * rows, cols)  # GQA: a's head groups share b's head
         a_g = a.reshape(batch, heads_b, group * rows, depth)
-        grad_a = (ctx.scale * ds) @ b if ctx.needs_input_grad[0] else None
-        grad_b = (ctx.scale * ds).transpose(-1, -2) @ a_g if ctx.needs_input_grad[1] else None
-        if grad_a is not None:
-            grad_a = grad_a.reshape(a.shape)
+        work = _product_dtype(a)
+        ds_w, b_w, a_w = (ctx.scale * ds).to(work), b.to(work), a_g.to(work)
+        grad_a = (ds_w @ b_w).to(a.dtype).reshape(a.shape) if ctx.needs_input_grad[0] else None
+        grad_b = (ds_w.transpose(-1, -2) @ a_w).to(b.dtype) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b, None, None, grad_mask
 
     @staticmethod
@@ -168,15 +179,20 @@ class MatmulSoftmaxFunction(torch.autograd.Function):
         a, b, p = ctx.saved_tensors
         batch, heads_a, rows, depth = a.shape
         heads_b = b.shape[1]
-        t = torch.zeros_like(p).unflatten(1, (heads_b, heads_a // heads_b))
+        # The products in _product_dtype, each rounded once; the sum, the scale and the softmax's
+        # tangent in fp32 (at least), rounded to p's dtype at the end. Rounding each step in bf16, as
+        # plain torch does, failed the 2x rule for 3 of 1000 seeds (CPU, session 42); now none.
+        work = _product_dtype(a)
+        acc = torch.promote_types(p.dtype, torch.float32)
+        t = torch.zeros_like(p, dtype=acc).unflatten(1, (heads_b, heads_a // heads_b))
         if a_t is not None:
-            t = t + a_t.unflatten(1, (heads_b, -1)) @ b.unsqueeze(2).transpose(-1, -2)
+            t = t + (a_t.to(work).unflatten(1, (heads_b, -1)) @ b.to(work).unsqueeze(2).transpose(-1, -2)).to(acc)
         if b_t is not None:
-            t = t + a.unflatten(1, (heads_b, -1)) @ b_t.unsqueeze(2).transpose(-1, -2)
+            t = t + (a.to(work).unflatten(1, (heads_b, -1)) @ b_t.to(work).unsqueeze(2).transpose(-1, -2)).to(acc)
         t = (ctx.scale * t).flatten(1, 2)
         if mask_t is not None:
             t = t + mask_t
-        return _softmax_jvp(p, t, -1)
+        return _softmax_jvp(p.to(acc), t, -1).to(p.dtype)
 
 
 def _softmax_autograd(*args):

@@ -597,6 +597,33 @@ def test_matmul_softmax_grad_matches_torch(device):
         torch.testing.assert_close(o, r)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_matmul_softmax_low_precision_gradients_and_tangents(device, dtype):
+    """fp16 / bf16 gradients (factor 3) and forward-mode tangents (factor 2) by the rule against fp64,
+    plain torch's autograd in the same dtype as the yardstick; GQA, causal, odd sizes. On the CPU their
+    products run in fp32 where torch's GEMM in the dtype is a scalar loop (softmax_ops._product_dtype)."""
+    a = torch.randn(2, 4, 37, 40, device=device, dtype=dtype, requires_grad=True)
+    b = torch.randn(2, 2, 203, 40, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(2, 4, 37, 203, device=device, dtype=dtype)
+    ours = torch.autograd.grad(flashmod.matmul_softmax(a, b, is_causal=True, scale=0.3), (a, b), g)
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
+    truth = torch.autograd.grad(matmul_softmax_ref(a64, b64, is_causal=True, scale=0.3), (a64, b64), g.double())
+    plain = torch.autograd.grad(matmul_softmax_ref(a, b, is_causal=True, scale=0.3), (a, b), g)
+    for name, o, t, pl in zip(("grad a", "grad b"), ours, truth, plain):
+        assert o.dtype == dtype, name
+        assert_within_rule(o, t, pl, 3, dtype, f"{dtype} {name}")
+    a_t, b_t = torch.randn_like(a), torch.randn_like(b)
+    with torch.no_grad():
+        _, ours_t = torch.func.jvp(lambda x, y: flashmod.matmul_softmax(x, y, is_causal=True), (a, b), (a_t, b_t))
+
+        def plain_fn(x, y):
+            return matmul_softmax_ref(x, y, is_causal=True)
+
+        _, truth_t = torch.func.jvp(plain_fn, (a.double(), b.double()), (a_t.double(), b_t.double()))
+        _, plain_t = torch.func.jvp(plain_fn, (a, b), (a_t, b_t))
+    assert_within_rule(ours_t, truth_t, plain_t, 2, dtype, f"{dtype} tangent")
+
+
 def test_matmul_softmax_opcheck_and_compile(device):
     a = torch.randn(1, 4, 6, 8, device=device, requires_grad=True)
     b = torch.randn(1, 2, 7, 8, device=device, requires_grad=True)
