@@ -119,13 +119,13 @@ void normalize_rows_in_place(const MatmulSoftmaxParams& p) {
 }
 
 // fp16 (and bf16 where the CPU has no fast bf16 GEMM: bf16_logits_by_bf16_gemm): the logits in
-// fp32, never rounded to fp16. Written into `out` they would round once more
+// fp32, never rounded to the inputs' dtype. Written into fp16 `out` they would round once more
 // than the fused CUDA kernel's (and plain torch's extra rounding after the scale then sometimes
 // cancels part of it: 1 seed in 3000 of one test shape failed the 2x rule, session 41), and a raw
 // logit past 65504 would become inf before the scale shrinks it (a NaN row where the fused CUDA
 // kernel is exact). CPUs without fp16 arithmetic also run torch's fp16 GEMM far slower than
 // sgemm (a (8, 512, 128) x (8, 128, 512) bmm: 211 ms against 2.7 ms on a Zen 5). So a and b are
-// widened once (O(inputs) memory), and each task, kRowsPerTask rows of one (batch, head), runs
+// widened once (O(inputs) memory), and each task, rows_per_task rows of one (batch, head), runs
 // sgemm into a per-thread fp32 buffer (the output stays the only (B, Ha, M, N) allocation) and
 // normalizes its rows from there; causal tasks stop the product at their last row's diagonal.
 template <typename T>
