@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests")]
+from paging import packed_into_pages  # noqa: E402
 from tolerance import SLACK, max_abs_err  # noqa: E402
 
 import flashmod  # noqa: E402
@@ -56,25 +57,6 @@ def within_rule(ours, q, k, v, opts: dict, dtype: torch.dtype) -> tuple[bool, fl
     return not torch.isnan(ours).any() and err <= bound, err, plain_err
 
 
-def paged_pools(k, v, lengths: list[int], page: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Packed keys and values as shuffled page pools (two pages of noise nobody owns) and a block
-    table padded with -1 past each sequence's pages (flash_attn_varlen_func's block_table)."""
-    counts = [-(-n // page) for n in lengths]
-    perm = torch.randperm(sum(counts) + 2, device=k.device)[: sum(counts)].tolist()
-    pools = tuple(torch.randn(sum(counts) + 2, page, *t.shape[1:], device=t.device, dtype=t.dtype) for t in (k, v))
-    table = torch.full((len(lengths), max(max(counts), 1)), -1, dtype=torch.int32, device=k.device)
-    start, used = 0, 0
-    for b, (n, count) in enumerate(zip(lengths, counts)):
-        for j in range(count):
-            rows = slice(start + j * page, start + min(n, (j + 1) * page))
-            for pool, t in zip(pools, (k, v)):
-                pool[perm[used], : rows.stop - rows.start] = t[rows]
-            table[b, j] = perm[used]
-            used += 1
-        start += n
-    return pools, table
-
-
 def varlen_case(rng: random.Random, device: str, dtype: torch.dtype, base: dict) -> list[str]:
     batch = rng.choice([1, 2, 4])
     lq = [rng.choice([0, 1, 5, 17, 64, 100]) for _ in range(batch)]
@@ -90,7 +72,7 @@ def varlen_case(rng: random.Random, device: str, dtype: torch.dtype, base: dict)
     page = rng.choice([0, 0, 16, 48])  # block_table: flash-attn's paged prefill
     kv, extra = (k, v), {}
     if page:
-        kv, table = paged_pools(k, v, lk, page)
+        *kv, table = packed_into_pages(k, v, lk, page)
         extra = {"block_table": table}
     desc = f"varlen lq {lq} lk {lk} page {page} {base}"
     with torch.no_grad():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paging import packed_into_pages
 from tolerance import assert_within_rule
 
 import flashmod
@@ -486,27 +487,6 @@ def test_kvcache_rotary_rejects_bad_inputs_and_positional_flash_attn_order(devic
         call(q, k_cache, v_cache, kn, kn, None, None, seqlens)
 
 
-def packed_into_pages(k, v, cu_k, page_size):
-    """Packed keys and values (total_k, H, D) as shuffled pools of pages (with unowned pages of noise)
-    and a block table whose columns past a sequence's pages are -1 (never read)."""
-    lengths = cu_k.diff().tolist()
-    pages = [-(-n // page_size) for n in lengths]
-    owned = sum(pages)
-    perm = torch.randperm(owned + 3, device=k.device)[:owned].tolist()
-    pools = [torch.randn(owned + 3, page_size, *t.shape[1:], dtype=t.dtype, device=t.device) for t in (k, v)]
-    table = torch.full((len(lengths), max(max(pages), 1)), -1, dtype=torch.int32, device=k.device)
-    start, used = 0, 0
-    for b, (n, p) in enumerate(zip(lengths, pages)):
-        for j in range(p):
-            rows = slice(start + j * page_size, start + min(n, (j + 1) * page_size))
-            for pool, t in zip(pools, (k, v)):
-                pool[perm[used], : rows.stop - rows.start] = t[rows]
-            table[b, j] = perm[used]
-            used += 1
-        start += n
-    return pools[0], pools[1], table
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 @pytest.mark.parametrize("page_size", [16, 48])
@@ -518,7 +498,7 @@ def test_varlen_block_table_matches_each_sequence(device, variant, lengths, page
     lq, lk = LENGTHS[lengths]
     for dtype in kvcache_dtypes(device):
         q, k, v, cq, ck = make_varlen(lq, lk, 4, 2, 64, dtype, device)
-        k_pool, v_pool, table = packed_into_pages(k, v, ck, page_size)
+        k_pool, v_pool, table = packed_into_pages(k, v, lk, page_size)
         out, lse = flashmod.flash_attn_varlen_func(
             q, k_pool, v_pool, cq, ck, max(lq), max(lk), return_lse=True, block_table=table, **opts
         )
@@ -534,7 +514,7 @@ def test_varlen_block_table_matches_each_sequence(device, variant, lengths, page
 def test_varlen_block_table_is_forward_only_and_checks_pools(device):
     dtype = torch.bfloat16
     q, k, v, cq, ck = make_varlen([3, 5], [7, 2], 4, 2, 16, dtype, device, requires_grad=True)
-    k_pool, _, table = packed_into_pages(k.detach(), v.detach(), ck, 16)
+    k_pool, _, table = packed_into_pages(k.detach(), v.detach(), [7, 2], 16)
     with pytest.raises(RuntimeError, match="with block_table the call is forward only"):
         flashmod.flash_attn_varlen_func(q, k_pool, k_pool, cq, ck, 5, 7, block_table=table)
     with pytest.raises(ValueError, match=r"with block_table, k must be a page pool .* got a 3-D tensor"):
