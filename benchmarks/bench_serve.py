@@ -84,7 +84,10 @@ def varlen_case(
     reps: int,
     backward: bool = False,
     variants: dict[str, str] | None = None,
+    dropout: float = 0.0,
 ) -> dict:
+    """Every contender on one ragged batch, checked without dropout against flashmod's output, then
+    timed with ``dropout`` (FlexAttention has none: left out when it is > 0)."""
     total, longest, b = sum(lengths), max(lengths), len(lengths)
     q, k, v = (torch.randn(total, h, d, dtype=dtype, device=dev, requires_grad=backward) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
@@ -92,10 +95,10 @@ def varlen_case(
     # forward + backward counts 3.5x the forward's FLOPs, as bench_attention.py does.
     flops = 4 * pairs * h * d * (3.5 if backward else 1)
 
-    def ours():
-        return flashmod.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)
+    def ours(p=dropout):
+        return flashmod.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, dropout_p=p, causal=causal)
 
-    ref = ours().detach()
+    ref = ours(0.0).detach()
     # Right-padded (B, H, N, D) copies and the index of every packed row in them.
     seq = torch.repeat_interleave(torch.arange(b, device=dev), torch.tensor(lengths, device=dev))
     pos = torch.arange(total, device=dev) - cu[:-1].long()[seq]
@@ -116,12 +119,13 @@ def varlen_case(
         if dev != "cuda" or (name == "FLASH" and mask is not None):
             continue
 
-        def sdpa(backend=backend):
+        def sdpa(backend=backend, p=dropout):
             with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=causal)
+                return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=causal, dropout_p=p)
 
         try:
-            got = sdpa().detach().transpose(1, 2)[seq, pos]
+            got = sdpa(p=0.0).detach().transpose(1, 2)[seq, pos]
+            sdpa()  # the backend takes dropout too
         except RuntimeError as err:
             print(f"  SDPA {name}: {str(err).splitlines()[0][:100]}")
             continue
@@ -129,13 +133,15 @@ def varlen_case(
             fns[f"SDPA {name}"] = sdpa
     if dev == "cpu":
 
-        def sdpa_cpu():
-            return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=causal)
+        def sdpa_cpu(p=dropout):
+            return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=causal, dropout_p=p)
 
-        if check("SDPA", sdpa_cpu().detach().transpose(1, 2)[seq, pos], ref, 2e-2):
+        if check("SDPA", sdpa_cpu(0.0).detach().transpose(1, 2)[seq, pos], ref, 2e-2):
             fns["SDPA"] = sdpa_cpu
     flex_leaves = None
     try:
+        if dropout > 0:
+            raise NotImplementedError("no dropout")
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         doc = seq
@@ -156,8 +162,12 @@ def varlen_case(
     except Exception as err:  # noqa: BLE001 (reported, not hidden: the row says why flex is missing)
         print(f"  FlexAttention: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
     if backward:
-        leaves = {"flashmod": (q, k, v), "FlexAttention": flex_leaves}
-        fns = {name: with_backward(fn, leaves.get(name, (qp, kp, vp))) for name, fn in fns.items()}
+        def leaves(name: str) -> tuple[torch.Tensor, ...]:
+            if name.startswith("flashmod"):  # its knob variants too
+                return q, k, v
+            return flex_leaves if name == "FlexAttention" else (qp, kp, vp)
+
+        fns = {name: with_backward(fn, leaves(name)) for name, fn in fns.items()}
     times = harness.median_times(fns, dev, warmup=3, reps=reps)
     return {name: {"status": "ok", "ms": t * 1e3, "tflops": flops / t / 1e12} for name, t in times.items()}
 
@@ -359,6 +369,7 @@ def main() -> None:
     parser.add_argument(
         "--varlen-backward", action="store_true", help="varlen: forward + backward (training) instead of the forward"
     )
+    parser.add_argument("--dropout", type=float, default=0.0, help="varlen: dropout_p of every contender (training)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs")
     parser.add_argument("--reps", type=int, default=20, help="timed rounds (the median is reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sequence lengths")
@@ -413,13 +424,15 @@ def main() -> None:
                     " causal" if causal else ""
                 )
                 label += " fwd+bwd" if args.varlen_backward else ""
+                label += f" dropout {args.dropout}" if args.dropout else ""
                 print(label)
                 reps = 3 if args.smoke else args.reps
-                res = varlen_case(lengths, h, d, causal, dtype, dev, reps, args.varlen_backward, variants)
+                res = varlen_case(lengths, h, d, causal, dtype, dev, reps, args.varlen_backward, variants, args.dropout)
                 rows.append({"label": label, "lengths": lengths, "causal": causal, "results": res})
         contenders = sorted({c for r in rows for c in r["results"]}, key=lambda c: c != "flashmod")
         harness.print_table(rows, contenders)
-        name = "serve_varlen_fwdbwd.json" if args.varlen_backward else "serve_varlen.json"
+        name = "serve_varlen_fwdbwd" if args.varlen_backward else "serve_varlen"
+        name += f"_dropout{args.dropout}.json" if args.dropout else ".json"
         harness.write_json(os.path.join(out_dir, name), {"device": harness.device_name(dev), "rows": rows})
     if args.group in ("kvcache", "all"):
         rows = []

@@ -68,16 +68,22 @@ TORCH_LIBRARY(flashmod, m) {
   // (total_k, Hkv, D); sequence b owns rows [cu_seqlens[b], cu_seqlens[b+1]) (int32, batch + 1
   // entries); max_seqlen_q/k bound the lengths (no device sync). Causal and windows are
   // bottom-right per sequence. -> out (total_q, Hq, D), lse (Hq, total_q) fp32.
+  // dropout_p > 0 (training) needs rng_state, as attention_dropout's: sequence b's query i keeps
+  // key j as batch row b of a dense attention_dropout call would (its rows and keys counted from
+  // the sequence's first), so a sequence's dropout is the dense op's on that sequence's rows.
   m.def(
       "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float? scale=None, bool is_causal=False, "
-      "int window_left=-1, int window_right=-1, float softcap=0.0) -> (Tensor out, Tensor lse)");
-  // Gradients of attention_varlen's (out, lse) with respect to (q, k, v), packed like them.
+      "int window_left=-1, int window_right=-1, float softcap=0.0, float dropout_p=0.0, "
+      "Tensor? rng_state=None) -> (Tensor out, Tensor lse)");
+  // Gradients of attention_varlen's (out, lse) with respect to (q, k, v), packed like them; a
+  // dropout call's backward takes the forward's dropout_p and rng_state.
   m.def(
       "attention_varlen_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, float? scale=None, bool is_causal=False, int window_left=-1, "
-      "int window_right=-1, float softcap=0.0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "int window_right=-1, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None) -> "
+      "(Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // Decode against a KV cache (flash-attn's with_kvcache layout): q (B, Sq, Hq, D); caches
   // (B_cache, S_cache, Hkv, D), or (pages, page_size, Hkv, D) with block_table (B, max_pages)
   // int32. New k/v (B, S_new, Hkv, D) are written into the caches in place at cache_seqlens

@@ -272,18 +272,19 @@ def hf_attention_forward(
         # Packed sequences: each attends to itself only (block-diagonal, causal and windowed per sequence when
         # the layer is), without the (N x N) mask.
         window = _window(sliding_window, bool(is_causal))
-        if not dropout:
+        if not dropout or not (query.device.type == "cuda" and query.dtype == torch.float32):
             # Without computing the blocks off the diagonal.
             hq, hkv, d = query.shape[1], key.shape[1], query.shape[3]
             out, lse = flash_attn_varlen_func(
                 query.transpose(1, 2).reshape(-1, hq, d), key.transpose(1, 2).reshape(-1, hkv, d),
-                value.transpose(1, 2).reshape(-1, hkv, d), *packed, softmax_scale=scaling,
-                causal=bool(is_causal), window_size=window, softcap=cap, return_lse=True,
+                value.transpose(1, 2).reshape(-1, hkv, d), *packed, dropout_p=float(dropout),
+                softmax_scale=scaling, causal=bool(is_causal), window_size=window, softcap=cap, return_lse=True,
             )  # fmt: skip
             if sinks is not None:
                 out = (out.float() * _sink_factor(lse, sinks, 0).t().unsqueeze(-1)).to(out.dtype)
             return out.reshape(query.shape[0], -1, hq, d), None
-        # flash_attn_varlen_func takes no dropout: each sequence runs the dense op on its own rows.
+        # Dropout on float32 CUDA tensors, which flash_attn_varlen_func takes only without it: each sequence
+        # runs the dense op on its own rows.
         out, lse = _each_packed_sequence(
             query, key, value, packed, float(dropout), scaling, bool(is_causal), window, cap
         )
@@ -323,11 +324,11 @@ def _each_packed_sequence(
     window: tuple[int, int],
     cap: float,
 ) -> tuple[Tensor, Tensor]:
-    """Packed sequences under attention dropout: ``(out (B, Hq, N, D), lse (B, Hq, N))`` with each sequence of
-    ``packed`` (:func:`_packed_sequences`' cu_seqlens over the B * N flattened tokens) attending to itself
-    alone, causal bottom-right and windowed as in the varlen path, through the dense op on its own rows (one
-    call each, each drawing its own dropout words; reading cu_seqlens costs a host sync, as the position_ids
-    detection does)."""
+    """Packed float32 CUDA sequences under attention dropout (which flash_attn_varlen_func runs in float16 /
+    bfloat16 only there): ``(out (B, Hq, N, D), lse (B, Hq, N))`` with each sequence of ``packed``
+    (:func:`_packed_sequences`' cu_seqlens over the B * N flattened tokens) attending to itself alone, causal
+    bottom-right and windowed as in the varlen path, through the dense op on its own rows (one call each, each
+    drawing its own dropout words; reading cu_seqlens costs a host sync, as the position_ids detection does)."""
     cu_q, cu_k = (c.tolist() for c in packed[:2])
     batch, hq, n, d = query.shape
     # (1, H, B * N, D): the tokens in the flattened order cu_seqlens counts.

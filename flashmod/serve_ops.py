@@ -28,7 +28,7 @@ from .checks import (
     unbounded_past,
     unpack_stacked,
 )
-from .ops import CUDA_MAX_HEAD_DIM, attention_op, below_autograd, has_tangent, no_grad_needed
+from .ops import CUDA_MAX_HEAD_DIM, _check_dropout_args, attention_op, below_autograd, has_tangent, no_grad_needed
 
 _VARLEN = "flashmod.attention_varlen"
 _KVCACHE = "flashmod.attention_kvcache"
@@ -117,6 +117,19 @@ def _check_varlen(
     check_options(_VARLEN, scale, window_left, window_right, softcap)
 
 
+def _check_varlen_dropout(op: str, q: Tensor, dropout_p: float, rng_state: Tensor | None) -> None:
+    """Mirror of serve_host.cpp's set_varlen_dropout: nothing at dropout_p = 0, else rng_state is
+    required and checked as attention_dropout's."""
+    torch._check(0.0 <= dropout_p <= 1.0, lambda: f"{op}: dropout_p must be a probability in [0, 1], got {dropout_p}")
+    if dropout_p == 0.0:
+        return
+    torch._check(
+        rng_state is not None,
+        lambda: f"{op}: dropout_p = {dropout_p} > 0 needs rng_state (a contiguous (2,) int64 tensor), got None",
+    )
+    _check_dropout_args(op, q, dropout_p, rng_state)
+
+
 @torch.library.register_fake("flashmod::attention_varlen")
 def _attention_varlen_fake(
     q: Tensor,
@@ -131,10 +144,13 @@ def _attention_varlen_fake(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     _check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right, softcap
     )
+    _check_varlen_dropout(_VARLEN, q, dropout_p, rng_state)
     out = torch.empty_like(q if q.stride(-1) == 1 else q.contiguous())
     return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
@@ -157,10 +173,13 @@ def _attention_varlen_backward_fake(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right, softcap
     )
+    _check_varlen_dropout("flashmod.attention_varlen_backward", q, dropout_p, rng_state)
     p = "flashmod.attention_varlen_backward: "
     torch._check(
         out.shape == q.shape and grad_out.shape == q.shape,
@@ -301,19 +320,20 @@ def _warn_fp32_varlen_once() -> None:
 
 
 def _varlen_setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, window_left, window_right, softcap = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
-    ctx.options = (max_q, max_k, scale, is_causal, window_left, window_right, softcap)
+    q, k, v, cu_q, cu_k, *options, dropout_p, rng_state = inputs  # defaults filled in
+    # The backward regenerates the forward's dropout from the same rng_state (None without dropout).
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, rng_state)
+    ctx.options = (*options, dropout_p)
 
 
 def _varlen_backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, rng_state = ctx.saved_tensors
     if grad_out is None:  # only lse was used
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.flashmod.attention_varlen_backward(
-        grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, *ctx.options
+        grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, *ctx.options, rng_state
     )
-    return (dq, dk, dv) + (None,) * 9
+    return (dq, dk, dv) + (None,) * 11
 
 
 torch.library.register_autograd("flashmod::attention_varlen", _varlen_backward, setup_context=_varlen_setup_context)
@@ -586,14 +606,19 @@ def _flash_attn_varlen(
     check_flash_attn_extras(
         op, alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, return_lse=return_lse
     )
-    if check_dropout(op, "dropout_p", dropout_p) != 0.0:
-        raise NotImplementedError(f"{op}: dropout_p must be 0 (no variable-length dropout kernel), got {dropout_p}")
+    dropout_p = check_dropout(op, "dropout_p", dropout_p)
     left, right = unbounded_past(check_window(op, window_size), max_seqlen_k)
     args = (
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, left, right, softcap,
     )  # fmt: skip
-    if block_table is not None:
+    if dropout_p > 0.0:
+        _check_dropout_supported(op, q, k, v, block_table)
+        # Fresh random words per call from torch's generator (seeded by torch.manual_seed, traced by
+        # torch.compile); the backward regenerates the same dropout from them.
+        rng_state = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=q.device)
+        out, lse = torch.ops.flashmod.attention_varlen(*args, dropout_p, rng_state)
+    elif block_table is not None:
         out, lse = _varlen_paged(op, block_table, *args)
     elif q.device.type == "cuda" and q.dtype == torch.float32:
         out, lse = varlen_forward_padded(*args)
@@ -608,6 +633,20 @@ def _flash_attn_varlen(
     if return_attn_probs:
         return out, lse, None
     return (out, lse) if return_lse else out
+
+
+def _check_dropout_supported(op: str, q: Tensor, k: Tensor, v: Tensor, block_table: Tensor | None) -> None:
+    """The varlen calls that take dropout_p > 0: the op's (fp16/bf16 on CUDA, any dtype on the CPU),
+    reverse-mode autograd only."""
+    if block_table is not None:
+        raise NotImplementedError(f"{op}: dropout_p must be 0 with block_table (paged prefill is forward only)")
+    if q.device.type == "cuda" and q.dtype == torch.float32:
+        raise NotImplementedError(
+            f"{op}: dropout_p > 0 takes float16 or bfloat16 on CUDA (as flash-attn; float32 has no "
+            "variable-length kernel there), got float32"
+        )
+    if has_tangent(q, k, v):
+        raise NotImplementedError(f"{op}: forward-mode AD of a call with dropout_p > 0 is not supported")
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:

@@ -115,6 +115,10 @@ struct AttentionParams {
   const int64_t* dropout_rng = nullptr;
   uint32_t dropout_threshold = 0;
   double dropout_scale = 1.0;
+  // The call's batch row that this params' row 0 is, as the draws number rows: a CPU view of one
+  // variable-length sequence runs as a batch of its own (serve_cpu.cpp), yet draws as row b of the
+  // call. 0 elsewhere (the CUDA kernels see the call's own row index).
+  int64_t dropout_batch0 = 0;
 };
 
 // The backward's description: the forward's fields (q, k, v, out, lse, mask, window, scale,

@@ -68,6 +68,11 @@ FLASHMOD_HD DropoutState dropout_state(const AttentionParams& p) {
   return d;
 }
 
+// The head index `bh` the draws take for batch row b, query head h of p's call.
+FLASHMOD_HD uint32_t dropout_head_index(const AttentionParams& p, int64_t b, int64_t h) {
+  return static_cast<uint32_t>((p.dropout_batch0 + b) * p.heads_q + h);
+}
+
 // The eight draws of query i's keys in the 32-key span `span` with (j % 8) / 2 == t.
 FLASHMOD_HD PhiloxWords dropout_draws(const DropoutState& d, uint32_t bh, uint32_t i, uint32_t span,
                                       uint32_t t) {

@@ -155,6 +155,17 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q_in, const at::Tensor&
   return r;
 }
 
+void set_varlen_dropout(AttentionParams& p, const char* op, const at::Tensor& q, double dropout_p,
+                        const std::optional<at::Tensor>& rng_state) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0,
+              error_message(op, ": dropout_p must be a probability in [0, 1], got ", dropout_p));
+  if (dropout_p == 0.0) return;
+  TORCH_CHECK(rng_state.has_value(),
+              error_message(op, ": dropout_p = ", dropout_p,
+                            " > 0 needs rng_state (a contiguous (2,) int64 tensor), got None"));
+  set_dropout(p, op, q, dropout_p, *rng_state);
+}
+
 void check_varlen_backward_inputs(const at::Tensor& grad_out,
                                   const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
                                   const at::Tensor& out, const at::Tensor& lse) {

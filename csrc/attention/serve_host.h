@@ -31,6 +31,13 @@ PreparedServe prepare_attention_varlen(const at::Tensor& q, const at::Tensor& k,
                                        bool is_causal, int64_t window_left, int64_t window_right,
                                        double softcap, bool allocate_outputs = true);
 
+// attention_varlen's dropout into p (set_dropout's checks): none at dropout_p = 0, else rng_state
+// is required. Sequence b's draws are those of batch row b of a dense call (its queries and keys
+// counted from the sequence's first): the CUDA kernels' sequence views keep the call's row index,
+// and the CPU's per-sequence calls set dropout_batch0.
+void set_varlen_dropout(AttentionParams& p, const char* op, const at::Tensor& q, double dropout_p,
+                        const std::optional<at::Tensor>& rng_state);
+
 // attention_varlen_backward's checks beyond the forward's (prepare_attention_varlen, called with
 // allocate_outputs = false): out and grad_out shaped like q, lse fp32 (Hq, total_q), grad_lse
 // shaped like lse. Shared by the CPU and CUDA registrations.

@@ -102,8 +102,9 @@ def _with_attention_dropout(model, p: float):
 @pytest.mark.parametrize("family", ["llama_gqa", "mistral", "gpt_oss"])
 @pytest.mark.parametrize("varlen_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
 def test_packed_training_with_dropout_keeps_sequences_apart(device, family, varlen_kwargs):
-    """flash_attn_varlen_func takes no dropout, so under attention dropout each packed sequence runs alone
-    (before, the packed row ran as one causal sequence: every sequence saw the ones before it). With p so
+    """Under attention dropout each packed sequence attends to itself alone (flash_attn_varlen_func with
+    dropout_p; until session 40 the packed row ran as one causal sequence, every sequence seeing the ones
+    before it; sessions 40-42 ran each sequence through the dense op). With p so
     small that no probability is dropped (threshold 0), the loss and gradients are the padded batch's; with
     p = 0.3 and the same seed, the last sequence's logits do not change when the first one's tokens do."""
     lengths = [9, 17, 3, 5]

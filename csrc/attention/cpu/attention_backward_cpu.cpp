@@ -35,6 +35,7 @@
 #include "../../common/cpu_blas.h"
 #include "../../common/knobs.h"
 #include "../attention_host.h"
+#include "attention_cpu.h"
 #include "kernel.h"
 
 // Vector-extension types are passed between always-inlined helpers only; the ABI note GCC emits
@@ -617,7 +618,7 @@ void backward_task(const AttentionBwdParams& p, int64_t task, bool transposed, a
         }
         if (dropout) {
           for (int64_t r = 0; r < rows; ++r) {
-            row_ops().keep_row(drop, b * p.heads_q + h, r0 + r, c0, cols, keep.data());
+            row_ops().keep_row(drop, dropout_head_index(p, b, h), r0 + r, c0, cols, keep.data());
             for (int64_t c = 0; c < cols; ++c) {
               Z[r * Bc + c] = keep[c] ? drop_scale : acc_t(0);
               Pd[r * Bc + c] = S[r * Bc + c] * Z[r * Bc + c];
@@ -773,7 +774,20 @@ void run_backward_cpu(const PreparedAttentionBackward& prepared) {
   }
 }
 
-PreparedAttentionBackward prepare_zeroed(
+}  // namespace
+
+void run_attention_backward_cpu(PreparedAttentionBackward& prepared) {
+  // The kernel accumulates: fp32/fp64 straight into the gradients. Rows no key reaches (and all of
+  // an empty problem) stay 0.
+  prepared.grad_q.zero_();
+  prepared.grad_k.zero_();
+  prepared.grad_v.zero_();
+  run_backward_cpu(prepared);
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
@@ -782,24 +796,7 @@ PreparedAttentionBackward prepare_zeroed(
   PreparedAttentionBackward prepared = prepare_attention_backward(
       grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal, bottom_right, window_left,
       window_right, softcap, compute_grad_mask);
-  // The kernel accumulates: fp32/fp64 straight into the gradients. Rows no key reaches (and all of
-  // an empty problem) stay 0.
-  prepared.grad_q.zero_();
-  prepared.grad_k.zero_();
-  prepared.grad_v.zero_();
-  return prepared;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
-    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool is_causal,
-    bool bottom_right, int64_t window_left, int64_t window_right, double softcap,
-    bool compute_grad_mask) {
-  PreparedAttentionBackward prepared =
-      prepare_zeroed(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
-                     bottom_right, window_left, window_right, softcap, compute_grad_mask);
-  run_backward_cpu(prepared);
+  run_attention_backward_cpu(prepared);
   return {prepared.grad_q, prepared.grad_k, prepared.grad_v, prepared.grad_mask};
 }
 
@@ -810,10 +807,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_dropout_backward_cpu(
     bool bottom_right, int64_t window_left, int64_t window_right, double softcap, double dropout_p,
     const at::Tensor& rng_state) {
   PreparedAttentionBackward prepared =
-      prepare_zeroed(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
-                     bottom_right, window_left, window_right, softcap, false);
+      prepare_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, scale, is_causal,
+                                 bottom_right, window_left, window_right, softcap, false);
   set_dropout(prepared.params, "flashmod.attention_backward", q, dropout_p, rng_state);
-  run_backward_cpu(prepared);
+  run_attention_backward_cpu(prepared);
   return {prepared.grad_q, prepared.grad_k, prepared.grad_v};
 }
 

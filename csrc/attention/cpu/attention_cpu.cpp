@@ -198,7 +198,8 @@ void attention_cpu_fp64(const AttentionParams& p) {
           double* o_row = &O_i[r * D];
           for (int64_t d = 0; d < D; ++d) o_row[d] *= alpha;
           // Dropout (dropout_draws.h) on what P V adds, after the row sum took P.
-          if (p.dropout_rng != nullptr) keep_row(drop, b * p.heads_q + h, i, c0, cols, keep.data());
+          if (p.dropout_rng != nullptr)
+            keep_row(drop, dropout_head_index(p, b, h), i, c0, cols, keep.data());
           double row_sum = 0;
           for (int64_t c = 0; c < cols; ++c) {
             const double pij = std::exp(S_ij[r * Bc + c] - m_new);

@@ -546,7 +546,8 @@ void run_task(const AttentionParams& p, int64_t task, Workspace& ws) {
     } else {
       Engine<Tag>::softmax(cols, rows, score_scale, ws);
     }
-    if (p.dropout_rng != nullptr) drop_probabilities(drop, bh, r0, rows, c0, cols, ws.S);
+    if (p.dropout_rng != nullptr)
+      drop_probabilities(drop, dropout_head_index(p, b, h), r0, rows, c0, cols, ws.S);
     Engine<Tag>::pv(V + c0 * p.v_row_stride, p.v_row_stride, b * p.heads_kv + hk, c0, cols, D, Dp,
                     rows, ws);
   }

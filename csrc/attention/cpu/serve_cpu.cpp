@@ -6,7 +6,6 @@
 // queries) reads its pages in place, any other has its pages gathered into one contiguous K and V
 // first (a copy of the keys it reads; the prefill engine takes one row stride).
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -35,6 +34,7 @@ void write_empty_rows(const AttentionParams& s) {
 void run_row(const PreparedServe& r, const AttentionParams& p, int64_t b) {
   AttentionParams s = sequence_view(p, b);
   s.batch = 1;
+  s.dropout_batch0 = p.dropout_batch0 + b;  // the view draws as the call's row b
   if (s.seqlen_q <= 0) return;
   if (s.seqlen_k <= 0) return write_empty_rows(s);
   at::Tensor lse_scratch, k_rows, v_rows;
@@ -82,10 +82,11 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     std::optional<double> scale, bool is_causal, int64_t window_left, int64_t window_right,
-    double softcap) {
+    double softcap, double dropout_p, const std::optional<at::Tensor>& rng_state) {
   PreparedServe r =
       prepare_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                scale, is_causal, window_left, window_right, softcap);
+  set_varlen_dropout(r.params, "flashmod.attention_varlen", q, dropout_p, rng_state);
   run_rows(r);
   return {r.out, r.lse};
 }
@@ -112,28 +113,23 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_cpu(
   return {r.out, r.lse};
 }
 
-// Backward: the fused CPU backward (attention_backward) on each sequence's slices, seen as
+// Backward: the fused CPU backward (attention_backward's) on each sequence's slices, seen as
 // (1, H, N, D) views of the packed tensors; its gradients land in the packed gradients' rows.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cpu(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, std::optional<double> scale, bool is_causal, int64_t window_left,
-    int64_t window_right, double softcap) {
+    int64_t window_right, double softcap, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
   // The forward's checks (shapes, cu_seqlens values), then the backward's own.
-  const PreparedServe r =
+  PreparedServe r =
       prepare_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                scale, is_causal, window_left, window_right, softcap,
                                /*allocate_outputs=*/false);
+  constexpr const char* op = "flashmod.attention_varlen_backward";
+  set_varlen_dropout(r.params, op, q, dropout_p, rng_state);
   check_varlen_backward_inputs(grad_out, grad_lse, q, out, lse);
-  static const auto backward =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("flashmod::attention_backward", "")
-          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-              const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              const std::optional<at::Tensor>&, std::optional<double>, bool, bool, int64_t, int64_t,
-              double, bool)>();
   at::Tensor grad_q = at::zeros_like(q), grad_k = at::zeros_like(k), grad_v = at::zeros_like(v);
   const int32_t* cq = r.cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* ck = r.cu_seqlens_k.data_ptr<int32_t>();
@@ -146,13 +142,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cpu(
     if (nq == 0 || nk == 0) continue;  // no visible pair: every gradient stays 0
     std::optional<at::Tensor> g_lse;
     if (grad_lse.has_value()) g_lse = grad_lse->narrow(1, q0, nq).unsqueeze(0);
-    auto [dq, dk, dv, no_mask] = backward.call(
+    PreparedAttentionBackward s = prepare_attention_backward(
         seq(grad_out, q0, nq), g_lse, seq(q, q0, nq), seq(k, k0, nk), seq(v, k0, nk),
         seq(out, q0, nq), lse.narrow(1, q0, nq).unsqueeze(0), std::nullopt, scale, is_causal,
         /*bottom_right=*/true, window_left, window_right, softcap, /*compute_grad_mask=*/false);
-    seq(grad_q, q0, nq).copy_(dq);
-    seq(grad_k, k0, nk).copy_(dk);
-    seq(grad_v, k0, nk).copy_(dv);
+    s.params.dropout_rng = r.params.dropout_rng;
+    s.params.dropout_threshold = r.params.dropout_threshold;
+    s.params.dropout_scale = r.params.dropout_scale;
+    s.params.dropout_batch0 = b;  // the view draws as the call's row b
+    run_attention_backward_cpu(s);
+    seq(grad_q, q0, nq).copy_(s.grad_q);
+    seq(grad_k, k0, nk).copy_(s.grad_k);
+    seq(grad_v, k0, nk).copy_(s.grad_v);
   }
   return {grad_q, grad_k, grad_v};
 }

@@ -76,7 +76,8 @@ __device__ __forceinline__ void mma_ab(float (&acc)[kHeadDim / 8][4],
 // params, each CTA works on sequence_view_bwd(params, b), and a CTA whose block lies past its
 // sequence's end exits without writing.
 //
-// kDropout (both kernels): dropout on P (dropout.h), dense calls only; variants of their own so
+// kDropout (both kernels): dropout on P (dropout.h), dense and variable-length calls (a sequence
+// view keeps the call's row index b, by which the draws number rows); variants of their own so
 // that the others keep their registers.
 template <class Tr, bool kGeneral, int kWhich, bool kExtents, bool kDropout = false>
 __global__ void __launch_bounds__(Tr::kNThreads)
@@ -150,7 +151,6 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   zero(dK);
   // Dropout: dP^T is masked and scaled before dS^T (whose delta = rowsum(dO * O) already holds
   // the dropped O), and P^T before dV.
-  static_assert(!kDropout || !kExtents, "dropout: dense calls only");
   DropoutState drop;
   if constexpr (kDropout) drop = dropout_state(p);
 
@@ -271,7 +271,6 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   float dQ[DT][4];
   zero(dQ);
   // Dropout: dP is masked and scaled before dS.
-  static_assert(!kDropout || !kExtents, "dropout: dense calls only");
   DropoutState drop;
   if constexpr (kDropout) drop = dropout_state(p);
 

@@ -56,8 +56,10 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd(const AttentionBwdParams& p, const BwdRowStats& st,
                               cudaStream_t stream) {
   const bool general = general_scores(p);
-  // Dropout: dense calls only (attention_dropout's params come from prepare_attention, which sets
-  // no per-sequence extents).
+  // Dropout: dense calls (attention_dropout) and variable-length ones (attention_varlen).
+  if (p.dropout_rng != nullptr && has_sequence_extents(p))
+    return general ? launch_bwd<Elem, kHeadDim, true, true, true>(p, st, stream)
+                   : launch_bwd<Elem, kHeadDim, false, true, true>(p, st, stream);
   if (p.dropout_rng != nullptr)
     return general ? launch_bwd<Elem, kHeadDim, true, false, true>(p, st, stream)
                    : launch_bwd<Elem, kHeadDim, false, false, true>(p, st, stream);

@@ -275,9 +275,10 @@ constexpr bool additive_fast_variant() {
 // (D = 128 dK/dV: 20 bytes; soft-capped fwd+bwd 3-4 % slower).
 // kTmaLoads: the step loads of kBwdFusedDQ's (Q_i, dO_i and their row statistics through the
 // copy engine, maps as BwdStepMaps) in a plain dense variant.
-// kDropout (both kernels): dropout on P (dropout.h), as in the portable kernels; dense calls,
-// plain or general scores in the seven-matmul kernels, plain ones in the fused dQ variant (its
-// dS^T already holds the dropped dP, so dQ needs no draws of its own).
+// kDropout (both kernels): dropout on P (dropout.h), as in the portable kernels; dense and
+// variable-length calls (a sequence view keeps the call's row index b, by which the draws number
+// rows), plain or general scores in the seven-matmul kernels, plain ones in the fused dQ variant
+// (its dS^T already holds the dropped dP, so dQ needs no draws of its own).
 template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast, bool kTmaLoads = false,
           bool kDropout = false>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
@@ -323,8 +324,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   constexpr bool kTmaSteps = kFusedDQ || kTmaLoads;
   static_assert(!kTmaLoads || (!kExtents && !kStageMask && !Tr::kOverlap),
                 "dense rows, no staged mask, the plain pipeline");
-  static_assert(!kDropout || (!kExtents && kFast == kBwdFastNone && (!kFusedDQ || !kGeneral)),
-                "dropout: dense calls, no fast path; plain scores in the fused dQ variant");
+  static_assert(!kDropout || (kFast == kBwdFastNone && (!kFusedDQ || !kGeneral)),
+                "dropout: no fast path; plain scores in the fused dQ variant");
   const uint32_t full_bar0 = sMask_addr;
   // kDropout: the keep bits' exchange between the warps of a 32-key span (two buffers of two words
   // per thread; keep_bits_key_rows_paired), past the staged mask tile or the stages' mbarriers;
@@ -754,8 +755,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const uint32_t sV_addr0 = sK_addr0 + kStages * Tr::kSmemKV;     // kStages stages
   const uint32_t sMask_addr0 = sV_addr0 + kStages * Tr::kSmemKV;  // stage_mask: kStages tiles
   static_assert(!kTmaLoads || (!kGeneral && !kExtents && !Tr::kOverlap), "plain dense variants");
-  static_assert(!kDropout || (!kExtents && kFast == kBwdFastNone && NT <= 8 && Bc % 32 == 0),
-                "dropout: dense calls, no fast path, one 32-bit keep mask per key block");
+  static_assert(!kDropout || (kFast == kBwdFastNone && NT <= 8 && Bc % 32 == 0),
+                "dropout: no fast path, one 32-bit keep mask per key block");
   const uint32_t full_bar0 = sMask_addr0;  // kTmaLoads: the stages' mbarriers
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;

@@ -252,11 +252,15 @@ cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStat
   // built for the default tile of each head dim only (they double a unit's kernels; the host
   // sends them there, backward_dispatch.h).
   const bool general = general_scores(p);
-  // Dropout (dense calls: attention_dropout's params come from prepare_attention, which sets no
-  // per-sequence extents) on variants of its own, built for the default tile only, as the
-  // variable-length ones.
+  // Dropout (dense calls, attention_dropout, and variable-length ones, attention_varlen) on
+  // variants of its own, built for the default tile only, as the variable-length ones.
   if (p.dropout_rng != nullptr) {
     if constexpr (kBwdSm90Tiles[kTile].is_default) {
+      if (has_sequence_extents(p))
+        return general ? sm90::launch_bwd<Elem, kHeadDim, kTile, true, true, kBwdFastNone, true>(
+                             p, st, stream)
+                       : sm90::launch_bwd<Elem, kHeadDim, kTile, false, true, kBwdFastNone, true>(
+                             p, st, stream);
       return general ? sm90::launch_bwd<Elem, kHeadDim, kTile, true, false, kBwdFastNone, true>(
                            p, st, stream)
                      : sm90::launch_bwd<Elem, kHeadDim, kTile, false, false, kBwdFastNone, true>(

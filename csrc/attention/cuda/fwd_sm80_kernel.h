@@ -59,7 +59,8 @@ namespace flashmod::cuda_kernels {
 // copy engine ran them 0-6 % slower on an H100; benchmarks/results/design/cuda-serving.md,
 // session 23.)
 //
-// kDropout: the dense prefill kernel (plain or general scores) with dropout on P (dropout.h),
+// kDropout: the dense and variable-length prefill kernels (plain or general scores) with dropout
+// on P (dropout.h; a sequence view keeps the call's row index b, by which the draws number rows),
 // variants of their own so that the others keep their registers (the general one spilled 32
 // bytes more with dropout behind a run-time branch).
 template <class Tr, bool kGeneral, bool kDecode = false, KvAddressing kAddr = kDense,
@@ -277,8 +278,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
       for (int e = 0; e < 4; ++e) O[mi][di][e] = 0.f;
   OnlineSoftmax<MT> softmax;
   softmax.init();
-  static_assert(!kDropout || (!kDecode && kAddr == kDense),
-                "dropout is built into the dense prefill kernel");
+  static_assert(!kDropout || (!kDecode && (kAddr == kDense || kAddr == kSequences)),
+                "dropout is built into the dense and variable-length prefill kernels");
   DropoutState drop;
   if constexpr (kDropout) drop = dropout_state(p);
   const uint32_t dropout_bh = static_cast<uint32_t>(b * p.heads_q + h);

@@ -89,11 +89,21 @@ cudaError_t launch_fwd(const AttentionParams& params, const FwdLaunchFlags& flag
   if (err != cudaSuccess) return err;
   const bool general = general_scores(p);
   auto kernel = pick_fwd_kernel<Tr, false>(general, kv_addressing(p, Tr::Bc));
-  // Dropout: dense calls only (attention_dropout's params come from prepare_attention, which sets
-  // no per-sequence extents).
-  if (p.dropout_rng != nullptr)
-    kernel = general ? attention_fwd_kernel<Tr, true, false, kDense, true>
-                     : attention_fwd_kernel<Tr, false, false, kDense, true>;
+  // Dropout: dense calls (attention_dropout) and packed rows (attention_varlen); the serving ops'
+  // caches and pages take none.
+  if (p.dropout_rng != nullptr) {
+    switch (kv_addressing(p, Tr::Bc)) {
+      case kDense:
+        kernel = general ? attention_fwd_kernel<Tr, true, false, kDense, true>
+                         : attention_fwd_kernel<Tr, false, false, kDense, true>;
+        break;
+      case kSequences:
+        kernel = general ? attention_fwd_kernel<Tr, true, false, kSequences, true>
+                         : attention_fwd_kernel<Tr, false, false, kSequences, true>;
+        break;
+      default: return cudaErrorInvalidValue;
+    }
+  }
   return cuda::launch_kernel(kernel, cta_count(p, Tr::Br), Tr::kNThreads, Tr::kSmemBytes, stream, p,
                              flags, SplitKvArgs{}, KvTensorMaps{});
 }

@@ -239,8 +239,9 @@ struct FwdWsTraits {
 // are written from row 0 on. And (kHalfBlocks) a consumer's last key block is computed as its left
 // half where its rows see nothing in the right half. The launch says when it is taken.
 // kDropout: dropout on P (dropout.h) after the row sums took it (l normalizes the undropped
-// probabilities; lse is the undropped one), plain dense scores under any window: a variant of its
-// own, so the others keep their registers.
+// probabilities; lse is the undropped one), plain scores under any window, dense or packed rows
+// (the tile's b is its sequence, r0 and the key blocks count from the sequence's first row, as
+// the draws number them): variants of their own, so the others keep their registers.
 template <class Tr, bool kVarlen, bool kKeyMask, bool kSoftcap, bool kEndAligned = false,
           bool kDropout = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
@@ -256,8 +257,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
                 "rows before a head's first are skipped by the copy engine's epilogue only");
   static_assert(!kEndAligned || (!kKeyMask && !kSoftcap), "half blocks mask by windows alone");
   static_assert(!kKeyMask || Tr::Bc == 128, "a key block's mask bytes: 4 per lane of one warp");
-  static_assert(!kDropout || (!kVarlen && !kKeyMask && !kSoftcap && !kEndAligned),
-                "dropout: plain dense scores, whole key blocks");
+  static_assert(!kDropout || (!kKeyMask && !kSoftcap && !kEndAligned),
+                "dropout: plain scores (dense or packed rows), whole key blocks");
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kStages = Tr::kStages;

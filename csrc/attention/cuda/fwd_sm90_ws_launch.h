@@ -54,11 +54,10 @@ inline bool ws_takes_options(const AttentionParams& p) {
          p.seqused_k == nullptr && p.kv_batch_idx == nullptr && p.block_table == nullptr;
 }
 
-// Dropout: this kernel's dropout variant takes plain dense scores (no mask tensor, no soft cap, no
-// packed rows) under any window.
+// Dropout: this kernel's dropout variants take plain scores (no mask tensor, no soft cap) under
+// any window, dense or packed rows.
 inline bool ws_takes_dropout(const AttentionParams& p) {
-  return ws_takes_options(p) && p.mask_kind == MaskKind::kNone && p.softcap == 0.0 &&
-         p.cu_seqlens_q == nullptr;
+  return ws_takes_options(p) && p.mask_kind == MaskKind::kNone && p.softcap == 0.0;
 }
 
 template <class Tr>
@@ -130,9 +129,10 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
     return cuda::launch_kernel(kernel, grid, Tr::kNThreads, Tr::kSmemBytes, stream, tm_q, tm_k,
                                tm_v, tm_o, p, launch_flags, sched);
   };
-  // Dropout calls come plain and dense (ws_takes_dropout).
+  // Dropout calls come with plain scores (ws_takes_dropout).
   if (p.dropout_rng != nullptr)
-    return launch(attention_fwd_sm90_ws_kernel<Tr, false, false, false, false, true>);
+    return varlen ? launch(attention_fwd_sm90_ws_kernel<Tr, true, false, false, false, true>)
+                  : launch(attention_fwd_sm90_ws_kernel<Tr, false, false, false, false, true>);
   const bool capped = p.softcap > 0.0;
   if (varlen)
     return capped ? launch(attention_fwd_sm90_ws_kernel<Tr, true, false, true>)

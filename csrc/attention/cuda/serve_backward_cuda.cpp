@@ -28,15 +28,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cuda(
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, std::optional<double> scale, bool is_causal, int64_t window_left,
-    int64_t window_right, double softcap) {
+    int64_t window_right, double softcap, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
   const c10::cuda::CUDAGuard guard(q.device());
   // The forward's checks in its order (serve_ops.py's fake mirrors both), then the backward's.
   check_cuda_inputs("flashmod.attention_varlen", q);
   PreparedServe r = prepare_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, scale, is_causal, window_left,
                                              window_right, softcap, /*allocate_outputs=*/false);
-  check_varlen_backward_inputs(grad_out, grad_lse, q, out, lse);
   constexpr const char* op = "flashmod.attention_varlen_backward";
+  set_varlen_dropout(r.params, op, q, dropout_p, rng_state);
+  check_varlen_backward_inputs(grad_out, grad_lse, q, out, lse);
 
   // Zeroed: rows outside every sequence (a cu_seqlens whose last entry is short of the packed
   // total, which CUDA cannot check without a sync) read 0 rather than garbage.

@@ -52,18 +52,25 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
     cudaError_t err = cudaSuccess;
     if (cuda_kernels::run_decode_kernel(p, flags, opt, ws, stream, padded, err)) return err;
   }
+  // Dropout (varlen only) where the warp-specialized kernel does not take it (it answers
+  // cudaErrorNotSupported, e.g. soft caps) runs the mma.sync kernels, which carry it for every
+  // option; the other Hopper kernel has none.
+  const bool dropout = p.dropout_rng != nullptr;
   if (use_sm90_ws_kernel(padded)) {             // packed rows; it hands over what it cannot take
     TorchWorkspace workspace(options, stream);  // the tile scheduler's counter
     const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
+    cudaError_t err = cudaErrorNotSupported;  // no variant of this key: the kernels below
     switch (key) {
-#define FLASHMOD_SERVE_PREFILL_SM90_WS(E, kind, D)     \
-  case cuda_kernels::variant_key(ScalarKind::kind, D): \
-    return cuda_kernels::run_attention_fwd_sm90_ws<E, D>(p, flags, ws, stream);
+#define FLASHMOD_SERVE_PREFILL_SM90_WS(E, kind, D)                             \
+  case cuda_kernels::variant_key(ScalarKind::kind, D):                         \
+    err = cuda_kernels::run_attention_fwd_sm90_ws<E, D>(p, flags, ws, stream); \
+    break;
       FLASHMOD_FWD_SM90_WS_VARIANTS(FLASHMOD_SERVE_PREFILL_SM90_WS)
 #undef FLASHMOD_SERVE_PREFILL_SM90_WS
     }
+    if (err != cudaErrorNotSupported) return err;
   }
-  if (sm90_kernels_usable()) {
+  if (!dropout && sm90_kernels_usable()) {
     switch (key) {
 #define FLASHMOD_SERVE_PREFILL_SM90(E, kind, D)        \
   case cuda_kernels::variant_key(ScalarKind::kind, D): \
@@ -101,12 +108,13 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     std::optional<double> scale, bool is_causal, int64_t window_left, int64_t window_right,
-    double softcap) {
+    double softcap, double dropout_p, const std::optional<at::Tensor>& rng_state) {
   const c10::cuda::CUDAGuard guard(q.device());
   check_cuda_inputs("flashmod.attention_varlen", q);
   PreparedServe r =
       prepare_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                scale, is_causal, window_left, window_right, softcap);
+  set_varlen_dropout(r.params, "flashmod.attention_varlen", q, dropout_p, rng_state);
   AttentionParams& p = r.params;
   // Read-only inputs without aligned rows are copied once (head dims like 59, odd offsets).
   auto fix = [](at::Tensor& t, const void*& ptr, int64_t& hs, int64_t& rs) {
