@@ -113,8 +113,8 @@ def varlen_case(
     key_ok[seq, pos] = True
     mask = None if causal else key_ok[:, None, None, :]
     fns = {"flashmod": ours}
-    for label, settings in (variants or {}).items():
-        fns[f"flashmod {label}"] = harness.with_env(settings, ours)
+    for label in variants or {}:
+        fns[f"flashmod {label}"] = ours  # its knobs wrap the whole step, backward included (below)
     for name, backend in BACKENDS.items():
         if dev != "cuda" or (name == "FLASH" and mask is not None):
             continue
@@ -162,12 +162,15 @@ def varlen_case(
     except Exception as err:  # noqa: BLE001 (reported, not hidden: the row says why flex is missing)
         print(f"  FlexAttention: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
     if backward:
+
         def leaves(name: str) -> tuple[torch.Tensor, ...]:
             if name.startswith("flashmod"):  # its knob variants too
                 return q, k, v
             return flex_leaves if name == "FlexAttention" else (qp, kp, vp)
 
         fns = {name: with_backward(fn, leaves(name)) for name, fn in fns.items()}
+    for label, settings in (variants or {}).items():
+        fns[f"flashmod {label}"] = harness.with_env(settings, fns[f"flashmod {label}"])
     times = harness.median_times(fns, dev, warmup=3, reps=reps)
     return {name: {"status": "ok", "ms": t * 1e3, "tflops": flops / t / 1e12} for name, t in times.items()}
 

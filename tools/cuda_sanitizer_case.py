@@ -111,7 +111,8 @@ def backward_ops() -> None:
 
 
 def serving_ops() -> None:
-    """The per-sequence kernel variants: varlen (empty and odd sequences), contiguous and paged caches
+    """The per-sequence kernel variants: varlen (empty and odd sequences; with dropout, forward and
+    backward), contiguous and paged caches
     (pages of 16 rows per row lookup, 64 per block lookup) with the append inside the decode kernel
     (1 new row, and 70 across key blocks with 3 splits) and with the append kernel, and 16-token
     pages over 2k tokens (the copy engine's path on Hopper)."""
@@ -123,6 +124,14 @@ def serving_ops() -> None:
         q, k, v = (torch.randn(sum(lengths), h, 64, device="cuda", dtype=dtype) for h in (4, 2, 2))
         flashmod.flash_attn_varlen_func(q, k, v, cu, cu, 130, 130, causal=True)
         flashmod.flash_attn_varlen_func(q, k, v, cu, cu, 130, 130, window_size=(9, 2), softcap=5.0)
+        # Dropout on packed rows: the warp-specialized forward's variant (causal), the mma.sync one (soft
+        # cap), and both backwards' per-sequence dropout variants (plain and general scores).
+        for d in (64, 128):
+            grad = {"device": "cuda", "dtype": dtype, "requires_grad": True}
+            qg, kg, vg = (torch.randn(sum(lengths), h, d, **grad) for h in (4, 2, 2))
+            for opts in ({"causal": True}, {"softcap": 5.0}):
+                out = flashmod.flash_attn_varlen_func(qg, kg, vg, cu, cu, 130, 130, dropout_p=0.3, **opts)
+                torch.autograd.grad(out.float().sum(), (qg, kg, vg))
         for page in (16, 64):
             pages = 256 // page
             k_pool, v_pool = (torch.randn(3 * pages, page, 2, 128, device="cuda", dtype=dtype) for _ in range(2))
