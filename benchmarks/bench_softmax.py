@@ -144,6 +144,8 @@ def main() -> None:
             ((2, 16, 2048, 2048, 128), False),
             ((2, 16, 2048, 2048, 128), True),
             ((1, 32, 512, 4096, 64), False),
+            ((8, 16, 512, 512, 128), False),  # short rows: the fallback's warp-per-row normalize
+            ((4, 16, 1024, 1024, 256), False),
         ]
     else:
         track_rss_of_large_blocks()

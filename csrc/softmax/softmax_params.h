@@ -62,6 +62,9 @@ struct MatmulSoftmaxParams {
   // FLASHMOD_MMSM_SINGLE_PASS_MAX_N=n (CUDA host glue): the longest rows (N) of fp32's single-pass
   // kernel, 0 for always two passes; -1 (unset): what the device's shared memory allows.
   int64_t single_pass_max_cols = -1;
+  // FLASHMOD_MMSM_WARP_ROWS=0 (CUDA host glue): the fallback's normalize takes a block per row even
+  // where a row fits a warp (A/B, tests).
+  bool normalize_warp_rows = true;
 };
 
 }  // namespace flashmod

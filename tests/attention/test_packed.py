@@ -145,9 +145,11 @@ def test_packed_shape_errors_name_the_argument():
     # The shared checks behind them name the public function too.
     with pytest.raises(RuntimeError, match="flash_attn_kvpacked_func: q's heads .* multiple of k's"):
         flashmod.flash_attn_kvpacked_func(torch.randn(1, 5, 3, 8), torch.randn(1, 5, 2, 2, 8))
-    with pytest.raises(NotImplementedError, match="flash_attn_varlen_kvpacked_func: dropout_p must be 0"):
+    with pytest.raises(
+        ValueError, match=r"flash_attn_varlen_kvpacked_func: dropout_p must be a probability in \[0, 1\]"
+    ):
         flashmod.flash_attn_varlen_kvpacked_func(
-            torch.randn(5, 2, 8), torch.randn(5, 2, 2, 8), cu([5], "cpu"), cu([5], "cpu"), 5, 5, dropout_p=0.1
+            torch.randn(5, 2, 8), torch.randn(5, 2, 2, 8), cu([5], "cpu"), cu([5], "cpu"), 5, 5, dropout_p=1.5
         )
 
 

@@ -462,14 +462,17 @@ def test_matmul_softmax_masks_fused_tiles(device, mnk):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["0", "2"])
-def test_matmul_softmax_both_cuda_paths(mode, monkeypatch):
+@pytest.mark.parametrize(("mode", "warp_rows"), [("0", "1"), ("0", "0"), ("2", "1")])
+def test_matmul_softmax_both_cuda_paths(mode, warp_rows, monkeypatch):
     """Both sides of the default rule (softmax_cuda.cpp: fused_preferred) on every shape, whichever
     the rule picks on this GPU: FLASHMOD_MMSM_FUSED=0 (cuBLAS and the in-place normalize, its
-    unmasked and masked kernels) and 2 (the fused kernels wherever they run). Rows of 1100 and 4099
-    columns take the normalize's 128- and 512-thread cached kernels; depth 96 and 128 in fp32 the
-    single-pass kernel under 2; depth 200 the 16-bit 256-bucket."""
+    unmasked and masked kernels) and 2 (the fused kernels wherever they run). Rows of 131 and 520
+    columns take the normalize's warp-per-row kernel (fp32 up to 512 columns, 16-bit up to 1024;
+    FLASHMOD_MMSM_WARP_ROWS=0 the block-per-row one), 1100 and 4099 its 128- and 512-thread
+    cached kernels; depth 96 and 128 in fp32 the single-pass kernel under 2; depth 200 the 16-bit
+    256-bucket."""
     monkeypatch.setenv("FLASHMOD_MMSM_FUSED", mode)
+    monkeypatch.setenv("FLASHMOD_MMSM_WARP_ROWS", warp_rows)
     for m, n, k in ((37, 1100, 128), (19, 4099, 64), (70, 131, 96), (9, 520, 200)):
         for dtype in LOW:
             a = torch.randn(2, 4, m, k, device="cuda", dtype=dtype)
@@ -481,6 +484,10 @@ def test_matmul_softmax_both_cuda_paths(mode, monkeypatch):
             keep[1] = False
             out = check_matmul_softmax(a, b, f"{what} bool", attn_mask=keep)
             assert (out[:, :, 1] == 0).all(), what
+    # 21 rows: the warp-per-row kernel's last block has three warps past the last row.
+    for dtype in LOW:
+        a, b = (torch.randn(1, 3, n, 40, device="cuda", dtype=dtype) for n in (7, 131))
+        check_matmul_softmax(a, b, f"FUSED={mode} {dtype} 21 rows", is_causal=True)
 
 
 @pytest.mark.cuda
@@ -675,6 +682,7 @@ def test_matmul_softmax_bad_inputs(device):
         ("FLASHMOD_SOFTMAX_STREAM_CLUSTER", "4x", "FLASHMOD_SOFTMAX_STREAM_CLUSTER must be a whole number, got '4x'"),
         ("FLASHMOD_MMSM_SINGLE_PASS_MAX_N", "1e3", "FLASHMOD_MMSM_SINGLE_PASS_MAX_N must be a whole number, got '1e3'"),
         ("FLASHMOD_MMSM_FUSED", "3", "FLASHMOD_MMSM_FUSED must be 0, 1 or 2, got 3"),
+        ("FLASHMOD_MMSM_WARP_ROWS", "on", "FLASHMOD_MMSM_WARP_ROWS must be 0 or 1, got 'on'"),
     ],
 )
 def test_softmax_knobs_reject_malformed_values(knob, value, message, monkeypatch):

@@ -681,23 +681,32 @@ __device__ __forceinline__ float fallback_logit(float raw, const MatmulSoftmaxPa
   return raw * static_cast<float>(p.scale);
 }
 
-// Fallback normalize, rows up to kThreads * kPacks * kVec long: each thread caches its packs of
-// the row (scaled and masked, fp32) in registers, so `out` is read once and written once.
+// Fallback normalize, rows up to kRowThreads * kPacks * kVec long: each of a row's kRowThreads
+// threads caches its packs of the row (scaled and masked, fp32) in registers, so `out` is read
+// once and written once. A block of kThreads takes kThreads / kRowThreads rows: rows of one warp
+// need no block barrier, and four of them keep a 128-thread block busy (H200, fp32 rows of 512:
+// a 128-thread block a row left the normalize at ~2.3 TB/s against torch softmax's ~3.4).
 constexpr int kPacks = 4;
 
-template <typename T, int kVec, int kThreads, bool kMasked>
+template <typename T, int kVec, int kThreads, bool kMasked, int kRowThreads = kThreads>
 __global__ void __launch_bounds__(kThreads) normalize_cached_kernel(const MatmulSoftmaxParams p) {
-  constexpr int kWarps = kThreads / 32;
+  constexpr int kWarps = kRowThreads / 32;  // a row's warps
+  static_assert(kRowThreads % 32 == 0 && kThreads % kRowThreads == 0 &&
+                    (kWarps == 1 || kRowThreads == kThreads),
+                "whole warps a row; a row of several warps has the block to itself");
   __shared__ float warp_m[kWarps], warp_s[kWarps];
   const int64_t M = p.rows, N = p.cols;
-  const int64_t row = blockIdx.x, i = row % M, h = (row / M) % p.heads_a, b = row / (M * p.heads_a);
+  const int64_t row = blockIdx.x * int64_t(kThreads / kRowThreads) + threadIdx.x / kRowThreads;
+  if (row >= p.batch * p.heads_a * M) return;  // whole warps: the last block's spare rows
+  const int t = threadIdx.x % kRowThreads;
+  const int64_t i = row % M, h = (row / M) % p.heads_a, b = row / (M * p.heads_a);
   const int64_t limit = p.causal ? (i + 1 < N ? i + 1 : N) : N;
   T* o = static_cast<T*>(p.out) + row * N;
   float v[kPacks][kVec];
   float m = -INFINITY;
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
-    const int64_t j0 = (int64_t(k) * kThreads + threadIdx.x) * kVec;
+    const int64_t j0 = (int64_t(k) * kRowThreads + t) * kVec;
     Pack<T, kVec> pk;
     if (j0 < limit) pk = *reinterpret_cast<const Pack<T, kVec>*>(o + j0);
 #pragma unroll
@@ -714,15 +723,15 @@ __global__ void __launch_bounds__(kThreads) normalize_cached_kernel(const Matmul
     for (int e = 0; e < kVec; ++e) s += exp_from(v[k][e], m);
   warp_merge(m, s);
   if constexpr (kWarps > 1) {
-    if (threadIdx.x % 32 == 0) warp_m[threadIdx.x / 32] = m, warp_s[threadIdx.x / 32] = s;
-    __syncthreads();
+    if (t % 32 == 0) warp_m[t / 32] = m, warp_s[t / 32] = s;
+    __syncthreads();  // every warp's (m, s) stored before any warp merges them
     m = warp_m[0], s = warp_s[0];
     for (int w = 1; w < kWarps; ++w) merge(m, s, warp_m[w], warp_s[w]);
   }
   const float inv = inv_sum(m, s);
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
-    const int64_t j0 = (int64_t(k) * kThreads + threadIdx.x) * kVec;
+    const int64_t j0 = (int64_t(k) * kRowThreads + t) * kVec;
     if (j0 >= N) break;
     Pack<T, kVec> pk;
 #pragma unroll
@@ -819,10 +828,14 @@ bool launch_fused_typed(const MatmulSoftmaxParams& p, cudaStream_t stream) {
   }
 }
 
-// A block per row: the row cached in registers where it fits 512 threads, else read twice.
+// A warp per row, four to a block, where a row fits a warp's registers; else a block per row: the
+// row cached in registers where it fits 512 threads, else read twice.
 template <typename T, int kVec, bool kMasked>
 cudaError_t launch_normalize_rows(const MatmulSoftmaxParams& p, cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads_a * p.rows;
+  if (p.cols <= 32 * kPacks * kVec && p.normalize_warp_rows)
+    return launch_kernel(normalize_cached_kernel<T, kVec, 128, kMasked, 32>, (rows + 3) / 4, 128, 0,
+                         stream, p);
   if (p.cols <= 128 * kPacks * kVec)
     return launch_kernel(normalize_cached_kernel<T, kVec, 128, kMasked>, rows, 128, 0, stream, p);
   if (p.cols <= 512 * kPacks * kVec)

@@ -61,6 +61,7 @@ at::Tensor matmul_softmax_cuda(const at::Tensor& a, const at::Tensor& b,
   PreparedMatmulSoftmax prepared = prepare_matmul_softmax(a, b, scale, is_causal, attn_mask);
   if (prepared.out.numel() == 0) return prepared.out;
   prepared.params.single_pass_max_cols = env_int("FLASHMOD_MMSM_SINGLE_PASS_MAX_N", -1);
+  prepared.params.normalize_warp_rows = env_flag("FLASHMOD_MMSM_WARP_ROWS", true);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (!fused_preferred(prepared.params) || !launch_matmul_softmax_fused(prepared.params, stream)) {
     logits_into_output(prepared);  // cuBLAS on the same current stream
