@@ -1,6 +1,8 @@
 """Random configurations of the serving functions against the fp64 reference on each sequence alone,
 by the tests' rule (output within 2x plain torch's error in the same dtype): flash_attn_varlen_func
-(empty and odd sequences, Nq != Nk; contiguous k/v, or page pools of 16 / 48 through block_table)
+(empty and odd sequences, Nq != Nk; contiguous k/v, or page pools of 16 / 48 through block_table;
+dropout on contiguous k/v through the op with its rng_state, the reference dropping with the mask
+reference.dropout_keep_mask gives each sequence)
 and flash_attn_with_kvcache (contiguous and paged caches, pages of 16 / 32 / 48, appends of 0-3
 rows, several query rows), with GQA, causal, windows, soft caps and scales. A window side is judged
 as flash-attn does: against max_seqlen_k (varlen) or the cache's capacity (KV cache). A failing
@@ -27,19 +29,21 @@ from paging import packed_into_pages  # noqa: E402
 from tolerance import SLACK, max_abs_err  # noqa: E402
 
 import flashmod  # noqa: E402
-from flashmod.reference import attention_reference  # noqa: E402
+from flashmod.reference import attention_reference, dropout_keep_mask  # noqa: E402
 
 UNBOUNDED = -1
 
 
-def reference(q, k, v, opts: dict, compute_dtype: torch.dtype) -> torch.Tensor:
-    """One sequence in flash-attn's layout, (N, H, D), GQA by repeating K/V: its output (N, Hq, D)."""
+def reference(q, k, v, opts: dict, compute_dtype: torch.dtype, keep=None) -> torch.Tensor:
+    """One sequence in flash-attn's layout, (N, H, D), GQA by repeating K/V: its output (N, Hq, D); with
+    ``keep`` ((1, Hq, N, Nk) bool) dropped out at opts["dropout"] where it is False."""
     g = q.shape[1] // k.shape[1]
     out, _ = attention_reference(
         q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(g, 0)[None],
         v.transpose(0, 1).repeat_interleave(g, 0)[None], scale=opts["scale"], is_causal=opts["causal"],
         bottom_right=True, window_left=opts["left"], window_right=opts["right"], softcap=opts["softcap"],
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, dropout_p=opts.get("dropout", 0.0) if keep is not None else 0.0,
+        dropout_mask=keep,
     )  # fmt: skip
     return out[0].transpose(0, 1)
 
@@ -49,9 +53,9 @@ def judged(side: int, extent: int) -> int:
     return UNBOUNDED if side >= extent else side
 
 
-def within_rule(ours, q, k, v, opts: dict, dtype: torch.dtype) -> tuple[bool, float, float]:
-    truth = reference(q.double(), k.double(), v.double(), opts, torch.float64)
-    plain = reference(q, k, v, opts, dtype)
+def within_rule(ours, q, k, v, opts: dict, dtype: torch.dtype, keep=None) -> tuple[bool, float, float]:
+    truth = reference(q.double(), k.double(), v.double(), opts, torch.float64, keep)
+    plain = reference(q, k, v, opts, dtype, keep)
     err, plain_err = max_abs_err(ours, truth), max_abs_err(plain, truth)
     bound = 2 * plain_err + SLACK[dtype] * max(1.0, truth.abs().max().item() if truth.numel() else 1.0)
     return not torch.isnan(ours).any() and err <= bound, err, plain_err
@@ -74,19 +78,33 @@ def varlen_case(rng: random.Random, device: str, dtype: torch.dtype, base: dict)
     if page:
         *kv, table = packed_into_pages(k, v, lk, page)
         extra = {"block_table": table}
-    desc = f"varlen lq {lq} lk {lk} page {page} {base}"
-    with torch.no_grad():
-        out = flashmod.flash_attn_varlen_func(
-            q, *kv, cq, ck, max(lq), max(lk), softmax_scale=base["scale"], causal=base["causal"],
-            window_size=(base["left"], base["right"]), softcap=base["softcap"], **extra,
-        )  # fmt: skip
     opts = {**base, "left": judged(base["left"], max(lk)), "right": judged(base["right"], max(lk))}
+    # Dropout (contiguous k/v; CUDA's varlen kernels take fp16 / bf16) through the op, whose rng_state
+    # gives the mask: sequence i's is batch row i of the dense call's.
+    dropout = rng.choice([0.1, 0.5]) if not page and dtype != torch.float32 and rng.random() < 0.3 else 0.0
+    desc = f"varlen lq {lq} lk {lk} page {page} dropout {dropout} {base}"
+    keep = [None] * batch
+    with torch.no_grad():
+        if dropout:
+            state = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=device)
+            out, _ = torch.ops.flashmod.attention_varlen(
+                q, k, v, cq, ck, max(lq), max(lk), base["scale"], base["causal"], opts["left"], opts["right"],
+                base["softcap"], dropout, state,
+            )  # fmt: skip
+            full = dropout_keep_mask(state, (batch, hq, max(lq), max(lk)), dropout)
+            keep = [full[i : i + 1, :, : lq[i], : lk[i]] for i in range(batch)]
+            opts["dropout"] = dropout
+        else:
+            out = flashmod.flash_attn_varlen_func(
+                q, *kv, cq, ck, max(lq), max(lk), softmax_scale=base["scale"], causal=base["causal"],
+                window_size=(base["left"], base["right"]), softcap=base["softcap"], **extra,
+            )  # fmt: skip
     failures = []
     for i in range(batch):
         rows, keys = slice(int(cq[i]), int(cq[i + 1])), slice(int(ck[i]), int(ck[i + 1]))
         if lq[i] == 0:
             continue
-        ok, err, plain_err = within_rule(out[rows], q[rows], k[keys], v[keys], opts, dtype)
+        ok, err, plain_err = within_rule(out[rows], q[rows], k[keys], v[keys], opts, dtype, keep[i])
         if not ok:
             failures.append(f"{desc}: sequence {i} error {err:.3e} against plain {plain_err:.3e}")
     return failures
