@@ -695,10 +695,17 @@ __global__ void __launch_bounds__(kThreads) normalize_cached_kernel(const Matmul
                     (kWarps == 1 || kRowThreads == kThreads),
                 "whole warps a row; a row of several warps has the block to itself");
   __shared__ float warp_m[kWarps], warp_s[kWarps];
+  constexpr bool kBlockRow = kRowThreads == kThreads;
   const int64_t M = p.rows, N = p.cols;
-  const int64_t row = blockIdx.x * int64_t(kThreads / kRowThreads) + threadIdx.x / kRowThreads;
-  if (row >= p.batch * p.heads_a * M) return;  // whole warps: the last block's spare rows
-  const int t = threadIdx.x % kRowThreads;
+  // A block's own row takes no index arithmetic before its loads (nor a bound: the grid is the
+  // rows).
+  const int64_t row =
+      kBlockRow ? int64_t(blockIdx.x)
+                : blockIdx.x * int64_t(kThreads / kRowThreads) + threadIdx.x / kRowThreads;
+  if constexpr (!kBlockRow) {
+    if (row >= p.batch * p.heads_a * M) return;  // whole warps: the last block's spare rows
+  }
+  const unsigned t = kBlockRow ? threadIdx.x : threadIdx.x % kRowThreads;
   const int64_t i = row % M, h = (row / M) % p.heads_a, b = row / (M * p.heads_a);
   const int64_t limit = p.causal ? (i + 1 < N ? i + 1 : N) : N;
   T* o = static_cast<T*>(p.out) + row * N;
