@@ -512,6 +512,11 @@ def flash_attn_varlen_func(
     None). Differentiable in ``q``, ``k``, ``v``. fp32 on CUDA (no per-sequence kernel) runs the
     dense kernels on a padded copy of the batch (:func:`varlen_forward_padded`).
 
+    ``dropout_p`` (training): fresh random words from torch's generator each call; sequence ``b``
+    drops what batch row ``b`` of a dense dropout call would (its queries and keys counted from its
+    first), and the backward regenerates the same choices. Fused on the CPU (every dtype) and on
+    CUDA (fp16 / bf16); reverse-mode only, and not with ``block_table`` (both raise).
+
     ``block_table`` (int32 ``(batch, max_pages)``, keyword-only; flash-attn's paged prefill): ``k``/``v``
     are then page pools ``(num_blocks, page_size, Hkv, D)``, sequence ``b``'s keys the first
     ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` rows of its pages. It runs the KV-cache op on ``q`` padded to
