@@ -122,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cpu(
     int64_t max_seqlen_k, std::optional<double> scale, bool is_causal, int64_t window_left,
     int64_t window_right, double softcap, double dropout_p,
     const std::optional<at::Tensor>& rng_state) {
-  // The forward's checks (shapes, cu_seqlens values), then the backward's own.
+  // The forward's checks (shapes, cu_seqlens values, dropout), then the backward's own.
   PreparedServe r =
       prepare_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                scale, is_causal, window_left, window_right, softcap,
@@ -146,10 +146,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cpu(
         seq(grad_out, q0, nq), g_lse, seq(q, q0, nq), seq(k, k0, nk), seq(v, k0, nk),
         seq(out, q0, nq), lse.narrow(1, q0, nq).unsqueeze(0), std::nullopt, scale, is_causal,
         /*bottom_right=*/true, window_left, window_right, softcap, /*compute_grad_mask=*/false);
-    s.params.dropout_rng = r.params.dropout_rng;
-    s.params.dropout_threshold = r.params.dropout_threshold;
-    s.params.dropout_scale = r.params.dropout_scale;
-    s.params.dropout_batch0 = b;  // the view draws as the call's row b
+    set_varlen_dropout(s.params, op, q, dropout_p, rng_state);
+    s.params.dropout_batch0 = r.params.dropout_batch0 + b;  // the view draws as the call's row b
     run_attention_backward_cpu(s);
     seq(grad_q, q0, nq).copy_(s.grad_q);
     seq(grad_k, k0, nk).copy_(s.grad_k);
