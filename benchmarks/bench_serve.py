@@ -4,7 +4,7 @@
     python benchmarks/bench_serve.py --group kvcache   # decode against a cache: contiguous, paged, SDPA
     python benchmarks/bench_serve.py --smoke           # tiny shapes, any device (checks the script runs)
 
-varlen: sequence lengths drawn uniformly from [128, 8192] (mean about half the maximum), packed for
+varlen: sequence lengths drawn uniformly from [128, 8192] (--lengths; mean about half the maximum), packed for
 flash_attn_varlen_func; SDPA runs on the right-padded batch (causal: is_causal, which is exact for the
 valid rows of right-padded self-attention; not causal: a (B, 1, 1, N) key-padding mask) with each backend
 forced in turn; FlexAttention runs on the packed row with a document mask (compiled). TFLOP/s count the
@@ -376,6 +376,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs")
     parser.add_argument("--reps", type=int, default=20, help="timed rounds (the median is reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sequence lengths")
+    parser.add_argument(
+        "--lengths", default="128,8192", help="varlen: LO,HI, the range each sequence's length is drawn from"
+    )
     parser.add_argument("--out-dir", default=None, help="where the JSON files go (default: build/bench)")
     parser.add_argument("--sizes", default=None, help="kvcache: cache lengths, comma-separated (default 1k..128k)")
     parser.add_argument("--pages", default="256,16", help="kvcache: page sizes of the paged contenders")
@@ -418,7 +421,8 @@ def main() -> None:
     variants = dict(v.split(":", 1) for v in args.variant)
     if args.group in ("varlen", "all"):
         rows = []
-        lo, hi, batches = (16, 256, [4]) if args.smoke else (128, 8192, [8, 16])
+        lo, hi = (int(x) for x in args.lengths.split(","))
+        lo, hi, batches = (16, 256, [4]) if args.smoke else (lo, hi, [8, 16])
         h, d = (2, 64) if args.smoke else (16, 128)
         if dev == "cpu" and not args.smoke:  # the CPU's ragged batch: 8 sequences of 128-1024 tokens
             lo, hi, batches, h, d = 128, 1024, [8], 8, 64

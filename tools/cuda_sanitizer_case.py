@@ -125,13 +125,20 @@ def serving_ops() -> None:
         flashmod.flash_attn_varlen_func(q, k, v, cu, cu, 130, 130, causal=True)
         flashmod.flash_attn_varlen_func(q, k, v, cu, cu, 130, 130, window_size=(9, 2), softcap=5.0)
         # Dropout on packed rows: the warp-specialized forward's variant (causal), the mma.sync one (soft
-        # cap), and both backwards' per-sequence dropout variants (plain and general scores).
-        for d in (64, 128):
-            grad = {"device": "cuda", "dtype": dtype, "requires_grad": True}
-            qg, kg, vg = (torch.randn(sum(lengths), h, d, **grad) for h in (4, 2, 2))
-            for opts in ({"causal": True}, {"softcap": 5.0}):
-                out = flashmod.flash_attn_varlen_func(qg, kg, vg, cu, cu, 130, 130, dropout_p=0.3, **opts)
+        # cap), and both backwards' per-sequence dropout variants (plain and general scores); under
+        # FLASHMOD_BWD_FUSED_DQ=2 the Hopper backward's fused dQ variant for packed rows (plain scores,
+        # with and without dropout) and the conversion of its sums.
+        for fused in ("0", "2"):
+            os.environ["FLASHMOD_BWD_FUSED_DQ"] = fused
+            for d in (64, 128):
+                grad = {"device": "cuda", "dtype": dtype, "requires_grad": True}
+                qg, kg, vg = (torch.randn(sum(lengths), h, d, **grad) for h in (4, 2, 2))
+                for opts in ({"causal": True}, {"softcap": 5.0}):
+                    out = flashmod.flash_attn_varlen_func(qg, kg, vg, cu, cu, 130, 130, dropout_p=0.3, **opts)
+                    torch.autograd.grad(out.float().sum(), (qg, kg, vg))
+                out = flashmod.flash_attn_varlen_func(qg, kg, vg, cu, cu, 130, 130)
                 torch.autograd.grad(out.float().sum(), (qg, kg, vg))
+        os.environ.pop("FLASHMOD_BWD_FUSED_DQ")
         for page in (16, 64):
             pages = 256 // page
             k_pool, v_pool = (torch.randn(3 * pages, page, 2, 128, device="cuda", dtype=dtype) for _ in range(2))

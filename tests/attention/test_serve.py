@@ -776,6 +776,69 @@ def test_varlen_neighbouring_rows_never_leak(monkeypatch, ws, d, variant):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("d", [40, 64, 128])
+@pytest.mark.parametrize("variant", ["plain", "causal", "window"])
+def test_varlen_fused_dq_keeps_sequences_apart(monkeypatch, d, variant):
+    """The Hopper backward's fused dQ variant on packed rows (FLASHMOD_BWD_FUSED_DQ=2 on an H100/H200; the
+    dQ kernel elsewhere): its step boxes of 64 (D = 128) or 128 (D <= 64) queries run past a sequence's last
+    row into the next sequence, whose queries, keys, values and output gradients here are inf and NaN, and
+    its fp32 sums are laid out by sequence. Every clean sequence's gradients must be within the rule
+    against the fp64 reference alone: partial and whole last steps (300, 1023, 129, 256 rows), an empty and
+    a one-row sequence, GQA 8/2, Nq != Nk, and a second call, which must find the sums cleared."""
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
+    opts, dtype = opts_of(variant), torch.bfloat16
+    lq, lk = [300, 17, 1023, 0, 129, 1, 256], [300, 33, 1023, 5, 200, 1, 256]
+    q, k, v, cq, ck = make_varlen(lq, lk, 8, 2, d, dtype, "cuda")
+    grad_out = torch.randn_like(q)
+    poisoned = (1, 4)
+    for b in poisoned:
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        q[rq], grad_out[rq] = float("inf"), float("nan")
+        k[rk], v[rk] = float("inf"), float("nan")
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    for _ in range(2):
+        out = flashmod.flash_attn_varlen_func(*leaves, cq, ck, max(lq), max(lk), **opts)
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad_out)
+    for b in range(len(lq)):
+        if b in poisoned:
+            continue
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        mine = [t[r].detach() for t, r in ((q, rq), (k, rk), (v, rk))]
+        truth, plain = (ref_grads(mine, grad_out[rq], opts, c) for c in (torch.float64, dtype))
+        for name, ours, t, p, r in zip("qkv", (dq, dk, dv), truth, plain, (rq, rk, rk)):
+            t = torch.zeros_like(ours[r], dtype=torch.float64) if t is None else t
+            p = torch.zeros_like(ours[r]) if p is None else p
+            assert_within_rule(ours[r], t, p, 3, dtype, f"d{name} of sequence {b}")
+    # The fused sums add in another order than the dQ kernel, so dQ differs in its last bits; not so
+    # under a band of 10 keys, where each query's dQ takes one or two partials.
+    if torch.cuda.get_device_capability() == (9, 0) and variant != "window":
+        monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "0")
+        out = flashmod.flash_attn_varlen_func(*leaves, cq, ck, max(lq), max(lk), **opts)
+        clean = slice(cq[2], cq[3])
+        assert not torch.equal(torch.autograd.grad(out, leaves, grad_out)[0][clean], dq[clean]), "the dQ kernel ran"
+
+
+@pytest.mark.cuda
+def test_varlen_fused_dq_rule_takes_the_mean_lengths(monkeypatch):
+    """FLASHMOD_BWD_FUSED_DQ=1 (deterministic algorithms off) takes the fused variant for packed rows
+    by their mean lengths (backward_dispatch.h: fused_dq_wanted): two sequences of 1100 tokens walk
+    enough queries a key at D = 128, 1100 and 100 (mean 600) do not, whatever max_seqlen says."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fused variant is a Hopper kernel")
+    torch.use_deterministic_algorithms(False)
+    for lengths, fused in (([1100, 1100], True), ([1100, 100], False)):
+        q, k, v, cq, ck = make_varlen(lengths, lengths, 4, 2, 128, torch.bfloat16, "cuda")
+        out, lse = torch.ops.flashmod.attention_varlen(q, k, v, cq, ck, max(lengths), max(lengths))
+        grad_out = torch.randn_like(out)
+        dq = {}
+        for knob in ("0", "1"):
+            monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", knob)
+            args = (q, k, v, out, lse, cq, ck, max(lengths), max(lengths))
+            dq[knob] = torch.ops.flashmod.attention_varlen_backward(grad_out, None, *args)[0]
+        assert torch.equal(dq["0"], dq["1"]) != fused, (lengths, "fused" if fused else "dQ kernel")
+
+
+@pytest.mark.cuda
 def test_kvcache_cuda_graph_capture():
     """A decode step captured in a CUDA graph replays with new cache lengths (no host sync, no
     value-dependent allocation inside the op)."""

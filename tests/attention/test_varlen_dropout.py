@@ -117,14 +117,18 @@ def test_varlen_dropout_gradients_match_the_reference_with_its_mask(device, dtyp
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("sm90", ["1", "0"], ids=["default", "portable"])
+@pytest.mark.parametrize("sm90", ["1", "0", "fused"], ids=["default", "portable", "fused_dq"])
 @pytest.mark.parametrize("d", [59, 64, 128, 256])
 @pytest.mark.parametrize("variant", ["causal", "softcap_causal", "window"])
 def test_varlen_dropout_cuda_kernels(monkeypatch, sm90, d, variant):
     """The CUDA kernels' per-sequence dropout variants at each head-dim family (Hopper's backward
-    variants at 64 / 128 / 256 and the portable ones, FLASHMOD_DISABLE_SM90=1), fp16."""
+    variants at 64 / 128 / 256, its fused dQ variant on packed rows, FLASHMOD_BWD_FUSED_DQ=2, where
+    the scores are plain and the head dim pads to 64 or 128, and the portable ones,
+    FLASHMOD_DISABLE_SM90=1), fp16."""
     if sm90 == "0":
         monkeypatch.setenv("FLASHMOD_DISABLE_SM90", "1")
+    if sm90 == "fused":
+        monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
     _check_gradients("cuda", torch.float16, variant, d, dropout_p=0.2)
 
 

@@ -78,14 +78,21 @@ inline int64_t fused_dq_min_queries(int padded_head_dim, bool windowed, bool dro
   return windowed ? 2048 : 1024;
 }
 constexpr int64_t kBwdFusedDQMinKeys = 1024;
+// Packed rows (a variable-length call) take the rule at their mean lengths: max_seqlen bounds
+// every sequence, the totals say what a typical one walks.
 inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
   const int64_t knob = env_int("FLASHMOD_BWD_FUSED_DQ", 1);
   TORCH_CHECK(knob >= 0 && knob <= 2,
               error_message("FLASHMOD_BWD_FUSED_DQ must be 0, 1 or 2, got ", knob));
   if (knob != 1) return knob == 2;
+  AttentionBwdParams typical = p;
+  if (p.cu_seqlens_q != nullptr && p.batch > 0) {
+    typical.seqlen_q = p.packed_rows_q / p.batch;
+    typical.seqlen_k = p.packed_rows_k / p.batch;
+  }
   const bool windowed = p.window_left >= 0 || p.window_right >= 0;
-  return p.seqlen_k >= kBwdFusedDQMinKeys &&
-         bwd_queries_per_key(p) >=
+  return typical.seqlen_k >= kBwdFusedDQMinKeys &&
+         bwd_queries_per_key(typical) >=
              fused_dq_min_queries(padded_head_dim, windowed, p.dropout_rng != nullptr) &&
          !at::globalContext().deterministicAlgorithms();
 }
@@ -112,10 +119,10 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
                          ? cuda_kernels::find_tile(cuda_kernels::kBwdSm90Tiles, "", padded)
                          : bwd_sm90_tile(op, padded, p, st);
     cuda_kernels::BwdRowStats run_st = st;
-    if (!has_sequence_extents(p) && cuda_kernels::kBwdSm90Tiles[tile].is_default &&
-        cuda_kernels::bwd_fused_dq(p, padded) && fused_dq_wanted(p, padded)) {
+    if (cuda_kernels::kBwdSm90Tiles[tile].is_default && cuda_kernels::bwd_fused_dq(p, padded) &&
+        fused_dq_wanted(p, padded)) {
       const size_t bytes =
-          static_cast<size_t>(p.batch * p.heads_q * st.rows_padded) * padded * sizeof(float);
+          static_cast<size_t>(cuda_kernels::dq_sums_floats(p, st, padded)) * sizeof(float);
       const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
       run_st.dq_accum = static_cast<float*>(ws.alloc(ws.ctx, bytes));
       if (run_st.dq_accum == nullptr) return cudaErrorMemoryAllocation;

@@ -59,6 +59,16 @@ __device__ __forceinline__ void tma_load_step_tiles(uint32_t dst_first, uint32_t
   }
 }
 
+// Zeroes rows [first, kRows) of a swizzled tile of kRows rows x D columns: in each 64-column
+// block one run of bytes, since a 128-byte swizzle permutes 16-byte chunks within a row only.
+template <int D, int kRows, int kThreads>
+__device__ __forceinline__ void zero_tile_rows(uint32_t tile, int first, int tid) {
+  const int chunks = (kRows - first) * 8;  // 16-byte chunks per 64-column block
+  const uint32_t zeros[4] = {0, 0, 0, 0};
+  for (int i = tid; i < D / 64 * chunks; i += kThreads)
+    sts_128(tile + (i / chunks) * kRows * 128 + first * 128 + (i % chunks) * 16, zeros);
+}
+
 // keep_bits_key_rows (dropout.h) with each Philox call shared by the two warps of a 32-key span
 // (warps 2 w and 2 w + 1 of a warpgroup: its keys 0-15 and 16-31). A call's eight draws are four
 // keys of each warp (words 0-1 and 2-3), and the lane (g, t) of either warp needs the same calls,
@@ -265,7 +275,9 @@ constexpr bool additive_fast_variant() {
 // warpgroup's registers (D = 256), one of them per launch or one per warpgroup of the CTA.
 // kExtents (both kernels): a variable-length call, as in the portable kernels
 // (bwd_sm80_kernel.h): the grid comes from the upper bounds in params, each CTA works on
-// sequence_view_bwd(params, b), and one whose block lies past its sequence's end exits.
+// sequence_view_bwd(params, b), and one whose block lies past its sequence's end exits. In the
+// fused dQ variant packed rows only (bwd_fused_dq_packed), their sums laid out by sequence
+// (entry_points.h: dq_packed_row_blocks).
 // kFast (both kernels, a general variant; bwd_common.h: BwdFastPath): kBwdFastMask, mask tensors
 // skip the blocks they hide at either end of a walk and run the blocks they show whole, adding
 // nothing, through the plain elementwise code (key-padding masks by vote_key_mask, others by
@@ -350,6 +362,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
   const BwdKeyBlock<Elem> kb = bwd_key_block<Elem, Br, Bc, kGeneral, kMask>(p, tile);
   if (kExtents && kb.rows_k <= 0) return;  // past this sequence's keys: no rows of it to write
+  // kBwdFusedDQ with packed rows (bwd_fused_dq_packed): the maps span all of q and grad_out, so
+  // the sequence's first row is the step loads' row origin, and its first block of the sums.
+  int64_t q_start = 0;
+  if constexpr (kExtents && kFusedDQ) q_start = params.cu_seqlens_q[b];
   const int k0 = kb.k0, rows_k = kb.rows_k;
   const int m_lo = kb.walk.m_lo, m_count = kb.walk.m_count, steps = kb.walk.steps;
   const BwdKeyRows<Elem> gkv = kb.kv;
@@ -375,8 +391,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         const uint32_t bar = full_bar0 + 8 * stage;
         mbarrier_arrive_expect_tx(bar, 2 * Tr::kSmemQ + 2 * Br * 4);
         tma_load_step_tiles<D, Br>(sQ_addr0 + stage * Tr::kSmemQ, sdO_addr0 + stage * Tr::kSmemQ,
-                                   maps, static_cast<int>(r0), static_cast<int>(h),
-                                   static_cast<int>(b), bar);
+                                   maps, static_cast<int>(q_start + r0), static_cast<int>(h),
+                                   kExtents ? 0 : static_cast<int>(b), bar);
         const int64_t stat = (b * p.heads_q + h) * st.rows_padded + r0;
         // Not marked to leave L2: every key block of the head reads them.
         bulk_copy_to_shared<false>(smem_addr(sL + stage * Br), st.lse2 + stat, Br * 4, bar);
@@ -393,6 +409,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 
   if constexpr (kTmaSteps) {
     if (tid == 0) init_stage_barriers(full_bar0, kStages, 1);
+    // Packed rows: every warp past the inits before any use of the barriers. (Without it,
+    // compute-sanitizer's racecheck saw warp 0's inits race its first arrival in the CTAs that
+    // zero rows; one barrier per CTA.)
+    if constexpr (kExtents) __syncthreads();
   }
   // One cp.async group per step (the first also holds K_j, V_j), committed even when empty so
   // that a step's group is always kAhead - 1 groups behind the newest.
@@ -509,11 +529,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         if (lane == 0) {
           // D = 128: the step's row block, this warpgroup's column block; D = 64: this
           // warpgroup's row block of the step's two.
+          // Packed rows: head dq_h's row blocks of every sequence, this one's from block0.
+          const int64_t bh = kExtents ? dq_h : b * p.heads_q + dq_h;
+          const int64_t row_blocks = kExtents ? dq_packed_row_blocks(p) : st.rows_padded / 64;
+          const int64_t block0 = kExtents ? dq_packed_block0(q_start, b) : 0;
           const int64_t rows_at =
               kColBlocks == 2
-                  ? dq_tile_offset(b * p.heads_q + dq_h, st.rows_padded / 64, dq_m, warpgroup, 2)
-                  : dq_tile_offset(b * p.heads_q + dq_h, st.rows_padded / 64,
-                                   2 * static_cast<int64_t>(dq_m) + warpgroup, 0, 1);
+                  ? dq_tile_offset(bh, row_blocks, block0 + dq_m, warpgroup, 2)
+                  : dq_tile_offset(bh, row_blocks,
+                                   block0 + 2 * static_cast<int64_t>(dq_m) + warpgroup, 0, 1);
           bulk_reduce_add_f32(st.dq_accum + rows_at + (warp % 4) * kWarpFloats, warp_addr,
                               kWarpFloats * 4);
           tma_store_commit();
@@ -558,6 +582,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       const int m = m_lo + step.block;
       const int64_t r0 = static_cast<int64_t>(m) * Br;
       step.next(m_count);
+      if constexpr (kExtents && kFusedDQ) {
+        // A box past the sequence's last row holds the next sequence's queries, which the
+        // padded row statistics (lse2 = +inf, delta = 0) would meet as 0 x inf = NaN wherever they
+        // are not finite: those rows become the zeros a dense map's bounds give, before any
+        // warp's products read the stage.
+        if (r0 + Br > p.seqlen_q) {
+          const int first = static_cast<int>(p.seqlen_q - r0);
+          zero_tile_rows<D, Br, kThreads>(sQ_addr0 + stage * Tr::kSmemQ, first, tid);
+          zero_tile_rows<D, Br, kThreads>(sdO_addr0 + stage * Tr::kSmemQ, first, tid);
+          __syncwarp();              // the lanes, apart in the loops, together again
+          fence_proxy_async_smem();  // st.shared -> visible to wgmma
+          __syncthreads();           // every thread's zeros are written
+        }
+      }
       // Read ahead of the products, so a tile class's latency hides under them.
       const bool plain_keys = step_plain_keys<Br, Bc, kMask>(kb, p, b, h, m, n_block);
       const uint32_t stage_bytes = stage * Tr::kSmemQ;

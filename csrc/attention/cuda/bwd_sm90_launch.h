@@ -71,20 +71,26 @@ cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cuda
 }
 
 // The maps of BwdStepMaps in boxes of box_rows rows x 64 columns: over q and grad_out as (batch,
-// heads_q, seqlen_q, head_dim) for the dK/dV kernel, over k and v as (batch, heads_kv, seqlen_k,
-// head_dim) with `keys` for the dQ kernel; false where TMA cannot take either (tma_ops.h).
+// heads_q, seqlen_q, head_dim) for the dK/dV kernel (packed rows: (1, heads_q, total, head_dim)),
+// over k and v as (batch, heads_kv, seqlen_k, head_dim) with `keys` for the dQ kernel; false where
+// TMA cannot take either (tma_ops.h).
 template <typename Elem>
 bool encode_bwd_step_maps(const AttentionBwdParams& p, bool keys, int box_rows, BwdStepMaps& maps) {
   constexpr bool kBf16 = std::is_same_v<Elem, __nv_bfloat16>;
-  const int64_t heads = keys ? p.heads_kv : p.heads_q, rows = keys ? p.seqlen_k : p.seqlen_q;
+  const int64_t heads = keys ? p.heads_kv : p.heads_q;
+  // Packed rows (the fused variant's steps): one (batch, head) plane of all rows, as the
+  // forward's maps.
+  const bool packed = !keys && p.cu_seqlens_q != nullptr;
+  const int64_t batch = packed ? 1 : p.batch;
+  const int64_t rows = keys ? p.seqlen_k : packed ? p.packed_rows_q : p.seqlen_q;
   if (keys)
     return encode_rows_tensor_map(&maps.first, kBf16, p.k, p.batch, heads, rows, p.head_dim,
                                   p.k_batch_stride, p.k_head_stride, p.k_row_stride, box_rows) &&
            encode_rows_tensor_map(&maps.second, kBf16, p.v, p.batch, heads, rows, p.head_dim,
                                   p.v_batch_stride, p.v_head_stride, p.v_row_stride, box_rows);
-  return encode_rows_tensor_map(&maps.first, kBf16, p.q, p.batch, heads, rows, p.head_dim,
+  return encode_rows_tensor_map(&maps.first, kBf16, p.q, batch, heads, rows, p.head_dim,
                                 p.q_batch_stride, p.q_head_stride, p.q_row_stride, box_rows) &&
-         encode_rows_tensor_map(&maps.second, kBf16, p.grad_out, p.batch, heads, rows, p.head_dim,
+         encode_rows_tensor_map(&maps.second, kBf16, p.grad_out, batch, heads, rows, p.head_dim,
                                 p.grad_out_batch_stride, p.grad_out_head_stride,
                                 p.grad_out_row_stride, box_rows);
 }
@@ -92,7 +98,9 @@ bool encode_bwd_step_maps(const AttentionBwdParams& p, bool keys, int box_rows, 
 // grad_q = scale * dq_accum, the fused variant's fp32 sums. A thread per 16 bytes of a sum tile,
 // read in its stored order (dq_tile_offset: four floats of a lane's fragment, rows g and g + 8 of
 // columns 2t and 2t + 1), so the reads are whole and the writes pairs of columns.
-template <typename Elem, int kColBlocks>
+// kPacked (packed rows, dq_packed_row_blocks' layout): the threads walk (sequence, head,
+// max_seqlen_q's row blocks) as for dense rows, and those past their sequence's end leave.
+template <typename Elem, int kColBlocks, bool kPacked>
 __global__ void __launch_bounds__(256)
     attention_bwd_dq_from_sums_kernel(const AttentionBwdParams p, const BwdRowStats st) {
   const int head_dim = static_cast<int>(p.head_dim);
@@ -101,7 +109,6 @@ __global__ void __launch_bounds__(256)
   const float scale = static_cast<float>(p.scale);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < quads;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float4 sum = reinterpret_cast<const float4*>(st.dq_accum)[i];
     const int f = static_cast<int>(i % (kDQTileFloats / 4));  // (w4 * 8 + ni) * 32 + lane
     const int64_t tile = i / (kDQTileFloats / 4), w = tile % kColBlocks;
     const int64_t m = tile / kColBlocks % row_blocks, bh = tile / kColBlocks / row_blocks;
@@ -110,11 +117,22 @@ __global__ void __launch_bounds__(256)
     const int c = static_cast<int>(w) * 64 + ni * 8 + 2 * (lane % 4);
     const int64_t r = m * 64 + w4 * 16 + lane / 4;
     if (c >= head_dim) continue;
+    int64_t rows = p.seqlen_q, first_row = 0, at = i;
+    if constexpr (kPacked) {
+      first_row = p.cu_seqlens_q[b];
+      rows = p.cu_seqlens_q[b + 1] - first_row;
+      if (r >= rows) continue;
+      at = dq_tile_offset(h, dq_packed_row_blocks(p), dq_packed_block0(first_row, b) + m,
+                          static_cast<int>(w), kColBlocks) /
+               4 +
+           f;
+    }
+    const float4 sum = reinterpret_cast<const float4*>(st.dq_accum)[at];
     Elem* dst = static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride +
-                h * p.grad_q_head_stride + r * p.grad_q_row_stride + c;
+                h * p.grad_q_head_stride + (first_row + r) * p.grad_q_row_stride + c;
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {  // rows r and r + 8
-      if (r + 8 * hi >= p.seqlen_q) break;
+      if (r + 8 * hi >= rows) break;
       Elem* row = dst + 8 * hi * p.grad_q_row_stride;
       const float x = (hi ? sum.z : sum.x) * scale, y = (hi ? sum.w : sum.y) * scale;
       if (c + 1 < head_dim && st.vec_store) {
@@ -144,7 +162,8 @@ template <typename Elem, int kHeadDim>
 using FusedDQTraits = std::conditional_t<kHeadDim == 128, BwdKVTraitsSm90<Elem, 128, 2, 64, 1, 3>,
                                          BwdKVTraitsSm90<Elem, 64, 2, 128, 1, 2>>;
 
-template <typename Elem, int kHeadDim, bool kDropout = false>
+// kExtents: packed rows (bwd_fused_dq_packed), the maps over all of q and grad_out.
+template <typename Elem, int kHeadDim, bool kDropout, bool kExtents>
 cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& st,
                                 const BwdStepMaps& maps, cudaStream_t stream) {
   using KV = FusedDQTraits<Elem, kHeadDim>;
@@ -153,13 +172,14 @@ cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& 
   constexpr int64_t kSmem =
       KV::kSmemBytes + 2 * KV::Bc * KV::Br * 2 + 2 * kDQTileFloats * 4 + 8 * KV::kStages;
   static_assert(kSmem <= 227 * 1024, "sm_90's per-block shared-memory limit");
-  cudaError_t err = cuda::launch_kernel(
-      attention_bwd_dkdv_sm90_kernel<KV, false, kBwdFusedDQ, false, kBwdFastNone, false, kDropout>,
-      bwd_dkdv_ctas(p, KV::Bc), KV::kNThreads, kSmem, stream, p, st, maps);
+  cudaError_t err =
+      cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, false, kBwdFusedDQ, kExtents,
+                                                         kBwdFastNone, false, kDropout>,
+                          bwd_dkdv_ctas(p, KV::Bc), KV::kNThreads, kSmem, stream, p, st, maps);
   if (err != cudaSuccess) return err;
   const int64_t quads = p.batch * p.heads_q * st.rows_padded * kHeadDim / 4;
   const int64_t blocks = (quads + 255) / 256;
-  return cuda::launch_kernel(attention_bwd_dq_from_sums_kernel<Elem, kHeadDim / 64>,
+  return cuda::launch_kernel(attention_bwd_dq_from_sums_kernel<Elem, kHeadDim / 64, kExtents>,
                              blocks < 65536 ? blocks : 65536, 256, 0, stream, p, st);
 }
 
@@ -189,14 +209,15 @@ template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
   using Cfg = BwdConfigSm90<Elem, kHeadDim, kTile, kDropout>;
   using KV = typename Cfg::KV;
-  if constexpr (!kGeneral && !kExtents && kFast == kBwdFastNone &&
-                bwd_fused_dq_head_dim(kHeadDim) && kBwdSm90Tiles[kTile].is_default) {
+  if constexpr (!kGeneral && kFast == kBwdFastNone && bwd_fused_dq_head_dim(kHeadDim) &&
+                kBwdSm90Tiles[kTile].is_default) {
     // The fused variant's loads need tensor maps over q and grad_out (16-byte aligned bases and
     // strides); where TMA cannot take them, the seven-matmul kernels run (its sums go unused).
+    // The host gives the sums only where bwd_fused_dq allows (packed rows among the extents).
     BwdStepMaps fused_maps;
     if (st.dq_accum != nullptr &&
         encode_bwd_step_maps<Elem>(p, false, FusedDQTraits<Elem, kHeadDim>::Br, fused_maps))
-      return launch_bwd_fused_dq<Elem, kHeadDim, kDropout>(p, st, fused_maps, stream);
+      return launch_bwd_fused_dq<Elem, kHeadDim, kDropout, kExtents>(p, st, fused_maps, stream);
   }
   // The dK/dV launches of the tile's split (one warpgroup for both, a launch each, or a warpgroup
   // each), with the step loads of kTma.

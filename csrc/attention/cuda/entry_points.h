@@ -11,6 +11,7 @@
 
 #include "../../common/host_device.h"
 #include "../attention_params.h"
+#include "../sequence_view.h"
 #include "generated/kernel_variants.h"
 
 namespace flashmod::cuda_kernels {
@@ -175,10 +176,11 @@ struct BwdRowStats {
   // there moved ptxas's allocation of the variable-length soft-cap dK/dV variant, 0 -> 96 bytes
   // of spill at D = 128.)
   int additive_fast = 1;
-  // B * Hq * rows_padded * (padded head dim) fp32, zeroed: the Hopper backward's fused variant
-  // (bwd_fused_dq) adds each step's dQ partial here and a conversion writes grad_q from it. Tiles
-  // of 64 rows x 64 columns (row block, then column block), each in the accumulator's fragment
-  // order (bwd_sm90_kernel.h: dq_tile_offset). nullptr: dQ by its own kernel (no atomics: bitwise
+  // dq_sums_floats fp32, zeroed: the Hopper backward's fused variant (bwd_fused_dq) adds each
+  // step's dQ partial here and a conversion writes grad_q from it. Tiles of 64 rows x 64 columns
+  // (row block, then column block), each in the accumulator's fragment order
+  // (bwd_sm90_kernel.h: dq_tile_offset); B * Hq * rows_padded rows, or with packed rows
+  // dq_packed_row_blocks' layout. nullptr: dQ by its own kernel (no atomics: bitwise
   // reproducible).
   float* dq_accum = nullptr;
   // The Hopper backward's step loads through the copy engine in its plain variants
@@ -189,13 +191,37 @@ struct BwdRowStats {
 
 // Whether the Hopper backward can take dQ into its dK/dV kernel (five matmuls per block pair
 // instead of seven; dQ added up in fp32 by atomics, so not bitwise reproducible): padded head
-// dim 64 or 128, plain scores (windows and causal included; dropout too). The caller also rules
-// out per-sequence extents (has_sequence_extents), which the variant is not built for.
+// dim 64 or 128, plain scores (windows and causal included; dropout too), dense rows or packed
+// ones (cu_seqlens on both sides, fewer than 2^31 rows: the copy engine's row coordinate).
 FLASHMOD_HD constexpr bool bwd_fused_dq_head_dim(int padded_head_dim) {
   return padded_head_dim == 64 || padded_head_dim == 128;
 }
+FLASHMOD_HD bool bwd_fused_dq_packed(const AttentionParams& p) {
+  return p.cu_seqlens_q != nullptr && p.cu_seqlens_k != nullptr && p.seqused_k == nullptr &&
+         p.kv_batch_idx == nullptr && p.block_table == nullptr &&
+         p.packed_rows_q < (int64_t{1} << 31);
+}
 FLASHMOD_HD bool bwd_fused_dq(const AttentionBwdParams& p, int padded_head_dim) {
-  return bwd_fused_dq_head_dim(padded_head_dim) && !general_scores(p);
+  return bwd_fused_dq_head_dim(padded_head_dim) && !general_scores(p) &&
+         (!has_sequence_extents(p) || bwd_fused_dq_packed(p));
+}
+
+// The fused variant's sums for packed rows come per query head, every sequence's 64-row tiles in
+// turn, sequence b's from block floor(cu_seqlens_q[b] / 64) + 2 b on: at least ceil(len / 64) + 1
+// blocks of its own (a D = 64 step's second row block may lie wholly past the sequence's end),
+// so about the tokens' own bytes where padding each sequence to max_seqlen_q would take up to
+// batch * max_seqlen_q rows.
+FLASHMOD_HD int64_t dq_packed_row_blocks(const AttentionParams& p) {
+  return p.packed_rows_q / 64 + 2 * p.batch;
+}
+FLASHMOD_HD int64_t dq_packed_block0(int64_t q_start, int64_t b) {
+  return q_start / 64 + 2 * b;
+}
+// Floats of BwdRowStats::dq_accum for p at padded head dim d.
+FLASHMOD_HD int64_t dq_sums_floats(const AttentionParams& p, const BwdRowStats& st, int d) {
+  const int64_t rows = has_sequence_extents(p) ? p.heads_q * dq_packed_row_blocks(p) * 64
+                                               : p.batch * p.heads_q * st.rows_padded;
+  return rows * d;
 }
 
 // Whether the Hopper backward takes p's mask through its paths for additive masks in q's dtype

@@ -88,11 +88,12 @@ cudaError_t launch_fwd(const AttentionParams& params, const FwdLaunchFlags& flag
   const cudaError_t err = classify_mask_tiles<typename Tr::Elem>(p, Tr::Br, Tr::Bc, ws, stream);
   if (err != cudaSuccess) return err;
   const bool general = general_scores(p);
-  auto kernel = pick_fwd_kernel<Tr, false>(general, kv_addressing(p, Tr::Bc));
+  const KvAddressing addr = kv_addressing(p, Tr::Bc);
+  auto kernel = pick_fwd_kernel<Tr, false>(general, addr);
   // Dropout: dense calls (attention_dropout) and packed rows (attention_varlen); the serving ops'
   // caches and pages take none.
   if (p.dropout_rng != nullptr) {
-    switch (kv_addressing(p, Tr::Bc)) {
+    switch (addr) {
       case kDense:
         kernel = general ? attention_fwd_kernel<Tr, true, false, kDense, true>
                          : attention_fwd_kernel<Tr, false, false, kDense, true>;

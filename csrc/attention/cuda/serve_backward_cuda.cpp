@@ -1,8 +1,8 @@
 // CUDA registration of flashmod::attention_varlen_backward: the shared checks (serve_host.cpp),
 // the CUDA-only ones, and the fused backward's per-sequence variants (kExtents of the Hopper and
-// the portable kernels, backward_dispatch.h; the row statistics likewise), fp16/bf16 as the
-// forward. Each CTA finds its sequence from cu_seqlens on the device (no host sync); nothing is
-// padded.
+// the portable kernels, on Hopper also of the fused dQ variant, backward_dispatch.h; the row
+// statistics likewise), fp16/bf16 as the forward. Each CTA finds its sequence from cu_seqlens on
+// the device (no host sync); nothing is padded.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
