@@ -821,21 +821,29 @@ def test_varlen_fused_dq_keeps_sequences_apart(monkeypatch, d, variant):
 @pytest.mark.cuda
 def test_varlen_fused_dq_rule_takes_the_mean_lengths(monkeypatch):
     """FLASHMOD_BWD_FUSED_DQ=1 (deterministic algorithms off) takes the fused variant for packed rows
-    by their mean lengths (backward_dispatch.h: fused_dq_wanted): two sequences of 1100 tokens walk
-    enough queries a key at D = 128, 1100 and 100 (mean 600) do not, whatever max_seqlen says."""
+    by their mean lengths (backward_dispatch.h: fused_dq_wanted): at D = 128 two sequences of 1100
+    tokens take it, causal too (where dense rows of 1100 would not), 1100 and 100 (mean 600) do not,
+    whatever max_seqlen says, nor does a causal band of 64 keys (two-sided: the dense rule)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the fused variant is a Hopper kernel")
     torch.use_deterministic_algorithms(False)
-    for lengths, fused in (([1100, 1100], True), ([1100, 100], False)):
+    cases = (
+        ([1100, 1100], (-1, -1), True),
+        ([1100, 1100], (-1, 0), True),
+        ([1100, 100], (-1, -1), False),
+        ([1100, 1100], (63, 0), False),
+    )
+    for lengths, (wl, wr), fused in cases:
         q, k, v, cq, ck = make_varlen(lengths, lengths, 4, 2, 128, torch.bfloat16, "cuda")
-        out, lse = torch.ops.flashmod.attention_varlen(q, k, v, cq, ck, max(lengths), max(lengths))
+        args = (q, k, v, cq, ck, max(lengths), max(lengths), None, False, wl, wr)
+        out, lse = torch.ops.flashmod.attention_varlen(*args)
         grad_out = torch.randn_like(out)
         dq = {}
         for knob in ("0", "1"):
             monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", knob)
-            args = (q, k, v, out, lse, cq, ck, max(lengths), max(lengths))
-            dq[knob] = torch.ops.flashmod.attention_varlen_backward(grad_out, None, *args)[0]
-        assert torch.equal(dq["0"], dq["1"]) != fused, (lengths, "fused" if fused else "dQ kernel")
+            bwd_args = (q, k, v, out, lse, cq, ck, max(lengths), max(lengths), None, False, wl, wr)
+            dq[knob] = torch.ops.flashmod.attention_varlen_backward(grad_out, None, *bwd_args)[0]
+        assert torch.equal(dq["0"], dq["1"]) != fused, (lengths, wl, wr, "fused" if fused else "dQ kernel")
 
 
 @pytest.mark.cuda

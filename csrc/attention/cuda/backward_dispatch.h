@@ -78,23 +78,31 @@ inline int64_t fused_dq_min_queries(int padded_head_dim, bool windowed, bool dro
   return windowed ? 2048 : 1024;
 }
 constexpr int64_t kBwdFusedDQMinKeys = 1024;
-// Packed rows (a variable-length call) take the rule at their mean lengths: max_seqlen bounds
-// every sequence, the totals say what a typical one walks.
+// Packed rows (a variable-length call) take the rule at their mean lengths (max_seqlen bounds
+// every sequence, the totals say what a typical one walks), and at D = 128 without a two-sided
+// band from a mean of kBwdFusedDQMinKeys keys whatever a one-sided bound leaves a key: the dQ
+// kernel's per-sequence variant loads by cp.async, so the fused variant wins wider there (H200,
+// bf16, D 128, B 8 / 16, H 16, ragged lengths, the fused variant forced against the dQ kernel in
+// one process, session 45: non-causal 1.13-1.26, causal 1.06-1.22 at mean lengths 1267-4667).
+// Two-sided bands and D = 64 keep the dense rule (not measured on packed rows).
 inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
   const int64_t knob = env_int("FLASHMOD_BWD_FUSED_DQ", 1);
   TORCH_CHECK(knob >= 0 && knob <= 2,
               error_message("FLASHMOD_BWD_FUSED_DQ must be 0, 1 or 2, got ", knob));
   if (knob != 1) return knob == 2;
+  if (at::globalContext().deterministicAlgorithms()) return false;
   AttentionBwdParams typical = p;
-  if (p.cu_seqlens_q != nullptr && p.batch > 0) {
+  const bool packed = p.cu_seqlens_q != nullptr && p.batch > 0;
+  if (packed) {
     typical.seqlen_q = p.packed_rows_q / p.batch;
     typical.seqlen_k = p.packed_rows_k / p.batch;
   }
+  if (typical.seqlen_k < kBwdFusedDQMinKeys) return false;
+  const bool band = p.window_left >= 0 && p.window_right >= 0;
+  if (packed && padded_head_dim == 128 && !band) return true;
   const bool windowed = p.window_left >= 0 || p.window_right >= 0;
-  return typical.seqlen_k >= kBwdFusedDQMinKeys &&
-         bwd_queries_per_key(typical) >=
-             fused_dq_min_queries(padded_head_dim, windowed, p.dropout_rng != nullptr) &&
-         !at::globalContext().deterministicAlgorithms();
+  return bwd_queries_per_key(typical) >=
+         fused_dq_min_queries(padded_head_dim, windowed, p.dropout_rng != nullptr);
 }
 
 // dK/dV and dQ of fp16/bf16 p (st filled by run_attention_bwd_rowstats), after classifying a mask
