@@ -183,9 +183,9 @@ def check_flash_attn_extras(op: str, alibi_slopes: object, **flags: object) -> N
 
 def check_deterministic_backward(op: str, deterministic: bool, *tensors: Tensor) -> None:
     """flash-attn's ``deterministic=True`` asks for a bitwise reproducible backward. flashmod's is,
-    except that the Hopper backward adds dQ up by atomics (long sequences, head dims 97-128) while
-    torch's deterministic algorithms are off; rather than ignore the flag there, a CUDA call that
-    will be differentiated raises and names the switch."""
+    except that the Hopper backward adds dQ up by atomics (long sequences or packed ones, head dims
+    33-128) while torch's deterministic algorithms are off; rather than ignore the flag there, a CUDA
+    call that will be differentiated raises and names the switch."""
     if not deterministic or torch.are_deterministic_algorithms_enabled():
         return
     if torch.is_grad_enabled() and any(t.is_cuda and t.requires_grad for t in tensors):

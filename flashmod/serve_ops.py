@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .checks import (
+    check_deterministic_backward,
     check_dropout,
     check_flash_attn_extras,
     check_float_dtype,
@@ -508,9 +509,10 @@ def flash_attn_varlen_func(
     grid from them without reading ``cu_seqlens``). ``causal`` and ``window_size`` align each
     sequence bottom-right; sequences may be empty. Returns ``out (total_q, Hq, D)``, and with
     ``return_lse`` also ``lse (Hq, total_q)`` fp32 (flash-attn's ``return_attn_probs`` gives ``(out,
-    lse, None)``; its ``deterministic`` is taken and changes nothing; ``alibi_slopes`` must be
-    None). Differentiable in ``q``, ``k``, ``v``. fp32 on CUDA (no per-sequence kernel) runs the
-    dense kernels on a padded copy of the batch (:func:`varlen_forward_padded`).
+    lse, None)``; ``deterministic=True`` asks for a bitwise reproducible backward, as in
+    :func:`flashmod.flash_attn_func`; ``alibi_slopes`` must be None). Differentiable in ``q``,
+    ``k``, ``v``. fp32 on CUDA (no per-sequence kernel) runs the dense kernels on a padded copy of
+    the batch (:func:`varlen_forward_padded`).
 
     ``dropout_p`` (training): fresh random words from torch's generator each call; sequence ``b``
     drops what batch row ``b`` of a dense dropout call would (its queries and keys counted from its
@@ -611,6 +613,7 @@ def _flash_attn_varlen(
     check_flash_attn_extras(
         op, alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, return_lse=return_lse
     )
+    check_deterministic_backward(op, deterministic, q, k, v)
     dropout_p = check_dropout(op, "dropout_p", dropout_p)
     left, right = unbounded_past(check_window(op, window_size), max_seqlen_k)
     args = (

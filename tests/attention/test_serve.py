@@ -847,6 +847,27 @@ def test_varlen_fused_dq_rule_takes_the_mean_lengths(monkeypatch):
 
 
 @pytest.mark.cuda
+def test_varlen_deterministic_needs_torch_deterministic_mode_on_cuda():
+    """deterministic=True on flash_attn_varlen_func promises a bitwise reproducible backward, as on
+    flash_attn_func: under torch.use_deterministic_algorithms(True) (this suite's fixture) the packed
+    backward is one (two runs bitwise equal); without it a call that will be differentiated raises (the
+    Hopper backward may add dQ up by atomics on packed rows too), a call that will not runs."""
+    lengths = [300, 17, 1100]
+    q, k, v, cq, ck = make_varlen(lengths, lengths, 4, 2, 128, torch.bfloat16, "cuda")
+    grads = [t.clone().requires_grad_() for t in (q, k, v)]
+    args = (cq, ck, max(lengths), max(lengths))
+    out = flashmod.flash_attn_varlen_func(*grads, *args, causal=True, deterministic=True)
+    grad_out = torch.randn_like(out)
+    first, again = (torch.autograd.grad(out, grads, grad_out, retain_graph=True) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    torch.use_deterministic_algorithms(False)
+    with pytest.raises(RuntimeError, match=r"deterministic=True needs torch.use_deterministic_algorithms\(True\)"):
+        flashmod.flash_attn_varlen_func(*grads, *args, causal=True, deterministic=True)
+    out = flashmod.flash_attn_varlen_func(q, k, v, *args, causal=True, deterministic=True)
+    assert torch.equal(out, flashmod.flash_attn_varlen_func(q, k, v, *args, causal=True))
+
+
+@pytest.mark.cuda
 def test_kvcache_cuda_graph_capture():
     """A decode step captured in a CUDA graph replays with new cache lengths (no host sync, no
     value-dependent allocation inside the op)."""
