@@ -102,11 +102,7 @@ def test_varlen_gradients_match_each_sequence(device, dtype, variant):
                 theirs = torch.zeros_like(ours[r]) if theirs is None else theirs
                 assert torch.equal(ours[r], theirs), f"sequence {b}: d{name} differs from flashmod.attention"
 
-        truth, plain = (ref_grads(leaves, grad_out[rq], opts, c) for c in (torch.float64, dtype))
-        for name, ours, t, p, r in zip("qkv", (dq, dk, dv), truth, plain, (rq, rk, rk)):
-            t = torch.zeros_like(ours[r], dtype=torch.float64) if t is None else t
-            p = torch.zeros_like(ours[r]) if p is None else p
-            assert_within_rule(ours[r], t, p, 3, dtype, f"d{name} of sequence {b}")
+        assert_sequence_grads((dq, dk, dv), leaves, grad_out, rq, rk, opts, dtype, f"of sequence {b}")
 
 
 def ref_grads(leaves, grad_out, opts, dtype):
@@ -114,6 +110,16 @@ def ref_grads(leaves, grad_out, opts, dtype):
     xs = [t.detach().to(dtype).requires_grad_() for t in leaves]
     ref_out, _ = reference(*xs, opts, dtype)
     return torch.autograd.grad(ref_out, xs, grad_out.to(dtype), allow_unused=True)
+
+
+def assert_sequence_grads(grads, leaves, grad_out, rq, rk, opts, dtype, what):
+    """The packed gradients (dq, dk, dv) on one sequence's rows (rq of q, rk of k/v; its inputs
+    ``leaves``) within the 3x rule against the reference on that sequence alone (0 where unused)."""
+    truth, plain = (ref_grads(leaves, grad_out[rq], opts, c) for c in (torch.float64, dtype))
+    for name, ours, t, p, r in zip("qkv", grads, truth, plain, (rq, rk, rk)):
+        t = torch.zeros_like(ours[r], dtype=torch.float64) if t is None else t
+        p = torch.zeros_like(ours[r]) if p is None else p
+        assert_within_rule(ours[r], t, p, 3, dtype, f"d{name} {what}")
 
 
 def test_padded_path_agrees_with_the_varlen_op():
@@ -708,11 +714,7 @@ def test_cuda_serving_prefill_kernels(monkeypatch, kernel, d, variant):
         truth, _ = reference(*leaves, opts, torch.float64)
         plain, _ = reference(*leaves, opts, dtype)
         assert_within_rule(out[rq], truth, plain, 2, dtype, f"varlen sequence {b}")
-        truth_g, plain_g = (ref_grads(leaves, grad_out[rq], opts, c) for c in (torch.float64, dtype))
-        for name, ours, t, p_, r in zip("qkv", grads, truth_g, plain_g, (rq, rk, rk)):
-            t = torch.zeros_like(ours[r], dtype=torch.float64) if t is None else t
-            p_ = torch.zeros_like(ours[r]) if p_ is None else p_
-            assert_within_rule(ours[r], t, p_, 3, dtype, f"varlen d{name} of sequence {b}")
+        assert_sequence_grads(grads, leaves, grad_out, rq, rk, opts, dtype, f"of varlen sequence {b}")
 
     B, S, sq, hq, hkv = 3, 512, 100, 4, 2
     k_cont, v_cont = make_cache(B, S, hkv, d, dtype, "cuda")
@@ -804,11 +806,7 @@ def test_varlen_fused_dq_keeps_sequences_apart(monkeypatch, d, variant):
             continue
         rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
         mine = [t[r].detach() for t, r in ((q, rq), (k, rk), (v, rk))]
-        truth, plain = (ref_grads(mine, grad_out[rq], opts, c) for c in (torch.float64, dtype))
-        for name, ours, t, p, r in zip("qkv", (dq, dk, dv), truth, plain, (rq, rk, rk)):
-            t = torch.zeros_like(ours[r], dtype=torch.float64) if t is None else t
-            p = torch.zeros_like(ours[r]) if p is None else p
-            assert_within_rule(ours[r], t, p, 3, dtype, f"d{name} of sequence {b}")
+        assert_sequence_grads((dq, dk, dv), mine, grad_out, rq, rk, opts, dtype, f"of sequence {b}")
     # The fused sums add in another order than the dQ kernel, so dQ differs in its last bits; not so
     # under a band of 10 keys, where each query's dQ takes one or two partials.
     if torch.cuda.get_device_capability() == (9, 0) and variant != "window":
