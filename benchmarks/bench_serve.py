@@ -85,18 +85,25 @@ def varlen_case(
     backward: bool = False,
     variants: dict[str, str] | None = None,
     dropout: float = 0.0,
+    window: tuple[int, int] = (-1, -1),
 ) -> dict:
     """Every contender on one ragged batch, checked without dropout against flashmod's output, then
-    timed with ``dropout`` (FlexAttention has none: left out when it is > 0)."""
+    timed with ``dropout`` (FlexAttention has none: left out when it is > 0). A ``window`` (flash-attn's
+    (left, right), -1 unbounded) leaves SDPA out: it would need an explicit N x N mask per sequence."""
     total, longest, b = sum(lengths), max(lengths), len(lengths)
     q, k, v = (torch.randn(total, h, d, dtype=dtype, device=dev, requires_grad=backward) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-    pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+    left, right = window
+    right = 0 if causal else right
+    windowed = left >= 0 or right >= 0
+    pairs = sum(band_pairs(n, left, right) for n in lengths)
     # forward + backward counts 3.5x the forward's FLOPs, as bench_attention.py does.
     flops = 4 * pairs * h * d * (3.5 if backward else 1)
 
     def ours(p=dropout):
-        return flashmod.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, dropout_p=p, causal=causal)
+        return flashmod.flash_attn_varlen_func(
+            q, k, v, cu, cu, longest, longest, dropout_p=p, causal=causal, window_size=window
+        )
 
     ref = ours(0.0).detach()
     # Right-padded (B, H, N, D) copies and the index of every packed row in them.
@@ -115,8 +122,10 @@ def varlen_case(
     fns = {"flashmod": ours}
     for label in variants or {}:
         fns[f"flashmod {label}"] = ours  # its knobs wrap the whole step, backward included (below)
+    if windowed:
+        print("  SDPA: left out (a window needs an explicit N x N mask)")
     for name, backend in BACKENDS.items():
-        if dev != "cuda" or (name == "FLASH" and mask is not None):
+        if windowed or dev != "cuda" or (name == "FLASH" and mask is not None):
             continue
 
         def sdpa(backend=backend, p=dropout):
@@ -131,7 +140,7 @@ def varlen_case(
             continue
         if check(f"SDPA {name}", got, ref, 2e-2):
             fns[f"SDPA {name}"] = sdpa
-    if dev == "cpu":
+    if dev == "cpu" and not windowed:
 
         def sdpa_cpu(p=dropout):
             return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=causal, dropout_p=p)
@@ -147,8 +156,12 @@ def varlen_case(
         doc = seq
 
         def document(b_, h_, qi, ki):
-            same = doc[qi] == doc[ki]
-            return same & (ki <= qi) if causal else same
+            keep = doc[qi] == doc[ki]
+            if left >= 0:
+                keep = keep & (qi - ki <= left)
+            if right >= 0:
+                keep = keep & (ki - qi <= right)
+            return keep
 
         block_mask = create_block_mask(document, None, None, total, total, device=dev)
         flex = torch.compile(flex_attention)
@@ -173,6 +186,15 @@ def varlen_case(
         fns[f"flashmod {label}"] = harness.with_env(settings, fns[f"flashmod {label}"])
     times = harness.median_times(fns, dev, warmup=3, reps=reps)
     return {name: {"status": "ok", "ms": t * 1e3, "tflops": flops / t / 1e12} for name, t in times.items()}
+
+
+def band_pairs(n: int, left: int, right: int) -> int:
+    """(query, key) pairs of one self-attention sequence of n tokens under a (left, right) band
+    (-1: unbounded), the useful work the TFLOP/s count."""
+    i = torch.arange(n)
+    hi = (i + right).clamp(max=n - 1) if right >= 0 else torch.full_like(i, n - 1)
+    lo = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+    return int((hi - lo + 1).clamp(min=0).sum())
 
 
 def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -374,6 +396,10 @@ def main() -> None:
     )
     parser.add_argument("--dropout", type=float, default=0.0, help="varlen: dropout_p of every contender (training)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs")
+    parser.add_argument("--head-dim", type=int, default=128, help="varlen: head dim (GPU shapes)")
+    parser.add_argument(
+        "--window", default="-1,-1", help="varlen: LEFT,RIGHT, flash-attn's window_size (-1: unbounded; SDPA left out)"
+    )
     parser.add_argument("--reps", type=int, default=20, help="timed rounds (the median is reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sequence lengths")
     parser.add_argument(
@@ -423,7 +449,8 @@ def main() -> None:
         rows = []
         lo, hi = (int(x) for x in args.lengths.split(","))
         lo, hi, batches = (16, 256, [4]) if args.smoke else (lo, hi, [8, 16])
-        h, d = (2, 64) if args.smoke else (16, 128)
+        h, d = (2, 64) if args.smoke else (2048 // args.head_dim, args.head_dim)
+        window = tuple(int(x) for x in args.window.split(","))
         if dev == "cpu" and not args.smoke:  # the CPU's ragged batch: 8 sequences of 128-1024 tokens
             lo, hi, batches, h, d = 128, 1024, [8], 8, 64
         for b in batches:
@@ -434,9 +461,12 @@ def main() -> None:
                 )
                 label += " fwd+bwd" if args.varlen_backward else ""
                 label += f" dropout {args.dropout}" if args.dropout else ""
+                label += f" window {window}" if window != (-1, -1) else ""
                 print(label)
                 reps = 3 if args.smoke else args.reps
-                res = varlen_case(lengths, h, d, causal, dtype, dev, reps, args.varlen_backward, variants, args.dropout)
+                res = varlen_case(
+                    lengths, h, d, causal, dtype, dev, reps, args.varlen_backward, variants, args.dropout, window
+                )
                 rows.append({"label": label, "lengths": lengths, "causal": causal, "results": res})
         contenders = sorted({c for r in rows for c in r["results"]}, key=lambda c: c != "flashmod")
         harness.print_table(rows, contenders)

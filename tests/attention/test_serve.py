@@ -819,20 +819,26 @@ def test_varlen_fused_dq_keeps_sequences_apart(monkeypatch, d, variant):
 @pytest.mark.cuda
 def test_varlen_fused_dq_rule_takes_the_mean_lengths(monkeypatch):
     """FLASHMOD_BWD_FUSED_DQ=1 (deterministic algorithms off) takes the fused variant for packed rows
-    by their mean lengths (backward_dispatch.h: fused_dq_wanted): at D = 128 two sequences of 1100
-    tokens take it, causal too (where dense rows of 1100 would not), 1100 and 100 (mean 600) do not,
-    whatever max_seqlen says, nor does a causal band of 64 keys (two-sided: the dense rule)."""
+    by their mean lengths (backward_dispatch.h: fused_dq_wanted). Two sequences of 1100 tokens take it
+    at D = 128, causal too (where dense rows of 1100 would not), and at D = 64 without causality (1100
+    queries a key; causal: 550, no); 1100 and 100 (mean 600) do not, whatever max_seqlen says. Two-sided
+    bands: at D = 128 a band of 1023 queries takes it, a causal band of 64 does not; at D = 64 a band of
+    1023 does not (the dense rule)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the fused variant is a Hopper kernel")
     torch.use_deterministic_algorithms(False)
     cases = (
-        ([1100, 1100], (-1, -1), True),
-        ([1100, 1100], (-1, 0), True),
-        ([1100, 100], (-1, -1), False),
-        ([1100, 1100], (63, 0), False),
+        (128, [1100, 1100], (-1, -1), True),
+        (128, [1100, 1100], (-1, 0), True),
+        (128, [1100, 100], (-1, -1), False),
+        (128, [1100, 1100], (63, 0), False),
+        (128, [1100, 1100], (511, 511), True),
+        (64, [1100, 1100], (-1, -1), True),
+        (64, [1100, 1100], (-1, 0), False),
+        (64, [1100, 1100], (511, 511), False),
     )
-    for lengths, (wl, wr), fused in cases:
-        q, k, v, cq, ck = make_varlen(lengths, lengths, 4, 2, 128, torch.bfloat16, "cuda")
+    for d, lengths, (wl, wr), fused in cases:
+        q, k, v, cq, ck = make_varlen(lengths, lengths, 4, 2, d, torch.bfloat16, "cuda")
         args = (q, k, v, cq, ck, max(lengths), max(lengths), None, False, wl, wr)
         out, lse = torch.ops.flashmod.attention_varlen(*args)
         grad_out = torch.randn_like(out)
@@ -841,7 +847,7 @@ def test_varlen_fused_dq_rule_takes_the_mean_lengths(monkeypatch):
             monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", knob)
             bwd_args = (q, k, v, out, lse, cq, ck, max(lengths), max(lengths), None, False, wl, wr)
             dq[knob] = torch.ops.flashmod.attention_varlen_backward(grad_out, None, *bwd_args)[0]
-        assert torch.equal(dq["0"], dq["1"]) != fused, (lengths, wl, wr, "fused" if fused else "dQ kernel")
+        assert torch.equal(dq["0"], dq["1"]) != fused, (d, lengths, wl, wr, "fused" if fused else "dQ kernel")
 
 
 @pytest.mark.cuda

@@ -79,12 +79,23 @@ inline int64_t fused_dq_min_queries(int padded_head_dim, bool windowed, bool dro
 }
 constexpr int64_t kBwdFusedDQMinKeys = 1024;
 // Packed rows (a variable-length call) take the rule at their mean lengths (max_seqlen bounds
-// every sequence, the totals say what a typical one walks), and at D = 128 without a two-sided
-// band from a mean of kBwdFusedDQMinKeys keys whatever a one-sided bound leaves a key: the dQ
-// kernel's per-sequence variant loads by cp.async, so the fused variant wins wider there (H200,
-// bf16, D 128, B 8 / 16, H 16, ragged lengths, the fused variant forced against the dQ kernel in
-// one process, session 45: non-causal 1.13-1.26, causal 1.06-1.22 at mean lengths 1267-4667).
-// Two-sided bands and D = 64 keep the dense rule (not measured on packed rows).
+// every sequence, the totals say what a typical one walks). The dQ kernel's per-sequence variant
+// loads by cp.async, so the fused variant wins wider there. Measured on an H200 (bf16, H * D =
+// 2048, B 8 / 16, ragged lengths, the fused variant forced against the dQ kernel in one process,
+// sessions 45-46), fused / dQ kernel:
+//   D = 128, no band: non-causal 1.13-1.26, causal 1.06-1.22 at mean lengths 1267-4667, so from
+//     a mean of kBwdFusedDQMinKeys keys whatever a one-sided bound leaves a key;
+//   D = 128, two-sided band (mean 3928-4667; causal rows (W, 0)): 256 queries a key 0.91, 511-512
+//     0.99, 1023-1024 1.08, 2047 1.15-1.17: from 768, between the tie and the win;
+//   D = 64, no band: non-causal 1.04 at means 1267-1409, 1.12 at 2257-2548, 1.12-1.17 at
+//     3928-4667; causal 0.95, 1.04-1.05, 1.10-1.13: from 1024 queries a key (causal: half);
+//   D = 64, two-sided band: 512 queries a key 0.89, 1023 0.98: the dense rule.
+inline int64_t packed_fused_dq_min_queries(int padded_head_dim, bool band, bool dropout) {
+  const int64_t dense = fused_dq_min_queries(padded_head_dim, band, dropout);
+  if (padded_head_dim == 128) return band ? std::min<int64_t>(768, dense) : 0;
+  return band ? dense : std::min<int64_t>(1024, dense);
+}
+
 inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
   const int64_t knob = env_int("FLASHMOD_BWD_FUSED_DQ", 1);
   TORCH_CHECK(knob >= 0 && knob <= 2,
@@ -98,11 +109,14 @@ inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
     typical.seqlen_k = p.packed_rows_k / p.batch;
   }
   if (typical.seqlen_k < kBwdFusedDQMinKeys) return false;
-  const bool band = p.window_left >= 0 && p.window_right >= 0;
-  if (packed && padded_head_dim == 128 && !band) return true;
+  const bool dropout = p.dropout_rng != nullptr;
+  if (packed) {
+    const bool band = p.window_left >= 0 && p.window_right >= 0;
+    return bwd_queries_per_key(typical) >=
+           packed_fused_dq_min_queries(padded_head_dim, band, dropout);
+  }
   const bool windowed = p.window_left >= 0 || p.window_right >= 0;
-  return bwd_queries_per_key(typical) >=
-         fused_dq_min_queries(padded_head_dim, windowed, p.dropout_rng != nullptr);
+  return bwd_queries_per_key(typical) >= fused_dq_min_queries(padded_head_dim, windowed, dropout);
 }
 
 // dK/dV and dQ of fp16/bf16 p (st filled by run_attention_bwd_rowstats), after classifying a mask
