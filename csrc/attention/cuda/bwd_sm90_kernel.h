@@ -746,8 +746,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       zero(dK);
     }
 
-    store_dkdv<Elem, kW, DT>(p, b, hk, k0, dV, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
-                             st.vec_store != 0);
+    // Packed rows under dropout store through the sequence's view taken again, not one held
+    // through the loop: ptxas (sm_90a, bf16) spill D = 128 fused 124 / 116 -> 60 / 92 bytes,
+    // seven-matmul 180 / 160 -> 132 / 128 (its forward + backward 1.3-1.5 % faster, the fused
+    // variant's the same; H200, session 46, against session 45's run). Without dropout the packed
+    // kernels had no spill to save, and their seven-matmul path timed 2-5 % slower with it
+    // (contenders within 3 % between the two machines): left as it was.
+    store_dkdv<Elem, kW, DT>(kExtents && kDropout ? sequence_view_bwd(params, b) : p, b, hk, k0, dV,
+                             dK, tf.scale, warp_row0, rows_k, head_dim, lane, st.vec_store != 0);
   };
   if constexpr (kWhich == kBwdPair) {
     if (warpgroup == 0) {
