@@ -13,9 +13,14 @@ check_dropout); fp64 inputs are taken there (the CPU's fp64 kernels).
 
 Run it under each FLASHMOD_CPU_ISA to reach every CPU path (session 21: 750 bf16 configurations on
 the AMX path and the AVX2 one, none failed). Two known limits show up at peak 3 (logits of ~100):
-bf16 dq/dk of a very peaked row past the rule (delta comes from the bf16 output, flash-attn's
-design), and fp32 gradients past the tight fp32 bound (P recomputed from an lse of another
-summation order); both are in benchmarks/results/design/api-edges.md, session 19. With --dropout a
+fp16/bf16 dq/dk of a very peaked row past the rule, and fp32 gradients past the tight fp32 bound (P
+recomputed from an lse of another summation order); both are in
+benchmarks/results/design/api-edges.md, session 19. The first is FlashAttention's design: delta =
+rowsum(dO o O) is taken from the stored low-precision output, so each row's dS carries
+P (rowsum(dO o (O_stored - O_exact))); where the row is nearly one-hot and |k| large that is several
+times plain torch's error, whose softmax backward takes delta from its own P. Such a dq / dk failure
+prints as KNOWN when the same rule holds against fp64 autograd with that delta error put in
+(through grad_lse, which enters dS the same way: dS = P (dP - delta + grad_lse)). With --dropout a
 third: rows that see a single key (nk = 1, a (0, 0) window, the first row of a top-left causal
 mask), whose true dS = P (dP - delta) is 0 while delta = rowsum(dO o O) comes from the stored
 output, which dropout's scale makes inexact (O = v / (1 - p) rounded; plain torch's softmax
@@ -33,10 +38,11 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests" / p) for p in ("", "attention")]
-from test_attention_backward import check_grads  # noqa: E402
+from test_attention_backward import check_grads, fused_grads, reference_grads  # noqa: E402
 from test_dropout import check_dropout  # noqa: E402
+from tolerance import GRAD_SLACK, max_abs_err  # noqa: E402
 
-from flashmod.reference import effective_window, visible_keys  # noqa: E402
+from flashmod.reference import attention_reference, effective_window, visible_keys  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -94,6 +100,29 @@ def most_keys_a_row_sees(q: torch.Tensor, k: torch.Tensor, opts: dict) -> int:
     return int(seen.sum(-1).max())
 
 
+def explained_by_stored_output(tensors: tuple, upstream: tuple, opts: dict, name: str) -> bool:
+    """Whether gradient ``name`` (dq or dk) of a low-precision call keeps the rule (3x plain torch's
+    error against fp64 autograd, plus the tests' slack) when our error is taken against fp64 autograd
+    whose delta comes, as the fused backward's, from the stored output: grad_lse shifted by
+    rowsum(dO o (O_stored - O_exact)) per row."""
+    q, k, v = tensors
+    grad_out, grad_lse = upstream
+    mask = opts.get("attn_mask")
+    args = (mask, opts.get("scale"), opts.get("is_causal", False), opts.get("bottom_right", True))
+    args += (opts.get("window_left", -1), opts.get("window_right", -1), opts.get("softcap", 0.0))
+    stored, _ = torch.ops.flashmod.attention(q, k, v, *args)
+    exact, _ = attention_reference(*(t.double() for t in (q, k, v)), compute_dtype=torch.float64, **opts)
+    shift = (grad_out.double() * (stored.double() - exact)).sum(-1)
+    model_lse = (grad_lse.double() if grad_lse is not None else 0) - shift
+    i = ("dq", "dk", "dv").index(name)
+    model = reference_grads(q, k, v, grad_out, model_lse, torch.float64, **opts)[i]
+    truth = reference_grads(q, k, v, grad_out, grad_lse, torch.float64, **opts)[i]
+    plain = reference_grads(q, k, v, grad_out, grad_lse, q.dtype, **opts)[i]
+    ours = fused_grads(q, k, v, grad_out, grad_lse, **opts)[i]
+    scale = max(1.0, truth.abs().max().item()) if truth.numel() else 1.0
+    return max_abs_err(ours, model) <= 3.0 * max_abs_err(plain, truth) + GRAD_SLACK[q.dtype] * scale
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -115,13 +144,23 @@ def main() -> None:
                 state = torch.randint(0, 1 << 62, (2,), device=args.device)
                 check_dropout(*tensors, args.dropout, state, use_grad_lse=rng.random() < 0.5, **opts)
             else:
-                check_grads(*tensors, use_grad_lse=rng.random() < 0.5, **opts)
+                q, use_grad_lse = tensors[0], rng.random() < 0.5
+                grad_out = torch.randn_like(q)  # check_grads' own order of draws
+                upstream = (grad_out, torch.randn(q.shape[:3], device=q.device) if use_grad_lse else None)
+                check_grads(*tensors, upstream=upstream, **opts)
         except AssertionError as err:
+            name = str(err).split(":")[0]
             single_key_rows = args.dropout > 0 and most_keys_a_row_sees(tensors[0], tensors[1], opts) <= 1
-            if single_key_rows and str(err).startswith(("dq: error", "dk: error")):
+            if single_key_rows and name in ("dq", "dk"):
                 known += 1
                 print("KNOWN (every row sees at most one key)", desc, str(err)[:200])
                 continue
+            low = tensors[0].dtype in (torch.float16, torch.bfloat16)
+            if args.dropout == 0 and low and name in ("dq", "dk") and "error" in str(err):
+                if explained_by_stored_output(tensors, upstream, opts, name):
+                    known += 1
+                    print("KNOWN (delta from the stored output)", desc, str(err)[:200])
+                    continue
             failures += 1
             print("FAIL", desc, str(err)[:300])
     print(f"seed {args.seed}: {args.configs} configurations, {failures} failed, {known} known")

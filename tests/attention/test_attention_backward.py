@@ -39,11 +39,16 @@ def fused_grads(q, k, v, grad_out, grad_lse, attn_mask=None, **options):
     return torch.ops.flashmod.attention_backward(grad_out, grad_lse, q, k, v, out, lse, *args)[:3]
 
 
-def check_grads(q, k, v, use_grad_out=True, use_grad_lse=True, **options):
+def check_grads(q, k, v, use_grad_out=True, use_grad_lse=True, upstream=None, **options):
+    """Fused gradients against fp64 autograd by the 3x rule; ``upstream`` = (grad_out, grad_lse) to
+    use instead of fresh draws (tools/fuzz_backward.py keeps them to explain a failure)."""
     dtype = q.dtype
     b, hq, nq, _ = q.shape
-    grad_out = torch.randn_like(q) if use_grad_out else torch.zeros_like(q)
-    grad_lse = torch.randn(b, hq, nq, device=q.device) if use_grad_lse else None
+    if upstream is not None:
+        grad_out, grad_lse = upstream
+    else:
+        grad_out = torch.randn_like(q) if use_grad_out else torch.zeros_like(q)
+        grad_lse = torch.randn(b, hq, nq, device=q.device) if use_grad_lse else None
     ours = fused_grads(q, k, v, grad_out, grad_lse, **options)
     truth = reference_grads(q, k, v, grad_out, grad_lse, torch.float64, **options)
     if dtype in LOW_PRECISION:
