@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 import flashmod  # noqa: E402
+from flashmod.reference import effective_window, visible_keys  # noqa: E402
 
 BACKENDS = {
     "FLASH": SDPBackend.FLASH_ATTENTION,
@@ -93,8 +94,7 @@ def varlen_case(
     total, longest, b = sum(lengths), max(lengths), len(lengths)
     q, k, v = (torch.randn(total, h, d, dtype=dtype, device=dev, requires_grad=backward) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-    left, right = window
-    right = 0 if causal else right
+    left, right = effective_window(causal, *window)
     windowed = left >= 0 or right >= 0
     pairs = sum(band_pairs(n, left, right) for n in lengths)
     # forward + backward counts 3.5x the forward's FLOPs, as bench_attention.py does.
@@ -191,10 +191,8 @@ def varlen_case(
 def band_pairs(n: int, left: int, right: int) -> int:
     """(query, key) pairs of one self-attention sequence of n tokens under a (left, right) band
     (-1: unbounded), the useful work the TFLOP/s count."""
-    i = torch.arange(n)
-    hi = (i + right).clamp(max=n - 1) if right >= 0 else torch.full_like(i, n - 1)
-    lo = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
-    return int((hi - lo + 1).clamp(min=0).sum())
+    seen = visible_keys(torch.arange(n), n, n, left, right, bottom_right=True)
+    return n * n if seen is None else int(seen.sum())
 
 
 def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests" / p) for p in ("", "attention")]
-from test_attention_backward import check_grads, fused_grads, reference_grads  # noqa: E402
+from test_attention_backward import check_grads, draw_upstream, fused_grads, op_args, reference_grads  # noqa: E402
 from test_dropout import check_dropout  # noqa: E402
 from tolerance import GRAD_SLACK, max_abs_err  # noqa: E402
 
@@ -107,10 +107,7 @@ def explained_by_stored_output(tensors: tuple, upstream: tuple, opts: dict, name
     rowsum(dO o (O_stored - O_exact)) per row."""
     q, k, v = tensors
     grad_out, grad_lse = upstream
-    mask = opts.get("attn_mask")
-    args = (mask, opts.get("scale"), opts.get("is_causal", False), opts.get("bottom_right", True))
-    args += (opts.get("window_left", -1), opts.get("window_right", -1), opts.get("softcap", 0.0))
-    stored, _ = torch.ops.flashmod.attention(q, k, v, *args)
+    stored, _ = torch.ops.flashmod.attention(q, k, v, *op_args(**opts))
     exact, _ = attention_reference(*(t.double() for t in (q, k, v)), compute_dtype=torch.float64, **opts)
     shift = (grad_out.double() * (stored.double() - exact)).sum(-1)
     model_lse = (grad_lse.double() if grad_lse is not None else 0) - shift
@@ -144,9 +141,7 @@ def main() -> None:
                 state = torch.randint(0, 1 << 62, (2,), device=args.device)
                 check_dropout(*tensors, args.dropout, state, use_grad_lse=rng.random() < 0.5, **opts)
             else:
-                q, use_grad_lse = tensors[0], rng.random() < 0.5
-                grad_out = torch.randn_like(q)  # check_grads' own order of draws
-                upstream = (grad_out, torch.randn(q.shape[:3], device=q.device) if use_grad_lse else None)
+                upstream = draw_upstream(tensors[0], use_grad_lse=rng.random() < 0.5)
                 check_grads(*tensors, upstream=upstream, **opts)
         except AssertionError as err:
             name = str(err).split(":")[0]

@@ -32,23 +32,30 @@ def reference_grads(q, k, v, grad_out, grad_lse, dtype, **options):
     return torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
 
 
-def fused_grads(q, k, v, grad_out, grad_lse, attn_mask=None, **options):
+def op_args(attn_mask=None, **options):
+    """The options of flashmod::attention (and its backward) after q, k, v, from keyword options."""
     args = (attn_mask, options.get("scale"), options.get("is_causal", False), options.get("bottom_right", True))
-    args += (options.get("window_left", -1), options.get("window_right", -1), options.get("softcap", 0.0))
+    return args + (options.get("window_left", -1), options.get("window_right", -1), options.get("softcap", 0.0))
+
+
+def fused_grads(q, k, v, grad_out, grad_lse, **options):
+    args = op_args(**options)
     out, lse = torch.ops.flashmod.attention(q, k, v, *args)
     return torch.ops.flashmod.attention_backward(grad_out, grad_lse, q, k, v, out, lse, *args)[:3]
+
+
+def draw_upstream(q, use_grad_out=True, use_grad_lse=True):
+    """Fresh (grad_out, grad_lse) for q's call: zeros / None where not used."""
+    b, hq, nq, _ = q.shape
+    grad_out = torch.randn_like(q) if use_grad_out else torch.zeros_like(q)
+    return grad_out, torch.randn(b, hq, nq, device=q.device) if use_grad_lse else None
 
 
 def check_grads(q, k, v, use_grad_out=True, use_grad_lse=True, upstream=None, **options):
     """Fused gradients against fp64 autograd by the 3x rule; ``upstream`` = (grad_out, grad_lse) to
     use instead of fresh draws (tools/fuzz_backward.py keeps them to explain a failure)."""
     dtype = q.dtype
-    b, hq, nq, _ = q.shape
-    if upstream is not None:
-        grad_out, grad_lse = upstream
-    else:
-        grad_out = torch.randn_like(q) if use_grad_out else torch.zeros_like(q)
-        grad_lse = torch.randn(b, hq, nq, device=q.device) if use_grad_lse else None
+    grad_out, grad_lse = upstream if upstream is not None else draw_upstream(q, use_grad_out, use_grad_lse)
     ours = fused_grads(q, k, v, grad_out, grad_lse, **options)
     truth = reference_grads(q, k, v, grad_out, grad_lse, torch.float64, **options)
     if dtype in LOW_PRECISION:
