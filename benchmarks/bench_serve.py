@@ -94,8 +94,8 @@ def varlen_case(
     total, longest, b = sum(lengths), max(lengths), len(lengths)
     q, k, v = (torch.randn(total, h, d, dtype=dtype, device=dev, requires_grad=backward) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-    left, right = effective_window(causal, *window)
-    windowed = left >= 0 or right >= 0
+    left, right = effective_window(causal, *window)  # causal is a band too, for the pair count and Flex
+    windowed = window != (-1, -1)  # SDPA takes causality (is_causal), not a window
     pairs = sum(band_pairs(n, left, right) for n in lengths)
     # forward + backward counts 3.5x the forward's FLOPs, as bench_attention.py does.
     flops = 4 * pairs * h * d * (3.5 if backward else 1)
