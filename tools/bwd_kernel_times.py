@@ -2,7 +2,9 @@
 step through flashmod.attention, for a few paper shapes. Prints a table per shape; the kernel names
 say which family ran (sm80 / sm90) and which kernel (row statistics, dK/dV, dQ, forward).
 
-    python tools/bwd_kernel_times.py [--dims 64,128] [--n 1024,4096] [--portable]
+    python tools/bwd_kernel_times.py [--dims 64,128] [--n 1024,4096] [--portable] [--cudnn]
+
+--cudnn adds SDPA's CUDNN backend on the same inputs, kernel by kernel, below each flashmod table.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import os
 import re
 
 import torch
+import torch.nn.functional as F
 from kernel_profile import kernel_us
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashmod
 
@@ -27,6 +31,7 @@ def main() -> None:
     ap.add_argument("--dims", default="64,128", help="head dims, comma-separated")
     ap.add_argument("--n", default="1024,4096", help="sequence lengths (B * N = 16k, H * D = 2048)")
     ap.add_argument("--portable", action="store_true", help="FLASHMOD_DISABLE_SM90=1 (mma.sync kernels)")
+    ap.add_argument("--cudnn", action="store_true", help="also SDPA's CUDNN backend, kernel by kernel")
     args = ap.parse_args()
     if args.portable:
         os.environ["FLASHMOD_DISABLE_SM90"] = "1"
@@ -44,11 +49,19 @@ def main() -> None:
                     out = flashmod.attention(q, k, v, is_causal=causal)
                     torch.autograd.grad(out, (q, k, v), grad)
 
-                totals = kernel_us(train_step, 10, key=short, warmup=3)
-                total = sum(totals.values())
-                print(f"b{b} h{h} n{n} d{d}{' causal' if causal else ''}: {total / 1e3:.3f} ms per step")
-                for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:8]:
-                    print(f"    {us / 1e3:8.3f} ms  {100 * us / total:5.1f}%  {name}")
+                def cudnn_step(q=q, k=k, v=v, grad=grad, causal=causal):
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    torch.autograd.grad(out, (q, k, v), grad)
+
+                steps = [("flashmod", train_step)] + ([("SDPA CUDNN", cudnn_step)] if args.cudnn else [])
+                for who, step in steps:
+                    totals = kernel_us(step, 10, key=short, warmup=3)
+                    total = sum(totals.values())
+                    shape = f"b{b} h{h} n{n} d{d}{' causal' if causal else ''}"
+                    print(f"{shape} {who}: {total / 1e3:.3f} ms per step")
+                    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:8]:
+                        print(f"    {us / 1e3:8.3f} ms  {100 * us / total:5.1f}%  {name}")
 
 
 if __name__ == "__main__":

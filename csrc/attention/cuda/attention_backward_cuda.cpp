@@ -57,10 +57,10 @@ Gradients run_attention_backward_cuda(
   st.vec_rows = rows_aligned16(r.out) && rows_aligned16(r.grad_out) && p.head_dim % 8 == 0;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  cudaError_t err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream);
-  if (err != cudaSuccess) {
-    // the row statistics failed to launch; reported below
-  } else if (p.dtype == ScalarKind::kFloat32) {
+  cudaError_t err = cudaSuccess;
+  if (p.dtype != ScalarKind::kFloat32) {
+    err = run_fused_backward("flashmod.attention_backward", p, st, q.options(), stream);
+  } else if ((err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream)) == cudaSuccess) {
     const int padded32 = cuda_kernels::padded_head_dim(cuda_kernels::kBwdTf32HeadDims, p.head_dim);
     switch (cuda_kernels::variant_key(p.dtype, padded32)) {
 #define FLASHMOD_BWD_TF32_CASE(Elem, kind, D)                           \
@@ -73,8 +73,6 @@ Gradients run_attention_backward_cuda(
         TORCH_CHECK(false, flashmod::error_message(
                                "flashmod.attention_backward: unsupported head_dim ", p.head_dim));
     }
-  } else {
-    err = run_fused_backward("flashmod.attention_backward", p, st, q.options(), stream);
   }
   TORCH_CHECK(err != cudaErrorInvalidConfiguration,
               flashmod::error_message("flashmod.attention_backward: too many blocks for one launch "

@@ -95,51 +95,73 @@ bool encode_bwd_step_maps(const AttentionBwdParams& p, bool keys, int box_rows, 
                                 p.grad_out_row_stride, box_rows);
 }
 
-// grad_q = scale * dq_accum, the fused variant's fp32 sums. A thread per 16 bytes of a sum tile,
-// read in its stored order (dq_tile_offset: four floats of a lane's fragment, rows g and g + 8 of
-// columns 2t and 2t + 1), so the reads are whole and the writes pairs of columns.
-// kPacked (packed rows, dq_packed_row_blocks' layout): the threads walk (sequence, head,
-// max_seqlen_q's row blocks) as for dense rows, and those past their sequence's end leave.
+// grad_q = scale * dq_accum, the fused variant's fp32 sums. A warp per 16-row slab of a 64 x 64
+// sum tile (1024 floats, stored together: dq_tile_offset, each lane's fragment holding rows g and
+// g + 8 of columns 2t and 2t + 1): eight whole float4 reads a lane, then the slab through shared
+// memory as rows of Elem, so each row's 64 columns leave as 16-byte stores. (A thread per float4
+// writing its two column pairs, each 32-byte sector of grad_q in two warps' halves, moved 3.2 TB/s:
+// 63 us at B 16, H 16, N 1k, D 128 on an H200; session 47.)
+// kPacked (packed rows, dq_packed_row_blocks' layout): the warps walk (sequence, head,
+// max_seqlen_q's row blocks) as for dense rows, and slabs past their sequence's end are skipped.
+constexpr int kDQSlabWarps = 8;
 template <typename Elem, int kColBlocks, bool kPacked>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(kDQSlabWarps * 32)
     attention_bwd_dq_from_sums_kernel(const AttentionBwdParams p, const BwdRowStats st) {
+  static_assert(sizeof(Elem) == 2, "the fused dQ is an fp16 / bf16 variant");
+  // 16 bytes of padding a row: lane (g, t)'s column pair of block ni sits in bank
+  // (4g + 4ni + t) mod 32, so the 8 rows x 4 pairs of one store instruction hit all 32 banks.
+  constexpr int kRowBytes = 64 * 2 + 16;
+  __shared__ alignas(16) unsigned char slabs[kDQSlabWarps][16 * kRowBytes];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  unsigned char* slab = slabs[warp];
   const int head_dim = static_cast<int>(p.head_dim);
   const int64_t row_blocks = st.rows_padded / 64;
-  const int64_t quads = p.batch * p.heads_q * row_blocks * kColBlocks * (kDQTileFloats / 4);
+  const int64_t slab_count = p.batch * p.heads_q * row_blocks * kColBlocks * 4;
   const float scale = static_cast<float>(p.scale);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < quads;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int f = static_cast<int>(i % (kDQTileFloats / 4));  // (w4 * 8 + ni) * 32 + lane
-    const int64_t tile = i / (kDQTileFloats / 4), w = tile % kColBlocks;
-    const int64_t m = tile / kColBlocks % row_blocks, bh = tile / kColBlocks / row_blocks;
+  for (int64_t s = static_cast<int64_t>(blockIdx.x) * kDQSlabWarps + warp; s < slab_count;
+       s += static_cast<int64_t>(gridDim.x) * kDQSlabWarps) {
+    // Warp-uniform indices: (b, h, row block m, column block w, 16-row slab w4).
+    const int w4 = static_cast<int>(s % 4), w = static_cast<int>(s / 4 % kColBlocks);
+    const int64_t m = s / 4 / kColBlocks % row_blocks, bh = s / 4 / kColBlocks / row_blocks;
     const int64_t h = bh % p.heads_q, b = bh / p.heads_q;
-    const int lane = f % 32, ni = f / 32 % 8, w4 = f / 256;
-    const int c = static_cast<int>(w) * 64 + ni * 8 + 2 * (lane % 4);
-    const int64_t r = m * 64 + w4 * 16 + lane / 4;
-    if (c >= head_dim) continue;
-    int64_t rows = p.seqlen_q, first_row = 0, at = i;
+    const int64_t r0 = m * 64 + w4 * 16;
+    int64_t rows = p.seqlen_q, first_row = 0, at = s * 256;  // at: the slab's first float4
     if constexpr (kPacked) {
       first_row = p.cu_seqlens_q[b];
       rows = p.cu_seqlens_q[b + 1] - first_row;
-      if (r >= rows) continue;
-      at = dq_tile_offset(h, dq_packed_row_blocks(p), dq_packed_block0(first_row, b) + m,
-                          static_cast<int>(w), kColBlocks) /
+      at = dq_tile_offset(h, dq_packed_row_blocks(p), dq_packed_block0(first_row, b) + m, w,
+                          kColBlocks) /
                4 +
-           f;
+           w4 * 256;
     }
-    const float4 sum = reinterpret_cast<const float4*>(st.dq_accum)[at];
-    Elem* dst = static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride +
-                h * p.grad_q_head_stride + (first_row + r) * p.grad_q_row_stride + c;
+    if (r0 >= rows || w * 64 >= head_dim) continue;
+    float4 sum[8];
 #pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {  // rows r and r + 8
-      if (r + 8 * hi >= rows) break;
-      Elem* row = dst + 8 * hi * p.grad_q_row_stride;
-      const float x = (hi ? sum.z : sum.x) * scale, y = (hi ? sum.w : sum.y) * scale;
-      if (c + 1 < head_dim && st.vec_store) {
-        *reinterpret_cast<uint32_t*>(row) = Mma16816<Elem>::pack(x, y);
+    for (int ni = 0; ni < 8; ++ni)
+      sum[ni] = reinterpret_cast<const float4*>(st.dq_accum)[at + ni * 32 + lane];
+    __syncwarp();  // the previous slab's rows have been read out of `slab`
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni) {
+      unsigned char* at_g = slab + (lane / 4) * kRowBytes + (ni * 8 + 2 * (lane % 4)) * 2;
+      *reinterpret_cast<uint32_t*>(at_g) =
+          Mma16816<Elem>::pack(sum[ni].x * scale, sum[ni].y * scale);
+      *reinterpret_cast<uint32_t*>(at_g + 8 * kRowBytes) =
+          Mma16816<Elem>::pack(sum[ni].z * scale, sum[ni].w * scale);
+    }
+    __syncwarp();  // every lane's pairs are in `slab` before any lane reads a row of it
+    const int c = w * 64 + (lane % 8) * 8;  // this lane's 8 columns of a row
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = k * 4 + lane / 8;
+      if (r0 + r >= rows || c >= head_dim) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(slab + r * kRowBytes + (lane % 8) * 16);
+      Elem* dst = static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride +
+                  h * p.grad_q_head_stride + (first_row + r0 + r) * p.grad_q_row_stride + c;
+      if (c + 8 <= head_dim && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+        *reinterpret_cast<uint4*>(dst) = v;
       } else {
-        row[0] = from_float<Elem>(x);
-        if (c + 1 < head_dim) row[1] = from_float<Elem>(y);
+        const Elem* e = reinterpret_cast<const Elem*>(&v);
+        for (int j = 0; j < 8 && c + j < head_dim; ++j) dst[j] = e[j];
       }
     }
   }
@@ -177,10 +199,10 @@ cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& 
                                                          kBwdFastNone, false, kDropout>,
                           bwd_dkdv_ctas(p, KV::Bc), KV::kNThreads, kSmem, stream, p, st, maps);
   if (err != cudaSuccess) return err;
-  const int64_t quads = p.batch * p.heads_q * st.rows_padded * kHeadDim / 4;
-  const int64_t blocks = (quads + 255) / 256;
+  const int64_t slabs = p.batch * p.heads_q * st.rows_padded / 16 * (kHeadDim / 64);
+  const int64_t blocks = (slabs + kDQSlabWarps - 1) / kDQSlabWarps;
   return cuda::launch_kernel(attention_bwd_dq_from_sums_kernel<Elem, kHeadDim / 64, kExtents>,
-                             blocks < 65536 ? blocks : 65536, 256, 0, stream, p, st);
+                             blocks < 65536 ? blocks : 65536, kDQSlabWarps * 32, 0, stream, p, st);
 }
 
 // The dQ kernel of the seven-matmul backward; kTmaLoads: its key blocks through the copy engine,

@@ -81,8 +81,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cuda(
   st.vec_rows = rows_aligned16(out_rows) && rows_aligned16(grad_out_rows) && p.head_dim % 8 == 0;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  cudaError_t err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream);
-  if (err == cudaSuccess) err = run_fused_backward(op, p, st, q.options(), stream);
+  const cudaError_t err = run_fused_backward(op, p, st, q.options(), stream);
   TORCH_CHECK(err != cudaErrorInvalidConfiguration,
               error_message(op,
                             ": too many blocks for one launch (batch * heads * blocks of "
