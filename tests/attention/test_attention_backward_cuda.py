@@ -198,8 +198,8 @@ def test_copy_engine_step_loads_equal_cp_async(monkeypatch, d, options):
 
 def test_fused_dq_follows_the_knob_walk_length_and_deterministic_mode(monkeypatch):
     """FLASHMOD_BWD_FUSED_DQ=1 takes the fused variant only where each key sees enough queries
-    (>= 1024 without a window, >= 2048 with one, causal included), over >= 1024 keys, and with
-    deterministic algorithms off; its fp32 sums run in another order than the dQ kernel's, so the
+    (>= 1024 on average at D = 128, under a causal or window bound too), over >= 1024 keys, and
+    with deterministic algorithms off; its fp32 sums run in another order than the dQ kernel's, so the
     two dQ differ in their last bits, while the dQ kernel's runs are bitwise equal."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the fused variant is a Hopper kernel")
@@ -210,21 +210,25 @@ def test_fused_dq_follows_the_knob_walk_length_and_deterministic_mode(monkeypatc
         k_, v_ = (t[:, :, :nk].contiguous() for t in (k, v))
         return fused_grads(q_, k_, v_, go, gl, **options)
 
-    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 1100, 1100, 128)
-    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 4, 1100, device=DEV)
+    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 2100, 2100, 128)
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 4, 2100, device=DEV)
     same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
     kernels = grads("0", 1100, 1100)
     assert same(grads("1", 1100, 1100), kernels)  # deterministic algorithms on (the fixture)
     torch.use_deterministic_algorithms(False)
     assert not torch.equal(grads("1", 1100, 1100)[0], kernels[0]), "dQ came from the dQ kernel"
-    # Walks too short for the adds: fewer queries, fewer keys, causal (550 queries a key) and a band.
+    # Walks too short for the adds: fewer queries, fewer keys, causal (550 queries a key) and a band
+    # of 901; a band of 1901 (all 1100 queries for most keys) and causal over 2100 (1050 a key)
+    # take the fused variant.
     for nq, nk, options in (
         (1023, 1100, {}),
         (1100, 1023, {}),
         (1100, 1100, {"is_causal": True}),
-        (1100, 1100, {"window_left": 1500, "window_right": 400}),
+        (1100, 1100, {"window_left": 600, "window_right": 300}),
     ):
         assert same(grads("1", nq, nk, **options), grads("0", nq, nk, **options)), (nq, nk, options)
+    for n, options in ((1100, {"window_left": 1500, "window_right": 400}), (2100, {"is_causal": True})):
+        assert not torch.equal(grads("1", n, n, **options)[0], grads("0", n, n, **options)[0]), options
     causal = grads("0", 1100, 1100, is_causal=True)
     assert not torch.equal(grads("2", 1100, 1100, is_causal=True)[0], causal[0])
     with pytest.raises(RuntimeError, match="FLASHMOD_BWD_FUSED_DQ must be 0, 1 or 2, got 3"):

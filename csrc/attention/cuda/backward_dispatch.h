@@ -63,19 +63,23 @@ inline int64_t bwd_queries_per_key(const AttentionBwdParams& p) {
 // D = 64 (steps of 128 queries; H100, bf16, B * N = 16k, same process, session 32), fused / seven
 // matmuls: no window 1k 0.97, 2k 1.03, 4k 1.06, 8k 1.11, 16k 1.08; causal 1k 0.86, 2k 0.95, 4k
 // 1.02, 8k 1.07, 16k 1.13.
+// Session 47 (H200, the sums now cleared by the statistics kernel; same process, two rounds each,
+// fused / seven matmuls): D = 128 no window 1k 1.07, 2k 1.11-1.12, 4k 1.13, 8k-16k 1.14-1.15;
+// causal 1k 0.95, 2k 1.02 / 1.02, 4k 1.08, 8k-16k 1.11-1.14. D = 64 no window 1k 0.99, 2k 1.04,
+// 4k 1.06, 8k 1.08, 16k 1.10; causal 1k 0.88, 2k 0.96, 4k 1.03-1.04, 8k 1.08, 16k 1.11.
 // A key's walk over its queries carries the adds' fixed costs, so the rule is the queries a key
-// sees: at D = 128 >= 1024 without a window and >= 2048 with one (causal's half is uneven from
-// key to key); at D = 64, a step of twice the queries with the same fixed costs, >= 2048 either
-// way; and >= 1024 keys (only square shapes were measured).
+// sees: at D = 128 >= 1024, whether or not a bound halves them (causal 2k, 1024 a key on average,
+// was a tie until session 47 and is now the fused variant's by 2 %; a causal band of 1024 is a
+// tie); at D = 64, a step of twice the queries with the same fixed costs, >= 2048; and >= 1024
+// keys (only square shapes were measured).
 // Under dropout the dQ kernel draws every keep bit again, which the fused variant does not
 // (H200, bf16, p = 0.1, same process, session 41, fused / seven matmuls): D = 128 no window 1k
 // 1.11 (GQA 32/8 1.14), 4k 1.18 (1.19); causal 1k 1.01 (1.02), 4k 1.14 (1.13); D = 64 no window
 // 1k 1.05, 4k 1.12; causal 1k 0.96, 4k 1.10. So >= 512 queries a key at D = 128, window or not,
 // and >= 1024 at D = 64.
-inline int64_t fused_dq_min_queries(int padded_head_dim, bool windowed, bool dropout) {
+inline int64_t fused_dq_min_queries(int padded_head_dim, bool dropout) {
   if (padded_head_dim == 64) return dropout ? 1024 : 2048;
-  if (dropout) return 512;
-  return windowed ? 2048 : 1024;
+  return dropout ? 512 : 1024;
 }
 constexpr int64_t kBwdFusedDQMinKeys = 1024;
 // Packed rows (a variable-length call) take the rule at their mean lengths (max_seqlen bounds
@@ -91,7 +95,7 @@ constexpr int64_t kBwdFusedDQMinKeys = 1024;
 //     3928-4667; causal 0.95, 1.04-1.05, 1.10-1.13: from 1024 queries a key (causal: half);
 //   D = 64, two-sided band: 512 queries a key 0.89, 1023 0.98: the dense rule.
 inline int64_t packed_fused_dq_min_queries(int padded_head_dim, bool band, bool dropout) {
-  const int64_t dense = fused_dq_min_queries(padded_head_dim, band, dropout);
+  const int64_t dense = fused_dq_min_queries(padded_head_dim, dropout);
   if (padded_head_dim == 128) return band ? std::min<int64_t>(768, dense) : 0;
   return band ? dense : std::min<int64_t>(1024, dense);
 }
@@ -115,8 +119,7 @@ inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
     return bwd_queries_per_key(typical) >=
            packed_fused_dq_min_queries(padded_head_dim, band, dropout);
   }
-  const bool windowed = p.window_left >= 0 || p.window_right >= 0;
-  return bwd_queries_per_key(typical) >= fused_dq_min_queries(padded_head_dim, windowed, dropout);
+  return bwd_queries_per_key(typical) >= fused_dq_min_queries(padded_head_dim, dropout);
 }
 
 // The row statistics (cuda_kernels::run_attention_bwd_rowstats into st's buffers), then dK/dV and
