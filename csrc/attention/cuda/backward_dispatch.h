@@ -151,8 +151,7 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
     run_st.dq_accum = static_cast<float*>(ws.alloc(ws.ctx, sum_floats * sizeof(float)));
     if (run_st.dq_accum == nullptr) return cudaErrorMemoryAllocation;
   }
-  cudaError_t err =
-      cuda_kernels::run_attention_bwd_rowstats(p, run_st, stream, run_st.dq_accum, sum_floats);
+  cudaError_t err = cuda_kernels::run_attention_bwd_rowstats(p, run_st, stream, sum_floats);
   if (err != cudaSuccess) return err;
   if (p.mask_kind != MaskKind::kNone && env_flag("FLASHMOD_BWD_MASK_TILES", true)) {
     err = cuda_kernels::classify_bwd_mask_tiles(p, workspace.hooks(), stream);

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename Elem, bool kExtents>
-cudaError_t launch_rowstats(const AttentionBwdParams& p, const BwdRowStats& st, float* clear,
+cudaError_t launch_rowstats(const AttentionBwdParams& p, const BwdRowStats& st,
                             int64_t clear_floats, cudaStream_t stream) {
   // Two chunks of 16 bytes a lane cover a row of 4 lanes.
   const bool narrow = p.head_dim <= 4 * kChunks * (16 / static_cast<int64_t>(sizeof(Elem)));
@@ -115,8 +115,8 @@ cudaError_t launch_rowstats(const AttentionBwdParams& p, const BwdRowStats& st, 
   const int64_t blocks = p.batch * p.heads_q * (st.rows_padded / (kThreads / lanes));
   if (blocks >= (int64_t{1} << 31)) return cudaErrorInvalidConfiguration;
   ClearSums sums;
-  if (clear != nullptr && clear_floats > 0) {
-    sums.quads = reinterpret_cast<float4*>(clear);
+  if (st.dq_accum != nullptr && clear_floats > 0) {
+    sums.quads = reinterpret_cast<float4*>(st.dq_accum);
     sums.count = clear_floats / 4;  // dq_sums_floats: a multiple of 64 columns
     sums.per_block = (sums.count + blocks - 1) / blocks;
   }
@@ -128,19 +128,19 @@ cudaError_t launch_rowstats(const AttentionBwdParams& p, const BwdRowStats& st, 
 }  // namespace
 
 cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdRowStats& st,
-                                       cudaStream_t stream, float* clear, int64_t clear_floats) {
+                                       cudaStream_t stream, int64_t clear_floats) {
   // Variable-length calls are fp16/bf16 only (flash-attn's dtypes): fp32 has no extents variant.
   const bool extents = has_sequence_extents(p);
   switch (p.dtype) {
     case ScalarKind::kBFloat16:
-      return extents ? launch_rowstats<__nv_bfloat16, true>(p, st, clear, clear_floats, stream)
-                     : launch_rowstats<__nv_bfloat16, false>(p, st, clear, clear_floats, stream);
+      return extents ? launch_rowstats<__nv_bfloat16, true>(p, st, clear_floats, stream)
+                     : launch_rowstats<__nv_bfloat16, false>(p, st, clear_floats, stream);
     case ScalarKind::kFloat32:
       if (extents) return cudaErrorInvalidValue;
-      return launch_rowstats<float, false>(p, st, clear, clear_floats, stream);
+      return launch_rowstats<float, false>(p, st, clear_floats, stream);
     default:
-      return extents ? launch_rowstats<__half, true>(p, st, clear, clear_floats, stream)
-                     : launch_rowstats<__half, false>(p, st, clear, clear_floats, stream);
+      return extents ? launch_rowstats<__half, true>(p, st, clear_floats, stream)
+                     : launch_rowstats<__half, false>(p, st, clear_floats, stream);
   }
 }
 

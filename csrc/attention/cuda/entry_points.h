@@ -232,11 +232,10 @@ FLASHMOD_HD bool bwd_additive_fast(const AttentionBwdParams& p, const BwdRowStat
 }
 
 // Fills st.lse2 and st.delta from p's lse, out, grad_out and grad_lse (bwd_rowstats.cu); any of
-// the three dtypes. clear_floats floats at clear (a multiple of 4, 16-byte aligned), when given,
-// are zeroed by the same kernel: the fused dQ's sums (BwdRowStats::dq_accum).
+// the three dtypes. The first clear_floats floats of st.dq_accum (the fused dQ's sums: a multiple
+// of 4, 16-byte aligned), when it is set, are zeroed by the same kernel.
 cudaError_t run_attention_bwd_rowstats(const AttentionBwdParams& p, const BwdRowStats& st,
-                                       cudaStream_t stream, float* clear = nullptr,
-                                       int64_t clear_floats = 0);
+                                       cudaStream_t stream, int64_t clear_floats = 0);
 
 // The classes of p's mask tensor at kBwdMaskTile x kBwdMaskTile tiles (mask_tiles.h) for the
 // fp16/bf16 backward kernels (bwd_common.h: bwd_tile_class), in workspace memory that p.mask_tiles
