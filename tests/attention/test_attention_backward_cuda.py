@@ -196,6 +196,31 @@ def test_copy_engine_step_loads_equal_cp_async(monkeypatch, d, options):
     check_grads(q, k, v, **options)  # and within the rule against fp64 (the default loads)
 
 
+@pytest.mark.parametrize("d", [40, 64, 96, 128, 256])
+@pytest.mark.parametrize("fused", [False, True], ids=["seven_matmuls", "fused_dq"])
+def test_staged_gradient_stores_equal_direct_stores(monkeypatch, d, fused):
+    """The Hopper backward's warps write gradient rows through shared memory as whole 16-byte
+    chunks where the rows are aligned (FLASHMOD_BWD_STAGED_STORES=1, the default) or straight from
+    the accumulators (0): the same values, bitwise (deterministic mode; the fused variant's dQ adds
+    up by atomics, so only its dK / dV compare). Odd lengths end in partial blocks, head dims 40 and
+    96 in partial column blocks; the suite's fixture poisons the gradients' memory, so a row or
+    chunk that is not written shows."""
+    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 333, d)
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 4, 203, device=DEV)
+    if fused:
+        monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
+
+    def grads(knob):
+        monkeypatch.setenv("FLASHMOD_BWD_STAGED_STORES", knob)
+        return fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
+
+    direct, staged = grads("0"), grads("1")
+    for name, x, y in list(zip(("dq", "dk", "dv"), staged, direct))[1 if fused else 0 :]:
+        assert torch.equal(x, y), name
+    monkeypatch.delenv("FLASHMOD_BWD_STAGED_STORES")
+    check_grads(q, k, v, is_causal=True)  # and within the rule against fp64 (the default stores)
+
+
 def test_fused_dq_follows_the_knob_walk_length_and_deterministic_mode(monkeypatch):
     """FLASHMOD_BWD_FUSED_DQ=1 takes the fused variant only where each key sees enough queries
     (>= 1024 on average at D = 128, under a causal or window bound too), over >= 1024 keys, and

@@ -752,6 +752,21 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     // variant's the same; H200, session 46, against session 45's run). Without dropout the packed
     // kernels had no spill to save, and their seven-matmul path timed 2-5 % slower with it
     // (contenders within 3 % between the two machines): left as it was.
+    // Staged stores where ptxas fits them without new spill: the general variants (to 252 bytes at
+    // D = 64 with packed rows) and D = 256's packed-rows and dropout ones (to 302 / 226) keep the
+    // direct stores.
+    constexpr bool kStagedStores = !kGeneral && !(D == 256 && (kExtents || kDropout));
+    if constexpr (kStagedStores) {
+      if (st.vec_store == kGradStoreRows16) {
+        // Every warp is past its last reads of K_j and V_j (each warpgroup waited for its
+        // products, the fused dQ product included): their tiles stage the gradients' rows.
+        __syncthreads();
+        store_dkdv_staged<Elem, kW, D>(kExtents && kDropout ? sequence_view_bwd(params, b) : p, b,
+                                       hk, k0, dV, dK, tf.scale, sV_addr, sK_addr, warp_row0,
+                                       rows_k, head_dim, lane);
+        return;
+      }
+    }
     store_dkdv<Elem, kW, DT>(kExtents && kDropout ? sequence_view_bwd(params, b) : p, b, hk, k0, dV,
                              dK, tf.scale, warp_row0, rows_k, head_dim, lane, st.vec_store != 0);
   };
@@ -963,6 +978,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   cp_async_wait<0>();
   if (Tr::kOverlap && range.lo >= range.hi) zero(dQ);  // the rows see no key
 
+  // As the dK/dV kernel's: staged where it adds no spill (packed rows at D = 64 / 256: 0 -> 36, 4
+  // -> 44 bytes; the general variants).
+  if constexpr (!kGeneral && !(kExtents && D != 128)) {
+    if (st.vec_store == kGradStoreRows16) {
+      // Every warp is past its last reads of Q_i (each warpgroup waited for its products): its
+      // tile stages dQ's rows.
+      __syncthreads();
+      store_dq_staged<Elem, D>(p, b, h, r0, dQ, tf.scale, sQ_addr, warp_row0, rows_q, head_dim,
+                               lane);
+      return;
+    }
+  }
   store_dq<Elem>(p, b, h, r0, dQ, tf.scale, warp_row0, rows_q, head_dim, lane, st.vec_store != 0);
 #else
   __trap();  // launched only where the sm_90a binary runs (see attention_backward_cuda.cpp)

@@ -165,11 +165,16 @@ cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t str
 // to kBwdRowPad so the kernels read whole blocks of them; the pad rows hold lse2 = +inf and
 // delta = 0 (P = 0: they contribute nothing).
 constexpr int kBwdRowPad = 128;
+// BwdRowStats::vec_store: grad_q/k/v rows start at even elements (element pairs stored as one
+// word), and also at 16-byte boundaries with head_dim % 8 == 0 (the Hopper kernels stage a warp's
+// rows in shared memory and store whole 16-byte chunks).
+constexpr int kGradStoreElements = 0, kGradStorePairs = 1, kGradStoreRows16 = 2;
+
 struct BwdRowStats {
   float* lse2 = nullptr;   // lse * log2(e); +inf where lse = -inf
   float* delta = nullptr;  // rowsum(dO * O) - grad_lse
   int64_t rows_padded = 0;
-  int vec_store = 0;  // grad_q/k/v rows start at even elements: store element pairs as one word
+  int vec_store = 0;  // how gradient rows may be stored: kGradStoreElements, ...Pairs, ...Rows16
   int vec_rows = 0;   // out and grad_out rows are 16-byte aligned and head_dim % 8 == 0
   // The Hopper kernels' paths for additive masks in q's dtype (bwd_additive_fast); 0:
   // FLASHMOD_BWD_ADDITIVE_FAST=0, the general path. (Here, not in AttentionBwdParams: a field

@@ -114,6 +114,18 @@ inline bool rows_aligned_pairs(const at::Tensor& t) {
   return true;
 }
 
+// BwdRowStats::vec_store for the gradients (rows as rows_aligned16 / rows_aligned_pairs read them;
+// FLASHMOD_BWD_STAGED_STORES=0 stops at pairs).
+inline int grad_store_kind(const at::Tensor& grad_q, const at::Tensor& grad_k,
+                           const at::Tensor& grad_v, int64_t head_dim) {
+  if (!rows_aligned_pairs(grad_q) || !rows_aligned_pairs(grad_k) || !rows_aligned_pairs(grad_v))
+    return cuda_kernels::kGradStoreElements;
+  return head_dim % 8 == 0 && env_flag("FLASHMOD_BWD_STAGED_STORES", true) &&
+                 rows_aligned16(grad_q) && rows_aligned16(grad_k) && rows_aligned16(grad_v)
+             ? cuda_kernels::kGradStoreRows16
+             : cuda_kernels::kGradStorePairs;
+}
+
 // A copy of t whose rows are padded to a multiple of 8 elements (16 bytes), viewed back to t's
 // shape. Only taken for inputs like head_dim = 59 or slices at odd offsets; documented cost:
 // one extra read and write of that tensor. Any rank, as rows_aligned16.

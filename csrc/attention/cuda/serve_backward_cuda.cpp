@@ -76,8 +76,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cuda(
 
   at::Tensor stats;
   cuda_kernels::BwdRowStats st = allocate_bwd_row_stats(p, q.options(), stats);
-  st.vec_store =
-      rows_aligned_pairs(grad_q) && rows_aligned_pairs(grad_k) && rows_aligned_pairs(grad_v);
+  st.vec_store = grad_store_kind(grad_q, grad_k, grad_v, p.head_dim);
   st.vec_rows = rows_aligned16(out_rows) && rows_aligned16(grad_out_rows) && p.head_dim % 8 == 0;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

@@ -60,6 +60,29 @@ struct LaneTileOffsets {
   }
 };
 
+// Copies a warp's kRows staged rows (rows row0.. of a D-wide tile_offset tile at shared byte
+// address tile) to dst (row r at dst + r * row_stride) as 16-byte chunks, each warp store whole
+// rows; rows from valid_rows on and chunks from head_dim on are not written. dst's rows must start
+// 16-byte aligned and head_dim be a multiple of 8. All loads first: one shared-memory latency.
+template <int D, int kRows, typename Elem>
+__device__ __forceinline__ void copy_staged_rows16(uint32_t tile, int row0, Elem* dst,
+                                                   int64_t row_stride, int valid_rows, int head_dim,
+                                                   int lane) {
+  constexpr int kChunks = D / 8, kIters = kRows * kChunks / 32;
+  static_assert(kIters * 32 == kRows * kChunks, "whole warp loads");
+  uint32_t v[kIters][4];
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int id = lane + 32 * i;
+    lds_128(v[i], tile + 2 * tile_offset<D>(row0 + id / kChunks, id % kChunks));
+  }
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int id = lane + 32 * i, r = id / kChunks, chunk = id % kChunks;
+    if (r < valid_rows && chunk * 8 < head_dim) stg_128(dst + r * row_stride + chunk * 8, v[i]);
+  }
+}
+
 // How one thread copies its share of a (kRows x kHeadDim) tile, worked out once per kernel.
 // Each thread keeps a fixed chunk column and walks rows with a constant step, so the per-tile
 // work is one predicate and one cp.async per chunk: computing (row, chunk) per copy and per key
