@@ -37,7 +37,7 @@
 //   FLASHMOD_BWD_TMA_LOADS=0|1|2      the Hopper backward's plain kernels load their steps through
 //                                     the copy engine: 1 in the dK/dV and dQ kernels (default),
 //                                     2 in the dK/dV kernel only, 0 in neither (cp.async)
-//   FLASHMOD_BWD_STAGED_STORES=0      the Hopper backward's warps store their gradient rows
+//   FLASHMOD_BWD_STAGED_STORES=0      the fp16/bf16 backward's warps store their gradient rows
 //                                     straight from the accumulators (default: through shared
 //                                     memory in 16-byte chunks where the rows are aligned)
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's

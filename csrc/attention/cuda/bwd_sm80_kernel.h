@@ -198,6 +198,18 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   }
   cp_async_wait<0>();
 
+  // The general packed-rows variants store directly: staged, ptxas spilled 32 bytes at D = 128.
+  if constexpr (!(kGeneral && kExtents)) {
+    if (st.vec_store == kGradStoreRows16) {
+      // Only this warp reads its rows of K_j and V_j (the A operand of S^T and dP^T), so they
+      // stage its gradient rows (bwd_common.h) once every thread's copies into them have landed
+      // (a tile no query sees had no step to wait for them).
+      __syncthreads();
+      store_dkdv_staged<Elem, kWhich, D>(p, b, hk, k0, dV, dK, tf.scale, sV_addr, sK_addr,
+                                         warp_row0, rows_k, head_dim, lane);
+      return;
+    }
+  }
   store_dkdv<Elem, kWhich, DT>(p, b, hk, k0, dV, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
                                st.vec_store != 0);
 }
@@ -305,6 +317,12 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   }
   cp_async_wait<0>();
 
+  if (st.vec_store == kGradStoreRows16) {
+    // Only this warp reads its rows of Q_i: they stage its dQ rows, as the dK/dV kernel's.
+    __syncthreads();
+    store_dq_staged<Elem, D>(p, b, h, r0, dQ, tf.scale, sQ_addr, warp_row0, rows_q, head_dim, lane);
+    return;
+  }
   store_dq<Elem>(p, b, h, r0, dQ, tf.scale, warp_row0, rows_q, head_dim, lane, st.vec_store != 0);
 }
 

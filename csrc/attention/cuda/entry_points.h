@@ -166,8 +166,8 @@ cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t str
 // delta = 0 (P = 0: they contribute nothing).
 constexpr int kBwdRowPad = 128;
 // BwdRowStats::vec_store: grad_q/k/v rows start at even elements (element pairs stored as one
-// word), and also at 16-byte boundaries with head_dim % 8 == 0 (the Hopper kernels stage a warp's
-// rows in shared memory and store whole 16-byte chunks).
+// word), and also at 16-byte boundaries with head_dim % 8 == 0 (the fp16/bf16 kernels stage a
+// warp's rows in shared memory and store whole 16-byte chunks).
 constexpr int kGradStoreElements = 0, kGradStorePairs = 1, kGradStoreRows16 = 2;
 
 struct BwdRowStats {
