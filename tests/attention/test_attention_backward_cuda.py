@@ -196,19 +196,22 @@ def test_copy_engine_step_loads_equal_cp_async(monkeypatch, d, options):
     check_grads(q, k, v, **options)  # and within the rule against fp64 (the default loads)
 
 
-@pytest.mark.parametrize("d", [40, 64, 96, 128, 256])
-@pytest.mark.parametrize("fused", [False, True], ids=["seven_matmuls", "fused_dq"])
-def test_staged_gradient_stores_equal_direct_stores(monkeypatch, d, fused):
-    """The Hopper backward's warps write gradient rows through shared memory as whole 16-byte
+@pytest.mark.parametrize("d", [40, 64, 96, 128, 160, 256])
+@pytest.mark.parametrize("kernels", ["seven_matmuls", "fused_dq", "portable"])
+def test_staged_gradient_stores_equal_direct_stores(monkeypatch, d, kernels):
+    """The fp16/bf16 backward's warps write gradient rows through shared memory as whole 16-byte
     chunks where the rows are aligned (FLASHMOD_BWD_STAGED_STORES=1, the default) or straight from
-    the accumulators (0): the same values, bitwise (deterministic mode; the fused variant's dQ adds
-    up by atomics, so only its dK / dV compare). Odd lengths end in partial blocks, head dims 40 and
-    96 in partial column blocks; the suite's fixture poisons the gradients' memory, so a row or
-    chunk that is not written shows."""
+    the accumulators (0): the same values, bitwise (deterministic mode; the Hopper fused variant's
+    dQ adds up by atomics, so only its dK / dV compare), on the Hopper kernels and the portable
+    mma.sync ones. Odd lengths end in partial blocks, head dims 40 and 96 in partial column blocks;
+    the suite's fixture poisons the gradients' memory, so a row or chunk that is not written shows."""
     q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 333, d)
     grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 4, 203, device=DEV)
+    fused = kernels == "fused_dq"
     if fused:
         monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
+    if kernels == "portable":
+        monkeypatch.setenv("FLASHMOD_DISABLE_SM90", "1")
 
     def grads(knob):
         monkeypatch.setenv("FLASHMOD_BWD_STAGED_STORES", knob)
