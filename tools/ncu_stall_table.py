@@ -1,5 +1,6 @@
-"""Summarizes ncu's source page (CSV, SASS view): stall samples per instruction and per opcode, and
-per stall reason over the whole kernel. Usage: python tools/ncu_stall_table.py report.csv [top]"""
+"""Summarizes ncu's source page (CSV, SASS view): stall samples per instruction, per opcode and per
+execution count (instructions run once a tile against once a step), and per stall reason over the
+whole kernel. Usage: python tools/ncu_stall_table.py report.csv [top]"""
 
 from __future__ import annotations
 
@@ -36,6 +37,19 @@ def main() -> None:
     for r in rows:
         by_op[r["Source"].split()[0] if r["Source"].split() else "?"] += num(r[total_col])
     print("by opcode: " + ", ".join(f"{op} {v / total:.1%}" for op, v in by_op.most_common(14)))
+    # Instructions that execute equally often belong to one loop level (once a tile, once a step, ...):
+    # the samples per execution count say where a kernel's fixed and per-step costs sit.
+    by_count = Counter()
+    count_instructions = Counter()
+    for r in rows:
+        executed = num(r.get("Instructions Executed", "0"))
+        if executed:
+            by_count[executed] += num(r[total_col])
+            count_instructions[executed] += 1
+    print(
+        "by execution count (warp-level): "
+        + ", ".join(f"{c:.0f} x{count_instructions[c]} instr {v / total:.1%}" for c, v in by_count.most_common(6))
+    )
     ranked = sorted(rows, key=lambda r: -num(r[total_col]))[:top]
     for r in ranked:
         reasons = sorted(((num(r[c]), c) for c in reason_cols), reverse=True)[:2]
