@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_attention import layout_mask
-from test_attention_backward import check_grads, fused_grads, make_inputs, reference_grads
+from test_attention_backward import check_grads, draw_upstream, fused_grads, make_inputs, reference_grads
 from tolerance import assert_within_rule
 
 import flashmod
@@ -180,7 +180,7 @@ def test_copy_engine_step_loads_equal_cp_async(monkeypatch, d, options):
     equal (deterministic mode, the suite's fixture: no atomics). Odd lengths reach the partial last
     blocks of both kernels; a GQA group shares each kv head."""
     q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 333, d)
-    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 4, 203, device=DEV)
+    grad_out, grad_lse = draw_upstream(q)
 
     def grads(knob):
         monkeypatch.setenv("FLASHMOD_BWD_TMA_LOADS", knob)
@@ -206,7 +206,7 @@ def test_staged_gradient_stores_equal_direct_stores(monkeypatch, d, kernels):
     mma.sync ones. Odd lengths end in partial blocks, head dims 40 and 96 in partial column blocks;
     the suite's fixture poisons the gradients' memory, so a row or chunk that is not written shows."""
     q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 333, d)
-    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 4, 203, device=DEV)
+    grad_out, grad_lse = draw_upstream(q)
     fused = kernels == "fused_dq"
     if fused:
         monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
@@ -239,7 +239,7 @@ def test_fused_dq_follows_the_knob_walk_length_and_deterministic_mode(monkeypatc
         return fused_grads(q_, k_, v_, go, gl, **options)
 
     q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 2100, 2100, 128)
-    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 4, 2100, device=DEV)
+    grad_out, grad_lse = draw_upstream(q)
     same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
     kernels = grads("0", 1100, 1100)
     assert same(grads("1", 1100, 1100), kernels)  # deterministic algorithms on (the fixture)
@@ -272,7 +272,7 @@ def test_fused_dq_rule_at_head_dim_64(monkeypatch):
     torch.use_deterministic_algorithms(False)
     for n, fused in ((1100, False), (2100, True)):
         q, k, v = make_inputs(DEV, torch.bfloat16, 1, 4, 2, n, n, 64)
-        grad_out, grad_lse = torch.randn_like(q), torch.randn(1, 4, n, device=DEV)
+        grad_out, grad_lse = draw_upstream(q)
         monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "0")
         kernels = fused_grads(q, k, v, grad_out, grad_lse)
         monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "1")
@@ -286,7 +286,7 @@ def test_deterministic_over_100_runs(dtype):
     """The fused backward (bf16: the Hopper or portable kernels; fp32: 3xTF32) is bitwise the same
     on every run: no atomics."""
     q, k, v = make_inputs(DEV, dtype, 2, 8, 2, 1023, 1100, 128)
-    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 8, 1023, device=DEV)
+    grad_out, grad_lse = draw_upstream(q)
     first = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
     for _ in range(100):
         again = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
@@ -588,7 +588,7 @@ def test_hopper_tile(monkeypatch, tile, d, dtype):
     _, dk, dv = check_grads(*make_inputs(DEV, dtype, 1, 2, 2, 70, 300, d), is_causal=True, bottom_right=False)
     assert torch.all(dk[:, :, 70:] == 0) and torch.all(dv[:, :, 70:] == 0)
     q, k, v = make_inputs(DEV, dtype, 2, 8, 2, 1100, 1023, d)
-    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 8, 1100, device=DEV)
+    grad_out, grad_lse = draw_upstream(q)
     first = fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)
     for _ in range(5):
         for a, b in zip(first, fused_grads(q, k, v, grad_out, grad_lse, is_causal=True)):
