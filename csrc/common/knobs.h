@@ -40,6 +40,9 @@
 //   FLASHMOD_BWD_STAGED_STORES=0      the fp16/bf16 backward's warps store their gradient rows
 //                                     straight from the accumulators (default: through shared
 //                                     memory in 16-byte chunks where the rows are aligned)
+//   FLASHMOD_BWD_DEFERRED_FENCES=0    the fused dQ variant's proxy fences right behind their
+//                                     tiles' stores at D = 64 too (default: after the work that
+//                                     follows them there; bwd_sm90_launch.h)
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
 //                                     BWD_SM90_TILES); a name not built for the head dim is an
 //                                     error

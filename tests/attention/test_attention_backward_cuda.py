@@ -224,6 +224,35 @@ def test_staged_gradient_stores_equal_direct_stores(monkeypatch, d, kernels):
     check_grads(q, k, v, is_causal=True)  # and within the rule against fp64 (the default stores)
 
 
+@pytest.mark.parametrize("d", [40, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deferred_fences_equal_fences_behind_the_stores(monkeypatch, d, causal):
+    """The fused dQ variant at (padded) head dim 64 fences its dS^T and dQ tiles after the work that
+    follows their stores (FLASHMOD_BWD_DEFERRED_FENCES=1, the default) or right behind them (0):
+    dK / dV bitwise the same both ways (dQ adds up by atomics, so it is checked against fp64)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fused variant is a Hopper kernel")
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
+    # 1023 queries and keys: partial steps and key blocks, and enough sums that the fused dQ's
+    # last bits differ from the dQ kernel's somewhere.
+    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 1023, 1023, d)
+    grad_out, grad_lse = draw_upstream(q)
+
+    def grads(knob):
+        monkeypatch.setenv("FLASHMOD_BWD_DEFERRED_FENCES", knob)
+        return fused_grads(q, k, v, grad_out, grad_lse, is_causal=causal)
+
+    deferred, behind = grads("1"), grads("0")
+    for name, x, y in list(zip(("dq", "dk", "dv"), deferred, behind))[1:]:
+        assert torch.equal(x, y), name
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "0")
+    assert not torch.equal(grads("1")[0], deferred[0]), "dQ came from the dQ kernel, not the fused variant"
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
+    check_grads(q, k, v, is_causal=causal)  # the default (deferred) within the rule against fp64
+    monkeypatch.setenv("FLASHMOD_BWD_DEFERRED_FENCES", "0")
+    check_grads(q, k, v, is_causal=causal)
+
+
 def test_fused_dq_follows_the_knob_walk_length_and_deterministic_mode(monkeypatch):
     """FLASHMOD_BWD_FUSED_DQ=1 takes the fused variant only where each key sees enough queries
     (>= 1024 on average at D = 128, under a causal or window bound too), over >= 1024 keys, and

@@ -291,8 +291,13 @@ constexpr bool additive_fast_variant() {
 // variable-length calls (a sequence view keeps the call's row index b, by which the draws number
 // rows), plain or general scores in the seven-matmul kernels, plain ones in the fused dQ variant
 // (its dS^T already holds the dropped dP, so dQ needs no draws of its own).
+// kDeferFences (kBwdFusedDQ): each proxy fence after the work that follows its tile's stores, not
+// right behind them (a fence waits for the thread's shared-memory stores to land: Nsight Compute
+// had 6.8 % + 2.3 % of the D = 128 kernel's per-step stall samples there, session 48). The dS^T
+// tile's fence comes after the step's gradient wait, the dQ tile's (and its add) after the next
+// step's score products are issued. Launched at D = 64 only (bwd_sm90_launch.h has the numbers).
 template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast, bool kTmaLoads = false,
-          bool kDropout = false>
+          bool kDropout = false, bool kDeferFences = false>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st,
                                    const __grid_constant__ BwdStepMaps maps) {
@@ -494,7 +499,33 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     // 16 KB behind two named barriers, the leader waiting for the previous add's read between
     // them: forward + backward 1.5-5 % slower at D = 128, 1k-4k; session 30.)
     constexpr int kColBlocks = D / 64;
-    auto dq_product_and_add = [&](int tile) {
+    auto issue_dq_add = [&] {
+      if constexpr (kDQ) {
+        constexpr int kWarpFloats = kDQTileFloats / 4;
+        const uint32_t warp_addr =
+            sdQ_addr + (warpgroup * kDQTileFloats + (warp % 4) * kWarpFloats) * 4;
+        fence_proxy_async_smem();  // st.shared -> visible to the copy engine
+        __syncwarp();              // the warp's rows are all written
+        if (lane == 0) {
+          // D = 128: the step's row block, this warpgroup's column block; D = 64: this
+          // warpgroup's row block of the step's two.
+          // Packed rows: head dq_h's row blocks of every sequence, this one's from block0.
+          const int64_t bh = kExtents ? dq_h : b * p.heads_q + dq_h;
+          const int64_t row_blocks = kExtents ? dq_packed_row_blocks(p) : st.rows_padded / 64;
+          const int64_t block0 = kExtents ? dq_packed_block0(q_start, b) : 0;
+          const int64_t rows_at =
+              kColBlocks == 2
+                  ? dq_tile_offset(bh, row_blocks, block0 + dq_m, warpgroup, 2)
+                  : dq_tile_offset(bh, row_blocks,
+                                   block0 + 2 * static_cast<int64_t>(dq_m) + warpgroup, 0, 1);
+          bulk_reduce_add_f32(st.dq_accum + rows_at + (warp % 4) * kWarpFloats, warp_addr,
+                              kWarpFloats * 4);
+          tma_store_commit();
+        }
+      }
+    };
+
+    auto dq_product_and_stage = [&](int tile) {
       if constexpr (kDQ) {
         const int a_block = kColBlocks == 1 ? warpgroup : 0,
                   b_block = kColBlocks == 2 ? warpgroup : 0;
@@ -524,27 +555,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
                                      __float_as_uint(dQ[ni][2]), __float_as_uint(dQ[ni][3])};
           sts_128(warp_addr + ni * 512 + lane * 16, words);
         }
-        fence_proxy_async_smem();  // st.shared -> visible to the copy engine
-        __syncwarp();              // the warp's rows are all written
-        if (lane == 0) {
-          // D = 128: the step's row block, this warpgroup's column block; D = 64: this
-          // warpgroup's row block of the step's two.
-          // Packed rows: head dq_h's row blocks of every sequence, this one's from block0.
-          const int64_t bh = kExtents ? dq_h : b * p.heads_q + dq_h;
-          const int64_t row_blocks = kExtents ? dq_packed_row_blocks(p) : st.rows_padded / 64;
-          const int64_t block0 = kExtents ? dq_packed_block0(q_start, b) : 0;
-          const int64_t rows_at =
-              kColBlocks == 2
-                  ? dq_tile_offset(bh, row_blocks, block0 + dq_m, warpgroup, 2)
-                  : dq_tile_offset(bh, row_blocks,
-                                   block0 + 2 * static_cast<int64_t>(dq_m) + warpgroup, 0, 1);
-          bulk_reduce_add_f32(st.dq_accum + rows_at + (warp % 4) * kWarpFloats, warp_addr,
-                              kWarpFloats * 4);
-          tma_store_commit();
-        }
       }
     };
-
     StepCursor step{0, 0};  // the step s, and the step the prefetch loads next (s + kAhead)
     StepCursor ahead_step{0, 0};
     if (steps > kAhead) ahead_step = {kAhead / m_count, kAhead % m_count};
@@ -568,7 +580,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       }
       if constexpr (kDQ) {
         // Step s - 1's dQ product and its adds, while this step's tiles land.
-        if (s > 0) dq_product_and_add((s - 1) & 1);
+        if (s > 0) {
+          dq_product_and_stage((s - 1) & 1);
+          if constexpr (!kDeferFences) issue_dq_add();
+        }
       }
       if constexpr (kTmaSteps) {
         // Step s's Q_i, dO_i and row statistics have landed (visible to this thread and to its
@@ -615,6 +630,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
                               desc_advance(do_desc0, stage_bytes + k_step(ks, Br)), 1);
       }
       wgmma_commit();
+      if constexpr (kDQ && kDeferFences) {
+        // Step s - 1's dQ partial leaves once the score products are issued: the fence then
+        // finds the tile's stores done instead of waiting for them.
+        if (s > 0) issue_dq_add();
+      }
       // Dropout: the keep bits are drawn while the score products run (their registers are not
       // touched); dP^T is masked and scaled before dS^T (whose delta = rowsum(dO * O) already
       // holds the dropped O), and P^T before dV, once the products have landed.
@@ -714,12 +734,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
             const int row = warp_row0 + g + 8 * (e & 1), chunk = 2 * kk + (e >> 1);
             sts_32(tile_addr + sw128_offset<Bc>(row, chunk) + 4 * t, da[kk][e]);
           }
-        fence_proxy_async_smem();  // st.shared -> visible to wgmma (after the next barrier)
+        if constexpr (!kDeferFences)
+          fence_proxy_async_smem();  // st.shared -> visible to wgmma (after the next barrier)
         dq_h = h;
         dq_m = m;
       }
       if constexpr (!Tr::kOverlap) {
         wgmma_wait<0>();
+        // The dS^T stores -> visible to the next step's dQ product (after the loop-top barrier).
+        // Here, past the gradient products' wait, the stores are done.
+        if constexpr (kDQ && kDeferFences) fence_proxy_async_smem();
         pin_registers(dV);
         pin_registers(dK);
         pin_registers(pa);
@@ -737,7 +761,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     if constexpr (kDQ) {
       if (steps > 0) {
         __syncthreads();  // both warpgroups' dS^T rows of the last step are written
-        dq_product_and_add((steps - 1) & 1);
+        dq_product_and_stage((steps - 1) & 1);
+        issue_dq_add();
       }
       if (lane == 0) tma_store_wait_all();  // the warp's last adds are done before the CTA exits
     }

@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kDQSlabWarps * 32)
       const uint4 v = *reinterpret_cast<const uint4*>(slab + r * kRowBytes + (lane % 8) * 16);
       Elem* dst = static_cast<Elem*>(p.grad_q) + b * p.grad_q_batch_stride +
                   h * p.grad_q_head_stride + (first_row + r0 + r) * p.grad_q_row_stride + c;
-      if (c + 8 <= head_dim && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+      if (st.vec_store == kGradStoreRows16) {  // 16-byte aligned rows, head_dim % 8 == 0
         *reinterpret_cast<uint4*>(dst) = v;
       } else {
         const Elem* e = reinterpret_cast<const Elem*>(&v);
@@ -194,10 +194,23 @@ cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& 
   constexpr int64_t kSmem =
       KV::kSmemBytes + 2 * KV::Bc * KV::Br * 2 + 2 * kDQTileFloats * 4 + 8 * KV::kStages;
   static_assert(kSmem <= 227 * 1024, "sm_90's per-block shared-memory limit");
-  cudaError_t err =
-      cuda::launch_kernel(attention_bwd_dkdv_sm90_kernel<KV, false, kBwdFusedDQ, kExtents,
-                                                         kBwdFastNone, false, kDropout>,
-                          bwd_dkdv_ctas(p, KV::Bc), KV::kNThreads, kSmem, stream, p, st, maps);
+  // Deferred fences (the kernel's kDeferFences), H200, bf16, B * N = 16k, the fused kernel's time
+  // deferred / right behind the stores (session 49, two rounds each): D = 64 4k 2.60-2.62 against
+  // 2.80-2.81 ms, causal 1.47-1.50 against 1.57-1.58 (the dQ tile's fence is the part that pays);
+  // D = 128 4k 2.50 against 2.43-2.45 ms, causal 1.43-1.51 against 1.35-1.38, 1k level; each move
+  // alone lost there too. So D = 128 keeps the fences behind the stores.
+  auto launch_fused = [&](auto defer) {
+    return cuda::launch_kernel(
+        attention_bwd_dkdv_sm90_kernel<KV, false, kBwdFusedDQ, kExtents, kBwdFastNone, false,
+                                       kDropout, decltype(defer)::value>,
+        bwd_dkdv_ctas(p, KV::Bc), KV::kNThreads, kSmem, stream, p, st, maps);
+  };
+  cudaError_t err;
+  if constexpr (kHeadDim == 64) {
+    err = st.defer_fences ? launch_fused(std::true_type{}) : launch_fused(std::false_type{});
+  } else {
+    err = launch_fused(std::false_type{});
+  }
   if (err != cudaSuccess) return err;
   const int64_t slabs = p.batch * p.heads_q * st.rows_padded / 16 * (kHeadDim / 64);
   const int64_t blocks = (slabs + kDQSlabWarps - 1) / kDQSlabWarps;

@@ -192,6 +192,9 @@ struct BwdRowStats {
   // (bwd_sm90_launch.h), FLASHMOD_BWD_TMA_LOADS: 1 (the default) in the dK/dV and dQ kernels, 2 in
   // the dK/dV kernel only, 0 in neither (every thread's cp.async; for measurements).
   int tma_loads = 1;
+  // The fused dQ variant's proxy fences after the work that follows their tiles' stores (its
+  // kDeferFences, taken at D = 64); FLASHMOD_BWD_DEFERRED_FENCES=0: right behind the stores.
+  int defer_fences = 1;
 };
 
 // Whether the Hopper backward can take dQ into its dK/dV kernel (five matmuls per block pair
