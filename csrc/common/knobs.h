@@ -43,9 +43,6 @@
 //   FLASHMOD_BWD_DEFERRED_FENCES=0    the fused dQ variant's proxy fences right behind their
 //                                     tiles' stores at D = 64 too (default: after the work that
 //                                     follows them there; bwd_sm90_launch.h)
-//   FLASHMOD_BWD_SHARED_PROBS=0       the Hopper pair tile (D = 256) computes S^T on both
-//                                     warpgroups (default: the dV warpgroup's P^T goes to the
-//                                     dK warpgroup through shared memory)
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
 //                                     BWD_SM90_TILES); a name not built for the head dim is an
 //                                     error

@@ -253,26 +253,6 @@ def test_deferred_fences_equal_fences_behind_the_stores(monkeypatch, d, causal):
     check_grads(q, k, v, is_causal=causal)
 
 
-@pytest.mark.parametrize("d", [200, 256])
-@pytest.mark.parametrize("options", [{}, {"is_causal": True}, {"window_left": 90, "window_right": 30}])
-def test_shared_probabilities_equal_each_warpgroups_own(monkeypatch, d, options):
-    """The Hopper pair tile (head dims padded to 256) hands the dV warpgroup's P^T to the dK
-    warpgroup (FLASHMOD_BWD_SHARED_PROBS=1, the default) or has each compute S^T itself (0): the
-    same arithmetic on the same probabilities, so every gradient is bitwise the same (deterministic
-    mode), over odd lengths, GQA, causal and band masks; and within the rule against fp64."""
-    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 333, d)
-    grad_out, grad_lse = draw_upstream(q)
-
-    def grads(knob):
-        monkeypatch.setenv("FLASHMOD_BWD_SHARED_PROBS", knob)
-        return fused_grads(q, k, v, grad_out, grad_lse, **options)
-
-    for name, x, y in zip(("dq", "dk", "dv"), grads("1"), grads("0")):
-        assert torch.equal(x, y), name
-    monkeypatch.delenv("FLASHMOD_BWD_SHARED_PROBS")
-    check_grads(q, k, v, **options)
-
-
 def test_fused_dq_follows_the_knob_walk_length_and_deterministic_mode(monkeypatch):
     """FLASHMOD_BWD_FUSED_DQ=1 takes the fused variant only where each key sees enough queries
     (>= 1024 on average at D = 128, under a causal or window bound too), over >= 1024 keys, and

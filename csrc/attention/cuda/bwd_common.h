@@ -712,29 +712,6 @@ __device__ __forceinline__ void transposed_probs_and_grads(
     }
 }
 
-// transposed_probs_and_grads' dS^T for plain scores from P^T computed elsewhere (the kBwdPair
-// dV warpgroup's, kSharedProbs): the same operations on the same values, so the same bits.
-template <int NT>
-__device__ __forceinline__ void transposed_grads_from_probs(const float (&Pt)[NT][4],
-                                                            float (&dPt)[NT][4],
-                                                            const AttentionBwdParams& p, int64_t r0,
-                                                            int Br, int n_block, int Bc,
-                                                            const float* delta, int t) {
-  const int k0 = n_block * Bc;
-  const bool window_whole =
-      key_block_unmasked(p, r0, r0 + Br - 1, n_block, Bc) && k0 + Bc <= p.seqlen_k;
-#pragma unroll
-  for (int ni = 0; ni < NT; ++ni) {
-    const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * ni + 2 * t);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float d = e & 1 ? dl.y : dl.x;
-      dPt[ni][e] =
-          window_whole ? Pt[ni][e] * (dPt[ni][e] - d) : grad_score(Pt[ni][e], dPt[ni][e], d);
-    }
-  }
-}
-
 // This lane's two query rows of the dQ kernels and their statistics.
 struct LaneRows {
   int64_t row[2];

@@ -296,12 +296,8 @@ constexpr bool additive_fast_variant() {
 // had 6.8 % + 2.3 % of the D = 128 kernel's per-step stall samples there, session 48). The dS^T
 // tile's fence comes after the step's gradient wait, the dQ tile's (and its add) after the next
 // step's score products are issued. Launched at D = 64 only (bwd_sm90_launch.h has the numbers).
-// kSharedProbs (kBwdPair, plain dense scores without dropout): the dV warpgroup hands its P^T to
-// the dK warpgroup through shared memory, which then computes dP^T alone instead of S^T and dP^T:
-// four products a step instead of five. dS^T is the same arithmetic on the same P^T, so the
-// gradients are bitwise the unshared kernel's.
 template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast, bool kTmaLoads = false,
-          bool kDropout = false, bool kDeferFences = false, bool kSharedProbs = false>
+          bool kDropout = false, bool kDeferFences = false>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     attention_bwd_dkdv_sm90_kernel(const AttentionBwdParams params, const BwdRowStats st,
                                    const __grid_constant__ BwdStepMaps maps) {
@@ -353,13 +349,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // in the fused dQ variant, whose tiles leave no 4 KB free, inside the step's dS^T tile (below).
   const uint32_t exchange_addr =
       sMask_addr + (kStageMask ? Br * Bc * 2 : 0) + (kTmaSteps ? 8 * kStages : 0);
-  // kSharedProbs: the step's P^T, each dV-warpgroup thread's fragment as NT float4s at a stride of
-  // 128 (one warp store: 512 contiguous bytes), read by the dK-warpgroup thread of the same lane.
-  static_assert(!kSharedProbs || (kWhich == kBwdPair && !kGeneral && !kDropout && !kExtents &&
-                                  !kStageMask && !Tr::kOverlap),
-                "shared probabilities: the pair's plain dense variant");
-  const uint32_t shared_probs_addr = (exchange_addr + 15) & ~15u;
-  constexpr uint32_t kSharedProbsBarrier = 5;  // past the dropout exchange's barriers 1-4
   const auto staged_tile = [&] {
     if constexpr (kStageMask) {
       return MaskTile{sMask_addr, 0};
@@ -627,16 +616,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       const uint32_t stage_bytes = stage * Tr::kSmemQ;
 
       float St[NT][4], dPt[kDK ? NT : 1][4];
-      // kSharedProbs: the dK warpgroup takes P^T from the dV warpgroup (no S^T product of its own).
-      constexpr bool kProbsFromPair = kSharedProbs && kW == kBwdOnlyDK;
       wgmma_fence();
-      if constexpr (!kProbsFromPair) {
-        wgmma_ss_first<Elem, Br, Tr::kOverlap>(St, k_desc, desc_advance(q_desc0, stage_bytes));
+      wgmma_ss_first<Elem, Br, Tr::kOverlap>(St, k_desc, desc_advance(q_desc0, stage_bytes));
 #pragma unroll
-        for (int ks = 1; ks < Tr::kKSteps; ++ks)
-          Wgmma<Elem, Br>::ss(St, desc_advance(k_desc, k_step(ks, Bc)),
-                              desc_advance(q_desc0, stage_bytes + k_step(ks, Br)), 1);
-      }
+      for (int ks = 1; ks < Tr::kKSteps; ++ks)
+        Wgmma<Elem, Br>::ss(St, desc_advance(k_desc, k_step(ks, Bc)),
+                            desc_advance(q_desc0, stage_bytes + k_step(ks, Br)), 1);
       if constexpr (kDK) {
         wgmma_ss_first<Elem, Br, Tr::kOverlap>(dPt, v_desc, desc_advance(do_desc0, stage_bytes));
 #pragma unroll
@@ -697,32 +682,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
 #pragma unroll
         for (int w = 0; w < kKeepWords; ++w) apply_dropout(part(dPt, w), keep[w], drop.scale);
       }
-      if constexpr (kProbsFromPair) {
-        named_barrier(kSharedProbsBarrier, 256);  // the dV warpgroup's P^T of this step is written
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni) {
-          uint32_t words[4];
-          lds_128(words, shared_probs_addr + (ni * 128 + tid % 128) * 16);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) St[ni][e] = __uint_as_float(words[e]);
-        }
-        transposed_grads_from_probs(St, dPt, p, r0, Br, n_block, Bc, sDelta + stage * Br, t);
-      } else {
-        transposed_probs_and_grads<Elem, kGeneral, kDK, kSoftcapFast, kStageMask>(
-            St, dPt, p, tf, scale_log2, b, h, r0, Br, n_block, Bc, key_row, sL + stage * Br,
-            sDelta + stage * Br, t, plain_keys, stage_mask, staged_tile);
-      }
-      if constexpr (kSharedProbs && kW == kBwdOnlyDV) {
-        // This step's P^T for the dK warpgroup; the loop-top barrier keeps the next step's
-        // stores behind its reads.
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni) {
-          const uint32_t words[4] = {__float_as_uint(St[ni][0]), __float_as_uint(St[ni][1]),
-                                     __float_as_uint(St[ni][2]), __float_as_uint(St[ni][3])};
-          sts_128(shared_probs_addr + (ni * 128 + tid % 128) * 16, words);
-        }
-        named_barrier_arrive(kSharedProbsBarrier, 256);  // ... and is written
-      }
+      transposed_probs_and_grads<Elem, kGeneral, kDK, kSoftcapFast, kStageMask>(
+          St, dPt, p, tf, scale_log2, b, h, r0, Br, n_block, Bc, key_row, sL + stage * Br,
+          sDelta + stage * Br, t, plain_keys, stage_mask, staged_tile);
       if constexpr (kDropout && kDV) {
 #pragma unroll
         for (int w = 0; w < kKeepWords; ++w) apply_dropout(part(St, w), keep[w], drop.scale);

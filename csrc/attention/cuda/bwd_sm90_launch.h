@@ -65,20 +65,6 @@ cudaError_t launch_dkdv(const AttentionBwdParams& p, const BwdRowStats& st, cuda
       KV::kSmemBytes + (kTmaLoads ? 8 * KV::kStages : 0) +
       (kStageMask && (kExchange != 0 || bwd_stages_mask(p, st)) ? KV::Br * KV::Bc * 2 : 0) +
       kExchange;
-  // The pair's plain dense variant: the dV warpgroup's P^T handed to the dK warpgroup (the
-  // kernel's kSharedProbs), a 16-byte aligned fp32 tile past the other areas.
-  constexpr bool kShareable =
-      kWhich == kBwdPair && !kGeneral && !kExtents && !kDropout && !KV::kOverlap;
-  if constexpr (kShareable) {
-    constexpr int64_t kProbsBytes = 16 + KV::kNTiles * 128 * 16;
-    static_assert(KV::kSmemBytes + 8 * KV::kStages + kProbsBytes <= 227 * 1024,
-                  "sm_90's per-block shared-memory limit");
-    if (st.shared_probs)
-      return cuda::launch_kernel(
-          attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kFast, kTmaLoads, kDropout,
-                                         false, true>,
-          blocks, KV::kNThreads, smem + kProbsBytes, stream, p, st, maps);
-  }
   return cuda::launch_kernel(
       attention_bwd_dkdv_sm90_kernel<KV, kGeneral, kWhich, kExtents, kFast, kTmaLoads, kDropout>,
       blocks, KV::kNThreads, smem, stream, p, st, maps);

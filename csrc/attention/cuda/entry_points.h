@@ -195,9 +195,6 @@ struct BwdRowStats {
   // The fused dQ variant's proxy fences after the work that follows their tiles' stores (its
   // kDeferFences, taken at D = 64); FLASHMOD_BWD_DEFERRED_FENCES=0: right behind the stores.
   int defer_fences = 1;
-  // The Hopper pair tile's (D = 256) dV warpgroup hands P^T to the dK warpgroup (its
-  // kSharedProbs); FLASHMOD_BWD_SHARED_PROBS=0: each computes S^T itself.
-  int shared_probs = 1;
 };
 
 // Whether the Hopper backward can take dQ into its dK/dV kernel (five matmuls per block pair
