@@ -29,6 +29,9 @@
 //   FLASHMOD_BWD_ADDITIVE_FAST=0      the Hopper backward takes additive masks in q's dtype through
 //                                     the general path (no staged dK/dV tiles, no batched dQ
 //                                     loads; bwd_common.h)
+//   FLASHMOD_BWD_MASK_TILES=0         the fp16/bf16 backward reads a mask tensor per element in
+//                                     every tile, without classifying its tiles first
+//                                     (backward_dispatch.h)
 //   FLASHMOD_BWD_FUSED_DQ=0|1|2       the Hopper backward's dQ added up in its dK/dV kernel
 //                                     by atomics: 1 where it is the faster (a key's queries
 //                                     at D = 128 >= 1024 on average, at D = 64 >= 2048;
@@ -71,6 +74,11 @@
 //   FLASHMOD_SOFTMAX_STREAM=0         the sm_90 softmax stream path off
 //   FLASHMOD_SOFTMAX_STREAM_CLUSTER=c forces the stream path's cluster size
 //   FLASHMOD_MMSM_SINGLE_PASS_MAX_N=n caps fp32 matmul_softmax's single-pass rows (0: two-pass)
+//   FLASHMOD_MMSM_WARP_ROWS=0         CUDA matmul_softmax's fallback normalize takes a block per
+//                                     row even where a row fits one warp
+//   FLASHMOD_MMSM_FUSED=0|1|2         CUDA matmul_softmax: 0 the cuBLAS + normalize fallback
+//                                     always, 2 the fused kernels wherever they run, 1 the
+//                                     measured rule (softmax_cuda.cpp: fused_preferred)
 #pragma once
 
 #include <cstdint>
