@@ -1,6 +1,7 @@
-"""Every environment knob the C++ host code reads (env_flag / env_int / env_text in csrc/) is listed
-in csrc/common/knobs.h, which says it lists every knob, and in the README's knob table; and each of
-those lists names only knobs that the code reads."""
+"""The docs that list things keep up with the code: every environment knob the C++ host code reads
+(env_flag / env_int / env_text in csrc/) is listed in csrc/common/knobs.h, which says it lists every
+knob, and in the README's knob table, and those lists name only knobs the code reads; the README's
+folder map names every Python module, test file, benchmark and tool."""
 
 from __future__ import annotations
 
@@ -46,3 +47,19 @@ def test_readme_table_has_every_knob_read():
     read, table = knobs_read(), readme_table()
     assert read - table == set(), f"read in csrc/ but not in the README's knob table: {sorted(read - table)}"
     assert table - read == set(), f"in the README's knob table but read nowhere: {sorted(table - read)}"
+
+
+def test_folder_map_names_every_file():
+    text = (ROOT / "README.md").read_text()
+    folder_map = text[text.index("## Folder map") : text.index("## How it is built")]
+    files = [
+        *(ROOT / "flashmod").glob("*.py"),
+        *(ROOT / "tests").rglob("*.py"),
+        *(ROOT / "benchmarks").glob("*.py"),
+        *(ROOT / "tools").glob("*"),
+    ]
+    unnamed = sorted(
+        str(f.relative_to(ROOT)) for f in files if f.is_file() and f.name != "__init__.py" and f.name not in folder_map
+    )
+    assert len(files) > 50
+    assert unnamed == [], f"not in the README's folder map: {unnamed}"
