@@ -10,7 +10,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 READ = re.compile(r'env_(?:flag|int|text)\("(FLASHMOD_[A-Z0-9_]+)"')
-KNOB = re.compile(r"FLASHMOD_[A-Z0-9_]+")
 
 
 def knobs_read() -> set[str]:
