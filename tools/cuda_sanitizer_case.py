@@ -86,7 +86,7 @@ def backward_ops() -> None:
     """The fp16/bf16 backward's kernels (the row statistics, dK/dV and dQ; general variants with a
     soft cap and a mask, and with dropout, whose forward runs here too) and, on Hopper, the dK/dV
     kernel that takes dQ itself (FLASHMOD_BWD_FUSED_DQ=2, head dims 64 and 128; with dropout at
-    128) with the conversion of its sums: odd lengths, causal, GQA."""
+    128) with the conversion of its sums; D = 256 and fp32: odd lengths, causal, GQA."""
     for fused in ("0", "2"):
         os.environ["FLASHMOD_BWD_FUSED_DQ"] = fused
         shapes = ((130, 77, 128, 2, 2), (200, 600, 128, 4, 2), (17, 113, 64, 2, 1), (200, 600, 64, 4, 2))
@@ -108,6 +108,15 @@ def backward_ops() -> None:
                 out, _ = attention_op(q, k, v, mask, softcap=5.0)
                 torch.autograd.grad(out.float().sum(), (q, k, v))
     os.environ.pop("FLASHMOD_BWD_FUSED_DQ")
+    # D = 256 (on Hopper the pair kernel: its two warpgroups run different code between the same
+    # barriers) and fp32 (the 3xTF32 kernels): odd lengths, causal and not, GQA.
+    for dtype, d in ((torch.bfloat16, 256), (torch.float32, 40), (torch.float32, 128)):
+        grad = {"device": "cuda", "dtype": dtype, "requires_grad": True}
+        q = torch.randn(1, 4, 130, d, **grad)
+        k, v = (torch.randn(1, 2, 77, d, **grad) for _ in range(2))
+        for opts in ({}, {"is_causal": True}):
+            out, lse = attention_op(q, k, v, **opts)
+            torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
 
 
 def serving_ops() -> None:

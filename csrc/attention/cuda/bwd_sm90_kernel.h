@@ -464,6 +464,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   auto mainloop = [&](auto which) {
     constexpr int kW = decltype(which)::value;
     constexpr bool kDV = kW != kBwdOnlyDK, kDK = kW != kBwdOnlyDV, kDQ = kW == kBwdFusedDQ;
+    // kBwdPair's warpgroups run two instantiations of this loop, so they meet at two different
+    // barrier instructions: the unaligned form, which allows that.
+    auto sync_cta = [] {
+      if constexpr (kWhich == kBwdPair) {
+        cta_barrier_unaligned();
+      } else {
+        __syncthreads();
+      }
+    };
     static_assert(!kDQ || (kThreads == 256 && Br * D == 64 * 128 && !kStageMask && !Tr::kOverlap),
                   "fused dQ: two warpgroups, each adding a 64 x 64 tile of the step's dQ_i: 64 of "
                   "the 128 columns of a 64-row step, or 64 of the 128 rows of a 64-column one");
@@ -572,7 +581,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       // Publishes step s's tiles copied by every thread (kTmaSteps: K_j, V_j at s = 0), and every
       // warp is done with the stage the prefetch below overwrites: step s - 1's (s - 2's with
       // kOverlap, whose gradient wgmma each warp waited for during step s - 1).
-      __syncthreads();
+      sync_cta();
       if (s + kAhead < steps) {
         const int ahead = stage + kAhead;
         load_step(ahead_step, ahead < kStages ? ahead : ahead - kStages);
@@ -608,7 +617,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
           zero_tile_rows<D, Br, kThreads>(sdO_addr0 + stage * Tr::kSmemQ, first, tid);
           __syncwarp();              // the lanes, apart in the loops, together again
           fence_proxy_async_smem();  // st.shared -> visible to wgmma
-          __syncthreads();           // every thread's zeros are written
+          sync_cta();                // every thread's zeros are written
         }
       }
       // Read ahead of the products, so a tile class's latency hides under them.
@@ -693,7 +702,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         if (stage_mask) {
           // Every warp has read this step's mask tile: the next step's may overwrite it. (Its
           // copy then lands under this step's gradient products and the next step's scores.)
-          __syncthreads();
+          sync_cta();
           if (s + 1 < steps)
             MaskTile::load(sMask_addr, p, b, hk * group + step.head,
                            static_cast<int64_t>(m_lo + step.block) * Br, n_block, tid);
@@ -760,7 +769,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     cp_async_wait<0>();
     if constexpr (kDQ) {
       if (steps > 0) {
-        __syncthreads();  // both warpgroups' dS^T rows of the last step are written
+        sync_cta();  // both warpgroups' dS^T rows of the last step are written
         dq_product_and_stage((steps - 1) & 1);
         issue_dq_add();
       }
@@ -785,7 +794,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       if (st.vec_store == kGradStoreRows16) {
         // Every warp is past its last reads of K_j and V_j (each warpgroup waited for its
         // products, the fused dQ product included): their tiles stage the gradients' rows.
-        __syncthreads();
+        sync_cta();
         store_dkdv_staged<Elem, kW, D>(kExtents && kDropout ? sequence_view_bwd(params, b) : p, b,
                                        hk, k0, dV, dK, tf.scale, sV_addr, sK_addr, warp_row0,
                                        rows_k, head_dim, lane);

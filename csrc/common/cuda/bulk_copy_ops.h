@@ -120,6 +120,13 @@ __device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The whole block at barrier 0, where its warps may arrive through different barrier
+// instructions (warpgroups running different code): bar.sync / __syncthreads is .aligned, which
+// requires every thread to execute the same one (compute-sanitizer's synccheck reports otherwise).
+__device__ __forceinline__ void cta_barrier_unaligned() {
+  asm volatile("barrier.sync 0;\n" ::: "memory");
+}
+
 #endif  // __CUDA_ARCH__ >= 900
 
 // The "full" mbarriers of `stages` buffers that the copy engine fills, 8 bytes apart from bar0,
