@@ -46,6 +46,9 @@
 //   FLASHMOD_BWD_DEFERRED_FENCES=0    the fused dQ variant's proxy fences right behind their
 //                                     tiles' stores at D = 64 too (default: after the work that
 //                                     follows them there; bwd_sm90_launch.h)
+//   FLASHMOD_BWD_FUSED_OVERLAP=0      the fused dQ variant at D = 128 waits for each step's
+//                                     gradient products at the step's end (default: with the
+//                                     next step's dQ product; bwd_sm90_launch.h)
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
 //                                     BWD_SM90_TILES); a name not built for the head dim is an
 //                                     error

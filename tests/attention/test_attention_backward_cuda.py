@@ -224,33 +224,44 @@ def test_staged_gradient_stores_equal_direct_stores(monkeypatch, d, kernels):
     check_grads(q, k, v, is_causal=True)  # and within the rule against fp64 (the default stores)
 
 
-@pytest.mark.parametrize("d", [40, 64])
+# The fused dQ variant's scheduling choices, each a knob whose default is the new order:
+# FLASHMOD_BWD_DEFERRED_FENCES (at padded head dim 64, its dS^T and dQ tiles fenced after the work
+# that follows their stores, or right behind them) and FLASHMOD_BWD_FUSED_OVERLAP (at 128, the
+# gradient products left in flight across the loop top, or waited for at the step's end).
+FUSED_SCHEDULE_KNOBS = [
+    ("FLASHMOD_BWD_DEFERRED_FENCES", 40),
+    ("FLASHMOD_BWD_DEFERRED_FENCES", 64),
+    ("FLASHMOD_BWD_FUSED_OVERLAP", 111),
+    ("FLASHMOD_BWD_FUSED_OVERLAP", 128),
+]
+
+
+@pytest.mark.parametrize(("knob", "d"), FUSED_SCHEDULE_KNOBS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_deferred_fences_equal_fences_behind_the_stores(monkeypatch, d, causal):
-    """The fused dQ variant at (padded) head dim 64 fences its dS^T and dQ tiles after the work that
-    follows their stores (FLASHMOD_BWD_DEFERRED_FENCES=1, the default) or right behind them (0):
-    dK / dV bitwise the same both ways (dQ adds up by atomics, so it is checked against fp64)."""
+def test_fused_schedule_knobs_keep_the_gradients(monkeypatch, knob, d, causal):
+    """Either way of a fused-variant scheduling knob: dK / dV bitwise the same (only when work is
+    waited for changes; dQ adds up by atomics, so it is checked against fp64 both ways)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the fused variant is a Hopper kernel")
     monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
     # 1023 queries and keys: partial steps and key blocks, and enough sums that the fused dQ's
-    # last bits differ from the dQ kernel's somewhere.
+    # last bits differ from the dQ kernel's somewhere. GQA 4 / 2.
     q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 1023, 1023, d)
     grad_out, grad_lse = draw_upstream(q)
 
-    def grads(knob):
-        monkeypatch.setenv("FLASHMOD_BWD_DEFERRED_FENCES", knob)
+    def grads(value):
+        monkeypatch.setenv(knob, value)
         return fused_grads(q, k, v, grad_out, grad_lse, is_causal=causal)
 
-    deferred, behind = grads("1"), grads("0")
-    for name, x, y in list(zip(("dq", "dk", "dv"), deferred, behind))[1:]:
+    new_order, old_order = grads("1"), grads("0")
+    for name, x, y in list(zip(("dq", "dk", "dv"), new_order, old_order))[1:]:
         assert torch.equal(x, y), name
     monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "0")
-    assert not torch.equal(grads("1")[0], deferred[0]), "dQ came from the dQ kernel, not the fused variant"
+    assert not torch.equal(grads("1")[0], new_order[0]), "dQ came from the dQ kernel, not the fused variant"
     monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
-    check_grads(q, k, v, is_causal=causal)  # the default (deferred) within the rule against fp64
-    monkeypatch.setenv("FLASHMOD_BWD_DEFERRED_FENCES", "0")
-    check_grads(q, k, v, is_causal=causal)
+    for value in ("1", "0"):
+        monkeypatch.setenv(knob, value)
+        check_grads(q, k, v, is_causal=causal)
 
 
 def test_fused_dq_follows_the_knob_walk_length_and_deterministic_mode(monkeypatch):

@@ -53,7 +53,6 @@ Gradients run_attention_backward_cuda(
   at::Tensor stats;
   cuda_kernels::BwdRowStats st = allocate_bwd_row_stats(p, q.options(), stats);
   st.vec_store = grad_store_kind(r.grad_q, r.grad_k, r.grad_v, p.head_dim);
-  st.defer_fences = env_flag("FLASHMOD_BWD_DEFERRED_FENCES", true);
   st.vec_rows = rows_aligned16(r.out) && rows_aligned16(r.grad_out) && p.head_dim % 8 == 0;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

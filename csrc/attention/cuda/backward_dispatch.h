@@ -143,6 +143,8 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
                        ? cuda_kernels::find_tile(cuda_kernels::kBwdSm90Tiles, "", padded)
                        : bwd_sm90_tile(op, padded, p, st);
   cuda_kernels::BwdRowStats run_st = st;
+  run_st.defer_fences = env_flag("FLASHMOD_BWD_DEFERRED_FENCES", true);
+  run_st.fused_overlap = env_flag("FLASHMOD_BWD_FUSED_OVERLAP", true);
   int64_t sum_floats = 0;
   if (sm90 && cuda_kernels::kBwdSm90Tiles[tile].is_default &&
       cuda_kernels::bwd_fused_dq(p, padded) && fused_dq_wanted(p, padded)) {

@@ -121,8 +121,9 @@ __device__ __forceinline__ uint32_t keep_bits_key_rows_paired(const DropoutState
 // Shared-memory stages of the tiles a kernel streams (Q_i/dO_i in dK/dV, K_j/V_j in dQ), and how
 // far ahead cp.async runs. kOverlap: a step's gradient wgmma (dV/dK += ..., dQ += ...) is left in
 // flight while the next step waits for its tiles, passes the barrier and issues its score wgmma;
-// it is waited for after those. Its operand tiles are then still being read one step later, so
-// the prefetch runs one stage less ahead than the stages allow.
+// it is waited for after those (in the fused dQ variant, with the next step's dQ product, which
+// comes before the score products). Its operand tiles are then still being read one step later,
+// so the prefetch runs one stage less ahead than the stages allow.
 template <int kStages_, bool kOverlap_>
 struct BwdStagesSm90 {
   static constexpr int kStages = kStages_;
@@ -473,9 +474,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         __syncthreads();
       }
     };
-    static_assert(!kDQ || (kThreads == 256 && Br * D == 64 * 128 && !kStageMask && !Tr::kOverlap),
+    static_assert(!kDQ || (kThreads == 256 && Br * D == 64 * 128 && !kStageMask),
                   "fused dQ: two warpgroups, each adding a 64 x 64 tile of the step's dQ_i: 64 of "
                   "the 128 columns of a 64-row step, or 64 of the 128 rows of a 64-column one");
+    static_assert(!kDQ || !Tr::kOverlap || (!kDeferFences && !kDropout && !kExtents),
+                  "fused dQ with the gradient products in flight: the plain dense variant");
     float dV[kDV ? DT : 1][4], dK[kDK ? DT : 1][4];
     if constexpr (!Tr::kOverlap) {  // kOverlap: written first by step 0's products
       zero(dV);
@@ -548,8 +551,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
           WgmmaTT<Elem, 64>::ss(dQ, desc_advance(ds_desc, kk * 2048),
                                 desc_advance(kb_desc, kk * 2048), 1);
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<0>();  // with kOverlap, also step s - 1's gradient products
         pin_registers(dQ);
+        if constexpr (Tr::kOverlap) {
+          pin_registers(dV);
+          pin_registers(dK);
+          pin_registers(pa);
+          pin_registers(da);
+        }
 
         constexpr int kWarpFloats = kDQTileFloats / 4;
         const uint32_t warp_addr =

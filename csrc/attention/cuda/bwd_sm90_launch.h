@@ -180,9 +180,17 @@ __global__ void __launch_bounds__(kDQSlabWarps * 32)
 // 64 of the step's rows) and the registers are D = 128's; two stages (three would not fit 227 KB
 // with the steps' 32 KB dS^T tiles). Forward + backward against the seven matmuls +3-11 % from
 // N = 2k, causal +2-13 % from 4k (H100, session 32; backward_dispatch.h has the rule).
-template <typename Elem, int kHeadDim>
-using FusedDQTraits = std::conditional_t<kHeadDim == 128, BwdKVTraitsSm90<Elem, 128, 2, 64, 1, 3>,
-                                         BwdKVTraitsSm90<Elem, 64, 2, 128, 1, 2>>;
+// kOverlap (D = 128, plain dense variant): each step's gradient products stay in flight across
+// the loop top and are waited for with the next step's dQ product, so they run under the CTA
+// barrier and the dQ product's issue; the prefetch then runs one step ahead instead of two. H200,
+// bf16, B * N = 16k, session 50, against the variant that waits at the step's end, two rounds:
+// fused kernel 4k 2.35-2.39 against 2.43 ms, 1k 0.665 against 0.685, causal 1.31-1.39 against
+// 1.38-1.39; forward + backward +1.7 % (1.00-1.03x, the quick set's D = 128 paper and GQA shapes).
+// Dropout and packed rows keep the plain pipeline (not measured with it).
+template <typename Elem, int kHeadDim, bool kOverlap = false>
+using FusedDQTraits =
+    std::conditional_t<kHeadDim == 128, BwdKVTraitsSm90<Elem, 128, 2, 64, 1, 3, kOverlap>,
+                       BwdKVTraitsSm90<Elem, 64, 2, 128, 1, 2>>;
 
 // kExtents: packed rows (bwd_fused_dq_packed), the maps over all of q and grad_out.
 template <typename Elem, int kHeadDim, bool kDropout, bool kExtents>
@@ -199,17 +207,23 @@ cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& 
   // 2.80-2.81 ms, causal 1.47-1.50 against 1.57-1.58 (the dQ tile's fence is the part that pays);
   // D = 128 4k 2.50 against 2.43-2.45 ms, causal 1.43-1.51 against 1.35-1.38, 1k level; each move
   // alone lost there too. So D = 128 keeps the fences behind the stores.
-  auto launch_fused = [&](auto defer) {
+  auto launch_fused = [&](auto traits, auto defer) {
+    using Tr = decltype(traits);
+    static_assert(Tr::kStages == KV::kStages, "the same shared-memory layout");
     return cuda::launch_kernel(
-        attention_bwd_dkdv_sm90_kernel<KV, false, kBwdFusedDQ, kExtents, kBwdFastNone, false,
+        attention_bwd_dkdv_sm90_kernel<Tr, false, kBwdFusedDQ, kExtents, kBwdFastNone, false,
                                        kDropout, decltype(defer)::value>,
         bwd_dkdv_ctas(p, KV::Bc), KV::kNThreads, kSmem, stream, p, st, maps);
   };
   cudaError_t err;
   if constexpr (kHeadDim == 64) {
-    err = st.defer_fences ? launch_fused(std::true_type{}) : launch_fused(std::false_type{});
+    err = st.defer_fences ? launch_fused(KV{}, std::true_type{})
+                          : launch_fused(KV{}, std::false_type{});
+  } else if constexpr (!kDropout && !kExtents) {
+    err = st.fused_overlap ? launch_fused(FusedDQTraits<Elem, kHeadDim, true>{}, std::false_type{})
+                           : launch_fused(KV{}, std::false_type{});
   } else {
-    err = launch_fused(std::false_type{});
+    err = launch_fused(KV{}, std::false_type{});
   }
   if (err != cudaSuccess) return err;
   const int64_t slabs = p.batch * p.heads_q * st.rows_padded / 16 * (kHeadDim / 64);

@@ -195,6 +195,10 @@ struct BwdRowStats {
   // The fused dQ variant's proxy fences after the work that follows their tiles' stores (its
   // kDeferFences, taken at D = 64); FLASHMOD_BWD_DEFERRED_FENCES=0: right behind the stores.
   int defer_fences = 1;
+  // The fused dQ variant's gradient products in flight across its loop top (kOverlap, taken at
+  // D = 128 in the plain dense variant); FLASHMOD_BWD_FUSED_OVERLAP=0: waited for at each step's
+  // end.
+  int fused_overlap = 1;
 };
 
 // Whether the Hopper backward can take dQ into its dK/dV kernel (five matmuls per block pair

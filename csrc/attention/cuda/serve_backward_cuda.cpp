@@ -77,7 +77,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cuda(
   at::Tensor stats;
   cuda_kernels::BwdRowStats st = allocate_bwd_row_stats(p, q.options(), stats);
   st.vec_store = grad_store_kind(grad_q, grad_k, grad_v, p.head_dim);
-  st.defer_fences = env_flag("FLASHMOD_BWD_DEFERRED_FENCES", true);
   st.vec_rows = rows_aligned16(out_rows) && rows_aligned16(grad_out_rows) && p.head_dim % 8 == 0;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
