@@ -34,7 +34,7 @@
 //                                     (backward_dispatch.h)
 //   FLASHMOD_BWD_FUSED_DQ=0|1|2       the Hopper backward's dQ added up in its dK/dV kernel
 //                                     by atomics: 1 where it is the faster (a key's queries
-//                                     at D = 128 >= 1024 on average, at D = 64 >= 2048;
+//                                     >= 1024 on average, at D = 64 and 128;
 //                                     backward_dispatch.h) with deterministic algorithms off
 //                                     (default), 0 never, 2 wherever it applies
 //   FLASHMOD_BWD_TMA_LOADS=0|1|2      the Hopper backward's plain kernels load their steps through

@@ -304,21 +304,21 @@ def test_fused_dq_follows_the_knob_walk_length_and_deterministic_mode(monkeypatc
 
 
 def test_fused_dq_rule_at_head_dim_64(monkeypatch):
-    """At head dims 33-64 a fused step holds 128 queries, and FLASHMOD_BWD_FUSED_DQ=1 takes the
-    fused variant only from 2048 queries a key sees (backward_dispatch.h: fused_dq_min_queries):
-    1100 queries, enough at D = 128, stay on the dQ kernel; 2100 take the fused one."""
+    """At head dims 33-64 (a fused step of 128 queries) FLASHMOD_BWD_FUSED_DQ=1 takes the fused
+    variant from 1024 queries a key sees, as at D = 128 (backward_dispatch.h: fused_dq_min_queries):
+    1100 queries over 1100 keys take it, causal (550 a key) not, causal over 2100 (1050 a key) do."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the fused variant is a Hopper kernel")
     torch.use_deterministic_algorithms(False)
-    for n, fused in ((1100, False), (2100, True)):
+    for n, causal, fused in ((1100, False, True), (1100, True, False), (2100, True, True)):
         q, k, v = make_inputs(DEV, torch.bfloat16, 1, 4, 2, n, n, 64)
         grad_out, grad_lse = draw_upstream(q)
         monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "0")
-        kernels = fused_grads(q, k, v, grad_out, grad_lse)
+        kernels = fused_grads(q, k, v, grad_out, grad_lse, is_causal=causal)
         monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "1")
-        default = fused_grads(q, k, v, grad_out, grad_lse)
+        default = fused_grads(q, k, v, grad_out, grad_lse, is_causal=causal)
         # The fused sums add in another order than the dQ kernel: dQ differs in its last bits.
-        assert torch.equal(default[0], kernels[0]) != fused, (n, "fused" if fused else "dQ kernel")
+        assert torch.equal(default[0], kernels[0]) != fused, (n, causal, "fused" if fused else "dQ kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

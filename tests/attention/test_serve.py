@@ -823,7 +823,7 @@ def test_varlen_fused_dq_rule_takes_the_mean_lengths(monkeypatch):
     at D = 128, causal too (where dense rows of 1100 would not), and at D = 64 without causality (1100
     queries a key; causal: 550, no); 1100 and 100 (mean 600) do not, whatever max_seqlen says. Two-sided
     bands: at D = 128 a band of 1023 queries takes it, a causal band of 64 does not; at D = 64 a band of
-    1023 does not (the dense rule)."""
+    1023 does not (2048 in a two-sided band there)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the fused variant is a Hopper kernel")
     torch.use_deterministic_algorithms(False)

@@ -72,13 +72,18 @@ inline int64_t bwd_queries_per_key(const AttentionBwdParams& p) {
 // was a tie until session 47 and is now the fused variant's by 2 %; a causal band of 1024 is a
 // tie); at D = 64, a step of twice the queries with the same fixed costs, >= 2048; and >= 1024
 // keys (only square shapes were measured).
+// Session 50 (H200, bf16, same process, after session 49's deferred fences sped the D = 64 fused
+// kernel up by 7 % and this session's overlap the D = 128 one by 3 %), fused / seven matmuls:
+// D = 64 no window 1k 1.025, 2k-16k 1.09-1.16; causal 1k 0.91, 2k 1.005, 4k-16k 1.09-1.17; D = 128
+// causal 1k 0.975, everything else from 1.05. So D = 64 now takes the fused variant from 1024
+// queries a key too (causal 2k is a tie); D = 128's rule stands.
 // Under dropout the dQ kernel draws every keep bit again, which the fused variant does not
 // (H200, bf16, p = 0.1, same process, session 41, fused / seven matmuls): D = 128 no window 1k
 // 1.11 (GQA 32/8 1.14), 4k 1.18 (1.19); causal 1k 1.01 (1.02), 4k 1.14 (1.13); D = 64 no window
 // 1k 1.05, 4k 1.12; causal 1k 0.96, 4k 1.10. So >= 512 queries a key at D = 128, window or not,
 // and >= 1024 at D = 64.
 inline int64_t fused_dq_min_queries(int padded_head_dim, bool dropout) {
-  if (padded_head_dim == 64) return dropout ? 1024 : 2048;
+  if (padded_head_dim == 64) return 1024;
   return dropout ? 512 : 1024;
 }
 constexpr int64_t kBwdFusedDQMinKeys = 1024;
@@ -93,11 +98,12 @@ constexpr int64_t kBwdFusedDQMinKeys = 1024;
 //     0.99, 1023-1024 1.08, 2047 1.15-1.17: from 768, between the tie and the win;
 //   D = 64, no band: non-causal 1.04 at means 1267-1409, 1.12 at 2257-2548, 1.12-1.17 at
 //     3928-4667; causal 0.95, 1.04-1.05, 1.10-1.13: from 1024 queries a key (causal: half);
-//   D = 64, two-sided band: 512 queries a key 0.89, 1023 0.98: the dense rule.
+//   D = 64, two-sided band: 512 queries a key 0.89, 1023 0.98: 2048 without dropout (the dense
+//     rule then; not re-measured since the deferred fences), 1024 under it.
 inline int64_t packed_fused_dq_min_queries(int padded_head_dim, bool band, bool dropout) {
   const int64_t dense = fused_dq_min_queries(padded_head_dim, dropout);
   if (padded_head_dim == 128) return band ? std::min<int64_t>(768, dense) : 0;
-  return band ? dense : std::min<int64_t>(1024, dense);
+  return band && !dropout ? 2048 : dense;
 }
 
 inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
