@@ -209,11 +209,11 @@ cudaError_t launch_bwd_fused_dq(const AttentionBwdParams& p, const BwdRowStats& 
   // alone lost there too. So D = 128 keeps the fences behind the stores.
   auto launch_fused = [&](auto traits, auto defer) {
     using Tr = decltype(traits);
-    static_assert(Tr::kStages == KV::kStages, "the same shared-memory layout");
+    static_assert(Tr::kSmemBytes == KV::kSmemBytes, "kSmem is the layout of KV's tiles");
     return cuda::launch_kernel(
         attention_bwd_dkdv_sm90_kernel<Tr, false, kBwdFusedDQ, kExtents, kBwdFastNone, false,
                                        kDropout, decltype(defer)::value>,
-        bwd_dkdv_ctas(p, KV::Bc), KV::kNThreads, kSmem, stream, p, st, maps);
+        bwd_dkdv_ctas(p, Tr::Bc), Tr::kNThreads, kSmem, stream, p, st, maps);
   };
   cudaError_t err;
   if constexpr (kHeadDim == 64) {
