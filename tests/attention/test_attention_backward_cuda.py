@@ -177,7 +177,10 @@ def test_copy_engine_step_loads_equal_cp_async(monkeypatch, d, options):
     """The Hopper backward's plain kernels load each step's tiles through the copy engine
     (FLASHMOD_BWD_TMA_LOADS=1, the default; 2 in the dK/dV kernel only) or by every thread's
     cp.async (0): the same bytes land, rows past the sequence as zeros, so the gradients are bitwise
-    equal (deterministic mode, the suite's fixture: no atomics). Odd lengths reach the partial last
+    equal (deterministic mode, the suite's fixture: no atomics). At D = 256 the copy engine's loads
+    also take another dK/dV kernel (bwd_sm90_halves_kernel.h: the warpgroups split the head dim,
+    P and dS through shared memory) than cp.async's (the pair kernel): its products add the same
+    bf16 operands in the same order, so bitwise equal too. Odd lengths reach the partial last
     blocks of both kernels; a GQA group shares each kv head."""
     q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 333, d)
     grad_out, grad_lse = draw_upstream(q)
@@ -194,6 +197,38 @@ def test_copy_engine_step_loads_equal_cp_async(monkeypatch, d, options):
         grads("3")
     monkeypatch.delenv("FLASHMOD_BWD_TMA_LOADS")
     check_grads(q, k, v, **options)  # and within the rule against fp64 (the default loads)
+
+
+def backward_kernel_names(q, k, v, **options) -> set[str]:
+    """The CUDA kernels one fused backward call launched (torch.profiler's names)."""
+    grad_out, grad_lse = draw_upstream(q)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fused_grads(q, k, v, grad_out, grad_lse, **options)
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_256_dkdv_kernel_by_loads(monkeypatch, causal):
+    """At padded head dim 256 the plain dense backward takes dK / dV from the kernel whose warpgroups
+    split the head dim (bwd_sm90_halves_kernel.h) where its loads go through the copy engine, and from
+    the pair kernel where they cannot (FLASHMOD_BWD_TMA_LOADS=0 stands in for unaligned rows) or where
+    the scores are general (a soft cap); test_copy_engine_step_loads_equal_cp_async compares the two
+    kernels' gradients bitwise."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the halves kernel is a Hopper kernel")
+    q, k, v = make_inputs(DEV, torch.bfloat16, 1, 4, 2, 150, 131, 256)
+
+    def dkdv_kernels(**options):
+        return {n for n in backward_kernel_names(q, k, v, is_causal=causal, **options) if "dkdv" in n or "halves" in n}
+
+    def only(names: set[str], halves: bool) -> bool:
+        return bool(names) and all(("halves" in n) == halves for n in names)
+
+    assert only(dkdv_kernels(), True)
+    assert only(dkdv_kernels(softcap=30.0), False)
+    monkeypatch.setenv("FLASHMOD_BWD_TMA_LOADS", "0")
+    assert only(dkdv_kernels(), False)
 
 
 @pytest.mark.parametrize("d", [40, 64, 96, 128, 160, 256])

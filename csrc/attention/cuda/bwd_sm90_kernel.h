@@ -545,11 +545,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
             sw128_desc(sdS_addr + tile * kSdSBytes + a_block * Bc * 128, Bc * 128, 1024);
         const uint64_t kb_desc = sw128_desc(sK_addr + b_block * Bc * 128, Bc * 128, 1024);
         wgmma_fence();
-        WgmmaTT<Elem, 64>::ss_overwrite(dQ, ds_desc, kb_desc);
+        WgmmaSS<Elem, 64>::template overwrite<1, 1>(dQ, ds_desc, kb_desc);
 #pragma unroll
         for (int kk = 1; kk < Bc / 16; ++kk)
-          WgmmaTT<Elem, 64>::ss(dQ, desc_advance(ds_desc, kk * 2048),
-                                desc_advance(kb_desc, kk * 2048), 1);
+          WgmmaSS<Elem, 64>::template mma<1, 1>(dQ, desc_advance(ds_desc, kk * 2048),
+                                                desc_advance(kb_desc, kk * 2048), 1);
         wgmma_commit();
         wgmma_wait<0>();  // with kOverlap, also step s - 1's gradient products
         pin_registers(dQ);

@@ -247,72 +247,73 @@ struct Wgmma;
     }                                                                                              \
   };
 
-// WgmmaTT<Elem, 64>::ss(d, desc_a, desc_b, accumulate) / ss_overwrite(d, desc_a, desc_b): as
-// Wgmma's, with both operands MN-major in shared memory (transposed reads): A stored with its M
-// rows contiguous (K rows of M elements), B with its N columns contiguous.
-template <typename Elem, int N>
-struct WgmmaTT;
-#define FLASHMOD_WGMMA_TT_N64(ELEM, PTX, OUT, ACC)                                               \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                   \
-  "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                                      \
-  " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
-  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"   \
-      : OUT(d[0][0]),                                                                            \
-        OUT(d[0][1]),                                                                            \
-        OUT(d[0][2]),                                                                            \
-        OUT(d[0][3]),                                                                            \
-        OUT(d[1][0]),                                                                            \
-        OUT(d[1][1]),                                                                            \
-        OUT(d[1][2]),                                                                            \
-        OUT(d[1][3]),                                                                            \
-        OUT(d[2][0]),                                                                            \
-        OUT(d[2][1]),                                                                            \
-        OUT(d[2][2]),                                                                            \
-        OUT(d[2][3]),                                                                            \
-        OUT(d[3][0]),                                                                            \
-        OUT(d[3][1]),                                                                            \
-        OUT(d[3][2]),                                                                            \
-        OUT(d[3][3]),                                                                            \
-        OUT(d[4][0]),                                                                            \
-        OUT(d[4][1]),                                                                            \
-        OUT(d[4][2]),                                                                            \
-        OUT(d[4][3]),                                                                            \
-        OUT(d[5][0]),                                                                            \
-        OUT(d[5][1]),                                                                            \
-        OUT(d[5][2]),                                                                            \
-        OUT(d[5][3]),                                                                            \
-        OUT(d[6][0]),                                                                            \
-        OUT(d[6][1]),                                                                            \
-        OUT(d[6][2]),                                                                            \
-        OUT(d[6][3]),                                                                            \
-        OUT(d[7][0]),                                                                            \
-        OUT(d[7][1]),                                                                            \
-        OUT(d[7][2]),                                                                            \
-        OUT(d[7][3])                                                                             \
-      : "l"(desc_a), "l"(desc_b), "r"(ACC)
-#define FLASHMOD_WGMMA_TT(ELEM, PTX)                                                              \
-  template <>                                                                                     \
-  struct WgmmaTT<ELEM, 64> {                                                                      \
-    __device__ __forceinline__ static void ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, \
-                                              int accumulate) {                                   \
-      asm volatile(FLASHMOD_WGMMA_TT_N64(ELEM, PTX, "+f", accumulate));                           \
-    }                                                                                             \
-    __device__ __forceinline__ static void ss_overwrite(float (&d)[8][4], uint64_t desc_a,        \
-                                                        uint64_t desc_b) {                        \
-      asm volatile(FLASHMOD_WGMMA_TT_N64(ELEM, PTX, "=f", 0));                                    \
-    }                                                                                             \
-  };
-FLASHMOD_WGMMA_TT(__nv_bfloat16, "bf16")
-FLASHMOD_WGMMA_TT(__half, "f16")
-#undef FLASHMOD_WGMMA_TT
-#undef FLASHMOD_WGMMA_TT_N64
-
 FLASHMOD_WGMMA_N64(__nv_bfloat16, "bf16")
 FLASHMOD_WGMMA_N64(__half, "f16")
 FLASHMOD_WGMMA_N128(__nv_bfloat16, "bf16")
 FLASHMOD_WGMMA_N128(__half, "f16")
 #undef FLASHMOD_WGMMA_N64
 #undef FLASHMOD_WGMMA_N128
+#endif  // FLASHMOD_SM90A
+
+// WgmmaSS<Elem, N>::mma<kTransA, kTransB>(d, desc_a, desc_b, accumulate): d (+)= A B with both
+// operands in shared memory, each K-major (0) or MN-major (1: a transposed read); accumulate = 0
+// overwrites d. ::overwrite<kTransA, kTransB>(d, desc_a, desc_b): d = A B with d an output only (as
+// Wgmma's ss_overwrite). The D = 256 dK/dV kernel (bwd_sm90_halves_kernel.h) takes its score
+// halves at N = 32 and its gradient products from these, the fused dQ variant its dQ product (both
+// operands MN-major: A stored with its M rows contiguous, K rows of M elements; B with its N
+// columns contiguous).
+template <typename Elem, int N>
+struct WgmmaSS;
+#ifdef FLASHMOD_SM90A
+// The accumulator operands of n8 tile i (four floats a thread), as asm outputs.
+#define FLASHMOD_WGMMA_ACC_TILE(OUT, i) OUT(d[i][0]), OUT(d[i][1]), OUT(d[i][2]), OUT(d[i][3])
+#define FLASHMOD_WGMMA_SS_N32(PTX, OUT, ACC)                                \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                              \
+  "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX "." PTX                 \
+  " {"                                                                      \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"    \
+  "}, %16, %17, p, 1, 1, %19, %20;\n}\n" : FLASHMOD_WGMMA_ACC_TILE(OUT, 0), \
+                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 1), \
+                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 2), \
+                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 3)  \
+      : "l"(desc_a), "l"(desc_b), "r"(ACC), "n"(kTransA), "n"(kTransB)
+#define FLASHMOD_WGMMA_SS_N64(PTX, OUT, ACC)                                       \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                     \
+  "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                        \
+  " {"                                                                             \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+  "}, %32, %33, p, 1, 1, %35, %36;\n}\n" : FLASHMOD_WGMMA_ACC_TILE(OUT, 0),        \
+                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 1),        \
+                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 2),        \
+                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 3),        \
+                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 4),        \
+                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 5),        \
+                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 6),        \
+                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 7)         \
+      : "l"(desc_a), "l"(desc_b), "r"(ACC), "n"(kTransA), "n"(kTransB)
+#define FLASHMOD_WGMMA_SS(ELEM, PTX, N)                                                     \
+  template <>                                                                               \
+  struct WgmmaSS<ELEM, N> {                                                                 \
+    template <int kTransA, int kTransB>                                                     \
+    __device__ __forceinline__ static void mma(float (&d)[N / 8][4], uint64_t desc_a,       \
+                                               uint64_t desc_b, int accumulate) {           \
+      asm volatile(FLASHMOD_WGMMA_SS_N##N(PTX, "+f", accumulate));                          \
+    }                                                                                       \
+    template <int kTransA, int kTransB>                                                     \
+    __device__ __forceinline__ static void overwrite(float (&d)[N / 8][4], uint64_t desc_a, \
+                                                     uint64_t desc_b) {                     \
+      asm volatile(FLASHMOD_WGMMA_SS_N##N(PTX, "=f", 0));                                   \
+    }                                                                                       \
+  };
+FLASHMOD_WGMMA_SS(__nv_bfloat16, "bf16", 32)
+FLASHMOD_WGMMA_SS(__nv_bfloat16, "bf16", 64)
+FLASHMOD_WGMMA_SS(__half, "f16", 32)
+FLASHMOD_WGMMA_SS(__half, "f16", 64)
+#undef FLASHMOD_WGMMA_SS
+#undef FLASHMOD_WGMMA_SS_N32
+#undef FLASHMOD_WGMMA_SS_N64
+#undef FLASHMOD_WGMMA_ACC_TILE
 #endif  // FLASHMOD_SM90A
 
 }  // namespace flashmod::cuda_kernels::sm90
