@@ -85,10 +85,6 @@ __device__ __forceinline__ void pin_registers(uint32_t (&r)[kRows][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
 }
 
-template <typename Elem, int N>
-struct Wgmma;
-
-#ifdef FLASHMOD_SM90A
 // Wgmma<Elem, N>::ss(d, desc_a, desc_b, accumulate): d (+)= A B, A and B K-major in shared
 // memory (descriptors); accumulate = 0 overwrites d.
 // Wgmma<Elem, N>::ss_overwrite(d, desc_a, desc_b): d = A B, d an output only: its old registers
@@ -96,224 +92,123 @@ struct Wgmma;
 // Wgmma<Elem, N>::rs_accumulate(d, a, desc_b, accumulate = 1): d (+)= A B, A from registers (the
 // accumulator layout packed to 16 bits), B MN-major in shared memory (transposed read);
 // accumulate = 0 overwrites d.
-// One macro per N (its operand lists); the element type only changes the instruction's type token.
-#define FLASHMOD_WGMMA_N64(ELEM, PTX)                                                              \
-  template <>                                                                                      \
-  struct Wgmma<ELEM, 64> {                                                                         \
-    __device__ __forceinline__ static void ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,  \
-                                              int accumulate) {                                    \
-      asm volatile(                                                                                \
-          "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                             \
-          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                                \
-          " "                                                                                      \
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
-          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, "  \
-          "0, "                                                                                    \
-          "0;\n}\n"                                                                                \
-          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),             \
-            "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),             \
-            "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),             \
-            "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),             \
-            "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),             \
-            "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
-            "+f"(d[7][2]), "+f"(d[7][3])                                                           \
-          : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                            \
-    }                                                                                              \
-    __device__ __forceinline__ static void ss_overwrite(float (&d)[8][4], uint64_t desc_a,         \
-                                                        uint64_t desc_b) {                         \
-      asm volatile(                                                                                \
-          "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                             \
-          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                                \
-          " "                                                                                      \
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
-          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, "  \
-          "0, "                                                                                    \
-          "0;\n}\n"                                                                                \
-          : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]),             \
-            "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]),             \
-            "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]),             \
-            "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]),             \
-            "=f"(d[5][0]), "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]),             \
-            "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]), "=f"(d[7][0]), "=f"(d[7][1]),             \
-            "=f"(d[7][2]), "=f"(d[7][3])                                                           \
-          : "l"(desc_a), "l"(desc_b), "r"(0));                                                     \
-    }                                                                                              \
-    __device__ __forceinline__ static void rs_accumulate(float (&d)[8][4], const uint32_t (&a)[4], \
-                                                         uint64_t desc_b, int accumulate = 1) {    \
-      asm volatile(                                                                                \
-          "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                             \
-          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                                \
-          " "                                                                                      \
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
-          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, "     \
-          "%35}, "                                                                                 \
-          "%36, p, 1, 1, 1;\n}\n"                                                                  \
-          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),             \
-            "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),             \
-            "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),             \
-            "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),             \
-            "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),             \
-            "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
-            "+f"(d[7][2]), "+f"(d[7][3])                                                           \
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));             \
-    }                                                                                              \
-  };
-
-#define FLASHMOD_WGMMA_N128(ELEM, PTX)                                                             \
-  template <>                                                                                      \
-  struct Wgmma<ELEM, 128> {                                                                        \
-    __device__ __forceinline__ static void ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, \
-                                              int accumulate) {                                    \
-      asm volatile(                                                                                \
-          "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                             \
-          "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX                               \
-          " "                                                                                      \
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
-          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
-          "%36, "                                                                                  \
-          "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, "  \
-          "%54, "                                                                                  \
-          "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"            \
-          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),             \
-            "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),             \
-            "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),             \
-            "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),             \
-            "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),             \
-            "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
-            "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),             \
-            "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),             \
-            "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]),        \
-            "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]),        \
-            "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]),        \
-            "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),        \
-            "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])                         \
-          : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                            \
-    }                                                                                              \
-    __device__ __forceinline__ static void ss_overwrite(float (&d)[16][4], uint64_t desc_a,        \
-                                                        uint64_t desc_b) {                         \
-      asm volatile(                                                                                \
-          "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                             \
-          "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX                               \
-          " "                                                                                      \
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
-          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
-          "%36, "                                                                                  \
-          "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, "  \
-          "%54, "                                                                                  \
-          "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"            \
-          : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]),             \
-            "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]),             \
-            "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]),             \
-            "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]),             \
-            "=f"(d[5][0]), "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]),             \
-            "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]), "=f"(d[7][0]), "=f"(d[7][1]),             \
-            "=f"(d[7][2]), "=f"(d[7][3]), "=f"(d[8][0]), "=f"(d[8][1]), "=f"(d[8][2]),             \
-            "=f"(d[8][3]), "=f"(d[9][0]), "=f"(d[9][1]), "=f"(d[9][2]), "=f"(d[9][3]),             \
-            "=f"(d[10][0]), "=f"(d[10][1]), "=f"(d[10][2]), "=f"(d[10][3]), "=f"(d[11][0]),        \
-            "=f"(d[11][1]), "=f"(d[11][2]), "=f"(d[11][3]), "=f"(d[12][0]), "=f"(d[12][1]),        \
-            "=f"(d[12][2]), "=f"(d[12][3]), "=f"(d[13][0]), "=f"(d[13][1]), "=f"(d[13][2]),        \
-            "=f"(d[13][3]), "=f"(d[14][0]), "=f"(d[14][1]), "=f"(d[14][2]), "=f"(d[14][3]),        \
-            "=f"(d[15][0]), "=f"(d[15][1]), "=f"(d[15][2]), "=f"(d[15][3])                         \
-          : "l"(desc_a), "l"(desc_b), "r"(0));                                                     \
-    }                                                                                              \
-    __device__ __forceinline__ static void rs_accumulate(float (&d)[16][4],                        \
-                                                         const uint32_t (&a)[4], uint64_t desc_b,  \
-                                                         int accumulate = 1) {                     \
-      asm volatile(                                                                                \
-          "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                             \
-          "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX                               \
-          " "                                                                                      \
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
-          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
-          "%36, "                                                                                  \
-          "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, "  \
-          "%54, "                                                                                  \
-          "%55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, "     \
-          "1;\n}\n"                                                                                \
-          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),             \
-            "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),             \
-            "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),             \
-            "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),             \
-            "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),             \
-            "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
-            "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),             \
-            "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),             \
-            "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]),        \
-            "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]),        \
-            "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]),        \
-            "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),        \
-            "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])                         \
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));             \
-    }                                                                                              \
-  };
-
-FLASHMOD_WGMMA_N64(__nv_bfloat16, "bf16")
-FLASHMOD_WGMMA_N64(__half, "f16")
-FLASHMOD_WGMMA_N128(__nv_bfloat16, "bf16")
-FLASHMOD_WGMMA_N128(__half, "f16")
-#undef FLASHMOD_WGMMA_N64
-#undef FLASHMOD_WGMMA_N128
-#endif  // FLASHMOD_SM90A
-
-// WgmmaSS<Elem, N>::mma<kTransA, kTransB>(d, desc_a, desc_b, accumulate): d (+)= A B with both
-// operands in shared memory, each K-major (0) or MN-major (1: a transposed read); accumulate = 0
-// overwrites d. ::overwrite<kTransA, kTransB>(d, desc_a, desc_b): d = A B with d an output only (as
-// Wgmma's ss_overwrite). The D = 256 dK/dV kernel (bwd_sm90_halves_kernel.h) takes its score
-// halves at N = 32 and its gradient products from these, the fused dQ variant its dQ product (both
-// operands MN-major: A stored with its M rows contiguous, K rows of M elements; B with its N
-// columns contiguous).
+// WgmmaSS<Elem, N>::mma<kTransA, kTransB>(d, desc_a, desc_b, accumulate) and
+// ::overwrite<kTransA, kTransB>(d, desc_a, desc_b): as ss and ss_overwrite with each operand
+// K-major (0) or MN-major (1: a transposed read; A stored with its M rows contiguous, K rows of M
+// elements; B with its N columns contiguous). The D = 256 dK/dV kernel (bwd_sm90_halves_kernel.h)
+// takes its score halves at N = 32 and its gradient products from these, the fused dQ variant its
+// dQ product.
+template <typename Elem, int N>
+struct Wgmma;
 template <typename Elem, int N>
 struct WgmmaSS;
+
 #ifdef FLASHMOD_SM90A
-// The accumulator operands of n8 tile i (four floats a thread), as asm outputs.
-#define FLASHMOD_WGMMA_ACC_TILE(OUT, i) OUT(d[i][0]), OUT(d[i][1]), OUT(d[i][2]), OUT(d[i][3])
-#define FLASHMOD_WGMMA_SS_N32(PTX, OUT, ACC)                                \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                              \
-  "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX "." PTX                 \
-  " {"                                                                      \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"    \
-  "}, %16, %17, p, 1, 1, %19, %20;\n}\n" : FLASHMOD_WGMMA_ACC_TILE(OUT, 0), \
-                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 1), \
-                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 2), \
-                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 3)  \
-      : "l"(desc_a), "l"(desc_b), "r"(ACC), "n"(kTransA), "n"(kTransB)
-#define FLASHMOD_WGMMA_SS_N64(PTX, OUT, ACC)                                       \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                     \
-  "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                        \
-  " {"                                                                             \
+// The operand lists, one per N; the element type only changes the instruction's type token.
+// The accumulator registers of n8 tiles i .. i + 3 (four floats a thread each), as asm outputs.
+#define FLASHMOD_WGMMA_ACC4(OUT, i)                                                             \
+  OUT(d[i][0]), OUT(d[i][1]), OUT(d[i][2]), OUT(d[i][3]), OUT(d[i + 1][0]), OUT(d[i + 1][1]),   \
+      OUT(d[i + 1][2]), OUT(d[i + 1][3]), OUT(d[i + 2][0]), OUT(d[i + 2][1]), OUT(d[i + 2][2]), \
+      OUT(d[i + 2][3]), OUT(d[i + 3][0]), OUT(d[i + 3][1]), OUT(d[i + 3][2]), OUT(d[i + 3][3])
+#define FLASHMOD_WGMMA_ACC_32(OUT) FLASHMOD_WGMMA_ACC4(OUT, 0)
+#define FLASHMOD_WGMMA_ACC_64(OUT) FLASHMOD_WGMMA_ACC4(OUT, 0), FLASHMOD_WGMMA_ACC4(OUT, 4)
+#define FLASHMOD_WGMMA_ACC_128(OUT) \
+  FLASHMOD_WGMMA_ACC_64(OUT), FLASHMOD_WGMMA_ACC4(OUT, 8), FLASHMOD_WGMMA_ACC4(OUT, 12)
+// "{%0, ..}" for the N / 2 accumulator registers, and the operands' numbers after them.
+#define FLASHMOD_WGMMA_REGS_32                                           \
+  "{"                                                                    \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
+  "}"
+#define FLASHMOD_WGMMA_REGS_64                                                     \
+  "{"                                                                              \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-  "}, %32, %33, p, 1, 1, %35, %36;\n}\n" : FLASHMOD_WGMMA_ACC_TILE(OUT, 0),        \
-                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 1),        \
-                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 2),        \
-                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 3),        \
-                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 4),        \
-                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 5),        \
-                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 6),        \
-                                           FLASHMOD_WGMMA_ACC_TILE(OUT, 7)         \
+  "}"
+#define FLASHMOD_WGMMA_REGS_128                                                      \
+  "{"                                                                                \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"   \
+  "}"
+#define FLASHMOD_WGMMA_SS_OPS_32 ", %16, %17, p, 1, 1, %19, %20;\n}\n"
+#define FLASHMOD_WGMMA_SS_PRED_32 "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+#define FLASHMOD_WGMMA_SS_OPS_64 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+#define FLASHMOD_WGMMA_SS_PRED_64 "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+#define FLASHMOD_WGMMA_SS_OPS_128 ", %64, %65, p, 1, 1, %67, %68;\n}\n"
+#define FLASHMOD_WGMMA_SS_PRED_128 "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+#define FLASHMOD_WGMMA_RS_OPS_64 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+#define FLASHMOD_WGMMA_RS_PRED_64 "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+#define FLASHMOD_WGMMA_RS_OPS_128 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+#define FLASHMOD_WGMMA_RS_PRED_128 "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+// d (+)= A B from shared memory: OUT "+f" (accumulate = ACC) or "=f" (ACC = 0, d an output only).
+#define FLASHMOD_WGMMA_SS_ASM(N, PTX, OUT, ACC)                                            \
+  FLASHMOD_WGMMA_SS_PRED_##N "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX \
+                             " " FLASHMOD_WGMMA_REGS_##N FLASHMOD_WGMMA_SS_OPS_##N         \
+      : FLASHMOD_WGMMA_ACC_##N(OUT)                                                        \
       : "l"(desc_a), "l"(desc_b), "r"(ACC), "n"(kTransA), "n"(kTransB)
-#define FLASHMOD_WGMMA_SS(ELEM, PTX, N)                                                     \
+#define FLASHMOD_WGMMA(ELEM, PTX, N)                                                        \
   template <>                                                                               \
   struct WgmmaSS<ELEM, N> {                                                                 \
     template <int kTransA, int kTransB>                                                     \
     __device__ __forceinline__ static void mma(float (&d)[N / 8][4], uint64_t desc_a,       \
                                                uint64_t desc_b, int accumulate) {           \
-      asm volatile(FLASHMOD_WGMMA_SS_N##N(PTX, "+f", accumulate));                          \
+      asm volatile(FLASHMOD_WGMMA_SS_ASM(N, PTX, "+f", accumulate));                        \
     }                                                                                       \
     template <int kTransA, int kTransB>                                                     \
     __device__ __forceinline__ static void overwrite(float (&d)[N / 8][4], uint64_t desc_a, \
                                                      uint64_t desc_b) {                     \
-      asm volatile(FLASHMOD_WGMMA_SS_N##N(PTX, "=f", 0));                                   \
+      asm volatile(FLASHMOD_WGMMA_SS_ASM(N, PTX, "=f", 0));                                 \
     }                                                                                       \
   };
-FLASHMOD_WGMMA_SS(__nv_bfloat16, "bf16", 32)
-FLASHMOD_WGMMA_SS(__nv_bfloat16, "bf16", 64)
-FLASHMOD_WGMMA_SS(__half, "f16", 32)
-FLASHMOD_WGMMA_SS(__half, "f16", 64)
-#undef FLASHMOD_WGMMA_SS
-#undef FLASHMOD_WGMMA_SS_N32
-#undef FLASHMOD_WGMMA_SS_N64
-#undef FLASHMOD_WGMMA_ACC_TILE
+#define FLASHMOD_WGMMA_RS(ELEM, PTX, N)                                                           \
+  FLASHMOD_WGMMA(ELEM, PTX, N)                                                                    \
+  template <>                                                                                     \
+  struct Wgmma<ELEM, N> {                                                                         \
+    __device__ __forceinline__ static void ss(float (&d)[N / 8][4], uint64_t desc_a,              \
+                                              uint64_t desc_b, int accumulate) {                  \
+      WgmmaSS<ELEM, N>::mma<0, 0>(d, desc_a, desc_b, accumulate);                                 \
+    }                                                                                             \
+    __device__ __forceinline__ static void ss_overwrite(float (&d)[N / 8][4], uint64_t desc_a,    \
+                                                        uint64_t desc_b) {                        \
+      WgmmaSS<ELEM, N>::overwrite<0, 0>(d, desc_a, desc_b);                                       \
+    }                                                                                             \
+    __device__ __forceinline__ static void rs_accumulate(float (&d)[N / 8][4],                    \
+                                                         const uint32_t (&a)[4], uint64_t desc_b, \
+                                                         int accumulate = 1) {                    \
+      asm volatile(FLASHMOD_WGMMA_RS_PRED_##N                                                     \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX                  \
+                   " " FLASHMOD_WGMMA_REGS_##N FLASHMOD_WGMMA_RS_OPS_##N                          \
+                   : FLASHMOD_WGMMA_ACC_##N("+f")                                                 \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));   \
+    }                                                                                             \
+  };
+FLASHMOD_WGMMA(__nv_bfloat16, "bf16", 32)
+FLASHMOD_WGMMA(__half, "f16", 32)
+FLASHMOD_WGMMA_RS(__nv_bfloat16, "bf16", 64)
+FLASHMOD_WGMMA_RS(__half, "f16", 64)
+FLASHMOD_WGMMA_RS(__nv_bfloat16, "bf16", 128)
+FLASHMOD_WGMMA_RS(__half, "f16", 128)
+#undef FLASHMOD_WGMMA_RS
+#undef FLASHMOD_WGMMA
+#undef FLASHMOD_WGMMA_SS_ASM
+#undef FLASHMOD_WGMMA_SS_OPS_32
+#undef FLASHMOD_WGMMA_SS_OPS_64
+#undef FLASHMOD_WGMMA_SS_OPS_128
+#undef FLASHMOD_WGMMA_SS_PRED_32
+#undef FLASHMOD_WGMMA_SS_PRED_64
+#undef FLASHMOD_WGMMA_SS_PRED_128
+#undef FLASHMOD_WGMMA_RS_OPS_64
+#undef FLASHMOD_WGMMA_RS_OPS_128
+#undef FLASHMOD_WGMMA_RS_PRED_64
+#undef FLASHMOD_WGMMA_RS_PRED_128
+#undef FLASHMOD_WGMMA_REGS_32
+#undef FLASHMOD_WGMMA_REGS_64
+#undef FLASHMOD_WGMMA_REGS_128
+#undef FLASHMOD_WGMMA_ACC_32
+#undef FLASHMOD_WGMMA_ACC_64
+#undef FLASHMOD_WGMMA_ACC_128
+#undef FLASHMOD_WGMMA_ACC4
 #endif  // FLASHMOD_SM90A
 
 }  // namespace flashmod::cuda_kernels::sm90
