@@ -108,13 +108,14 @@ def backward_ops() -> None:
                 out, _ = attention_op(q, k, v, mask, softcap=5.0)
                 torch.autograd.grad(out.float().sum(), (q, k, v))
     os.environ.pop("FLASHMOD_BWD_FUSED_DQ")
-    # D = 256 (on Hopper the pair kernel: its two warpgroups run different code between the same
-    # barriers) and fp32 (the 3xTF32 kernels): odd lengths, causal and not, GQA.
+    # D = 256 (on Hopper the kernel whose warpgroups split the head dim; with a soft cap the pair
+    # kernel, whose two warpgroups run different code between the same barriers) and fp32 (the
+    # 3xTF32 kernels): odd lengths, causal and not, GQA.
     for dtype, d in ((torch.bfloat16, 256), (torch.float32, 40), (torch.float32, 128)):
         grad = {"device": "cuda", "dtype": dtype, "requires_grad": True}
         q = torch.randn(1, 4, 130, d, **grad)
         k, v = (torch.randn(1, 2, 77, d, **grad) for _ in range(2))
-        for opts in ({}, {"is_causal": True}):
+        for opts in ({}, {"is_causal": True}, {"is_causal": True, "softcap": 5.0}):
             out, lse = attention_op(q, k, v, **opts)
             torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
 

@@ -494,7 +494,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     // the step behind a second CTA barrier, 15 % of the kernel's stall samples sat at that
     // barrier: H100, N = 4k, design log, session 31; queued behind the score products instead,
     // it spilled and ran 1-4 % slower.)
-    // This warpgroup's 64 of dQ_i's columns, used by dq_product_and_add alone. (Declared here:
+    // This warpgroup's 64 of dQ_i's columns, used by dq_product_and_stage alone. (Declared here:
     // inside it, ptxas orders the measured kernel's machine code differently.)
     float dQ[kDQ ? 8 : 1][4];
     int64_t dq_h = 0;  // the head and query block of the dS^T tile the next product reads
