@@ -11,6 +11,8 @@ grad_lse on and off; a failing configuration is printed whole, so it can become 
 and gradients against the fp64 reference that drops dropout_keep_mask's keys (test_dropout.py's
 check_dropout); fp64 inputs are taken there (the CPU's fp64 kernels).
 
+On an H100 / H200 run it again with FLASHMOD_BWD_FUSED_DQ=2, which takes the fused-dQ variant at
+every length its rule would not (session 52: 400 bf16 configurations each way, see api-edges.md).
 Run it under each FLASHMOD_CPU_ISA to reach every CPU path (session 21: 750 bf16 configurations on
 the AMX path and the AVX2 one, none failed). Two known limits show up at peak 3 (logits of ~100):
 fp16/bf16 dq/dk of a very peaked row past the rule, and fp32 gradients past the tight fp32 bound (P
@@ -51,9 +53,11 @@ def random_case(rng: random.Random, device: str, dtype: torch.dtype) -> tuple[tu
     """(q, k, v), the op's options, and a description of both."""
     b, hkv = rng.choice([1, 2, 3]), rng.choice([1, 2, 3])
     hq = hkv * rng.choice([1, 2, 4])
-    nq = rng.choice([1, 2, 17, 64, 113, 128, 129, 203, 300])
-    nk = rng.choice([1, 3, 17, 64, 127, 128, 200, 333])
-    d = rng.choice([8, 16, 40, 59, 64, 96, 111, 128])
+    nq = rng.choice([1, 2, 17, 64, 113, 128, 129, 203, 300, 1023])
+    nk = rng.choice([1, 3, 17, 64, 127, 128, 200, 333, 1023])
+    # 160-256: the wide head dims' kernels (on H100/H200 at 229 / 256 the dK/dV kernel whose
+    # warpgroups split the head dim, or the pair kernel for general scores).
+    d = rng.choice([8, 16, 40, 59, 64, 96, 111, 128, 160, 229, 256])
     opts: dict = {}
     where = rng.random()
     if where < 0.3:
@@ -63,7 +67,10 @@ def random_case(rng: random.Random, device: str, dtype: torch.dtype) -> tuple[tu
     if rng.random() < 0.2:
         opts["softcap"] = rng.choice([2.0, 5.0, 30.0])
     if rng.random() < 0.15:
-        opts["scale"] = rng.choice([0.05, 0.3, 1.0])
+        # Past D = 128 an explicit scale is shrunk by sqrt(128 / D), so that logits (which grow as
+        # scale * sqrt(D)) stay in the range the narrower dims reach: at D = 256, scale 1 and peak 3
+        # they are ~150 apart, and nearly every such row is the known one-hot case below.
+        opts["scale"] = rng.choice([0.05, 0.3, 1.0]) * min(1.0, (128 / d) ** 0.5)
     mask = rng.random()
     if mask < 0.2:
         opts["attn_mask"] = torch.rand(b, 1, nq, nk, device=device) > 0.3

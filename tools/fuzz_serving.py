@@ -2,7 +2,8 @@
 by the tests' rule (output within 2x plain torch's error in the same dtype): flash_attn_varlen_func
 (empty and odd sequences, Nq != Nk; contiguous k/v, or page pools of 16 / 48 through block_table;
 dropout on contiguous k/v through the op with its rng_state, the reference dropping with the mask
-reference.dropout_keep_mask gives each sequence)
+reference.dropout_keep_mask gives each sequence; gradients of half the contiguous calls without
+dropout, within 3x plain torch's error, exactly 0 where a sequence has no rows or no keys)
 and flash_attn_with_kvcache (contiguous and paged caches, pages of 16 / 32 / 48, appends of 0-3
 rows, several query rows), with GQA, causal, windows, soft caps and scales. A window side is judged
 as flash-attn does: against max_seqlen_k (varlen) or the cache's capacity (KV cache). A failing
@@ -26,10 +27,10 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests")]
 from paging import packed_into_pages  # noqa: E402
-from tolerance import SLACK, max_abs_err  # noqa: E402
+from tolerance import GRAD_SLACK, SLACK, max_abs_err  # noqa: E402
 
 import flashmod  # noqa: E402
-from flashmod.reference import attention_reference, dropout_keep_mask  # noqa: E402
+from flashmod.reference import attention_reference, dropout_keep_mask, effective_window, visible_keys  # noqa: E402
 
 UNBOUNDED = -1
 
@@ -59,6 +60,61 @@ def within_rule(ours, q, k, v, opts: dict, dtype: torch.dtype, keep=None) -> tup
     err, plain_err = max_abs_err(ours, truth), max_abs_err(plain, truth)
     bound = 2 * plain_err + SLACK[dtype] * max(1.0, truth.abs().max().item() if truth.numel() else 1.0)
     return not torch.isnan(ours).any() and err <= bound, err, plain_err
+
+
+def reference_grads(q, k, v, grad_out, opts: dict, compute_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """dq, dk, dv of one sequence alone (flash-attn's layout), by autograd through ``reference`` with
+    q, k, v and grad_out cast to compute_dtype."""
+    inputs = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+    out = reference(*inputs, opts, compute_dtype)
+    return torch.autograd.grad(out, inputs, grad_out.to(compute_dtype))
+
+
+def varlen_grads_failures(desc: str, q, k, v, cq, ck, opts: dict, dtype: torch.dtype) -> list[str]:
+    """flash_attn_varlen_func's gradients against each sequence's own by the tests' rule (3x plain
+    torch's error in the same dtype against fp64, plus the gradient slack); where a sequence has no
+    query rows its dk / dv, and where it has no keys its dq, must be exactly 0."""
+    lq, lk = cq.diff().tolist(), ck.diff().tolist()
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flashmod.flash_attn_varlen_func(
+        *inputs, cq, ck, max(lq), max(lk), softmax_scale=opts["scale"], causal=opts["causal"],
+        window_size=(opts["left"], opts["right"]), softcap=opts["softcap"],
+    )  # fmt: skip
+    grad_out = torch.randn_like(out)
+    ours = torch.autograd.grad(out, inputs, grad_out)
+    failures = []
+    for i in range(len(lq)):
+        rows, keys = slice(int(cq[i]), int(cq[i + 1])), slice(int(ck[i]), int(ck[i + 1]))
+        mine = (ours[0][rows], ours[1][keys], ours[2][keys])
+        if lq[i] == 0 or lk[i] == 0:
+            empty = mine[1:] if lq[i] == 0 else mine[:1]
+            if any(bool(g.ne(0).any()) for g in empty):
+                failures.append(f"{desc}: sequence {i} (lq {lq[i]}, lk {lk[i]}) has nonzero gradients")
+            continue
+        seq = (q[rows], k[keys], v[keys], grad_out[rows])
+        truth = reference_grads(*seq, opts, torch.float64)
+        plain = reference_grads(*seq, opts, dtype)
+        for name, x, t, pl in zip(("dq", "dk", "dv"), mine, truth, plain):
+            err, plain_err = max_abs_err(x, t), max_abs_err(pl, t)
+            bound = 3 * plain_err + GRAD_SLACK[dtype] * max(1.0, t.abs().max().item())
+            if torch.isnan(x).any() or err > bound:
+                line = f"{desc}: sequence {i} {name} error {err:.3e} against plain {plain_err:.3e}"
+                # Every row sees one key at most: the true dq / dk are 0, and plain torch's are exactly
+                # 0 (its softmax backward takes delta from its own P = 1), while a fused backward takes
+                # delta = rowsum(dO o O) in another summation order than dP = dO v (fuzz_backward.py's
+                # third known case).
+                if name != "dv" and not torch.isnan(x).any() and most_keys_a_row_sees(lq[i], lk[i], opts) <= 1:
+                    print("KNOWN (every row sees at most one key)", line)
+                    continue
+                failures.append(line)
+    return failures
+
+
+def most_keys_a_row_sees(nq: int, nk: int, opts: dict) -> int:
+    """The most keys a query row of one sequence sees under the call's causal rule and window."""
+    left, right = effective_window(opts["causal"], opts["left"], opts["right"])
+    window = visible_keys(torch.arange(nq), nq, nk, left, right, True)
+    return nk if window is None else int(window.sum(-1).max())
 
 
 def varlen_case(rng: random.Random, device: str, dtype: torch.dtype, base: dict) -> list[str]:
@@ -107,6 +163,8 @@ def varlen_case(rng: random.Random, device: str, dtype: torch.dtype, base: dict)
         ok, err, plain_err = within_rule(out[rows], q[rows], k[keys], v[keys], opts, dtype, keep[i])
         if not ok:
             failures.append(f"{desc}: sequence {i} error {err:.3e} against plain {plain_err:.3e}")
+    if not page and not dropout and rng.random() < 0.5:
+        failures += varlen_grads_failures(f"{desc} (gradients)", q, k, v, cq, ck, opts, dtype)
     return failures
 
 
@@ -164,7 +222,7 @@ def main() -> None:
     for _ in range(args.configs):
         hkv = rng.choice([1, 2])
         base = {
-            "hq": hkv * rng.choice([1, 2, 4]), "hkv": hkv, "d": rng.choice([32, 40, 64, 96, 128]),
+            "hq": hkv * rng.choice([1, 2, 4]), "hkv": hkv, "d": rng.choice([32, 40, 64, 96, 128, 160, 256]),
             "causal": rng.random() < 0.5, "left": rng.choice([-1, -1, 3, 50]), "right": rng.choice([-1, -1, 0, 7]),
             "softcap": rng.choice([0.0, 0.0, 10.0]), "scale": rng.choice([None, 0.4]),
         }  # fmt: skip

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_attention import layout_mask
-from test_attention_backward import check_grads, draw_upstream, fused_grads, make_inputs, reference_grads
+from test_attention_backward import check_grads, draw_upstream, fused_grads, make_inputs, op_args, reference_grads
 from tolerance import assert_within_rule
 
 import flashmod
@@ -197,6 +197,44 @@ def test_copy_engine_step_loads_equal_cp_async(monkeypatch, d, options):
         grads("3")
     monkeypatch.delenv("FLASHMOD_BWD_TMA_LOADS")
     check_grads(q, k, v, **options)  # and within the rule against fp64 (the default loads)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("options", [{}, {"is_causal": True}], ids=str)
+def test_dq_kernel_beside_dkdv(monkeypatch, d, options):
+    """The Hopper backward's dQ kernel runs on a pool stream beside the dK/dV launch, forked after the
+    row statistics and joined back by events (FLASHMOD_BWD_DQ_BESIDE=1, the default), or after it on
+    the call's stream (0): the same kernels, so bitwise the same gradients (deterministic mode, the
+    suite's fixture: no atomics), also when the call is captured in a CUDA graph and replayed with new
+    grad_out values, and when it runs on a side stream of its own."""
+    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 333, d)
+    out, lse = torch.ops.flashmod.attention(q, k, v, *op_args(**options))
+    grad_out, grad_lse = draw_upstream(q)
+
+    def grads(knob):
+        monkeypatch.setenv("FLASHMOD_BWD_DQ_BESIDE", knob)
+        return torch.ops.flashmod.attention_backward(grad_out, grad_lse, q, k, v, out, lse, *op_args(**options))[:3]
+
+    serial = grads("0")
+    for name, x, y in zip(("dq", "dk", "dv"), grads("1"), serial):
+        assert torch.equal(x, y), name
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = grads("1")
+    torch.cuda.current_stream().wait_stream(side)
+    for name, x, y in zip(("dq", "dk", "dv"), on_side, serial):
+        assert torch.equal(x, y), name
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grads("1")
+    for _ in range(2):
+        grad_out.copy_(torch.randn_like(grad_out))
+        graph.replay()
+        for name, x, y in zip(("dq", "dk", "dv"), captured, grads("0")):
+            assert torch.equal(x, y), name
+    monkeypatch.delenv("FLASHMOD_BWD_DQ_BESIDE")
+    check_grads(q, k, v, **options)  # and within the rule against fp64
 
 
 def backward_kernel_names(q, k, v, **options) -> set[str]:

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -151,6 +152,8 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
   cuda_kernels::BwdRowStats run_st = st;
   run_st.defer_fences = env_flag("FLASHMOD_BWD_DEFERRED_FENCES", true);
   run_st.fused_overlap = env_flag("FLASHMOD_BWD_FUSED_OVERLAP", true);
+  if (sm90 && env_flag("FLASHMOD_BWD_DQ_BESIDE", true))
+    run_st.dq_stream = c10::cuda::getStreamFromPool(false, options.device().index()).stream();
   int64_t sum_floats = 0;
   if (sm90 && cuda_kernels::kBwdSm90Tiles[tile].is_default &&
       cuda_kernels::bwd_fused_dq(p, padded) && fused_dq_wanted(p, padded)) {
