@@ -201,12 +201,16 @@ def test_copy_engine_step_loads_equal_cp_async(monkeypatch, d, options):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("options", [{}, {"is_causal": True}], ids=str)
-def test_dq_kernel_beside_dkdv(monkeypatch, d, options):
-    """The Hopper backward's dQ kernel runs on a pool stream beside the dK/dV launch, forked after the
-    row statistics and joined back by events (FLASHMOD_BWD_DQ_BESIDE=1, the default), or after it on
-    the call's stream (0): the same kernels, so bitwise the same gradients (deterministic mode, the
-    suite's fixture: no atomics), also when the call is captured in a CUDA graph and replayed with new
-    grad_out values, and when it runs on a side stream of its own."""
+@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
+def test_dq_kernel_beside_dkdv(monkeypatch, d, options, portable):
+    """The backward's dQ kernel runs on a pool stream beside the dK/dV launch, forked after the row
+    statistics and joined back by events (FLASHMOD_BWD_DQ_BESIDE=1, the default), or after it on the
+    call's stream (0): the same kernels, so bitwise the same gradients (deterministic mode, the suite's
+    fixture: no atomics), also when the call is captured in a CUDA graph and replayed with new
+    grad_out values, and when it runs on a side stream of its own; on the Hopper kernels and the
+    portable mma.sync ones (FLASHMOD_DISABLE_SM90=1)."""
+    if portable:
+        monkeypatch.setenv("FLASHMOD_DISABLE_SM90", "1")
     q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 333, d)
     out, lse = torch.ops.flashmod.attention(q, k, v, *op_args(**options))
     grad_out, grad_lse = draw_upstream(q)

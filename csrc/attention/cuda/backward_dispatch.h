@@ -152,7 +152,7 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
   cuda_kernels::BwdRowStats run_st = st;
   run_st.defer_fences = env_flag("FLASHMOD_BWD_DEFERRED_FENCES", true);
   run_st.fused_overlap = env_flag("FLASHMOD_BWD_FUSED_OVERLAP", true);
-  if (sm90 && env_flag("FLASHMOD_BWD_DQ_BESIDE", true))
+  if (env_flag("FLASHMOD_BWD_DQ_BESIDE", true))
     run_st.dq_stream = c10::cuda::getStreamFromPool(false, options.device().index()).stream();
   int64_t sum_floats = 0;
   if (sm90 && cuda_kernels::kBwdSm90Tiles[tile].is_default &&
@@ -177,10 +177,13 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
 #undef FLASHMOD_BWD_SM90_CASE
     }
   }
+  // The portable kernels take no sums; their dQ kernel runs beside dK/dV too.
+  cuda_kernels::BwdRowStats portable_st = st;
+  portable_st.dq_stream = run_st.dq_stream;
   switch (key) {
 #define FLASHMOD_BWD_CASE(Elem, kind, D)               \
   case cuda_kernels::variant_key(ScalarKind::kind, D): \
-    return cuda_kernels::run_attention_bwd<Elem, D>(p, st, stream);
+    return cuda_kernels::run_attention_bwd<Elem, D>(p, portable_st, stream);
     FLASHMOD_BWD_SM80_VARIANTS(FLASHMOD_BWD_CASE)
 #undef FLASHMOD_BWD_CASE
   }

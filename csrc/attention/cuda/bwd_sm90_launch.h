@@ -254,33 +254,6 @@ cudaError_t launch_dq(const AttentionBwdParams& p, const BwdRowStats& st, cudaSt
       Q::kNThreads, q_smem, stream, p, st, maps);
 }
 
-// dkdv(stream), then dq: on `beside` where given, forked from `stream` after the work queued there
-// (the row statistics) and joined back into it by events, so that the two independent kernels' CTAs
-// share the SMs, each grid's last wave beside the other's; else on `stream` after dkdv. H200, bf16,
-// B * N = 16k, H * D = 2048, session 52, forward + backward against one after the other in one
-// process: D = 256 1k +2 %, causal 1k +3 %, 4k +1 %, causal 4k +3 %; causal 1k D = 64 +2 %, D = 128
-// +3 %, GQA 32/8 +2 %; the shapes that take the fused variant (no dQ kernel) level.
-template <typename DKDV, typename DQ>
-cudaError_t launch_beside(cudaStream_t stream, cudaStream_t beside, DKDV dkdv, DQ dq) {
-  if (beside == nullptr) {
-    const cudaError_t err = dkdv(stream);
-    return err != cudaSuccess ? err : dq(stream);
-  }
-  cudaEvent_t fork = nullptr, join = nullptr;
-  cudaError_t err = cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
-  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&join, cudaEventDisableTiming);
-  if (err == cudaSuccess) err = cudaEventRecord(fork, stream);
-  if (err == cudaSuccess) err = cudaStreamWaitEvent(beside, fork, 0);
-  if (err == cudaSuccess) err = dkdv(stream);
-  if (err == cudaSuccess) err = dq(beside);
-  if (err == cudaSuccess) err = cudaEventRecord(join, beside);
-  if (err == cudaSuccess) err = cudaStreamWaitEvent(stream, join, 0);
-  // Released once the recorded work completes (or, captured, as soon as the graph holds the edges).
-  if (fork != nullptr) cudaEventDestroy(fork);
-  if (join != nullptr) cudaEventDestroy(join);
-  return err;
-}
-
 template <typename Elem, int kHeadDim, int kTile, bool kGeneral, bool kExtents,
           int kFast = kBwdFastNone, bool kDropout = false>
 cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaStream_t stream) {
@@ -327,6 +300,10 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
                                                                                   maps);
     }
   };
+  // dK/dV, and dQ beside it on st.dq_stream where the host gave one (cuda::launch_beside). H200,
+  // bf16, B * N = 16k, H * D = 2048, session 52, forward + backward against one after the other in
+  // one process: D = 256 1k +2 %, causal 1k +3 %, 4k +1 %, causal 4k +3 %; causal 1k D = 64 +2 %,
+  // D = 128 +3 %, GQA 32/8 +2 %; the shapes that take the fused variant (no dQ kernel) level.
   // Plain dense variants load their steps through the copy engine where TMA takes q and grad_out
   // (and the dQ kernel its key blocks where it takes k and v); BwdRowStats::tma_loads says
   // otherwise for measurements.
@@ -337,7 +314,7 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
       BwdStepMaps key_maps;
       const bool key_tma =
           !Q::kOverlap && st.tma_loads == 1 && encode_bwd_step_maps<Elem>(p, true, Q::Bc, key_maps);
-      return launch_beside(
+      return cuda::launch_beside(
           stream, st.dq_stream,
           [&](cudaStream_t s) { return launch_dkdv_set(std::true_type{}, maps, s); },
           [&](cudaStream_t s) {
@@ -351,7 +328,7 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
           });
     }
   }
-  return launch_beside(
+  return cuda::launch_beside(
       stream, st.dq_stream,
       [&](cudaStream_t s) { return launch_dkdv_set(std::false_type{}, BwdStepMaps{}, s); },
       [&](cudaStream_t s) {

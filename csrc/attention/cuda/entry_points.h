@@ -199,9 +199,9 @@ struct BwdRowStats {
   // D = 128 in the plain dense variant); FLASHMOD_BWD_FUSED_OVERLAP=0: waited for at each step's
   // end.
   int fused_overlap = 1;
-  // Host only (no kernel reads it): where the Hopper backward's dQ kernel runs beside the dK/dV
-  // launch (bwd_sm90_launch.h: launch_beside); nullptr, FLASHMOD_BWD_DQ_BESIDE=0: after it, on the
-  // call's stream.
+  // Host only (no kernel reads it): where the backward's dQ kernel runs beside the dK/dV launch
+  // (kernel_launch.h: launch_beside); nullptr, FLASHMOD_BWD_DQ_BESIDE=0: after it, on the call's
+  // stream.
   cudaStream_t dq_stream = nullptr;
 };
 

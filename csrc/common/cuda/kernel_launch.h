@@ -50,4 +50,30 @@ cudaError_t launch_kernel(Kernel kernel, int64_t blocks, int threads, int64_t sm
                        args...);
 }
 
+// dkdv(stream), then dq(...): on `beside` where given, forked from `stream` after the work queued
+// there and joined back into it by events, so that two independent grids share the SMs, each one's
+// last wave beside the other's CTAs (the backward's dK/dV and dQ kernels: bwd_sm90_launch.h has
+// the numbers); else on `stream` after dkdv. CUDA graph capture records the fork and the join as
+// edges.
+template <typename DKDV, typename DQ>
+cudaError_t launch_beside(cudaStream_t stream, cudaStream_t beside, DKDV dkdv, DQ dq) {
+  if (beside == nullptr) {
+    const cudaError_t err = dkdv(stream);
+    return err != cudaSuccess ? err : dq(stream);
+  }
+  cudaEvent_t fork = nullptr, join = nullptr;
+  cudaError_t err = cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&join, cudaEventDisableTiming);
+  if (err == cudaSuccess) err = cudaEventRecord(fork, stream);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(beside, fork, 0);
+  if (err == cudaSuccess) err = dkdv(stream);
+  if (err == cudaSuccess) err = dq(beside);
+  if (err == cudaSuccess) err = cudaEventRecord(join, beside);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(stream, join, 0);
+  // Released once the recorded work completes (or, captured, as soon as the graph holds the edges).
+  if (fork != nullptr) cudaEventDestroy(fork);
+  if (join != nullptr) cudaEventDestroy(join);
+  return err;
+}
+
 }  // namespace flashmod::cuda
