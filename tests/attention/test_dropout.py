@@ -87,10 +87,11 @@ CASES = {
 }
 
 
-def check_dropout(q, k, v, dropout_p, rng_state, use_grad_lse=False, **opts):
+def check_dropout(q, k, v, dropout_p, rng_state, use_grad_lse=False, upstream=None, **opts):
     """flashmod::attention_dropout's output (2x) and gradients (3x, grad_lse too if asked) against
     the fp64 reference that drops what dropout_keep_mask says, the same math in q's dtype as the
-    yardstick (tests/tolerance.py). opts: attention_op's keywords. Used by tools/fuzz_backward.py."""
+    yardstick (tests/tolerance.py). opts: attention_op's keywords; ``upstream`` = (grad_out,
+    grad_lse or None) to use instead of fresh draws. Used by tools/fuzz_backward.py."""
     dtype = q.dtype
     mask = opts.get("attn_mask")
     options = (
@@ -99,8 +100,11 @@ def check_dropout(q, k, v, dropout_p, rng_state, use_grad_lse=False, **opts):
     )  # fmt: skip
     inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
     out, lse = torch.ops.flashmod.attention_dropout(*inputs, *options, dropout_p, rng_state)
-    grad_out = torch.randn_like(out)
-    grad_lse = torch.randn_like(lse) if use_grad_lse else None
+    if upstream is not None:
+        grad_out, grad_lse = upstream
+    else:
+        grad_out = torch.randn_like(out)
+        grad_lse = torch.randn_like(lse) if use_grad_lse else None
     cotangents = (grad_out, torch.zeros_like(lse) if grad_lse is None else grad_lse)
     grads = torch.autograd.grad((out, lse), inputs, cotangents)
     keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
