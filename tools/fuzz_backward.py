@@ -43,7 +43,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests" / p) for p in ("", "attention")]
 from test_attention_backward import check_grads, draw_upstream, fused_grads, op_args, reference_grads  # noqa: E402
-from test_dropout import check_dropout  # noqa: E402
+from test_dropout import check_dropout, dropout_reference  # noqa: E402
 from tolerance import GRAD_SLACK, max_abs_err  # noqa: E402
 
 from flashmod.reference import attention_reference, dropout_keep_mask, effective_window, visible_keys  # noqa: E402
@@ -133,16 +133,8 @@ def explained_by_stored_output(tensors: tuple, upstream: tuple, opts: dict, name
         lse_cot = grad_lse if grad_lse is not None else torch.zeros(q.shape[:3], device=q.device)
 
         def dropped(compute_dtype, lse_cotangent):
-            xs = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
-            kw = dict(opts)
-            mask = kw.get("attn_mask")
-            if mask is not None and mask.is_floating_point() and compute_dtype == torch.float64:
-                kw["attn_mask"] = mask.double()
-            o, lse = attention_reference(
-                *xs, compute_dtype=compute_dtype, dropout_p=p, dropout_mask=keep, **kw
-            )  # fmt: skip
-            cot = (grad_out.to(compute_dtype), lse_cotangent.to(compute_dtype))
-            return o, torch.autograd.grad((o, lse), xs, cot)
+            o, _, grads = dropout_reference(q, k, v, p, keep, (grad_out, lse_cotangent), compute_dtype, **opts)
+            return o, grads
 
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
         stored, lse = torch.ops.flashmod.attention_dropout(*inputs, *op_args(**opts), p, state)

@@ -87,6 +87,21 @@ CASES = {
 }
 
 
+def dropout_reference(q, k, v, dropout_p, keep, cotangents, compute_dtype, **opts):
+    """(out, lse, (dq, dk, dv)) of the reference that drops ``keep``'s keys, computed in
+    compute_dtype (an additive mask widened to fp64 there), the gradients by autograd with
+    ``cotangents`` = (grad_out, grad_lse). opts: attention_op's keywords."""
+    xs = tuple(t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v))
+    mask = opts.get("attn_mask")
+    if mask is not None and mask.dtype != torch.bool and compute_dtype == torch.float64:
+        opts = {**opts, "attn_mask": mask.double()}
+    o, lse = attention_reference(
+        *xs, dropout_p=dropout_p, compute_dtype=compute_dtype, dropout_mask=keep, **opts
+    )  # fmt: skip
+    cot = tuple(c.to(compute_dtype) for c in cotangents)
+    return o, lse, torch.autograd.grad((o, lse), xs, cot)
+
+
 def check_dropout(q, k, v, dropout_p, rng_state, use_grad_lse=False, upstream=None, **opts):
     """flashmod::attention_dropout's output (2x) and gradients (3x, grad_lse too if asked) against
     the fp64 reference that drops what dropout_keep_mask says, the same math in q's dtype as the
@@ -108,19 +123,7 @@ def check_dropout(q, k, v, dropout_p, rng_state, use_grad_lse=False, upstream=No
     cotangents = (grad_out, torch.zeros_like(lse) if grad_lse is None else grad_lse)
     grads = torch.autograd.grad((out, lse), inputs, cotangents)
     keep = dropout_keep_mask(rng_state, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
-
-    def reference(compute_dtype):
-        xs = tuple(t.detach().to(compute_dtype).requires_grad_() for t in inputs)
-        m = mask
-        if m is not None and m.dtype != torch.bool and compute_dtype == torch.float64:
-            m = m.double()
-        o, lse_ref = attention_reference(
-            *xs, m, *options[1:], dropout_p, compute_dtype=compute_dtype, dropout_mask=keep
-        )
-        cot = tuple(c.to(compute_dtype) for c in cotangents)
-        return o, lse_ref, torch.autograd.grad((o, lse_ref), xs, cot)
-
-    truth, plain = reference(torch.float64), reference(dtype)
+    truth, plain = (dropout_reference(q, k, v, dropout_p, keep, cotangents, t, **opts) for t in (torch.float64, dtype))
     assert_within_rule(out, truth[0], plain[0], 2, dtype, "out")
     lse_plain32 = attention_reference(*(t.detach() for t in inputs), *options, compute_dtype=torch.float32)[1]
     assert_within_rule(lse, truth[1], lse_plain32, 2, torch.float32, "lse")
