@@ -49,9 +49,9 @@
 //   FLASHMOD_BWD_FUSED_OVERLAP=0      the fused dQ variant at D = 128 waits for each step's
 //                                     gradient products at the step's end (default: with the
 //                                     next step's dQ product; bwd_sm90_launch.h)
-//   FLASHMOD_BWD_DQ_BESIDE=0          the fp16/bf16 backward's dQ kernel after the dK/dV launch
-//                                     on the call's stream (default: beside it on a pool stream;
-//                                     kernel_launch.h: launch_beside)
+//   FLASHMOD_BWD_DQ_BESIDE=0          the backward's dQ kernel (fp16/bf16 and fp32) after the
+//                                     dK/dV launch on the call's stream (default: beside it on a
+//                                     pool stream; kernel_launch.h: launch_beside)
 //   FLASHMOD_BWD_SM90_TILE=name       that tile of the Hopper backward (tools/gen_kernels.py's
 //                                     BWD_SM90_TILES); a name not built for the head dim is an
 //                                     error

@@ -201,17 +201,19 @@ def test_copy_engine_step_loads_equal_cp_async(monkeypatch, d, options):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("options", [{}, {"is_causal": True}], ids=str)
-@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
-def test_dq_kernel_beside_dkdv(monkeypatch, d, options, portable):
+@pytest.mark.parametrize("path", ["default", "portable", "fp32"])
+def test_dq_kernel_beside_dkdv(monkeypatch, d, options, path):
     """The backward's dQ kernel runs on a pool stream beside the dK/dV launch, forked after the row
     statistics and joined back by events (FLASHMOD_BWD_DQ_BESIDE=1, the default), or after it on the
     call's stream (0): the same kernels, so bitwise the same gradients (deterministic mode, the suite's
     fixture: no atomics), also when the call is captured in a CUDA graph and replayed with new
-    grad_out values, and when it runs on a side stream of its own; on the Hopper kernels and the
-    portable mma.sync ones (FLASHMOD_DISABLE_SM90=1)."""
-    if portable:
+    grad_out values, and when it runs on a side stream of its own; on the Hopper kernels, the
+    portable mma.sync ones (FLASHMOD_DISABLE_SM90=1) and the fp32 (3xTF32) ones, whose D = 256
+    launches dV and dK as two kernels before the fork's join."""
+    if path == "portable":
         monkeypatch.setenv("FLASHMOD_DISABLE_SM90", "1")
-    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 333, d)
+    dtype = torch.float32 if path == "fp32" else torch.bfloat16
+    q, k, v = make_inputs(DEV, dtype, 2, 4, 2, 203, 333, d)
     out, lse = torch.ops.flashmod.attention(q, k, v, *op_args(**options))
     grad_out, grad_lse = draw_upstream(q)
 
@@ -238,7 +240,10 @@ def test_dq_kernel_beside_dkdv(monkeypatch, d, options, portable):
         for name, x, y in zip(("dq", "dk", "dv"), captured, grads("0")):
             assert torch.equal(x, y), name
     monkeypatch.delenv("FLASHMOD_BWD_DQ_BESIDE")
-    check_grads(q, k, v, **options)  # and within the rule against fp64
+    if path == "fp32":  # and within the rule against fp64
+        check_grads_fp32(q, k, v, **options)
+    else:
+        check_grads(q, k, v, **options)
 
 
 def backward_kernel_names(q, k, v, **options) -> set[str]:

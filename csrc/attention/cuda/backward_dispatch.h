@@ -129,6 +129,14 @@ inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
   return bwd_queries_per_key(typical) >= fused_dq_min_queries(padded_head_dim, dropout);
 }
 
+// The stream the backward's dQ kernel runs on beside the dK/dV launch (BwdRowStats::dq_stream): one
+// of the c10 pool's, or nullptr under FLASHMOD_BWD_DQ_BESIDE=0 (after dK/dV on the call's stream).
+// Called under the op's device guard.
+inline cudaStream_t dq_beside_stream(const at::TensorOptions& options) {
+  if (!env_flag("FLASHMOD_BWD_DQ_BESIDE", true)) return nullptr;
+  return c10::cuda::getStreamFromPool(false, options.device().index()).stream();
+}
+
 // The row statistics (cuda_kernels::run_attention_bwd_rowstats into st's buffers), then dK/dV and
 // dQ of fp16/bf16 p, after classifying a mask tensor's tiles
 // (cuda_kernels::classify_bwd_mask_tiles; FLASHMOD_BWD_MASK_TILES=0 leaves every tile mixed) in
@@ -152,8 +160,7 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
   cuda_kernels::BwdRowStats run_st = st;
   run_st.defer_fences = env_flag("FLASHMOD_BWD_DEFERRED_FENCES", true);
   run_st.fused_overlap = env_flag("FLASHMOD_BWD_FUSED_OVERLAP", true);
-  if (env_flag("FLASHMOD_BWD_DQ_BESIDE", true))
-    run_st.dq_stream = c10::cuda::getStreamFromPool(false, options.device().index()).stream();
+  run_st.dq_stream = dq_beside_stream(options);
   int64_t sum_floats = 0;
   if (sm90 && cuda_kernels::kBwdSm90Tiles[tile].is_default &&
       cuda_kernels::bwd_fused_dq(p, padded) && fused_dq_wanted(p, padded)) {
@@ -177,13 +184,12 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
 #undef FLASHMOD_BWD_SM90_CASE
     }
   }
-  // The portable kernels take no sums; their dQ kernel runs beside dK/dV too.
-  cuda_kernels::BwdRowStats portable_st = st;
-  portable_st.dq_stream = run_st.dq_stream;
+  // The portable kernels read none of run_st's Hopper fields (sums, fences, overlap); their dQ
+  // kernel runs beside dK/dV too.
   switch (key) {
 #define FLASHMOD_BWD_CASE(Elem, kind, D)               \
   case cuda_kernels::variant_key(ScalarKind::kind, D): \
-    return cuda_kernels::run_attention_bwd<Elem, D>(p, portable_st, stream);
+    return cuda_kernels::run_attention_bwd<Elem, D>(p, run_st, stream);
     FLASHMOD_BWD_SM80_VARIANTS(FLASHMOD_BWD_CASE)
 #undef FLASHMOD_BWD_CASE
   }
