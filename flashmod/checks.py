@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import os
 
 import torch
 from torch import Tensor
@@ -184,14 +185,17 @@ def check_flash_attn_extras(op: str, alibi_slopes: object, **flags: object) -> N
 def check_deterministic_backward(op: str, deterministic: bool, *tensors: Tensor) -> None:
     """flash-attn's ``deterministic=True`` asks for a bitwise reproducible backward. flashmod's is,
     except that the Hopper backward adds dQ up by atomics (long sequences or packed ones, head dims
-    33-128) while torch's deterministic algorithms are off; rather than ignore the flag there, a CUDA
-    call that will be differentiated raises and names the switch."""
+    33-128), and so does the fp32 one (head dims up to 128), while torch's deterministic algorithms
+    are off and ``FLASHMOD_BWD_FUSED_DQ`` is not 0; rather than ignore the flag there, a CUDA call
+    that will be differentiated raises and names both switches."""
     if not deterministic or torch.are_deterministic_algorithms_enabled():
+        return
+    if os.environ.get("FLASHMOD_BWD_FUSED_DQ") == "0":
         return
     if torch.is_grad_enabled() and any(t.is_cuda and t.requires_grad for t in tensors):
         raise RuntimeError(
             f"{op}: deterministic=True needs torch.use_deterministic_algorithms(True) on CUDA "
-            "(otherwise the Hopper backward adds dQ up by atomics, in no fixed order); set it, or "
+            "(otherwise the backward may add dQ up by atomics, in no fixed order); set it, or "
             "FLASHMOD_BWD_FUSED_DQ=0, for a bitwise reproducible backward"
         )
 

@@ -506,6 +506,57 @@ def test_fp32_head_dims_and_sizes(d, nq, nk):
     check_grads_fp32(*make_inputs(DEV, torch.float32, 2, 2, 2, nq, nk, d))
 
 
+FP32_FUSED_DQ_CASES = {
+    "plain": (2, 2, 2, 203, 113, {}),
+    "one": (1, 2, 1, 1, 1, {}),
+    "causal": (1, 2, 1, 1023, 1023, {"is_causal": True}),
+    "top-left": (1, 2, 2, 203, 113, {"is_causal": True, "bottom_right": False}),
+    "gqa": (2, 6, 3, 113, 150, {"is_causal": True}),
+    "mqa": (1, 8, 1, 17, 203, {}),
+    "window": (1, 2, 2, 203, 260, {"window_left": 7, "window_right": 3, "bottom_right": False}),
+    "softcap": (1, 2, 2, 113, 150, {"softcap": 5.0, "is_causal": True}),
+    "scale": (1, 2, 2, 113, 150, {"scale": -0.3}),
+    "bool-mask": (2, 2, 2, 113, 150, {"attn_mask": "bool"}),
+    "additive": (2, 2, 2, 113, 150, {"attn_mask": "additive", "is_causal": True}),
+}
+
+
+@pytest.mark.parametrize("d", [16, 40, 59, 64, 96, 111, 128, 160])
+@pytest.mark.parametrize("case", FP32_FUSED_DQ_CASES)
+def test_fp32_fused_dq(monkeypatch, d, case):
+    """The fp32 backward's fused dQ (head dims <= 128: the dK/dV kernel adds dQ into grad_q by atomics
+    and no dQ kernel runs; FLASHMOD_BWD_FUSED_DQ=2 takes it although the suite runs deterministic
+    algorithms): dK and dV bitwise those of the dQ-kernel path, dQ within the rule against fp64, a
+    query row whose keys are all hidden gets dQ 0, and the profiler sees the dQ kernel only where the
+    head dim is past the fused one's (D = 160: the control)."""
+    b, hq, hkv, nq, nk, options = FP32_FUSED_DQ_CASES[case]
+    q, k, v = make_inputs(DEV, torch.float32, b, hq, hkv, nq, nk, d)
+    options = dict(options)
+    if options.get("attn_mask") == "bool":
+        mask = torch.rand(b, 1, nq, nk, device=DEV) > 0.3
+        mask[:, :, 5] = False  # a row that sees no key
+        options["attn_mask"] = mask
+    elif options.get("attn_mask") == "additive":
+        options["attn_mask"] = torch.randn(1, hq, nq, nk, device=DEV)
+    grad_out, grad_lse = draw_upstream(q)
+
+    def grads(knob):
+        monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", knob)
+        return fused_grads(q, k, v, grad_out, grad_lse, **options)
+
+    dq_kernel = grads("0")
+    fused = grads("2")
+    assert torch.equal(fused[1], dq_kernel[1]) and torch.equal(fused[2], dq_kernel[2]), "dk / dv"
+    if case == "bool-mask":
+        assert torch.all(fused[0][:, :, 5] == 0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        grads("2")
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert any("tf32_dq_kernel" in n for n in names) == (d > 128), names
+    check_grads_fp32(q, k, v, **options)  # dQ (and dK, dV) within the rule, fresh upstream draws
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("bottom_right", [True, False])
 @pytest.mark.parametrize(("nq", "nk"), [(113, 203), (203, 113), (1023, 1023), (1, 300)])

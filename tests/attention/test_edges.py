@@ -161,17 +161,28 @@ def test_non_tensor_arguments_are_type_errors(bad):
 
 
 @pytest.mark.cuda
-def test_flash_attn_deterministic_needs_torch_deterministic_mode_on_cuda():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_flash_attn_deterministic_needs_torch_deterministic_mode_on_cuda(monkeypatch, dtype):
     """deterministic=True promises a bitwise reproducible backward: on CUDA flashmod gives one under
-    torch.use_deterministic_algorithms(True) (on in this suite's fixture); without it a call that
-    will be differentiated raises (the Hopper backward may add dQ up by atomics), a call that will
-    not runs."""
-    q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    torch.use_deterministic_algorithms(True) (on in this suite's fixture) or FLASHMOD_BWD_FUSED_DQ=0;
+    without either a call that will be differentiated raises (the Hopper backward and the fp32 one
+    may add dQ up by atomics), a call that will not runs."""
+    q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=dtype) for _ in range(3))
     grads = [t.clone().requires_grad_() for t in (q, k, v)]
     flashmod.flash_attn_func(*grads, causal=True, deterministic=True).sum().backward()
     torch.use_deterministic_algorithms(False)
     with pytest.raises(RuntimeError, match=r"deterministic=True needs torch.use_deterministic_algorithms\(True\)"):
         flashmod.flash_attn_func(*grads, causal=True, deterministic=True)
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "0")
+    upstream = torch.randn_like(q)
+    runs = []
+    for _ in range(2):
+        for t in grads:
+            t.grad = None
+        flashmod.flash_attn_func(*grads, causal=True, deterministic=True).backward(upstream)
+        runs.append([t.grad.clone() for t in grads])
+    assert all(torch.equal(x, y) for x, y in zip(*runs))
+    monkeypatch.delenv("FLASHMOD_BWD_FUSED_DQ")
     out = flashmod.flash_attn_func(q, k, v, causal=True, deterministic=True)
     assert torch.equal(out, flashmod.flash_attn_func(q, k, v, causal=True))
 

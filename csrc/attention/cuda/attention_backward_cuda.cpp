@@ -60,8 +60,12 @@ Gradients run_attention_backward_cuda(
   if (p.dtype != ScalarKind::kFloat32) {
     err = run_fused_backward("flashmod.attention_backward", p, st, q.options(), stream);
   } else if ((err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream)) == cudaSuccess) {
-    st.dq_stream = dq_beside_stream(q.options());
     const int padded32 = cuda_kernels::padded_head_dim(cuda_kernels::kBwdTf32HeadDims, p.head_dim);
+    st.tf32_fused_dq = tf32_fused_dq_wanted(padded32);
+    if (st.tf32_fused_dq)
+      r.grad_q.zero_();  // the dK/dV kernel adds dQ into it
+    else
+      st.dq_stream = dq_beside_stream(q.options());
     switch (cuda_kernels::variant_key(p.dtype, padded32)) {
 #define FLASHMOD_BWD_TF32_CASE(Elem, kind, D)                           \
   case cuda_kernels::variant_key(ScalarKind::kind, D):                  \

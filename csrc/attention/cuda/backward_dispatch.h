@@ -107,10 +107,17 @@ inline int64_t packed_fused_dq_min_queries(int padded_head_dim, bool band, bool 
   return band && !dropout ? 2048 : dense;
 }
 
-inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
+// FLASHMOD_BWD_FUSED_DQ: 0 never, 1 (the default) by each path's rule and never under
+// torch.use_deterministic_algorithms, 2 wherever the kernels can.
+inline int64_t fused_dq_knob() {
   const int64_t knob = env_int("FLASHMOD_BWD_FUSED_DQ", 1);
   TORCH_CHECK(knob >= 0 && knob <= 2,
               error_message("FLASHMOD_BWD_FUSED_DQ must be 0, 1 or 2, got ", knob));
+  return knob;
+}
+
+inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
+  const int64_t knob = fused_dq_knob();
   if (knob != 1) return knob == 2;
   if (at::globalContext().deterministicAlgorithms()) return false;
   AttentionBwdParams typical = p;
@@ -127,6 +134,16 @@ inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
            packed_fused_dq_min_queries(padded_head_dim, band, dropout);
   }
   return bwd_queries_per_key(typical) >= fused_dq_min_queries(padded_head_dim, dropout);
+}
+
+// Whether the fp32 (3xTF32) backward adds dQ from its dK/dV kernel (BwdRowStats::tf32_fused_dq;
+// head dims <= 128, whose dK/dV kernel is one launch), by the FLASHMOD_BWD_FUSED_DQ rule without a
+// length bound: forward + backward against the dQ kernel beside dK/dV, H200, session 53, 1.14-1.27x
+// at B 4, H 16, N 1k / 4k, D 64 / 128, causal and not, and 1.11-1.23x at N = 128-512 and 8k.
+inline bool tf32_fused_dq_wanted(int padded_head_dim) {
+  if (padded_head_dim > 128) return false;
+  const int64_t knob = fused_dq_knob();
+  return knob == 2 || (knob == 1 && !at::globalContext().deterministicAlgorithms());
 }
 
 // The stream the backward's dQ kernel runs on beside the dK/dV launch (BwdRowStats::dq_stream): one

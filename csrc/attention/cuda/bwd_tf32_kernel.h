@@ -1,9 +1,10 @@
 // The fp32 backward on the tensor cores with 3xTF32 products (sm_80+): the portable backward's
 // structure (bwd_sm80_kernel.h: a dK/dV kernel per key block over every visible query block of
 // the GQA group, a separate dQ kernel per query block, no atomics, so every gradient is bitwise
-// reproducible) and its per-element math (bwd_common.h), with the products of the fp32 forward
-// (fwd_fp32_3xtf32.cu): every operand split into tf32 halves hi + lo and a * b computed as
-// a_lo * b_hi + a_hi * b_lo (one accumulator) + a_hi * b_hi (another), ~22 of 24 mantissa bits.
+// reproducible; or, kFusedDQ, dQ added by atomics from the dK/dV kernel) and its per-element math
+// (bwd_common.h), with the products of the fp32 forward (fwd_fp32_3xtf32.cu): every operand split
+// into tf32 halves hi + lo and a * b computed as a_lo * b_hi + a_hi * b_lo (one accumulator)
+// + a_hi * b_hi (another), ~22 of 24 mantissa bits.
 //
 // Accuracy: the tensor cores' accumulation truncates, so no long chain of mma's accumulates in
 // place: the products over the head dim (S = Q K^T, dP = dO V^T) add each k8 step's big terms to
@@ -55,6 +56,11 @@ struct Tf32BwdTraits {
   static_assert(Bs % 8 == 0 && Bs / 2 <= kNThreads, "one 16-byte lse2/delta chunk per thread");
   static_assert(kBwdRowPad % Bs == 0 && kBwdRowPad % Bo == 0, "row statistics cover whole blocks");
   static_assert(kSmemBytes <= 163 * 1024, "must also fit an A100");
+  // The fused dQ (kFusedDQ): the step's dS (Bs queries x Bo keys) for the CTA's dQ product. A pitch
+  // of 8 (mod 32) words makes its float2 fragment reads (rows g, columns 2t) conflict-free.
+  static constexpr int kDSLd = Bo + 8;
+  static constexpr int kFusedDQSmemBytes = kSmemBytes + 4 * Bs * kDSLd;
+  static_assert(kFusedDQSmemBytes <= 163 * 1024, "must also fit an A100");
 };
 
 namespace tf32_bwd {
@@ -154,15 +160,84 @@ __device__ __forceinline__ void product_ab(float (&acc)[kHeadDim / 8][4],
   }
 }
 
+// The fused dQ's step (kFusedDQ): dQ_i += scale * dS K_j for the step's Bs query rows, added into
+// grad_q (zeroed by the host) by fp32 atomics. dS is in shared memory (sdS: Bs x Tr::kDSLd,
+// queries x the CTA's Bo keys), K_j in sK. Warps split the Bs x D result into m16 row tiles x
+// column ranges. Each k8 step's big terms start a fresh accumulator (as product_abt: no long
+// chain of truncating tensor-core adds); the k index is relabelled as in product_ab (position t
+// <-> key 2t, t + 4 <-> 2t + 1), so A is read as float2 and B by rows 2t, 2t + 1.
+template <class Tr>
+__device__ __forceinline__ void add_fused_dq(const AttentionBwdParams& p, const float* sdS,
+                                             const float* sK, float scale, int64_t b, int64_t h,
+                                             int64_t r0, int warp, int g, int t, bool vec) {
+  constexpr int D = Tr::kHeadDim, kLd = Tr::kLd, kDSLd = Tr::kDSLd;
+  constexpr int kMTiles = Tr::Bs / 16, kWarpsPerM = Tr::kNWarps / kMTiles;
+  constexpr int kCols = D / kWarpsPerM, kNT = kCols / 8;
+  static_assert(Tr::Bs % 16 == 0 && Tr::kNWarps % kMTiles == 0 && kCols % 8 == 0,
+                "whole m16 x n8 tiles per warp");
+  const int wm = warp / kWarpsPerM, col0 = (warp % kWarpsPerM) * kCols;
+  const float* a_lane = sdS + (16 * wm + g) * kDSLd + 2 * t;
+  const float* b_lane = sK + 2 * t * kLd + col0 + g;
+  float acc[kNT][4], small[kNT][4];
+  zero(acc);
+  zero(small);
+#pragma unroll 2
+  for (int ks = 0; ks < Tr::Bo / 8; ++ks) {
+    const float2 top = *reinterpret_cast<const float2*>(a_lane + 8 * ks);
+    const float2 bottom = *reinterpret_cast<const float2*>(a_lane + 8 * kDSLd + 8 * ks);
+    uint32_t a_hi[4], a_lo[4];
+    split_tf32(__float_as_uint(top.x), a_hi[0], a_lo[0]);
+    split_tf32(__float_as_uint(bottom.x), a_hi[1], a_lo[1]);
+    split_tf32(__float_as_uint(top.y), a_hi[2], a_lo[2]);
+    split_tf32(__float_as_uint(bottom.y), a_hi[3], a_lo[3]);
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      const float* bp = b_lane + 8 * ks * kLd + 8 * nt;
+      uint32_t b_hi[2], b_lo[2];
+      split_tf32(lds(bp), b_hi[0], b_lo[0]);
+      split_tf32(lds(bp + kLd), b_hi[1], b_lo[1]);
+      float big[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_3xtf32_apart(big, small[nt], a_hi, a_lo, b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] += big[e];
+    }
+  }
+  const int head_dim = static_cast<int>(p.head_dim);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = r0 + 16 * wm + g + 8 * half;
+    if (row >= p.seqlen_q) continue;
+    float* dst = grad_rows<float>(p.grad_q, p.grad_q_batch_stride, p.grad_q_head_stride,
+                                  p.grad_q_row_stride, b, h, row);
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      const int col = col0 + 8 * nt + 2 * t;
+      const float x = scale * add_small_terms(acc[nt][2 * half], small[nt][2 * half]);
+      const float y = scale * add_small_terms(acc[nt][2 * half + 1], small[nt][2 * half + 1]);
+#if __CUDA_ARCH__ >= 900
+      if (vec && col + 1 < head_dim) {  // rows_aligned_pairs: 8-byte aligned pairs
+        atomicAdd(reinterpret_cast<float2*>(dst + col), make_float2(x, y));
+        continue;
+      }
+#endif
+      if (col < head_dim) atomicAdd(dst + col, x);
+      if (col + 1 < head_dim) atomicAdd(dst + col + 1, y);
+    }
+  }
+}
+
 }  // namespace tf32_bwd
 
-template <class Tr, bool kGeneral, int kWhich>
+// kFusedDQ: also dQ (add_fused_dq) from the step's dS, so no dQ kernel runs (five products per
+// block pair instead of seven; dQ's sums by atomics, so not bitwise reproducible).
+template <class Tr, bool kGeneral, int kWhich, bool kFusedDQ = false>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_bwd_tf32_dkdv_kernel(const AttentionBwdParams p, const BwdRowStats st) {
   constexpr int D = Tr::kHeadDim, Br = Tr::Bs, Bc = Tr::Bo, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles, kLd = Tr::kLd;
   constexpr int kOwn = Tr::kOwnTile, kStream = Tr::kStreamTile;
   constexpr bool kDV = kWhich != kBwdOnlyDK, kDK = kWhich != kBwdOnlyDV;
+  static_assert(!kFusedDQ || kWhich == kBwdBoth, "the fused dQ takes dS from the dK launch");
 
   extern __shared__ __align__(16) float smem[];
   float* sK = smem;
@@ -171,6 +246,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   float* sdO = sQ + 2 * kStream;
   float* sL = sdO + 2 * kStream;  // stage 1 at + Br
   float* sDelta = sL + 2 * Br;
+  float* sdS = sDelta + 2 * Br;  // kFusedDQ only
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
@@ -237,8 +313,22 @@ __global__ void __launch_bounds__(Tr::kNThreads)
                                                      n_block, Bc, key_row, sL + stage * Br,
                                                      sDelta + stage * Br, t, kb.plain_keys);
 
+    if constexpr (kFusedDQ) {
+      // This warp's 16 keys' columns of dS; the stores drain under the dV / dK products.
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sdS[(8 * nt + 2 * t + (e & 1)) * Tr::kDSLd + warp_row0 + g + 8 * (e >> 1)] = dPt[nt][e];
+    }
     if constexpr (kDV) tf32_bwd::product_ab<D, NT>(dV, St, sdO_s, g, t);
     if constexpr (kDK) tf32_bwd::product_ab<D, NT>(dK, dPt, sQ_s, g, t);
+    if constexpr (kFusedDQ) {
+      // Every warp's dS columns are in place. The next step's stores into sdS come after the loop
+      // top's barrier, which every warp reaches only past this product.
+      __syncthreads();
+      tf32_bwd::add_fused_dq<Tr>(p, sdS, sK, tf.scale, b, h, r0, warp, g, t, st.vec_store != 0);
+    }
   }
   cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 

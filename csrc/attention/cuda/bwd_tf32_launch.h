@@ -23,12 +23,13 @@ struct Tf32BwdConfig {
   using Tr = Tf32BwdTraits<kHeadDim, kHeadDim <= 128 ? 4 : 2, kHeadDim <= 96 ? 32 : 16>;
 };
 
-template <class Tr, bool kGeneral, int kWhich>
+template <class Tr, bool kGeneral, int kWhich, bool kFusedDQ = false>
 cudaError_t launch_bwd_tf32_dkdv(const AttentionBwdParams& p, const BwdRowStats& st,
                                  cudaStream_t stream) {
   const int64_t blocks = bwd_dkdv_ctas(p, Tr::Bo);
-  return cuda::launch_kernel(attention_bwd_tf32_dkdv_kernel<Tr, kGeneral, kWhich>, blocks,
-                             Tr::kNThreads, Tr::kSmemBytes, stream, p, st);
+  return cuda::launch_kernel(attention_bwd_tf32_dkdv_kernel<Tr, kGeneral, kWhich, kFusedDQ>, blocks,
+                             Tr::kNThreads, kFusedDQ ? Tr::kFusedDQSmemBytes : Tr::kSmemBytes,
+                             stream, p, st);
 }
 
 template <int kHeadDim, bool kGeneral>
@@ -36,6 +37,9 @@ cudaError_t launch_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
                             cudaStream_t stream) {
   using Cfg = Tf32BwdConfig<kHeadDim>;
   using Tr = typename Cfg::Tr;
+  if constexpr (!Cfg::kSplit) {
+    if (st.tf32_fused_dq) return launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdBoth, true>(p, st, stream);
+  }
   // dQ beside dK/dV on st.dq_stream where the host gave one, as in the fp16/bf16 backward
   // (bwd_sm80_launch.h). H200, B 4, H 16, D 64 / 128, N 1k / 4k, session 53: forward + backward
   // +1-10 % (causal 1k the most) against one after the other.

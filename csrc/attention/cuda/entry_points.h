@@ -203,6 +203,10 @@ struct BwdRowStats {
   // (kernel_launch.h: launch_beside); nullptr, FLASHMOD_BWD_DQ_BESIDE=0: after it, on the call's
   // stream.
   cudaStream_t dq_stream = nullptr;
+  // The fp32 (3xTF32) backward at head dims <= 128: its dK/dV kernel adds dQ into grad_q (zeroed
+  // by the host) by atomics and no dQ kernel runs (bwd_tf32_kernel.h: kFusedDQ); 0: the dQ kernel,
+  // bitwise reproducible.
+  int tf32_fused_dq = 0;
 };
 
 // Whether the Hopper backward can take dQ into its dK/dV kernel (five matmuls per block pair
