@@ -37,7 +37,7 @@
 //                                     >= 1024 on average, at D = 64 and 128;
 //                                     backward_dispatch.h) with deterministic algorithms off
 //                                     (default), 0 never, 2 wherever it applies; the same for
-//                                     the fp32 backward at D <= 128 (1: at every length)
+//                                     the fp32 backward (1: at every length and head dim)
 //   FLASHMOD_BWD_TMA_LOADS=0|1|2      the Hopper backward's plain kernels load their steps through
 //                                     the copy engine: 1 in the dK/dV and dQ kernels (default),
 //                                     2 in the dK/dV kernel only, 0 in neither (cp.async)

@@ -521,14 +521,14 @@ FP32_FUSED_DQ_CASES = {
 }
 
 
-@pytest.mark.parametrize("d", [16, 40, 59, 64, 96, 111, 128, 160])
+@pytest.mark.parametrize("d", [16, 40, 59, 64, 96, 111, 128, 160, 229, 256])
 @pytest.mark.parametrize("case", FP32_FUSED_DQ_CASES)
 def test_fp32_fused_dq(monkeypatch, d, case):
-    """The fp32 backward's fused dQ (head dims <= 128: the dK/dV kernel adds dQ into grad_q by atomics
-    and no dQ kernel runs; FLASHMOD_BWD_FUSED_DQ=2 takes it although the suite runs deterministic
-    algorithms): dK and dV bitwise those of the dQ-kernel path, dQ within the rule against fp64, a
-    query row whose keys are all hidden gets dQ 0, and the profiler sees the dQ kernel only where the
-    head dim is past the fused one's (D = 160: the control)."""
+    """The fp32 backward's fused dQ (the dK/dV kernel, past D = 128 its dK launch, adds dQ into grad_q
+    by atomics and no dQ kernel runs; FLASHMOD_BWD_FUSED_DQ=2 takes it although the suite runs
+    deterministic algorithms): dK and dV bitwise those of the dQ-kernel path, dQ within the rule
+    against fp64, a query row whose keys are all hidden gets dQ 0, and the profiler sees the dQ
+    kernel with the knob at 0 only."""
     b, hq, hkv, nq, nk, options = FP32_FUSED_DQ_CASES[case]
     q, k, v = make_inputs(DEV, torch.float32, b, hq, hkv, nq, nk, d)
     options = dict(options)
@@ -549,11 +549,12 @@ def test_fp32_fused_dq(monkeypatch, d, case):
     assert torch.equal(fused[1], dq_kernel[1]) and torch.equal(fused[2], dq_kernel[2]), "dk / dv"
     if case == "bool-mask":
         assert torch.all(fused[0][:, :, 5] == 0)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        grads("2")
-        torch.cuda.synchronize()
-    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-    assert any("tf32_dq_kernel" in n for n in names) == (d > 128), names
+    for knob in ("0", "2"):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            grads(knob)
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+        assert any("tf32_dq_kernel" in n for n in names) == (knob == "0"), (knob, names)
     check_grads_fp32(q, k, v, **options)  # dQ (and dK, dV) within the rule, fresh upstream draws
 
 

@@ -137,11 +137,11 @@ inline bool fused_dq_wanted(const AttentionBwdParams& p, int padded_head_dim) {
 }
 
 // Whether the fp32 (3xTF32) backward adds dQ from its dK/dV kernel (BwdRowStats::tf32_fused_dq;
-// head dims <= 128, whose dK/dV kernel is one launch), by the FLASHMOD_BWD_FUSED_DQ rule without a
-// length bound: forward + backward against the dQ kernel beside dK/dV, H200, session 53, 1.14-1.27x
-// at B 4, H 16, N 1k / 4k, D 64 / 128, causal and not, and 1.11-1.23x at N = 128-512 and 8k.
-inline bool tf32_fused_dq_wanted(int padded_head_dim) {
-  if (padded_head_dim > 128) return false;
+// past head dim 128 from its dK launch), by the FLASHMOD_BWD_FUSED_DQ rule without a length bound:
+// forward + backward against the dQ kernel beside dK/dV, H200, session 53, 1.14-1.27x at B 4, H 16,
+// N 1k / 4k, D 64 / 128, causal and not, 1.11-1.23x at N = 128-512 and 8k, 1.12-1.18x at
+// D = 160 / 256.
+inline bool tf32_fused_dq_wanted() {
   const int64_t knob = fused_dq_knob();
   return knob == 2 || (knob == 1 && !at::globalContext().deterministicAlgorithms());
 }

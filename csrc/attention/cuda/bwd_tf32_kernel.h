@@ -173,55 +173,62 @@ __device__ __forceinline__ void add_fused_dq(const AttentionBwdParams& p, const 
   constexpr int D = Tr::kHeadDim, kLd = Tr::kLd, kDSLd = Tr::kDSLd;
   constexpr int kMTiles = Tr::Bs / 16, kWarpsPerM = Tr::kNWarps / kMTiles;
   constexpr int kCols = D / kWarpsPerM, kNT = kCols / 8;
-  static_assert(Tr::Bs % 16 == 0 && Tr::kNWarps % kMTiles == 0 && kCols % 8 == 0,
-                "whole m16 x n8 tiles per warp");
+  // Columns in chunks of at most 4 n8 tiles: past D = 128 two warps hold dK's 128-256 floats a
+  // thread, so a warp's 80-128 columns of dQ cannot all be live at once.
+  constexpr int kChunk = kNT <= 4 ? kNT : kNT % 4 == 0 ? 4 : 2;
+  static_assert(
+      Tr::Bs % 16 == 0 && Tr::kNWarps % kMTiles == 0 && kCols % 8 == 0 && kNT % kChunk == 0,
+      "whole m16 x n8 tiles per warp");
   const int wm = warp / kWarpsPerM, col0 = (warp % kWarpsPerM) * kCols;
   const float* a_lane = sdS + (16 * wm + g) * kDSLd + 2 * t;
-  const float* b_lane = sK + 2 * t * kLd + col0 + g;
-  float acc[kNT][4], small[kNT][4];
-  zero(acc);
-  zero(small);
-#pragma unroll 2
-  for (int ks = 0; ks < Tr::Bo / 8; ++ks) {
-    const float2 top = *reinterpret_cast<const float2*>(a_lane + 8 * ks);
-    const float2 bottom = *reinterpret_cast<const float2*>(a_lane + 8 * kDSLd + 8 * ks);
-    uint32_t a_hi[4], a_lo[4];
-    split_tf32(__float_as_uint(top.x), a_hi[0], a_lo[0]);
-    split_tf32(__float_as_uint(bottom.x), a_hi[1], a_lo[1]);
-    split_tf32(__float_as_uint(top.y), a_hi[2], a_lo[2]);
-    split_tf32(__float_as_uint(bottom.y), a_hi[3], a_lo[3]);
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      const float* bp = b_lane + 8 * ks * kLd + 8 * nt;
-      uint32_t b_hi[2], b_lo[2];
-      split_tf32(lds(bp), b_hi[0], b_lo[0]);
-      split_tf32(lds(bp + kLd), b_hi[1], b_lo[1]);
-      float big[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_3xtf32_apart(big, small[nt], a_hi, a_lo, b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[nt][e] += big[e];
-    }
-  }
   const int head_dim = static_cast<int>(p.head_dim);
+#pragma unroll 1
+  for (int c0 = 0; c0 < kNT; c0 += kChunk) {
+    const float* b_lane = sK + 2 * t * kLd + col0 + 8 * c0 + g;
+    float acc[kChunk][4], small[kChunk][4];
+    zero(acc);
+    zero(small);
+#pragma unroll 2
+    for (int ks = 0; ks < Tr::Bo / 8; ++ks) {
+      const float2 top = *reinterpret_cast<const float2*>(a_lane + 8 * ks);
+      const float2 bottom = *reinterpret_cast<const float2*>(a_lane + 8 * kDSLd + 8 * ks);
+      uint32_t a_hi[4], a_lo[4];
+      split_tf32(__float_as_uint(top.x), a_hi[0], a_lo[0]);
+      split_tf32(__float_as_uint(bottom.x), a_hi[1], a_lo[1]);
+      split_tf32(__float_as_uint(top.y), a_hi[2], a_lo[2]);
+      split_tf32(__float_as_uint(bottom.y), a_hi[3], a_lo[3]);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int64_t row = r0 + 16 * wm + g + 8 * half;
-    if (row >= p.seqlen_q) continue;
-    float* dst = grad_rows<float>(p.grad_q, p.grad_q_batch_stride, p.grad_q_head_stride,
-                                  p.grad_q_row_stride, b, h, row);
+      for (int nt = 0; nt < kChunk; ++nt) {
+        const float* bp = b_lane + 8 * ks * kLd + 8 * nt;
+        uint32_t b_hi[2], b_lo[2];
+        split_tf32(lds(bp), b_hi[0], b_lo[0]);
+        split_tf32(lds(bp + kLd), b_hi[1], b_lo[1]);
+        float big[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_3xtf32_apart(big, small[nt], a_hi, a_lo, b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      const int col = col0 + 8 * nt + 2 * t;
-      const float x = scale * add_small_terms(acc[nt][2 * half], small[nt][2 * half]);
-      const float y = scale * add_small_terms(acc[nt][2 * half + 1], small[nt][2 * half + 1]);
-#if __CUDA_ARCH__ >= 900
-      if (vec && col + 1 < head_dim) {  // rows_aligned_pairs: 8-byte aligned pairs
-        atomicAdd(reinterpret_cast<float2*>(dst + col), make_float2(x, y));
-        continue;
+        for (int e = 0; e < 4; ++e) acc[nt][e] += big[e];
       }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = r0 + 16 * wm + g + 8 * half;
+      if (row >= p.seqlen_q) continue;
+      float* dst = grad_rows<float>(p.grad_q, p.grad_q_batch_stride, p.grad_q_head_stride,
+                                    p.grad_q_row_stride, b, h, row);
+#pragma unroll
+      for (int nt = 0; nt < kChunk; ++nt) {
+        const int col = col0 + 8 * (c0 + nt) + 2 * t;
+        const float x = scale * add_small_terms(acc[nt][2 * half], small[nt][2 * half]);
+        const float y = scale * add_small_terms(acc[nt][2 * half + 1], small[nt][2 * half + 1]);
+#if __CUDA_ARCH__ >= 900
+        if (vec && col + 1 < head_dim) {  // rows_aligned_pairs: 8-byte aligned pairs
+          atomicAdd(reinterpret_cast<float2*>(dst + col), make_float2(x, y));
+          continue;
+        }
 #endif
-      if (col < head_dim) atomicAdd(dst + col, x);
-      if (col + 1 < head_dim) atomicAdd(dst + col + 1, y);
+        if (col < head_dim) atomicAdd(dst + col, x);
+        if (col + 1 < head_dim) atomicAdd(dst + col + 1, y);
+      }
     }
   }
 }
@@ -229,7 +236,8 @@ __device__ __forceinline__ void add_fused_dq(const AttentionBwdParams& p, const 
 }  // namespace tf32_bwd
 
 // kFusedDQ: also dQ (add_fused_dq) from the step's dS, so no dQ kernel runs (five products per
-// block pair instead of seven; dQ's sums by atomics, so not bitwise reproducible).
+// block pair instead of seven; past D = 128, six in the two launches instead of eight; dQ's sums by
+// atomics, so not bitwise reproducible).
 template <class Tr, bool kGeneral, int kWhich, bool kFusedDQ = false>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_bwd_tf32_dkdv_kernel(const AttentionBwdParams p, const BwdRowStats st) {
@@ -237,7 +245,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles, kLd = Tr::kLd;
   constexpr int kOwn = Tr::kOwnTile, kStream = Tr::kStreamTile;
   constexpr bool kDV = kWhich != kBwdOnlyDK, kDK = kWhich != kBwdOnlyDV;
-  static_assert(!kFusedDQ || kWhich == kBwdBoth, "the fused dQ takes dS from the dK launch");
+  static_assert(!kFusedDQ || kDK, "the fused dQ takes dS from the dK launch");
 
   extern __shared__ __align__(16) float smem[];
   float* sK = smem;

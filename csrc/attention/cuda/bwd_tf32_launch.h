@@ -37,8 +37,15 @@ cudaError_t launch_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
                             cudaStream_t stream) {
   using Cfg = Tf32BwdConfig<kHeadDim>;
   using Tr = typename Cfg::Tr;
-  if constexpr (!Cfg::kSplit) {
-    if (st.tf32_fused_dq) return launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdBoth, true>(p, st, stream);
+  if (st.tf32_fused_dq) {
+    if constexpr (Cfg::kSplit) {
+      const cudaError_t err = launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdOnlyDV>(p, st, stream);
+      return err != cudaSuccess
+                 ? err
+                 : launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdOnlyDK, true>(p, st, stream);
+    } else {
+      return launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdBoth, true>(p, st, stream);
+    }
   }
   // dQ beside dK/dV on st.dq_stream where the host gave one, as in the fp16/bf16 backward
   // (bwd_sm80_launch.h). H200, B 4, H 16, D 64 / 128, N 1k / 4k, session 53: forward + backward

@@ -203,9 +203,9 @@ struct BwdRowStats {
   // (kernel_launch.h: launch_beside); nullptr, FLASHMOD_BWD_DQ_BESIDE=0: after it, on the call's
   // stream.
   cudaStream_t dq_stream = nullptr;
-  // The fp32 (3xTF32) backward at head dims <= 128: its dK/dV kernel adds dQ into grad_q (zeroed
-  // by the host) by atomics and no dQ kernel runs (bwd_tf32_kernel.h: kFusedDQ); 0: the dQ kernel,
-  // bitwise reproducible.
+  // The fp32 (3xTF32) backward: its dK/dV kernel (past head dim 128 its dK launch) adds dQ into
+  // grad_q (zeroed by the host) by atomics and no dQ kernel runs (bwd_tf32_kernel.h: kFusedDQ); 0:
+  // the dQ kernel, bitwise reproducible.
   int tf32_fused_dq = 0;
 };
 
