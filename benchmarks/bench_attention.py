@@ -98,7 +98,7 @@ def cuda_shapes(mode: str, quick: bool) -> list[dict]:
         for nq in (1, 4, 16):
             for nk in (16384,) if quick else (4096, 16384, 65536):
                 shapes.append(shape("decode", "bf16", 8, 32, 8, nq, nk, 128, False, False))
-    for d in (64, 128):  # fp32: flashmod's 3xTF32 kernel against SDPA's fp32-capable backends
+    for d in (64, 128, 256):  # fp32: flashmod's 3xTF32 kernels against SDPA's fp32-capable backends
         for n in (1024, 4096):
             for causal in (False, True):
                 shapes.append(shape("fp32", "fp32", 4, 16, 16, n, n, d, causal, False))
