@@ -203,25 +203,30 @@ def test_nonfinite_values_above_the_threshold_stay_numbers(device):
         torch.testing.assert_close(ours.double(), ref, rtol=5e-3, atol=5e-3)
 
 
-def test_nonfinite_backward_agrees_with_forward(device):
+def test_nonfinite_backward_agrees_with_forward(monkeypatch, device):
     """A NaN row's gradients are NaN where the reference's autograd has NaN (dq of that row, dk/dv
-    of the keys it sees), and every other gradient matches."""
+    of the keys it sees), and every other gradient matches; on CUDA (fp32) both with the dQ kernel
+    and with dQ added from the dK/dV kernel (FLASHMOD_BWD_FUSED_DQ=0 / 2; the CPU has one backward)."""
     dtype = torch.float64 if device == "cpu" else torch.float32
     q, k, v = make(device, dtype, (1, 2, 1, 9, 13, 8))
     q[0, 1, 4, 0] = float("nan")
     mask = torch.zeros(9, 13, device=device, dtype=dtype)
     mask[7, 11] = float("inf")
-    grads = []
-    for fn in (flashmod.attention_op, attention_reference):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_reference(*leaves, mask, is_causal=True, bottom_right=False)
+    assert torch.isnan(out[0, 1, 4]).all() and torch.isnan(lse[0, 1, 4])
+    ref_grads = torch.autograd.grad(out.sum(), leaves)
+    for fused_dq in ("0", "2") if device == "cuda" else ("0",):
+        monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", fused_dq)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out, lse = fn(*leaves, mask, is_causal=True, bottom_right=False)
+        out, lse = flashmod.attention_op(*leaves, mask, is_causal=True, bottom_right=False)
         assert torch.isnan(out[0, 1, 4]).all() and torch.isnan(lse[0, 1, 4])
-        grads.append(torch.autograd.grad(out.sum(), leaves))
-    for name, ours, ref in zip("qkv", *grads):
-        assert torch.equal(torch.isnan(ours), torch.isnan(ref)), f"d{name}: NaN pattern differs"
-        assert torch.isnan(ours).any() and not torch.isnan(ours).all()
-        fine = ~torch.isnan(ref)
-        torch.testing.assert_close(ours[fine], ref[fine].to(ours.dtype), rtol=1e-5, atol=1e-6)
+        grads = torch.autograd.grad(out.sum(), leaves)
+        for name, ours, ref in zip("qkv", grads, ref_grads):
+            assert torch.equal(torch.isnan(ours), torch.isnan(ref)), f"d{name}: NaN pattern differs ({fused_dq})"
+            assert torch.isnan(ours).any() and not torch.isnan(ours).all()
+            fine = ~torch.isnan(ref)
+            torch.testing.assert_close(ours[fine], ref[fine].to(ours.dtype), rtol=1e-5, atol=1e-6)
 
 
 def test_nonfinite_reference_lse_is_nan_on_inf_rows():
