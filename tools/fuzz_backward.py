@@ -13,6 +13,8 @@ check_dropout); fp64 inputs are taken there (the CPU's fp64 kernels).
 
 On an H100 / H200 run it again with FLASHMOD_BWD_FUSED_DQ=2, which takes the fused-dQ variant at
 every length its rule would not (session 52: 400 bf16 configurations each way, see api-edges.md).
+With --dtype fp32 on any GPU the default is the fp32 fused dQ and FLASHMOD_BWD_FUSED_DQ=0 reaches
+the dQ kernel: run both (session 53: the same 6 of 150 fail both ways, all the fp32 limit below).
 Run it under each FLASHMOD_CPU_ISA to reach every CPU path (session 21: 750 bf16 configurations on
 the AMX path and the AVX2 one, none failed). Two known limits show up at peak 3 (logits of ~100):
 fp16/bf16 dq/dk of a very peaked row past the rule, and fp32 gradients past the tight fp32 bound (P
