@@ -185,9 +185,9 @@ def check_flash_attn_extras(op: str, alibi_slopes: object, **flags: object) -> N
 def check_deterministic_backward(op: str, deterministic: bool, *tensors: Tensor) -> None:
     """flash-attn's ``deterministic=True`` asks for a bitwise reproducible backward. flashmod's is,
     except that the Hopper backward adds dQ up by atomics (long sequences or packed ones, head dims
-    33-128), and so does the fp32 one, while torch's deterministic algorithms
-    are off and ``FLASHMOD_BWD_FUSED_DQ`` is not 0; rather than ignore the flag there, a CUDA call
-    that will be differentiated raises and names both switches."""
+    33-128), and so does the fp32 one, while torch's deterministic algorithms are off and
+    ``FLASHMOD_BWD_FUSED_DQ`` is not 0; rather than ignore the flag there, a CUDA call that will be
+    differentiated raises and names both switches."""
     if not deterministic or torch.are_deterministic_algorithms_enabled():
         return
     if os.environ.get("FLASHMOD_BWD_FUSED_DQ") == "0":

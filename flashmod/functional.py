@@ -221,10 +221,10 @@ def flash_attn_func(
         alibi_slopes, deterministic, return_attn_probs: flash-attn's, for code ported from it.
             ``alibi_slopes`` must be None; ``deterministic=True`` asks for a bitwise reproducible
             backward, which the CUDA backward gives under ``torch.use_deterministic_algorithms(True)``
-            (or ``FLASHMOD_BWD_FUSED_DQ=0``; without either, a CUDA call that is differentiated raises:
-            the backward may add dQ up by atomics); ``return_attn_probs`` returns ``(out, lse, None)``, as flash-attn
-            does without dropout (with dropout its third entry, the dropout pattern, has no
-            counterpart here: NotImplementedError).
+            (or ``FLASHMOD_BWD_FUSED_DQ=0``; without either, a CUDA call that is differentiated
+            raises: the backward may add dQ up by atomics); ``return_attn_probs`` returns
+            ``(out, lse, None)``, as flash-attn does without dropout (with dropout its third entry,
+            the dropout pattern, has no counterpart here: NotImplementedError).
 
     Returns:
         ``(B, Nq, Hq, D)`` output in q's dtype (and the lse if asked).

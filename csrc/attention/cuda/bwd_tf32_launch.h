@@ -32,35 +32,34 @@ cudaError_t launch_bwd_tf32_dkdv(const AttentionBwdParams& p, const BwdRowStats&
                              stream, p, st);
 }
 
+// dK and dV: one launch, or past D = 128 a dV launch and a dK launch; kFusedDQ: the launch that
+// computes dS (dK's) adds dQ too.
+template <class Cfg, bool kGeneral, bool kFusedDQ>
+cudaError_t launch_bwd_tf32_key_grads(const AttentionBwdParams& p, const BwdRowStats& st,
+                                      cudaStream_t stream) {
+  using Tr = typename Cfg::Tr;
+  if constexpr (Cfg::kSplit) {
+    const cudaError_t err = launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdOnlyDV>(p, st, stream);
+    return err != cudaSuccess
+               ? err
+               : launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdOnlyDK, kFusedDQ>(p, st, stream);
+  } else {
+    return launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdBoth, kFusedDQ>(p, st, stream);
+  }
+}
+
 template <int kHeadDim, bool kGeneral>
 cudaError_t launch_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
                             cudaStream_t stream) {
   using Cfg = Tf32BwdConfig<kHeadDim>;
   using Tr = typename Cfg::Tr;
-  if (st.tf32_fused_dq) {
-    if constexpr (Cfg::kSplit) {
-      const cudaError_t err = launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdOnlyDV>(p, st, stream);
-      return err != cudaSuccess
-                 ? err
-                 : launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdOnlyDK, true>(p, st, stream);
-    } else {
-      return launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdBoth, true>(p, st, stream);
-    }
-  }
+  if (st.tf32_fused_dq) return launch_bwd_tf32_key_grads<Cfg, kGeneral, true>(p, st, stream);
   // dQ beside dK/dV on st.dq_stream where the host gave one, as in the fp16/bf16 backward
   // (bwd_sm80_launch.h). H200, B 4, H 16, D 64 / 128, N 1k / 4k, session 53: forward + backward
   // +1-10 % (causal 1k the most) against one after the other.
   return cuda::launch_beside(
       stream, st.dq_stream,
-      [&](cudaStream_t s) {
-        if constexpr (Cfg::kSplit) {
-          const cudaError_t err = launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdOnlyDV>(p, st, s);
-          return err != cudaSuccess ? err
-                                    : launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdOnlyDK>(p, st, s);
-        } else {
-          return launch_bwd_tf32_dkdv<Tr, kGeneral, kBwdBoth>(p, st, s);
-        }
-      },
+      [&](cudaStream_t s) { return launch_bwd_tf32_key_grads<Cfg, kGeneral, false>(p, st, s); },
       [&](cudaStream_t s) {
         return cuda::launch_kernel(attention_bwd_tf32_dq_kernel<Tr, kGeneral>,
                                    bwd_dq_ctas(p, Tr::Bo), Tr::kNThreads, Tr::kSmemBytes, s, p, st);
