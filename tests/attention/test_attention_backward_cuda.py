@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -556,6 +557,45 @@ def test_fp32_fused_dq(monkeypatch, d, case):
         names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
         assert any("tf32_dq_kernel" in n for n in names) == (knob == "0"), (knob, names)
     check_grads_fp32(q, k, v, **options)  # dQ (and dK, dV) within the rule, fresh upstream draws
+
+
+def tf32_wide_smem(d):
+    """Opt-in shared memory per block the fp32 backward's 4-warp tiles take at head dim d (a multiple
+    of 32): two own tiles of 64 rows, two streamed ones of 16 rows in two stages (rows of d + 4
+    floats), 16 lse2 and delta in two stages, and the fused dQ's 16 x 72 dS tile."""
+    return 4 * (2 * 64 * (d + 4) + 4 * 16 * (d + 4) + 4 * 16) + 4 * 16 * 72
+
+
+@pytest.mark.parametrize("d", [160, 229, 256])
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa", "window", "softcap", "bool-mask", "additive"])
+def test_fp32_wide_tiles(monkeypatch, d, case):
+    """Past D = 128 the fp32 backward takes 4-warp tiles where the device's shared memory allows
+    (Hopper), else the 2-warp tiles every sm_80+ device fits, which FLASHMOD_BWD_TF32_WIDE=0 forces:
+    the profiler sees the tiles each setting should run, and with the dQ kernel (deterministic) both
+    give bitwise the same gradients, within the rule against fp64."""
+    b, hq, hkv, nq, nk, options = FP32_FUSED_DQ_CASES[case]
+    q, k, v = make_inputs(DEV, torch.float32, b, hq, hkv, nq, nk, d)
+    options = dict(options)
+    if options.get("attn_mask") == "bool":
+        options["attn_mask"] = torch.rand(b, 1, nq, nk, device=DEV) > 0.3
+    elif options.get("attn_mask") == "additive":
+        options["attn_mask"] = torch.randn(1, hq, nq, nk, device=DEV)
+    grad_out, grad_lse = draw_upstream(q)
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "0")
+    wide_fits = torch.cuda.get_device_properties(DEV).shared_memory_per_block_optin >= tf32_wide_smem(-(-d // 32) * 32)
+    results = {}
+    for knob in ("0", "1"):
+        monkeypatch.setenv("FLASHMOD_BWD_TF32_WIDE", knob)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            results[knob] = fused_grads(q, k, v, grad_out, grad_lse, **options)
+            torch.cuda.synchronize()
+        names = " ".join(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        warps = {int(w) for w in re.findall(r"Tf32BwdTraits<\d+, (\d+), 16>", names)}
+        assert warps == ({4} if knob == "1" and wide_fits else {2}), (knob, names)
+    for name, wide, narrow in zip(("dq", "dk", "dv"), results["1"], results["0"]):
+        assert torch.equal(wide, narrow), name
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
+    check_grads_fp32(q, k, v, **options)  # the wide tiles with the fused dQ, fresh upstream draws
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

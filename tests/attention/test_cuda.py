@@ -290,9 +290,11 @@ def test_fp32_relative_error_1e5():
         )
 
 
-# fp32 has two kernels: 3xTF32 on the tensor cores (head dims <= 128, more than 32 query rows) and
-# the CUDA-core one (the rest, or everything with FLASHMOD_FP32_FFMA=1). Both must keep fp32
-# accuracy on odd sizes, GQA, masks, windows, soft cap and unaligned rows (4-byte copies).
+# fp32 has two kernels: 3xTF32 on the tensor cores (more than 32 query rows, where the device's
+# shared memory takes its tiles: every head dim on Hopper, <= 192 on an A100; past 128 two warps
+# share each row tile) and the CUDA-core one (the rest, or everything with FLASHMOD_FP32_FFMA=1).
+# Both must keep fp32 accuracy on odd sizes, GQA, masks, windows, soft cap and unaligned rows
+# (4-byte copies).
 @pytest.mark.parametrize("ffma", ["0", "1"])
 @pytest.mark.parametrize(
     "nq,nk,d,opts",
@@ -306,6 +308,13 @@ def test_fp32_relative_error_1e5():
         (33, 1023, 128, {"mask": "bool"}),
         (129, 300, 64, {"mask": "additive"}),
         (200, 200, 96, {"mask": "padding", "unaligned": True}),
+        (203, 300, 160, {"is_causal": True}),
+        (113, 1023, 229, {"mask": "bool"}),
+        (1023, 257, 256, {"window_left": 100, "window_right": 30}),
+        (65, 129, 192, {"softcap": 5.0, "scale": -0.3}),
+        (300, 203, 224, {"mask": "additive", "is_causal": True}),
+        (200, 200, 250, {"mask": "padding", "unaligned": True}),
+        (17, 300, 256, {}),
     ],
     ids=str,
 )
@@ -333,7 +342,19 @@ def test_fp32_kernels(monkeypatch, ffma, nq, nk, d, opts):
     elif kind == "padding":
         mask = torch.ones(b, 1, 1, nk, dtype=torch.bool, device="cuda")
         mask[0, ..., nk // 3 :] = False
-    out, lse = run_and_check(q, k, v, mask, **opts)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out, lse = run_and_check(q, k, v, mask, **opts)
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    padded = 32 if d <= 32 else 64 if d <= 64 else 128 if d <= 128 else -(-d // 32) * 32
+    # Opt-in shared memory per block the tensor-core kernel takes: Q_i, K_j and V_j (Bc = 64 keys
+    # up to head dim 64, else 32; K and V as tf32 halves), rows of padded + 4 floats; past head dim
+    # 128 the pairs' exchange of partial S (8 warps x 16 rows x 32 keys).
+    bc = 64 if padded <= 64 else 32
+    smem = 4 * ((64 + 4 * bc) * (padded + 4) + (8 * 16 * 32 if padded > 128 else 0))
+    optin = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
+    tensor_cores = ffma == "0" and nq > 32 and optin >= smem
+    assert ("fp32_tc_kernel" in names) == tensor_cores and ("fp32_kernel<" in names) != tensor_cores, names
     ref, _ = attention_reference(q, k, v, mask, compute_dtype=torch.float64, **opts)
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert rel <= 1e-5, rel

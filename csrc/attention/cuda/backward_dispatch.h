@@ -146,6 +146,13 @@ inline bool tf32_fused_dq_wanted() {
   return knob == 2 || (knob == 1 && !at::globalContext().deterministicAlgorithms());
 }
 
+// BwdRowStats::tf32_wide_smem: the current device's opt-in shared memory per block, or 0 under
+// FLASHMOD_BWD_TF32_WIDE=0 (tests run the A100 tiles on Hopper with it).
+inline int tf32_wide_smem() {
+  if (!env_flag("FLASHMOD_BWD_TF32_WIDE", true)) return 0;
+  return static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+}
+
 // The stream the backward's dQ kernel runs on beside the dK/dV launch (BwdRowStats::dq_stream): one
 // of the c10 pool's, or nullptr under FLASHMOD_BWD_DQ_BESIDE=0 (after dK/dV on the call's stream).
 // Called under the op's device guard.

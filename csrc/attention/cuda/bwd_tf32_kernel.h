@@ -51,16 +51,18 @@ struct Tf32BwdTraits {
   static constexpr int kOwnTile = Bo * kLd;     // floats of one own tile
   static constexpr int kStreamTile = Bs * kLd;  // floats of one stage of one streamed tile
   // Two own tiles, two streamed tiles in two stages; the dK/dV kernel adds two stages of Bs lse2
-  // and delta.
+  // and delta. A dV-only launch holds no V tile.
   static constexpr int kSmemBytes = 4 * (2 * kOwnTile + 4 * kStreamTile + 4 * Bs);
+  static constexpr int kDVOnlySmemBytes = kSmemBytes - 4 * kOwnTile;
   static_assert(Bs % 8 == 0 && Bs / 2 <= kNThreads, "one 16-byte lse2/delta chunk per thread");
   static_assert(kBwdRowPad % Bs == 0 && kBwdRowPad % Bo == 0, "row statistics cover whole blocks");
-  static_assert(kSmemBytes <= 163 * 1024, "must also fit an A100");
   // The fused dQ (kFusedDQ): the step's dS (Bs queries x Bo keys) for the CTA's dQ product. A pitch
   // of 8 (mod 32) words makes its float2 fragment reads (rows g, columns 2t) conflict-free.
   static constexpr int kDSLd = Bo + 8;
   static constexpr int kFusedDQSmemBytes = kSmemBytes + 4 * Bs * kDSLd;
-  static_assert(kFusedDQSmemBytes <= 163 * 1024, "must also fit an A100");
+  // Opt-in shared memory per block: A100 163 KB, H100 / H200 227 KB.
+  static constexpr bool kFitsA100 = kFusedDQSmemBytes <= 163 * 1024;
+  static_assert(kFusedDQSmemBytes <= 227 * 1024, "must fit a Hopper SM");
 };
 
 namespace tf32_bwd {
@@ -175,10 +177,11 @@ __device__ __forceinline__ void add_fused_dq(const AttentionBwdParams& p, const 
   constexpr int kCols = D / kWarpsPerM, kNT = kCols / 8;
   // Columns in chunks of at most 4 n8 tiles: past D = 128 two warps hold dK's 128-256 floats a
   // thread, so a warp's 80-128 columns of dQ cannot all be live at once.
-  constexpr int kChunk = kNT <= 4 ? kNT : kNT % 4 == 0 ? 4 : 2;
-  static_assert(
-      Tr::Bs % 16 == 0 && Tr::kNWarps % kMTiles == 0 && kCols % 8 == 0 && kNT % kChunk == 0,
-      "whole m16 x n8 tiles per warp");
+  // An odd count past 5 (D = 224 on 4 warps: 7) ends with a partial chunk.
+  constexpr int kChunk = kNT <= 5 ? kNT : kNT % 4 == 0 ? 4 : kNT % 2 == 0 ? 2 : 4;
+  constexpr bool kRagged = kNT % kChunk != 0;
+  static_assert(Tr::Bs % 16 == 0 && Tr::kNWarps % kMTiles == 0 && kCols % 8 == 0,
+                "whole m16 x n8 tiles per warp");
   const int wm = warp / kWarpsPerM, col0 = (warp % kWarpsPerM) * kCols;
   const float* a_lane = sdS + (16 * wm + g) * kDSLd + 2 * t;
   const int head_dim = static_cast<int>(p.head_dim);
@@ -199,6 +202,7 @@ __device__ __forceinline__ void add_fused_dq(const AttentionBwdParams& p, const 
       split_tf32(__float_as_uint(bottom.y), a_hi[3], a_lo[3]);
 #pragma unroll
       for (int nt = 0; nt < kChunk; ++nt) {
+        if (kRagged && c0 + nt >= kNT) continue;
         const float* bp = b_lane + 8 * ks * kLd + 8 * nt;
         uint32_t b_hi[2], b_lo[2];
         split_tf32(lds(bp), b_hi[0], b_lo[0]);
@@ -217,6 +221,7 @@ __device__ __forceinline__ void add_fused_dq(const AttentionBwdParams& p, const 
                                     p.grad_q_row_stride, b, h, row);
 #pragma unroll
       for (int nt = 0; nt < kChunk; ++nt) {
+        if (kRagged && c0 + nt >= kNT) continue;
         const int col = col0 + 8 * (c0 + nt) + 2 * t;
         const float x = scale * add_small_terms(acc[nt][2 * half], small[nt][2 * half]);
         const float y = scale * add_small_terms(acc[nt][2 * half + 1], small[nt][2 * half + 1]);
@@ -249,8 +254,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
   extern __shared__ __align__(16) float smem[];
   float* sK = smem;
-  float* sV = sK + kOwn;
-  float* sQ = sV + kOwn;  // stage 1 at + kStream
+  float* sV = sK + kOwn;                  // kDK only
+  float* sQ = sK + (kDK ? 2 : 1) * kOwn;  // stage 1 at + kStream
   float* sdO = sQ + 2 * kStream;
   float* sL = sdO + 2 * kStream;  // stage 1 at + Br
   float* sDelta = sL + 2 * Br;

@@ -13,23 +13,34 @@ namespace flashmod::cuda_kernels {
 // (warps, streamed rows per step) of both kernels: each warp owns 16 rows. Shared memory holds the
 // two own tiles and the two streamed ones in two stages, (kHeadDim + 4) floats per row: 70 KB at
 // D = 64 (4 warps, Bs = 32: three CTAs per H100 SM), 102 KB at D = 96 and 128 (4 warps, Bs = 32 and
-// 16: two), 84-133 KB at D = 160-256 (2 warps, Bs = 16). Registers: dK and dV take D floats per
-// thread together, S^T and dP^T (big and small terms) 2 Bs; past D = 128 dV and dK get a launch
-// each (S^T is then computed twice; dP^T and V only in the dK launch), as in the fp16/bf16
-// backward.
-template <int kHeadDim>
+// 16: two). Registers: dK and dV take D floats per thread together, S^T and dP^T (big and small
+// terms) 2 Bs; past D = 128 dV and dK get a launch each (S^T is then computed twice; dP^T and V
+// only in the dK launch), as in the fp16/bf16 backward.
+//
+// Past D = 128, kWide: 4 warps (Bo = 64), Bs = 16, 126-200 KB (+ 4.6 KB for the fused dQ's dS):
+// one CTA of 4 warps per SM, which only Hopper's 227 KB per block allow. The A100 tiles (2 warps,
+// Bo = 32: 84-133 KB) left D = 224 / 256 at one CTA of 2 warps per SM, half the SM's schedulers
+// idle. H200, B 4, H 16, N 1k / 4k, forward (then still on the CUDA cores) + backward, session 54:
+// D = 256 1.70-1.72x (causal 1.59x), D = 224 causal 1.49x, D = 192 1.11x, D = 160 1.12x. The dV
+// launch leaves out the V tile it never reads, so at D = 224 / 256 it fits two A100-tile CTAs per
+// SM (1.11-1.15x on the same steps with the A100 tiles).
+template <int kHeadDim, bool kWide = false>
 struct Tf32BwdConfig {
   static constexpr bool kSplit = kHeadDim > 128;
-  using Tr = Tf32BwdTraits<kHeadDim, kHeadDim <= 128 ? 4 : 2, kHeadDim <= 96 ? 32 : 16>;
+  static_assert(kSplit || !kWide, "the wide tiles are for D > 128");
+  using Tr = Tf32BwdTraits<kHeadDim, kHeadDim <= 128 || kWide ? 4 : 2, kHeadDim <= 96 ? 32 : 16>;
+  static_assert(kWide || Tr::kFitsA100, "the default tiles must fit an A100");
 };
 
 template <class Tr, bool kGeneral, int kWhich, bool kFusedDQ = false>
 cudaError_t launch_bwd_tf32_dkdv(const AttentionBwdParams& p, const BwdRowStats& st,
                                  cudaStream_t stream) {
   const int64_t blocks = bwd_dkdv_ctas(p, Tr::Bo);
+  const int smem = kFusedDQ               ? Tr::kFusedDQSmemBytes
+                   : kWhich == kBwdOnlyDV ? Tr::kDVOnlySmemBytes
+                                          : Tr::kSmemBytes;
   return cuda::launch_kernel(attention_bwd_tf32_dkdv_kernel<Tr, kGeneral, kWhich, kFusedDQ>, blocks,
-                             Tr::kNThreads, kFusedDQ ? Tr::kFusedDQSmemBytes : Tr::kSmemBytes,
-                             stream, p, st);
+                             Tr::kNThreads, smem, stream, p, st);
 }
 
 // dK and dV: one launch, or past D = 128 a dV launch and a dK launch; kFusedDQ: the launch that
@@ -48,10 +59,9 @@ cudaError_t launch_bwd_tf32_key_grads(const AttentionBwdParams& p, const BwdRowS
   }
 }
 
-template <int kHeadDim, bool kGeneral>
+template <class Cfg, bool kGeneral>
 cudaError_t launch_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
                             cudaStream_t stream) {
-  using Cfg = Tf32BwdConfig<kHeadDim>;
   using Tr = typename Cfg::Tr;
   if (st.tf32_fused_dq) return launch_bwd_tf32_key_grads<Cfg, kGeneral, true>(p, st, stream);
   // dQ beside dK/dV on st.dq_stream where the host gave one, as in the fp16/bf16 backward
@@ -66,13 +76,24 @@ cudaError_t launch_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
       });
 }
 
+template <int kHeadDim, bool kGeneral>
+cudaError_t launch_bwd_tf32_tiles(const AttentionBwdParams& p, const BwdRowStats& st,
+                                  cudaStream_t stream) {
+  if constexpr (Tf32BwdConfig<kHeadDim>::kSplit) {
+    using Wide = Tf32BwdConfig<kHeadDim, true>;
+    if (st.tf32_wide_smem >= Wide::Tr::kFusedDQSmemBytes)
+      return launch_bwd_tf32<Wide, kGeneral>(p, st, stream);
+  }
+  return launch_bwd_tf32<Tf32BwdConfig<kHeadDim>, kGeneral>(p, st, stream);
+}
+
 template <typename Elem, int kHeadDim>
 cudaError_t run_attention_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
                                    cudaStream_t stream) {
   static_assert(sizeof(Elem) == 4, "the 3xTF32 backward is for fp32");
   const bool general = general_scores(p);
-  return general ? launch_bwd_tf32<kHeadDim, true>(p, st, stream)
-                 : launch_bwd_tf32<kHeadDim, false>(p, st, stream);
+  return general ? launch_bwd_tf32_tiles<kHeadDim, true>(p, st, stream)
+                 : launch_bwd_tf32_tiles<kHeadDim, false>(p, st, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

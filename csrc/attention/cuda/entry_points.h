@@ -152,11 +152,12 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
                                      const DecodeOptions& opt, const DeviceWorkspace& ws,
                                      cudaStream_t stream);
 
-// fp32: the 3xTF32 tensor-core kernel for head dims <= 128 and more than 32 query rows, else (or
-// with force_ffma, the host's FLASHMOD_FP32_FFMA=1) the CUDA-core kernel. Both keep fp32
-// accuracy; any alignment.
+// fp32: the 3xTF32 tensor-core kernel for more than 32 query rows where the device's shared memory
+// takes its tiles (every head dim on Hopper; <= 192 on an A100), else (or with force_ffma, the
+// host's FLASHMOD_FP32_FFMA=1) the CUDA-core kernel. Both keep fp32 accuracy; any alignment.
 cudaError_t run_attention_fwd_fp32(const AttentionParams& p, bool force_ffma, cudaStream_t stream);
 cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t stream);
+bool attention_fwd_fp32_tc_fits(int64_t head_dim);
 
 // ---------------------------------------------------------------------------------------------
 // The backward (bwd_sm80_kernel.h).
@@ -207,6 +208,10 @@ struct BwdRowStats {
   // grad_q (zeroed by the host) by atomics and no dQ kernel runs (bwd_tf32_kernel.h: kFusedDQ); 0:
   // the dQ kernel, bitwise reproducible.
   int tf32_fused_dq = 0;
+  // The device's opt-in shared memory per block, in bytes, where the fp32 backward may take its
+  // 4-warp tiles past head dim 128 (bwd_tf32_launch.h: those that fit it); 0 keeps the 2-warp tiles
+  // every sm_80+ device fits (FLASHMOD_BWD_TF32_WIDE=0).
+  int tf32_wide_smem = 0;
 };
 
 // Whether the Hopper backward can take dQ into its dK/dV kernel (five matmuls per block pair

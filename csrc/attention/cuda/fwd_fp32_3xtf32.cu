@@ -1,4 +1,4 @@
-// fp32 forward on the tensor cores with 3xTF32 products (sm_80+), for head dims <= 128.
+// fp32 forward on the tensor cores with 3xTF32 products (sm_80+).
 //
 // Why: the FFMA kernel (fwd_fp32_ffma.cu) keeps fp32 accuracy but runs at a third of SDPA's
 // EFFICIENT backend, whose fp32 path already uses the tensor cores this way. Every fp32 operand x
@@ -14,7 +14,17 @@
 // through shared memory: the accumulator holds columns (2t, 2t + 1) where the m16n8k8 A fragment
 // wants (t, t + 4), so the k index of P V is relabelled (position t <-> key 2t, t + 4 <-> key
 // 2t + 1) and V's fragment reads rows 2t and 2t + 1 to match. The masks, windows, soft cap and the
-// double-precision l follow the FFMA kernel, which stays for head dims > 128 and decode shapes.
+// double-precision l follow the FFMA kernel, which stays for decode shapes and for head dims > 128
+// where the device's shared memory cannot take the tiles below.
+//
+// Past head dim 128 (kColSplit = 2) two warps share each m16 row tile, 8 warps per CTA: each sums
+// S over its half of the head dim, the pair adds the two partial S through shared memory (fp32
+// addition commutes, so both warps hold the same S and agree on m and l), and each computes P V_j
+// for its half of O's columns. O then takes D / 4 floats a thread, as at D = 128, where a warp of
+// its own at D = 256 would need 128 (and every k8 step of S a 32-step in-place mma chain, whose
+// truncation the backward measured as tens of ulps at D >= 160). 139-211 KB at D = 160-256: one
+// CTA of 8 warps per SM, as D = 128's two CTAs of 4; past D = 192 only Hopper's 227 KB per block
+// take it (an A100's 163 KB: D = 160 / 192).
 #include <math_constants.h>
 
 #include <cstdint>
@@ -31,8 +41,7 @@
 namespace flashmod::cuda_kernels {
 namespace {
 
-constexpr int kBr = 64, kWarps = 4, kThreads = 32 * kWarps;
-static_assert(kBr == 16 * kWarps, "each warp owns one m16 row tile");
+constexpr int kBr = 64, kRowTiles = kBr / 16;  // each warp (pair) owns one m16 row tile
 
 // Shared memory: Q_i as loaded (fp32), K_j and V_j as tf32 halves: the loaded fp32 tile becomes
 // the hi half in place, and a second tile holds the lo half. Splitting once per tile, by all
@@ -40,11 +49,18 @@ static_assert(kBr == 16 * kWarps, "each warp owns one m16 row tile");
 // splits' cvt/fsub outnumbered the mma instructions 2:1 that way).
 // Bc = 64 keys per block up to head dim 64, 32 at 128: (64 + 4 * Bc) * (128 + 4) * 4 B = 99 KB,
 // two CTAs per SM; S's registers halve too.
+// Past D = 128 each warp adds its partner's partial S from a (lane-major) exchange area of
+// 16 x Bc floats per warp.
 template <int kHeadDim>
 struct Tf32Tile {
+  static constexpr int kColSplit = kHeadDim <= 128 ? 1 : 2;
+  static constexpr int kWarps = kRowTiles * kColSplit, kThreads = 32 * kWarps;
   static constexpr int kBc = kHeadDim <= 64 ? 64 : 32;
   static constexpr int kLd = tf32_tile_pitch<kHeadDim>();
-  static constexpr int kBytes = (kBr + 4 * kBc) * kLd * 4;
+  static constexpr int kExchange = kColSplit == 1 ? 0 : kWarps * 16 * kBc;
+  static constexpr int kBytes = ((kBr + 4 * kBc) * kLd + kExchange) * 4;
+  static_assert(kBytes <= 227 * 1024, "must fit a Hopper SM");
+  static_assert(kHeadDim / 8 % kColSplit == 0, "whole n8 tiles of O per warp");
 };
 
 // 4-byte cp.async (no alignment assumed); bytes == 0 zero-fills.
@@ -58,7 +74,7 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int sr
 template <int kRows, int kHeadDim>
 __device__ __forceinline__ void load_tile_async(float* s, const float* g, int64_t row_stride,
                                                 int valid_rows, int head_dim, bool vec16, int tid) {
-  constexpr int kLd = Tf32Tile<kHeadDim>::kLd;
+  constexpr int kLd = Tf32Tile<kHeadDim>::kLd, kThreads = Tf32Tile<kHeadDim>::kThreads;
   if (vec16) {
     constexpr int kChunks = kHeadDim / 4;
     for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
@@ -80,19 +96,25 @@ __device__ __forceinline__ uint32_t lds_32(const float* p) {
 }
 
 template <int kHeadDim>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(Tf32Tile<kHeadDim>::kThreads, 3 - Tf32Tile<kHeadDim>::kColSplit)
     attention_fwd_fp32_tc_kernel(const AttentionParams p, bool vec16) {
-  constexpr int kBc = Tf32Tile<kHeadDim>::kBc, kLd = Tf32Tile<kHeadDim>::kLd;
-  constexpr int kKTiles = kBc / 8;       // n8 tiles of S = k8 steps of P V
-  constexpr int kDTiles = kHeadDim / 8;  // k8 steps of Q K^T = n8 tiles of O
+  using Tile = Tf32Tile<kHeadDim>;
+  constexpr int kBc = Tile::kBc, kLd = Tile::kLd, kThreads = Tile::kThreads;
+  constexpr int kKTiles = kBc / 8;  // n8 tiles of S = k8 steps of P V
+  // k8 steps of this warp's part of Q K^T = n8 tiles of its part of O
+  constexpr int kDTiles = kHeadDim / 8 / Tile::kColSplit;
   extern __shared__ __align__(16) float smem[];
   float* sQ = smem;
   float* sK = sQ + kBr * kLd;  // hi halves (the landed fp32 tile until split)
   float* sKlo = sK + kBc * kLd;
   float* sV = sKlo + kBc * kLd;
   float* sVlo = sV + kBc * kLd;
+  float* sExchange = sVlo + kBc * kLd;  // kColSplit = 2 only
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // warp: the m16 row tile; part: the half of the head dim (S's k8 steps, O's columns) it takes.
+  const int tid = threadIdx.x, warp = Tile::kColSplit == 1 ? tid / 32 : tid / 32 % kRowTiles;
+  const int lane = tid % 32, part = Tile::kColSplit == 1 ? 0 : tid / 32 / kRowTiles;
+  const int d0 = part * kDTiles * 8;     // first column of that half
   const int g = lane / 4, t = lane % 4;  // the mma layout's row and column-pair index
   const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
   const int head_dim = static_cast<int>(p.head_dim);
@@ -152,8 +174,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     static_assert(kKTiles % 2 == 0, "K fragments load two n8 tiles at a time");
     float s[kKTiles][4] = {}, s_small[kKTiles][4] = {};
     const uint32_t q_frag =
-        smem_addr(sQ + (16 * warp + lane % 8 + 8 * (lane / 8 % 2)) * kLd + 4 * (lane / 16));
-    const int k_frag = (lane % 8 + 8 * (lane / 16)) * kLd + 4 * (lane / 8 % 2);
+        smem_addr(sQ + (16 * warp + lane % 8 + 8 * (lane / 8 % 2)) * kLd + 4 * (lane / 16) + d0);
+    const int k_frag = (lane % 8 + 8 * (lane / 16)) * kLd + 4 * (lane / 8 % 2) + d0;
 #pragma unroll 4
     for (int ks = 0; ks < kDTiles; ++ks) {
       uint32_t a[4], a_hi[4], a_lo[4];
@@ -175,8 +197,24 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int nt = 0; nt < kKTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = add_small_terms(s[nt][e], s_small[nt][e]);
-    // Every warp has read K_j: its buffers can take K_{j+1}, which lands while P V_j runs.
+    float* my_part = sExchange + (tid / 32) * 16 * kBc + lane;
+    if constexpr (Tile::kColSplit == 2) {
+#pragma unroll
+      for (int nt = 0; nt < kKTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) my_part[(4 * nt + e) * 32] = s[nt][e];
+    }
+    // Every warp has read K_j: its buffers can take K_{j+1}, which lands while P V_j runs; and
+    // (kColSplit = 2) every warp's partial S is in place.
     __syncthreads();
+    if constexpr (Tile::kColSplit == 2) {
+      // The partner's partial S sits at the same lane-major place of the other half's warp.
+      const float* partner = my_part + (part == 0 ? 1 : -1) * kRowTiles * 16 * kBc;
+#pragma unroll
+      for (int nt = 0; nt < kKTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] += partner[(4 * nt + e) * 32];
+    }
     if (n + 1 < range.hi) load_kv(sK, gp.k, p.k_row_stride, n + 1);
     cp_async_commit();  // (possibly empty: keeps the group count uniform)
 
@@ -237,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       float pv[4] = {}, pv_small[4] = {};
 #pragma unroll
       for (int kt = 0; kt < kKTiles; ++kt) {
-        const int off = (kt * 8 + 2 * t) * kLd + dt * 8 + g;
+        const int off = (kt * 8 + 2 * t) * kLd + d0 + dt * 8 + g;
         mma_3xtf32_apart(pv, pv_small, p_hi[kt], p_lo[kt], lds_32(sV + off), lds_32(sV + off + kLd),
                          lds_32(sVlo + off), lds_32(sVlo + off + kLd));
       }
@@ -245,7 +283,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int e = 0; e < 4; ++e)
         o[dt][e] = fmaf(o[dt][e], alpha[e / 2], add_small_terms(pv[e], pv_small[e]));
     }
-    // Every warp has read V_j: its buffers can take V_{j+1}, which lands while S_{j+1} runs.
+    // Every warp has read V_j: its buffers can take V_{j+1}, which lands while S_{j+1} runs; and
+    // every warp has read its partner's partial S, whose place the next block's S overwrites.
     __syncthreads();
     if (n + 1 < range.hi) load_kv(sV, gp.v, p.v_row_stride, n + 1);
     cp_async_commit();
@@ -263,17 +302,18 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int col = dt * 8 + 2 * t + e;
+        const int col = d0 + dt * 8 + 2 * t + e;
         if (col < head_dim) o_row[col] = o[dt][2 * ri + e] * inv_l;
       }
-    if (t == 0) gp.lse[r] = lse;
+    if (t == 0 && part == 0) gp.lse[r] = lse;
   }
 }
 
 template <int kHeadDim>
 cudaError_t launch_fp32_tc(const AttentionParams& p, bool vec16, cudaStream_t stream) {
-  return cuda::launch_kernel(attention_fwd_fp32_tc_kernel<kHeadDim>, cta_count(p, kBr), kThreads,
-                             Tf32Tile<kHeadDim>::kBytes, stream, p, vec16);
+  return cuda::launch_kernel(attention_fwd_fp32_tc_kernel<kHeadDim>, cta_count(p, kBr),
+                             Tf32Tile<kHeadDim>::kThreads, Tf32Tile<kHeadDim>::kBytes, stream, p,
+                             vec16);
 }
 
 }  // namespace
@@ -286,7 +326,20 @@ cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t str
                      (p.v_batch_stride | p.v_head_stride | p.v_row_stride) % 4 == 0;
   if (p.head_dim <= 32) return launch_fp32_tc<32>(p, vec16, stream);
   if (p.head_dim <= 64) return launch_fp32_tc<64>(p, vec16, stream);
-  return launch_fp32_tc<128>(p, vec16, stream);
+  if (p.head_dim <= 128) return launch_fp32_tc<128>(p, vec16, stream);
+  if (p.head_dim <= 160) return launch_fp32_tc<160>(p, vec16, stream);
+  if (p.head_dim <= 192) return launch_fp32_tc<192>(p, vec16, stream);
+  if (p.head_dim <= 224) return launch_fp32_tc<224>(p, vec16, stream);
+  return launch_fp32_tc<256>(p, vec16, stream);
+}
+
+bool attention_fwd_fp32_tc_fits(int64_t head_dim) {
+  const int bytes = head_dim <= 128   ? Tf32Tile<128>::kBytes
+                    : head_dim <= 160 ? Tf32Tile<160>::kBytes
+                    : head_dim <= 192 ? Tf32Tile<192>::kBytes
+                    : head_dim <= 224 ? Tf32Tile<224>::kBytes
+                                      : Tf32Tile<256>::kBytes;
+  return head_dim <= 256 && cuda::device_smem_optin() >= bytes;
 }
 
 }  // namespace flashmod::cuda_kernels

@@ -173,7 +173,7 @@ cudaError_t launch_fp32(const AttentionParams& p, cudaStream_t stream) {
 cudaError_t run_attention_fwd_fp32(const AttentionParams& p, bool force_ffma, cudaStream_t stream) {
   // Decode-like shapes (<= 32 query rows) fill a 32-row CTA here but half of the tensor-core
   // kernel's 64 rows.
-  if (!force_ffma && p.head_dim <= 128 && p.seqlen_q > 32)
+  if (!force_ffma && p.seqlen_q > 32 && attention_fwd_fp32_tc_fits(p.head_dim))
     return run_attention_fwd_fp32_tc(p, stream);
   if (p.head_dim <= 32) return launch_fp32<32>(p, stream);
   if (p.head_dim <= 64) return launch_fp32<64>(p, stream);

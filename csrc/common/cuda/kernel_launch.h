@@ -13,6 +13,20 @@ namespace flashmod::cuda {
 // message that names their shapes.
 constexpr int64_t kMaxGridBlocks = 0x7fffffff;
 
+// The current device's opt-in shared memory per block in bytes (A100 163 KB, H100 / H200 227 KB),
+// for kernels whose tiles need more than some GPUs give; 0 where the runtime cannot say (its error
+// cleared).
+inline int device_smem_optin() {
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return optin;
+}
+
 // Dynamic shared memory above 48 KB is opt-in, per kernel (and needed before an occupancy query
 // of a kernel that uses that much).
 template <typename Kernel>

@@ -801,13 +801,8 @@ bool launch_fused(const MatmulSoftmaxParams& p, cudaStream_t stream) {
 // disables it).
 int64_t single_pass_max_cols(const MatmulSoftmaxParams& p) {
   if (p.single_pass_max_cols >= 0) return p.single_pass_max_cols;
-  int device = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-          cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
+  const int optin = cuda::device_smem_optin();
+  if (optin == 0) return 0;
   int64_t n = (optin - RowsShape::kLogitsOffset) / (RowsShape::kRows * 4) - 8;
   n = n / RowsShape::kBN * RowsShape::kBN;  // logit_stride(n) * 16 * 4 fits
   return n > 0 ? n : 0;
