@@ -18,12 +18,13 @@ namespace flashmod::cuda_kernels {
 // only in the dK launch), as in the fp16/bf16 backward.
 //
 // Past D = 128, kWide: 4 warps (Bo = 64), Bs = 16, 126-200 KB (+ 4.6 KB for the fused dQ's dS):
-// one CTA of 4 warps per SM, which only Hopper's 227 KB per block allow. The A100 tiles (2 warps,
-// Bo = 32: 84-133 KB) left D = 224 / 256 at one CTA of 2 warps per SM, half the SM's schedulers
-// idle. H200, B 4, H 16, N 1k / 4k, forward (then still on the CUDA cores) + backward, session 54:
-// D = 256 1.70-1.72x (causal 1.59x), D = 224 causal 1.49x, D = 192 1.11x, D = 160 1.12x. The dV
-// launch leaves out the V tile it never reads, so at D = 224 / 256 it fits two A100-tile CTAs per
-// SM (1.11-1.15x on the same steps with the A100 tiles).
+// one CTA of 4 warps per SM; past D = 192 only Hopper's 227 KB per block take them (an A100's
+// 163 KB: D = 160 / 192). The A100 tiles (2 warps, Bo = 32: 84-133 KB) left D = 224 / 256 at one
+// CTA of 2 warps per H200 SM, half the SM's schedulers idle. H200, B 4, H 16, N 1k / 4k, forward
+// (then still on the CUDA cores) + backward, session 54: D = 256 1.70-1.72x (causal 1.59x), D = 224
+// causal 1.49x, D = 192 1.11x, D = 160 1.12x. The dV launch leaves out the V tile it never reads,
+// so at D = 224 / 256 it fits two A100-tile CTAs per SM (1.11-1.15x on the same steps with the A100
+// tiles).
 template <int kHeadDim, bool kWide = false>
 struct Tf32BwdConfig {
   static constexpr bool kSplit = kHeadDim > 128;
