@@ -38,9 +38,11 @@
 //                                     backward_dispatch.h) with deterministic algorithms off
 //                                     (default), 0 never, 2 wherever it applies; the same for
 //                                     the fp32 backward (1: at every length and head dim)
-//   FLASHMOD_BWD_TF32_WIDE=0          the fp32 backward past head dim 128 on the 2-warp tiles
-//                                     every sm_80+ GPU fits (default: 4-warp tiles where the
-//                                     device's shared memory takes them; bwd_tf32_launch.h)
+//   FLASHMOD_BWD_TF32_WIDE=0|1|2      the fp32 backward's tiles past head dim 128: 1 (default) the
+//                                     widest the device's shared memory takes (at D = 192 / 256
+//                                     8 warps in pairs that split the head dim, else 4 warps of
+//                                     whole rows), 0 the 2-warp tiles every sm_80+ GPU fits, 2 no
+//                                     pairs (bwd_tf32_launch.h)
 //   FLASHMOD_BWD_TMA_LOADS=0|1|2      the Hopper backward's plain kernels load their steps through
 //                                     the copy engine: 1 in the dK/dV and dQ kernels (default),
 //                                     2 in the dK/dV kernel only, 0 in neither (cp.async)

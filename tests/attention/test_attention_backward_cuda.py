@@ -559,20 +559,24 @@ def test_fp32_fused_dq(monkeypatch, d, case):
     check_grads_fp32(q, k, v, **options)  # dQ (and dK, dV) within the rule, fresh upstream draws
 
 
-def tf32_wide_smem(d):
-    """Opt-in shared memory per block the fp32 backward's 4-warp tiles take at head dim d (a multiple
+def tf32_wide_smem(d, pairs):
+    """Opt-in shared memory per block the fp32 backward's wide tiles take at head dim d (a multiple
     of 32): two own tiles of 64 rows, two streamed ones of 16 rows in two stages (rows of d + 4
-    floats), 16 lse2 and delta in two stages, and the fused dQ's 16 x 72 dS tile."""
-    return 4 * (2 * 64 * (d + 4) + 4 * 16 * (d + 4) + 4 * 16) + 4 * 16 * 72
+    floats), 16 lse2 and delta in two stages, for the pairs the 8 warps' exchange of partial S^T
+    and dP^T (16 x 16 floats each), and the fused dQ's 16 x 72 dS tile."""
+    exchange = 8 * 2 * 16 * 16 if pairs else 0
+    return 4 * (2 * 64 * (d + 4) + 4 * 16 * (d + 4) + 4 * 16 + exchange) + 4 * 16 * 72
 
 
-@pytest.mark.parametrize("d", [160, 229, 256])
+@pytest.mark.parametrize("d", [160, 192, 200, 229, 256])
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa", "window", "softcap", "bool-mask", "additive"])
-def test_fp32_wide_tiles(monkeypatch, d, case):
-    """Past D = 128 the fp32 backward takes 4-warp tiles where the device's shared memory allows
-    (Hopper), else the 2-warp tiles every sm_80+ device fits, which FLASHMOD_BWD_TF32_WIDE=0 forces:
-    the profiler sees the tiles each setting should run, and with the dQ kernel (deterministic) both
-    give bitwise the same gradients, within the rule against fp64."""
+@pytest.mark.parametrize("fused_dq", ["0", "2"])
+def test_fp32_wide_tiles(monkeypatch, d, case, fused_dq):
+    """Past D = 128 the fp32 backward takes the widest tiles the device's shared memory takes: at
+    D = 192 / 256 8 warps in pairs that split the head dim, else 4 warps of whole rows (Hopper; an
+    A100 at D = 160 / 192), else the 2-warp tiles every sm_80+ device fits. FLASHMOD_BWD_TF32_WIDE
+    0 forces those, 2 rules out the pairs: the profiler sees the tiles each setting should run, and
+    each gives gradients within the rule against fp64, with the dQ kernel and with the fused dQ."""
     b, hq, hkv, nq, nk, options = FP32_FUSED_DQ_CASES[case]
     q, k, v = make_inputs(DEV, torch.float32, b, hq, hkv, nq, nk, d)
     options = dict(options)
@@ -580,22 +584,23 @@ def test_fp32_wide_tiles(monkeypatch, d, case):
         options["attn_mask"] = torch.rand(b, 1, nq, nk, device=DEV) > 0.3
     elif options.get("attn_mask") == "additive":
         options["attn_mask"] = torch.randn(1, hq, nq, nk, device=DEV)
-    grad_out, grad_lse = draw_upstream(q)
-    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "0")
-    wide_fits = torch.cuda.get_device_properties(DEV).shared_memory_per_block_optin >= tf32_wide_smem(-(-d // 32) * 32)
-    results = {}
-    for knob in ("0", "1"):
+    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", fused_dq)
+    padded = -(-d // 32) * 32
+    optin = torch.cuda.get_device_properties(DEV).shared_memory_per_block_optin
+    pairs_fit = padded % 64 == 0 and optin >= tf32_wide_smem(padded, True)
+    quads_fit = optin >= tf32_wide_smem(padded, False)
+    for knob in ("0", "1", "2"):
         monkeypatch.setenv("FLASHMOD_BWD_TF32_WIDE", knob)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            results[knob] = fused_grads(q, k, v, grad_out, grad_lse, **options)
+            check_grads_fp32(q, k, v, **options)
             torch.cuda.synchronize()
         names = " ".join(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-        warps = {int(w) for w in re.findall(r"Tf32BwdTraits<\d+, (\d+), 16>", names)}
-        assert warps == ({4} if knob == "1" and wide_fits else {2}), (knob, names)
-    for name, wide, narrow in zip(("dq", "dk", "dv"), results["1"], results["0"]):
-        assert torch.equal(wide, narrow), name
-    monkeypatch.setenv("FLASHMOD_BWD_FUSED_DQ", "2")
-    check_grads_fp32(q, k, v, **options)  # the wide tiles with the fused dQ, fresh upstream draws
+        warps = {int(w) for w in re.findall(r"Tf32BwdTraits<\d+, (\d+), 16", names)}
+        if knob == "1" and pairs_fit:  # the dK/dV kernels on 8 warps; the dQ kernel on 4
+            expected = {8} if fused_dq == "2" else {8, 4}
+        else:
+            expected = {4} if knob != "0" and quads_fit else {2}
+        assert warps == expected, (knob, names)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

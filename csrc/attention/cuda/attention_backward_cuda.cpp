@@ -62,7 +62,7 @@ Gradients run_attention_backward_cuda(
   } else if ((err = cuda_kernels::run_attention_bwd_rowstats(p, st, stream)) == cudaSuccess) {
     const int padded32 = cuda_kernels::padded_head_dim(cuda_kernels::kBwdTf32HeadDims, p.head_dim);
     st.tf32_fused_dq = tf32_fused_dq_wanted();
-    st.tf32_wide_smem = tf32_wide_smem();
+    choose_tf32_tiles(st);
     if (st.tf32_fused_dq)
       r.grad_q.zero_();  // the dK/dV kernel adds dQ into it
     else

@@ -146,11 +146,17 @@ inline bool tf32_fused_dq_wanted() {
   return knob == 2 || (knob == 1 && !at::globalContext().deterministicAlgorithms());
 }
 
-// BwdRowStats::tf32_wide_smem: the current device's opt-in shared memory per block, or 0 under
-// FLASHMOD_BWD_TF32_WIDE=0 (tests run the A100 tiles on Hopper with it).
-inline int tf32_wide_smem() {
-  if (!env_flag("FLASHMOD_BWD_TF32_WIDE", true)) return 0;
-  return static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+// BwdRowStats::tf32_wide_smem and tf32_pairs from FLASHMOD_BWD_TF32_WIDE: 1 (default) the widest
+// tiles the current device's opt-in shared memory per block takes; 0 the A100 tiles, 2 no warp
+// pairs (tests run those tiles on Hopper with them).
+inline void choose_tf32_tiles(cuda_kernels::BwdRowStats& st) {
+  const int64_t knob = env_int("FLASHMOD_BWD_TF32_WIDE", 1);
+  TORCH_CHECK(knob >= 0 && knob <= 2,
+              error_message("FLASHMOD_BWD_TF32_WIDE must be 0, 1 or 2, got ", knob));
+  st.tf32_wide_smem =
+      knob == 0 ? 0
+                : static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  st.tf32_pairs = knob != 2;
 }
 
 // The stream the backward's dQ kernel runs on beside the dK/dV launch (BwdRowStats::dq_stream): one

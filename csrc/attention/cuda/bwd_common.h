@@ -509,21 +509,26 @@ __device__ __forceinline__ Elem* grad_rows(void* base, int64_t batch_stride, int
 
 // The dK/dV kernels' epilogue: this warp's rows (from row0 of the block at key k0, valid_rows of
 // them) of dV and of dK, the latter times the softmax scale (the scores' gradient was taken
-// with respect to scale * q.k). kWhich says which of the two this CTA accumulated.
+// with respect to scale * q.k). kWhich says which of the two this CTA accumulated; the
+// accumulators hold columns from col0 (a multiple of 8: the fp32 kernel's half-head-dim warps).
 template <typename Elem, int kWhich, int kDTiles, int kNV, int kNK>
 __device__ __forceinline__ void store_dkdv(const AttentionBwdParams& p, int64_t b, int64_t hk,
                                            int k0, const float (&dV)[kNV][4],
                                            const float (&dK)[kNK][4], float scale, int row0,
-                                           int valid_rows, int head_dim, int lane, bool vec) {
+                                           int valid_rows, int head_dim, int lane, bool vec,
+                                           int col0 = 0) {
   if constexpr (kWhich != kBwdOnlyDK)
     store_rows<Elem, kDTiles>(grad_rows<Elem>(p.grad_v, p.grad_v_batch_stride, p.grad_v_head_stride,
-                                              p.grad_v_row_stride, b, hk, k0),
-                              p.grad_v_row_stride, dV, 1.f, row0, valid_rows, head_dim, lane, vec);
+                                              p.grad_v_row_stride, b, hk, k0) +
+                                  col0,
+                              p.grad_v_row_stride, dV, 1.f, row0, valid_rows, head_dim - col0, lane,
+                              vec);
   if constexpr (kWhich != kBwdOnlyDV)
     store_rows<Elem, kDTiles>(grad_rows<Elem>(p.grad_k, p.grad_k_batch_stride, p.grad_k_head_stride,
-                                              p.grad_k_row_stride, b, hk, k0),
-                              p.grad_k_row_stride, dK, scale, row0, valid_rows, head_dim, lane,
-                              vec);
+                                              p.grad_k_row_stride, b, hk, k0) +
+                                  col0,
+                              p.grad_k_row_stride, dK, scale, row0, valid_rows, head_dim - col0,
+                              lane, vec);
 }
 
 // store_dkdv for kGradStoreRows16 gradients (fp16 / bf16), through shared memory: the warp's 16

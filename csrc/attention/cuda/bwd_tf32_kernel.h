@@ -37,22 +37,31 @@
 
 namespace flashmod::cuda_kernels {
 
-// kWarps warps own 16 rows each (Bo rows); Bs rows stream per step.
-template <int kHeadDim_, int kWarps, int kBs>
+// kWarps warps own 16 rows each (Bo rows); Bs rows stream per step. kColSplit = 2 (the dK/dV kernel
+// only): two warps share each 16 own rows, each summing S^T and dP^T over half the head dim (the
+// pair adds the halves through an exchange area) and accumulating half of dK / dV's columns.
+template <int kHeadDim_, int kWarps, int kBs, int kColSplit_ = 1>
 struct Tf32BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kLd = tf32_tile_pitch<kHeadDim>();
-  static constexpr int Bo = 16 * kWarps;
+  static constexpr int kColSplit = kColSplit_;
+  static constexpr int kRowTiles = kWarps / kColSplit;
+  static constexpr int Bo = 16 * kRowTiles;
   static constexpr int Bs = kBs;
   static constexpr int kNWarps = kWarps;
   static constexpr int kNThreads = 32 * kWarps;
   static constexpr int kNTiles = Bs / 8;  // n8 tiles of S per warp = k8 steps of the 2nd product
   static constexpr int kDTiles = kHeadDim / 8;  // k8 steps of the 1st product = its n8 tiles
-  static constexpr int kOwnTile = Bo * kLd;     // floats of one own tile
+  static constexpr int kPartTiles = kDTiles / kColSplit;  // of those, one warp's
+  static constexpr int kOwnTile = Bo * kLd;               // floats of one own tile
   static constexpr int kStreamTile = Bs * kLd;  // floats of one stage of one streamed tile
+  // Per warp, its partial S^T and dP^T (lane-major: 2 x kNTiles x 4 floats a lane).
+  static constexpr int kExchangeWarp = 2 * kNTiles * 4 * 32;
+  static constexpr int kExchange = kColSplit == 1 ? 0 : kNWarps * kExchangeWarp;
+  static_assert(kWarps % kColSplit == 0 && kDTiles % kColSplit == 0, "whole warps and n8 tiles");
   // Two own tiles, two streamed tiles in two stages; the dK/dV kernel adds two stages of Bs lse2
-  // and delta. A dV-only launch holds no V tile.
-  static constexpr int kSmemBytes = 4 * (2 * kOwnTile + 4 * kStreamTile + 4 * Bs);
+  // and delta, and the exchange area. A dV-only launch holds no V tile.
+  static constexpr int kSmemBytes = 4 * (2 * kOwnTile + 4 * kStreamTile + 4 * Bs + kExchange);
   static constexpr int kDVOnlySmemBytes = kSmemBytes - 4 * kOwnTile;
   static_assert(Bs % 8 == 0 && Bs / 2 <= kNThreads, "one 16-byte lse2/delta chunk per thread");
   static_assert(kBwdRowPad % Bs == 0 && kBwdRowPad % Bo == 0, "row statistics cover whole blocks");
@@ -94,7 +103,8 @@ __device__ __forceinline__ uint32_t lds(const float* p) {
 // fresh accumulator that joins c with an fp32 add: the tensor cores truncate when they accumulate,
 // and a chain over the whole head dim biased dP by tens of ulps at D >= 160 (dQ failed the 3x rule
 // there, H100 run 1); per step, the truncation is that of one 8-term sum.
-template <int kHeadDim, int kNT>
+// kKSteps: the k8 steps summed, from a and b's first column (a warp's half under kColSplit = 2).
+template <int kHeadDim, int kNT, int kKSteps = kHeadDim / 8>
 __device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, const float* b,
                                             int g, int t) {
   constexpr int kLd = tf32_tile_pitch<kHeadDim>();
@@ -104,7 +114,7 @@ __device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, 
   const float* a_lane = a + g * kLd + t;
   const float* b_lane = b + g * kLd + t;
 #pragma unroll 2
-  for (int ks = 0; ks < kHeadDim / 8; ++ks) {
+  for (int ks = 0; ks < kKSteps; ++ks) {
     uint32_t a_hi[4], a_lo[4];
     const float* ap = a_lane + 8 * ks;
     split_tf32(lds(ap), a_hi[0], a_lo[0]);
@@ -129,12 +139,12 @@ __device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, 
     for (int e = 0; e < 4; ++e) c[nt][e] = add_small_terms(c[nt][e], small[nt][e]);
 }
 
-// acc[16 x kHeadDim] += A B, A = an accumulator (P^T, dS^T or dS: 16 x 8 kNT), B = the kNT * 8
-// rows of a streamed fp32 tile, read transposed and split as its fragments are read.
-template <int kHeadDim, int kNT>
-__device__ __forceinline__ void product_ab(float (&acc)[kHeadDim / 8][4],
-                                           const float (&a_acc)[kNT][4], const float* b, int g,
-                                           int t) {
+// acc[16 x 8 kOutTiles] += A B, A = an accumulator (P^T, dS^T or dS: 16 x 8 kNT), B = the kNT * 8
+// rows of a streamed fp32 tile from its column b (kOutTiles n8 tiles of them), read transposed and
+// split as its fragments are read.
+template <int kHeadDim, int kNT, int kOutTiles = kHeadDim / 8>
+__device__ __forceinline__ void product_ab(float (&acc)[kOutTiles][4], const float (&a_acc)[kNT][4],
+                                           const float* b, int g, int t) {
   constexpr int kLd = tf32_tile_pitch<kHeadDim>();
   uint32_t a_hi[kNT][4], a_lo[kNT][4];
 #pragma unroll
@@ -147,7 +157,7 @@ __device__ __forceinline__ void product_ab(float (&acc)[kHeadDim / 8][4],
   }
   const float* b_lane = b + 2 * t * kLd + g;
 #pragma unroll
-  for (int dt = 0; dt < kHeadDim / 8; ++dt) {
+  for (int dt = 0; dt < kOutTiles; ++dt) {
     float big[4] = {0.f, 0.f, 0.f, 0.f}, small[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int kt = 0; kt < kNT; ++kt) {
@@ -247,7 +257,7 @@ template <class Tr, bool kGeneral, int kWhich, bool kFusedDQ = false>
 __global__ void __launch_bounds__(Tr::kNThreads)
     attention_bwd_tf32_dkdv_kernel(const AttentionBwdParams p, const BwdRowStats st) {
   constexpr int D = Tr::kHeadDim, Br = Tr::Bs, Bc = Tr::Bo, kThreads = Tr::kNThreads;
-  constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles, kLd = Tr::kLd;
+  constexpr int NT = Tr::kNTiles, DT = Tr::kPartTiles, kLd = Tr::kLd, kSplit = Tr::kColSplit;
   constexpr int kOwn = Tr::kOwnTile, kStream = Tr::kStreamTile;
   constexpr bool kDV = kWhich != kBwdOnlyDK, kDK = kWhich != kBwdOnlyDV;
   static_assert(!kFusedDQ || kDK, "the fused dQ takes dS from the dK launch");
@@ -259,10 +269,15 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   float* sdO = sQ + 2 * kStream;
   float* sL = sdO + 2 * kStream;  // stage 1 at + Br
   float* sDelta = sL + 2 * Br;
-  float* sdS = sDelta + 2 * Br;  // kFusedDQ only
+  float* sExchange = sDelta + 2 * Br;      // kSplit = 2 only
+  float* sdS = sExchange + Tr::kExchange;  // kFusedDQ only
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, warp_id = tid / 32, lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
+  // warp: the warp's 16 own rows; part: its half of the head dim (kSplit = 2), from column d0.
+  const int warp = kSplit == 1 ? warp_id : warp_id % Tr::kRowTiles;
+  const int part = kSplit == 1 ? 0 : warp_id / Tr::kRowTiles;
+  const int d0 = part * DT * 8;
   const int Nk = static_cast<int>(p.seqlen_k), head_dim = static_cast<int>(p.head_dim);
   const BwdKeyTile tile = bwd_key_tile(p, (Nk + Bc - 1) / Bc);
   const int n_block = tile.n_block;
@@ -318,35 +333,61 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     const float* sdO_s = sdO + stage * kStream;
 
     float St[NT][4];
-    tf32_bwd::product_abt<D, NT>(St, sK_warp, sQ_s, g, t);
+    tf32_bwd::product_abt<D, NT, DT>(St, sK_warp + d0, sQ_s + d0, g, t);
     float dPt[kDK ? NT : 1][4];
-    if constexpr (kDK) tf32_bwd::product_abt<D, NT>(dPt, sV_warp, sdO_s, g, t);
+    if constexpr (kDK) tf32_bwd::product_abt<D, NT, DT>(dPt, sV_warp + d0, sdO_s + d0, g, t);
+    if constexpr (kSplit == 2) {
+      // Each warp of the pair adds the other's half-head-dim sums (the same place, lane-major, in
+      // the other half's warp): fp32 addition commutes, so both hold the same S^T and dP^T.
+      float* mine = sExchange + warp_id * Tr::kExchangeWarp + lane;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          mine[(4 * nt + e) * 32] = St[nt][e];
+          if constexpr (kDK) mine[(4 * (NT + nt) + e) * 32] = dPt[nt][e];
+        }
+      // The pair's partial sums are in place (ids 1..kRowTiles: one barrier per pair). The next
+      // step's stores come after the loop top's barrier, which both warps reach past the reads.
+      named_barrier(1 + warp, 64);
+      const float* theirs = mine + (part == 0 ? 1 : -1) * Tr::kRowTiles * Tr::kExchangeWarp;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          St[nt][e] += theirs[(4 * nt + e) * 32];
+          if constexpr (kDK) dPt[nt][e] += theirs[(4 * (NT + nt) + e) * 32];
+        }
+    }
 
     transposed_probs_and_grads<float, kGeneral, kDK>(St, dPt, p, tf, scale_log2, b, h, r0, Br,
                                                      n_block, Bc, key_row, sL + stage * Br,
                                                      sDelta + stage * Br, t, kb.plain_keys);
 
     if constexpr (kFusedDQ) {
-      // This warp's 16 keys' columns of dS; the stores drain under the dV / dK products.
+      // This warp's 16 keys' columns of dS (one warp of a pair: both hold them); the stores drain
+      // under the dV / dK products.
+      if (part == 0) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          sdS[(8 * nt + 2 * t + (e & 1)) * Tr::kDSLd + warp_row0 + g + 8 * (e >> 1)] = dPt[nt][e];
+          for (int e = 0; e < 4; ++e)
+            sdS[(8 * nt + 2 * t + (e & 1)) * Tr::kDSLd + warp_row0 + g + 8 * (e >> 1)] = dPt[nt][e];
+      }
     }
-    if constexpr (kDV) tf32_bwd::product_ab<D, NT>(dV, St, sdO_s, g, t);
-    if constexpr (kDK) tf32_bwd::product_ab<D, NT>(dK, dPt, sQ_s, g, t);
+    if constexpr (kDV) tf32_bwd::product_ab<D, NT, DT>(dV, St, sdO_s + d0, g, t);
+    if constexpr (kDK) tf32_bwd::product_ab<D, NT, DT>(dK, dPt, sQ_s + d0, g, t);
     if constexpr (kFusedDQ) {
       // Every warp's dS columns are in place. The next step's stores into sdS come after the loop
       // top's barrier, which every warp reaches only past this product.
       __syncthreads();
-      tf32_bwd::add_fused_dq<Tr>(p, sdS, sK, tf.scale, b, h, r0, warp, g, t, st.vec_store != 0);
+      tf32_bwd::add_fused_dq<Tr>(p, sdS, sK, tf.scale, b, h, r0, warp_id, g, t, st.vec_store != 0);
     }
   }
   cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 
   store_dkdv<float, kWhich, DT>(p, b, hk, k0, dV, dK, tf.scale, warp_row0, rows_k, head_dim, lane,
-                                st.vec_store != 0);
+                                st.vec_store != 0, d0);
 }
 
 template <class Tr, bool kGeneral>
@@ -355,6 +396,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   constexpr int D = Tr::kHeadDim, Br = Tr::Bo, Bc = Tr::Bs, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles, kLd = Tr::kLd;
   constexpr int kOwn = Tr::kOwnTile, kStream = Tr::kStreamTile;
+  static_assert(Tr::kColSplit == 1, "the dQ kernel's warps own whole rows");
 
   extern __shared__ __align__(16) float smem[];
   float* sQ = smem;

@@ -25,11 +25,22 @@ namespace flashmod::cuda_kernels {
 // causal 1.49x, D = 192 1.11x, D = 160 1.12x. The dV launch leaves out the V tile it never reads,
 // so at D = 224 / 256 it fits two A100-tile CTAs per SM (1.11-1.15x on the same steps with the A100
 // tiles).
-template <int kHeadDim, bool kWide = false>
+//
+// At D = 192 / 256 the wide dK/dV tiles take 8 warps, two per 16 key rows, each summing S^T and
+// dP^T over half the head dim and keeping half of dK / dV (kColSplit = 2): 8 warps per SM where 4
+// warps of their own would need 266 KB of K_j / V_j rows at D = 256. The dQ kernel (the
+// deterministic path) keeps 4 warps of whole rows. H200, session 54: EXPERIMENT.
+template <int kHeadDim, bool kWide = false, bool kPairsAllowed = true>
 struct Tf32BwdConfig {
   static constexpr bool kSplit = kHeadDim > 128;
   static_assert(kSplit || !kWide, "the wide tiles are for D > 128");
-  using Tr = Tf32BwdTraits<kHeadDim, kHeadDim <= 128 || kWide ? 4 : 2, kHeadDim <= 96 ? 32 : 16>;
+  static constexpr bool kPairs = kWide && kPairsAllowed && kHeadDim % 64 == 0;
+  using Tr = Tf32BwdTraits<kHeadDim,
+                           !kWide && kSplit ? 2
+                           : kPairs         ? 8
+                                            : 4,
+                           kHeadDim <= 96 ? 32 : 16, kPairs ? 2 : 1>;
+  using TrQ = Tf32BwdTraits<kHeadDim, Tr::kRowTiles, Tr::Bs>;  // the dQ kernel's
   static_assert(kWide || Tr::kFitsA100, "the default tiles must fit an A100");
 };
 
@@ -63,7 +74,6 @@ cudaError_t launch_bwd_tf32_key_grads(const AttentionBwdParams& p, const BwdRowS
 template <class Cfg, bool kGeneral>
 cudaError_t launch_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
                             cudaStream_t stream) {
-  using Tr = typename Cfg::Tr;
   if (st.tf32_fused_dq) return launch_bwd_tf32_key_grads<Cfg, kGeneral, true>(p, st, stream);
   // dQ beside dK/dV on st.dq_stream where the host gave one, as in the fp16/bf16 backward
   // (bwd_sm80_launch.h). H200, B 4, H 16, D 64 / 128, N 1k / 4k, session 53: forward + backward
@@ -72,8 +82,10 @@ cudaError_t launch_bwd_tf32(const AttentionBwdParams& p, const BwdRowStats& st,
       stream, st.dq_stream,
       [&](cudaStream_t s) { return launch_bwd_tf32_key_grads<Cfg, kGeneral, false>(p, st, s); },
       [&](cudaStream_t s) {
-        return cuda::launch_kernel(attention_bwd_tf32_dq_kernel<Tr, kGeneral>,
-                                   bwd_dq_ctas(p, Tr::Bo), Tr::kNThreads, Tr::kSmemBytes, s, p, st);
+        using TrQ = typename Cfg::TrQ;
+        return cuda::launch_kernel(attention_bwd_tf32_dq_kernel<TrQ, kGeneral>,
+                                   bwd_dq_ctas(p, TrQ::Bo), TrQ::kNThreads, TrQ::kSmemBytes, s, p,
+                                   st);
       });
 }
 
@@ -81,9 +93,16 @@ template <int kHeadDim, bool kGeneral>
 cudaError_t launch_bwd_tf32_tiles(const AttentionBwdParams& p, const BwdRowStats& st,
                                   cudaStream_t stream) {
   if constexpr (Tf32BwdConfig<kHeadDim>::kSplit) {
-    using Wide = Tf32BwdConfig<kHeadDim, true>;
-    if (st.tf32_wide_smem >= Wide::Tr::kFusedDQSmemBytes)
-      return launch_bwd_tf32<Wide, kGeneral>(p, st, stream);
+    // The widest tiles the device's shared memory takes: the pairs (D = 192 / 256), 4 warps of
+    // whole rows, or the A100 tiles.
+    using Pairs = Tf32BwdConfig<kHeadDim, true>;
+    using Quads = Tf32BwdConfig<kHeadDim, true, false>;
+    if constexpr (Pairs::kPairs) {
+      if (st.tf32_pairs && st.tf32_wide_smem >= Pairs::Tr::kFusedDQSmemBytes)
+        return launch_bwd_tf32<Pairs, kGeneral>(p, st, stream);
+    }
+    if (st.tf32_wide_smem >= Quads::Tr::kFusedDQSmemBytes)
+      return launch_bwd_tf32<Quads, kGeneral>(p, st, stream);
   }
   return launch_bwd_tf32<Tf32BwdConfig<kHeadDim>, kGeneral>(p, st, stream);
 }

@@ -209,9 +209,11 @@ struct BwdRowStats {
   // the dQ kernel, bitwise reproducible.
   int tf32_fused_dq = 0;
   // The device's opt-in shared memory per block, in bytes, where the fp32 backward may take its
-  // 4-warp tiles past head dim 128 (bwd_tf32_launch.h: those that fit it); 0 keeps the 2-warp tiles
-  // every sm_80+ device fits (FLASHMOD_BWD_TF32_WIDE=0).
+  // wide tiles past head dim 128 (bwd_tf32_launch.h: the widest that fit it); 0 keeps the 2-warp
+  // tiles every sm_80+ device fits (FLASHMOD_BWD_TF32_WIDE=0). tf32_pairs = 0: no tiles whose warp
+  // pairs split the head dim (FLASHMOD_BWD_TF32_WIDE=2).
   int tf32_wide_smem = 0;
+  int tf32_pairs = 1;
 };
 
 // Whether the Hopper backward can take dQ into its dK/dV kernel (five matmuls per block pair

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "ptx_ops.h"  // named_barrier
+
 namespace flashmod::cuda_kernels {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -113,11 +115,6 @@ __device__ __forceinline__ void cluster_barrier() {
       "barrier.cluster.arrive.release.aligned;\n"
       "barrier.cluster.wait.acquire.aligned;\n" ::
           : "memory");
-}
-
-// A barrier among the first `threads` threads of the block only (id 0 is __syncthreads').
-__device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // The whole block at barrier 0, where its warps may arrive through different barrier

@@ -212,6 +212,12 @@ __device__ __forceinline__ void mma_3xtf32_apart(float (&big)[4], float (&small)
   MmaTf32::run(big, a_hi, b_hi0, b_hi1);
 }
 
+// A barrier among `threads` threads of the block (whole warps) that reach barrier `id` (id 0 is
+// __syncthreads').
+__device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Reductions over the 4 lanes (a "quad") that share one accumulator row in the mma layout.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
