@@ -26,10 +26,13 @@ namespace flashmod::cuda_kernels {
 // so at D = 224 / 256 it fits two A100-tile CTAs per SM (1.11-1.15x on the same steps with the A100
 // tiles).
 //
-// At D = 192 / 256 the wide dK/dV tiles take 8 warps, two per 16 key rows, each summing S^T and
-// dP^T over half the head dim and keeping half of dK / dV (kColSplit = 2): 8 warps per SM where 4
-// warps of their own would need 266 KB of K_j / V_j rows at D = 256. The dQ kernel (the
-// deterministic path) keeps 4 warps of whole rows. H200, session 54: EXPERIMENT.
+// At D = 192 / 256 the widest dK/dV tiles take 8 warps, two per 16 key rows, each summing S^T and
+// dP^T over half the head dim and keeping half of dK / dV (kColSplit = 2): 8 warps per SM where 8
+// warps of whole rows would need 266 KB of K_j / V_j rows at D = 256 (171 / 221 KB: Hopper only;
+// D = 160 / 224 would not split the 256 threads' row loads evenly). The dQ kernel (the
+// deterministic path) keeps 4 warps of whole rows. H200, B 4, H 16, N 1k, session 54: D = 192
+// forward + backward 1.076x (causal 1.078x) over 4 warps of whole rows; D = 256 is not measured
+// yet (FLASHMOD_BWD_TF32_WIDE=2 against 1).
 template <int kHeadDim, bool kWide = false, bool kPairsAllowed = true>
 struct Tf32BwdConfig {
   static constexpr bool kSplit = kHeadDim > 128;
