@@ -7,7 +7,11 @@ dropout, within 3x plain torch's error, exactly 0 where a sequence has no rows o
 and flash_attn_with_kvcache (contiguous and paged caches, pages of 16 / 32 / 48, appends of 0-3
 rows, several query rows), with GQA, causal, windows, soft caps and scales. A window side is judged
 as flash-attn does: against max_seqlen_k (varlen) or the cache's capacity (KV cache). A failing
-configuration is printed whole, so it can become a test.
+configuration is printed whole, so it can become a test. Two gradient failures print as KNOWN and do
+not count, as in fuzz_backward.py: rows that see at most one key, and fp16 / bf16 dq / dk that keep
+the rule once the reference takes delta from the stored output (a nearly one-hot row with large
+keys; session 54's seed 5403 on the CPU: a single query row seeing 4 keys, logits 9 apart, |k| ~ 11,
+its gradients bitwise those of the dense op on that sequence).
 
     PYTHONPATH=. python tools/fuzz_serving.py [--device cpu] [--seed 0] [--configs 200] [--long]
 
@@ -35,18 +39,20 @@ from flashmod.reference import attention_reference, dropout_keep_mask, effective
 UNBOUNDED = -1
 
 
-def reference(q, k, v, opts: dict, compute_dtype: torch.dtype, keep=None) -> torch.Tensor:
-    """One sequence in flash-attn's layout, (N, H, D), GQA by repeating K/V: its output (N, Hq, D); with
-    ``keep`` ((1, Hq, N, Nk) bool) dropped out at opts["dropout"] where it is False."""
+def reference(q, k, v, opts: dict, compute_dtype: torch.dtype, keep=None, with_lse: bool = False):
+    """One sequence in flash-attn's layout, (N, H, D), GQA by repeating K/V: its output (N, Hq, D), and
+    with ``with_lse`` its lse (N, Hq); with ``keep`` ((1, Hq, N, Nk) bool) dropped out at
+    opts["dropout"] where it is False."""
     g = q.shape[1] // k.shape[1]
-    out, _ = attention_reference(
+    out, lse = attention_reference(
         q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(g, 0)[None],
         v.transpose(0, 1).repeat_interleave(g, 0)[None], scale=opts["scale"], is_causal=opts["causal"],
         bottom_right=True, window_left=opts["left"], window_right=opts["right"], softcap=opts["softcap"],
         compute_dtype=compute_dtype, dropout_p=opts.get("dropout", 0.0) if keep is not None else 0.0,
         dropout_mask=keep,
     )  # fmt: skip
-    return out[0].transpose(0, 1)
+    out = out[0].transpose(0, 1)
+    return (out, lse[0].transpose(0, 1)) if with_lse else out
 
 
 def judged(side: int, extent: int) -> int:
@@ -62,12 +68,27 @@ def within_rule(ours, q, k, v, opts: dict, dtype: torch.dtype, keep=None) -> tup
     return not torch.isnan(ours).any() and err <= bound, err, plain_err
 
 
-def reference_grads(q, k, v, grad_out, opts: dict, compute_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def reference_grads(
+    q, k, v, grad_out, opts: dict, compute_dtype: torch.dtype, lse_cotangent=None
+) -> tuple[torch.Tensor, ...]:
     """dq, dk, dv of one sequence alone (flash-attn's layout), by autograd through ``reference`` with
-    q, k, v and grad_out cast to compute_dtype."""
+    q, k, v and grad_out cast to compute_dtype; ``lse_cotangent`` (N, Hq): a gradient into its lse too."""
     inputs = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
-    out = reference(*inputs, opts, compute_dtype)
-    return torch.autograd.grad(out, inputs, grad_out.to(compute_dtype))
+    if lse_cotangent is None:
+        return torch.autograd.grad(reference(*inputs, opts, compute_dtype), inputs, grad_out.to(compute_dtype))
+    out, lse = reference(*inputs, opts, compute_dtype, with_lse=True)
+    return torch.autograd.grad((out, lse), inputs, (grad_out.to(compute_dtype), lse_cotangent.to(compute_dtype)))
+
+
+def explained_by_stored_output(seq, grad_out, stored, opts: dict, name: str, err_bound: float, ours) -> bool:
+    """Whether dq or dk of one sequence keeps the rule's bound against fp64 autograd whose delta comes,
+    as the fused backward's, from the stored low-precision output: an lse cotangent of
+    -rowsum(dO o (O_stored - O_exact)) per row (fuzz_backward.py's second known case: a nearly one-hot
+    row with large keys, FlashAttention's design)."""
+    exact = reference(*(t.double() for t in seq), opts, torch.float64)
+    shift = (grad_out.double() * (stored.double() - exact)).sum(-1)
+    model = reference_grads(*seq, grad_out, opts, torch.float64, lse_cotangent=-shift)[("dq", "dk").index(name)]
+    return max_abs_err(ours, model) <= err_bound
 
 
 def varlen_grads_failures(desc: str, q, k, v, cq, ck, opts: dict, dtype: torch.dtype) -> list[str]:
@@ -105,6 +126,14 @@ def varlen_grads_failures(desc: str, q, k, v, cq, ck, opts: dict, dtype: torch.d
                 # third known case).
                 if name != "dv" and not torch.isnan(x).any() and most_keys_a_row_sees(lq[i], lk[i], opts) <= 1:
                     print("KNOWN (every row sees at most one key)", line)
+                    continue
+                if (
+                    name != "dv"
+                    and dtype != torch.float32
+                    and not torch.isnan(x).any()
+                    and explained_by_stored_output(seq[:3], seq[3], out[rows].detach(), opts, name, bound, x)
+                ):
+                    print("KNOWN (delta from the stored output)", line)
                     continue
                 failures.append(line)
     return failures
