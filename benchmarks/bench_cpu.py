@@ -9,8 +9,8 @@ Both contenders use the same threads (printed; set OMP_NUM_THREADS or --threads)
 interleaved rounds, so machine noise hits both alike; torch's SDPA picks its own CPU kernel (its
 flash kernel wherever it applies). The output names the CPU and the flashmod kernel its instruction
 set selects (csrc/attention/cpu/attention_cpu.cpp, pick_kernel). Shapes: B = 1, H = 8-16,
-N = 512-4096, D = 64/128, causal and not, fp32 and bf16; fwdbwd adds grouped-query (32/8 heads) and
-bool key-padding cases. --masks runs the mask group instead: each kind of mask tensor
+N = 512-4096, D = 64/128 (and 256 outside --quick), causal and not, fp32 and bf16; fwdbwd adds
+grouped-query (32/8 heads) and bool key-padding cases. --masks runs the mask group instead: each kind of mask tensor
 (bench_attention.MASK_KINDS: key padding, transformers' causal + padding mask as bool and additive, a
 dense additive bias) on B = 2, H = 8, N = 1024, D = 64 and B = 1, H = 16, N = 1024, D = 128 (causal
 masks count half the FLOPs). Checks, timing, FLOPs (fwdbwd = 3.5x forward) and the table, JSON and
@@ -42,7 +42,9 @@ from harness import cpu_name, track_rss_of_large_blocks
 import flashmod  # noqa: F401  (loads the operators)
 
 # (B, H, N, D)
-SHAPES = [(1, 16, 512, 64), (1, 16, 1024, 64), (1, 8, 2048, 128), (1, 8, 4096, 64), (1, 16, 1024, 128)]
+SHAPES = [
+    (1, 16, 512, 64), (1, 16, 1024, 64), (1, 8, 2048, 128), (1, 8, 4096, 64), (1, 16, 1024, 128), (1, 8, 1024, 256),
+]  # fmt: skip
 QUICK_SHAPES = [(1, 16, 512, 64), (1, 8, 2048, 128)]
 SMOKE_SHAPES = [(1, 2, 64, 32)]
 # Environment variables that make a wider CPU run an instruction-set class's code (recorded as set).
