@@ -30,9 +30,9 @@ namespace flashmod::cuda_kernels {
 // dP^T over half the head dim and keeping half of dK / dV (kColSplit = 2): 8 warps per SM where 8
 // warps of whole rows would need 266 KB of K_j / V_j rows at D = 256 (171 / 221 KB: Hopper only;
 // D = 160 / 224 would not split the 256 threads' row loads evenly). The dQ kernel (the
-// deterministic path) keeps 4 warps of whole rows. H200, B 4, H 16, N 1k, session 54: D = 192
-// forward + backward 1.076x (causal 1.078x) over 4 warps of whole rows; D = 256 is not measured
-// yet (FLASHMOD_BWD_TF32_WIDE=2 against 1).
+// deterministic path) keeps 4 warps of whole rows. H200, B 4, H 16, forward + backward over 4 warps
+// of whole rows: D = 192 N 1k 1.076x (causal 1.078x, session 54); D = 256 N 1k / 4k 1.18-1.22x,
+// causal too (session 55, FLASHMOD_BWD_TF32_WIDE=2 against 1).
 template <int kHeadDim, bool kWide = false, bool kPairsAllowed = true>
 struct Tf32BwdConfig {
   static constexpr bool kSplit = kHeadDim > 128;
