@@ -104,33 +104,41 @@ __device__ __forceinline__ uint32_t lds(const float* p) {
 // and a chain over the whole head dim biased dP by tens of ulps at D >= 160 (dQ failed the 3x rule
 // there, H100 run 1); per step, the truncation is that of one 8-term sum.
 // kKSteps: the k8 steps summed, from a and b's first column (a warp's half under kColSplit = 2).
+// Fragments come through ldmatrix, as in the forward (fwd_fp32_3xtf32.cu: b16 matrices of 8 rows x
+// 16 bytes carry 8 x 4 fp32 values in the tf32 fragment layout): one instruction for A's four
+// values or two n8 tiles' B values instead of four 32-bit loads. Lane L addresses row L % 8 of
+// matrix L / 8: A's matrices are (rows 0-7, k 0-3), (8-15, k 0-3), (0-7, k 4-7), (8-15, k 4-7);
+// B's are tile nt's (k 0-3), (k 4-7), then tile nt + 1's.
 template <int kHeadDim, int kNT, int kKSteps = kHeadDim / 8>
 __device__ __forceinline__ void product_abt(float (&c)[kNT][4], const float* a, const float* b,
-                                            int g, int t) {
+                                            int lane) {
   constexpr int kLd = tf32_tile_pitch<kHeadDim>();
+  static_assert(kNT % 2 == 0, "B fragments load two n8 tiles at a time");
   float small[kNT][4];
   zero(c);
   zero(small);
-  const float* a_lane = a + g * kLd + t;
-  const float* b_lane = b + g * kLd + t;
+  const uint32_t a_frag = smem_addr(a + (lane % 8 + 8 * (lane / 8 % 2)) * kLd + 4 * (lane / 16));
+  const uint32_t b_frag = smem_addr(b + (lane % 8 + 8 * (lane / 16)) * kLd + 4 * (lane / 8 % 2));
 #pragma unroll 2
   for (int ks = 0; ks < kKSteps; ++ks) {
-    uint32_t a_hi[4], a_lo[4];
-    const float* ap = a_lane + 8 * ks;
-    split_tf32(lds(ap), a_hi[0], a_lo[0]);
-    split_tf32(lds(ap + 8 * kLd), a_hi[1], a_lo[1]);
-    split_tf32(lds(ap + 4), a_hi[2], a_lo[2]);
-    split_tf32(lds(ap + 8 * kLd + 4), a_hi[3], a_lo[3]);
+    uint32_t a_raw[4], a_hi[4], a_lo[4];
+    ldmatrix_x4(a_raw, a_frag + 32 * ks);
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      const float* bp = b_lane + nt * 8 * kLd + 8 * ks;
-      uint32_t b_hi[2], b_lo[2];
-      split_tf32(lds(bp), b_hi[0], b_lo[0]);
-      split_tf32(lds(bp + 4), b_hi[1], b_lo[1]);
-      float big[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_3xtf32_apart(big, small[nt], a_hi, a_lo, b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
+    for (int e = 0; e < 4; ++e) split_tf32_fast(a_raw[e], a_hi[e], a_lo[e]);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) c[nt][e] += big[e];
+    for (int nt = 0; nt < kNT; nt += 2) {
+      uint32_t b_raw[4], b_hi[4], b_lo[4];  // (t, g) and (t + 4, g) of tiles nt and nt + 1
+      ldmatrix_x4(b_raw, b_frag + 4 * (nt * 8 * kLd) + 32 * ks);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) split_tf32_fast(b_raw[e], b_hi[e], b_lo[e]);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float big[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_3xtf32_apart(big, small[nt + half], a_hi, a_lo, b_hi[2 * half], b_hi[2 * half + 1],
+                         b_lo[2 * half], b_lo[2 * half + 1]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[nt + half][e] += big[e];
+      }
     }
   }
 #pragma unroll
@@ -150,10 +158,10 @@ __device__ __forceinline__ void product_ab(float (&acc)[kOutTiles][4], const flo
 #pragma unroll
   for (int kt = 0; kt < kNT; ++kt) {
     // Accumulator (row, column 2t + c) -> A fragment position (row, t + 4c).
-    split_tf32(__float_as_uint(a_acc[kt][0]), a_hi[kt][0], a_lo[kt][0]);
-    split_tf32(__float_as_uint(a_acc[kt][2]), a_hi[kt][1], a_lo[kt][1]);
-    split_tf32(__float_as_uint(a_acc[kt][1]), a_hi[kt][2], a_lo[kt][2]);
-    split_tf32(__float_as_uint(a_acc[kt][3]), a_hi[kt][3], a_lo[kt][3]);
+    split_tf32_fast(__float_as_uint(a_acc[kt][0]), a_hi[kt][0], a_lo[kt][0]);
+    split_tf32_fast(__float_as_uint(a_acc[kt][2]), a_hi[kt][1], a_lo[kt][1]);
+    split_tf32_fast(__float_as_uint(a_acc[kt][1]), a_hi[kt][2], a_lo[kt][2]);
+    split_tf32_fast(__float_as_uint(a_acc[kt][3]), a_hi[kt][3], a_lo[kt][3]);
   }
   const float* b_lane = b + 2 * t * kLd + g;
 #pragma unroll
@@ -163,8 +171,8 @@ __device__ __forceinline__ void product_ab(float (&acc)[kOutTiles][4], const flo
     for (int kt = 0; kt < kNT; ++kt) {
       const float* bp = b_lane + kt * 8 * kLd + 8 * dt;
       uint32_t b_hi[2], b_lo[2];
-      split_tf32(lds(bp), b_hi[0], b_lo[0]);
-      split_tf32(lds(bp + kLd), b_hi[1], b_lo[1]);
+      split_tf32_fast(lds(bp), b_hi[0], b_lo[0]);
+      split_tf32_fast(lds(bp + kLd), b_hi[1], b_lo[1]);
       mma_3xtf32_apart(big, small, a_hi[kt], a_lo[kt], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
     }
 #pragma unroll
@@ -206,17 +214,17 @@ __device__ __forceinline__ void add_fused_dq(const AttentionBwdParams& p, const 
       const float2 top = *reinterpret_cast<const float2*>(a_lane + 8 * ks);
       const float2 bottom = *reinterpret_cast<const float2*>(a_lane + 8 * kDSLd + 8 * ks);
       uint32_t a_hi[4], a_lo[4];
-      split_tf32(__float_as_uint(top.x), a_hi[0], a_lo[0]);
-      split_tf32(__float_as_uint(bottom.x), a_hi[1], a_lo[1]);
-      split_tf32(__float_as_uint(top.y), a_hi[2], a_lo[2]);
-      split_tf32(__float_as_uint(bottom.y), a_hi[3], a_lo[3]);
+      split_tf32_fast(__float_as_uint(top.x), a_hi[0], a_lo[0]);
+      split_tf32_fast(__float_as_uint(bottom.x), a_hi[1], a_lo[1]);
+      split_tf32_fast(__float_as_uint(top.y), a_hi[2], a_lo[2]);
+      split_tf32_fast(__float_as_uint(bottom.y), a_hi[3], a_lo[3]);
 #pragma unroll
       for (int nt = 0; nt < kChunk; ++nt) {
         if (kRagged && c0 + nt >= kNT) continue;
         const float* bp = b_lane + 8 * ks * kLd + 8 * nt;
         uint32_t b_hi[2], b_lo[2];
-        split_tf32(lds(bp), b_hi[0], b_lo[0]);
-        split_tf32(lds(bp + kLd), b_hi[1], b_lo[1]);
+        split_tf32_fast(lds(bp), b_hi[0], b_lo[0]);
+        split_tf32_fast(lds(bp + kLd), b_hi[1], b_lo[1]);
         float big[4] = {0.f, 0.f, 0.f, 0.f};
         mma_3xtf32_apart(big, small[nt], a_hi, a_lo, b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
 #pragma unroll
@@ -333,9 +341,9 @@ __global__ void __launch_bounds__(Tr::kNThreads)
     const float* sdO_s = sdO + stage * kStream;
 
     float St[NT][4];
-    tf32_bwd::product_abt<D, NT, DT>(St, sK_warp + d0, sQ_s + d0, g, t);
+    tf32_bwd::product_abt<D, NT, DT>(St, sK_warp + d0, sQ_s + d0, lane);
     float dPt[kDK ? NT : 1][4];
-    if constexpr (kDK) tf32_bwd::product_abt<D, NT, DT>(dPt, sV_warp + d0, sdO_s + d0, g, t);
+    if constexpr (kDK) tf32_bwd::product_abt<D, NT, DT>(dPt, sV_warp + d0, sdO_s + d0, lane);
     if constexpr (kSplit == 2) {
       // Each warp of the pair adds the other's half-head-dim sums (the same place, lane-major, in
       // the other half's warp): fp32 addition commutes, so both hold the same S^T and dP^T.
@@ -453,8 +461,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 
     const float* sK_s = sK + stage * kStream;
     float S[NT][4], dP[NT][4];
-    tf32_bwd::product_abt<D, NT>(S, sQ_warp, sK_s, g, t);
-    tf32_bwd::product_abt<D, NT>(dP, sdO_warp, sV + stage * kStream, g, t);
+    tf32_bwd::product_abt<D, NT>(S, sQ_warp, sK_s, lane);
+    tf32_bwd::product_abt<D, NT>(dP, sdO_warp, sV + stage * kStream, lane);
     const bool plain_keys = plain_key_block<kGeneral, kGeneral, Br, Bc>(p, b, h, tile.m_block, n);
     probs_and_grads<float, kGeneral>(S, dP, p, tf, scale_log2, rows, r0, Br, n, Bc, t, plain_keys);
     tf32_bwd::product_ab<D, NT>(dQ, S, sK_s, g, t);

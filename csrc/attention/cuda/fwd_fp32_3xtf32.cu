@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(Tf32Tile<kHeadDim>::kThreads, 3 - Tf32Tile<kHe
       uint32_t a[4], a_hi[4], a_lo[4];
       ldmatrix_x4(a, q_frag + ks * 32);  // (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) split_tf32(a[e], a_hi[e], a_lo[e]);
+      for (int e = 0; e < 4; ++e) split_tf32_fast(a[e], a_hi[e], a_lo[e]);
 #pragma unroll
       for (int nt = 0; nt < kKTiles; nt += 2) {
         uint32_t b_hi[4], b_lo[4];  // (t, g) and (t + 4, g) of tiles nt and nt + 1
@@ -255,10 +255,10 @@ __global__ void __launch_bounds__(Tf32Tile<kHeadDim>::kThreads, 3 - Tf32Tile<kHe
         pr[e] = exp2f(fmaf(s[kt][e], log2e, -cm[e / 2]));
         sum[e / 2] += pr[e];
       }
-      split_tf32(__float_as_uint(pr[0]), p_hi[kt][0], p_lo[kt][0]);
-      split_tf32(__float_as_uint(pr[2]), p_hi[kt][1], p_lo[kt][1]);
-      split_tf32(__float_as_uint(pr[1]), p_hi[kt][2], p_lo[kt][2]);
-      split_tf32(__float_as_uint(pr[3]), p_hi[kt][3], p_lo[kt][3]);
+      split_tf32_fast(__float_as_uint(pr[0]), p_hi[kt][0], p_lo[kt][0]);
+      split_tf32_fast(__float_as_uint(pr[2]), p_hi[kt][1], p_lo[kt][1]);
+      split_tf32_fast(__float_as_uint(pr[1]), p_hi[kt][2], p_lo[kt][2]);
+      split_tf32_fast(__float_as_uint(pr[3]), p_hi[kt][3], p_lo[kt][3]);
     }
     row[0].add(sum[0]), row[1].add(sum[1]);
 
