@@ -2,10 +2,10 @@
 //
 // Why: the FFMA kernel (fwd_fp32_ffma.cu) keeps fp32 accuracy but runs at a third of SDPA's
 // EFFICIENT backend, whose fp32 path already uses the tensor cores this way. Every fp32 operand x
-// is split into tf32 halves hi = tf32(x), lo = tf32(x - hi), and a*b becomes
-// a_lo*b_hi + a_hi*b_lo + a_hi*b_hi (ptx_ops.h, mma_3xtf32_apart): ~22 of 24 mantissa bits per
-// operand, so S = Q K^T and O += P V keep fp32-level error (the contract for fp32 inputs is <= 1e-5
-// against fp64), at three tf32 mma's per product.
+// is split into tf32 halves hi = tf32(x), lo = x - hi (tf32_tile.h: split_tf32_fast), and a*b
+// becomes a_lo*b_hi + a_hi*b_lo + a_hi*b_hi (ptx_ops.h, mma_3xtf32_apart): ~22 of 24 mantissa bits
+// per operand, so S = Q K^T and O += P V keep fp32-level error (the contract for fp32 inputs is <=
+// 1e-5 against fp64), at three tf32 mma's per product.
 //
 // Layout: Br = 64 query rows per CTA, 4 warps of 16 rows (the mma's m16), Bc = 64 or 32 keys per
 // block. Q_i, K_j, V_j sit in shared memory as rows padded to kHeadDim + 4 floats: with a row pitch
@@ -28,6 +28,7 @@
 #include <math_constants.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/alignment.h"
 #include "../../common/cuda/kernel_launch.h"
@@ -316,6 +317,19 @@ cudaError_t launch_fp32_tc(const AttentionParams& p, bool vec16, cudaStream_t st
                              vec16);
 }
 
+// f(std::integral_constant<int, D>{}) for the instantiated head dim D that serves head_dim (the
+// next one up): one ladder for the launch and for the shared-memory check.
+template <class F>
+decltype(auto) with_tile_head_dim(int64_t head_dim, F&& f) {
+  if (head_dim <= 32) return f(std::integral_constant<int, 32>{});
+  if (head_dim <= 64) return f(std::integral_constant<int, 64>{});
+  if (head_dim <= 128) return f(std::integral_constant<int, 128>{});
+  if (head_dim <= 160) return f(std::integral_constant<int, 160>{});
+  if (head_dim <= 192) return f(std::integral_constant<int, 192>{});
+  if (head_dim <= 224) return f(std::integral_constant<int, 224>{});
+  return f(std::integral_constant<int, 256>{});
+}
+
 }  // namespace
 
 cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t stream) {
@@ -324,21 +338,13 @@ cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t str
                      (p.q_batch_stride | p.q_head_stride | p.q_row_stride) % 4 == 0 &&
                      (p.k_batch_stride | p.k_head_stride | p.k_row_stride) % 4 == 0 &&
                      (p.v_batch_stride | p.v_head_stride | p.v_row_stride) % 4 == 0;
-  if (p.head_dim <= 32) return launch_fp32_tc<32>(p, vec16, stream);
-  if (p.head_dim <= 64) return launch_fp32_tc<64>(p, vec16, stream);
-  if (p.head_dim <= 128) return launch_fp32_tc<128>(p, vec16, stream);
-  if (p.head_dim <= 160) return launch_fp32_tc<160>(p, vec16, stream);
-  if (p.head_dim <= 192) return launch_fp32_tc<192>(p, vec16, stream);
-  if (p.head_dim <= 224) return launch_fp32_tc<224>(p, vec16, stream);
-  return launch_fp32_tc<256>(p, vec16, stream);
+  return with_tile_head_dim(
+      p.head_dim, [&](auto d) { return launch_fp32_tc<decltype(d)::value>(p, vec16, stream); });
 }
 
 bool attention_fwd_fp32_tc_fits(int64_t head_dim) {
-  const int bytes = head_dim <= 128   ? Tf32Tile<128>::kBytes
-                    : head_dim <= 160 ? Tf32Tile<160>::kBytes
-                    : head_dim <= 192 ? Tf32Tile<192>::kBytes
-                    : head_dim <= 224 ? Tf32Tile<224>::kBytes
-                                      : Tf32Tile<256>::kBytes;
+  const int bytes =
+      with_tile_head_dim(head_dim, [](auto d) { return Tf32Tile<decltype(d)::value>::kBytes; });
   return head_dim <= 256 && cuda::device_smem_optin() >= bytes;
 }
 

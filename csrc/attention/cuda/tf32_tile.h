@@ -41,10 +41,10 @@ __device__ __forceinline__ void split_tf32_tile(float* hi, float* lo, int tid) {
     const int off = idx / kChunks * kLd + idx % kChunks * 4;
     float4 x = *reinterpret_cast<float4*>(hi + off), y;
     uint32_t h, l;
-    split_tf32(__float_as_uint(x.x), h, l), x.x = __uint_as_float(h), y.x = __uint_as_float(l);
-    split_tf32(__float_as_uint(x.y), h, l), x.y = __uint_as_float(h), y.y = __uint_as_float(l);
-    split_tf32(__float_as_uint(x.z), h, l), x.z = __uint_as_float(h), y.z = __uint_as_float(l);
-    split_tf32(__float_as_uint(x.w), h, l), x.w = __uint_as_float(h), y.w = __uint_as_float(l);
+    split_tf32_fast(__float_as_uint(x.x), h, l), x.x = __uint_as_float(h), y.x = __uint_as_float(l);
+    split_tf32_fast(__float_as_uint(x.y), h, l), x.y = __uint_as_float(h), y.y = __uint_as_float(l);
+    split_tf32_fast(__float_as_uint(x.z), h, l), x.z = __uint_as_float(h), y.z = __uint_as_float(l);
+    split_tf32_fast(__float_as_uint(x.w), h, l), x.w = __uint_as_float(h), y.w = __uint_as_float(l);
     *reinterpret_cast<float4*>(hi + off) = x;
     *reinterpret_cast<float4*>(lo + off) = y;
   }
