@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <string>
 
+#include "../../common/cuda/kernel_launch.h"
 #include "../../common/error_message.h"
 #include "../../common/knobs.h"
 #include "../sequence_view.h"
@@ -153,9 +154,7 @@ inline void choose_tf32_tiles(cuda_kernels::BwdRowStats& st) {
   const int64_t knob = env_int("FLASHMOD_BWD_TF32_WIDE", 1);
   TORCH_CHECK(knob >= 0 && knob <= 2,
               error_message("FLASHMOD_BWD_TF32_WIDE must be 0, 1 or 2, got ", knob));
-  st.tf32_wide_smem =
-      knob == 0 ? 0
-                : static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  st.tf32_wide_smem = knob == 0 ? 0 : cuda::device_smem_optin();
   st.tf32_pairs = knob != 2;
 }
 
