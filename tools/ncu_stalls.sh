@@ -4,7 +4,8 @@
 # D shapes given as "B,H,N,D,causal" arguments. By default the warp-specialized Hopper forward;
 # NCU_MODE=bwd profiles the backward's dK/dV kernel (a training step through flashmod.attention;
 # the fused-dQ variant where the backward picks it; NCU_KERNEL=attention_bwd_dq_sm90 profiles the
-# dQ kernel of the seven-matmul path instead).
+# dQ kernel of the seven-matmul path instead). NCU_DTYPE=float32 (or float16) runs that dtype, and
+# NCU_KERNEL picks the kernel in either mode (fp32: attention_bwd_tf32_dkdv, attention_fwd_fp32_tc).
 # Usage: bash tools/ncu_stalls.sh 4,16,4096,128,0 8,32,4096,64,0   (tables in $OUT)
 #        NCU_MODE=bwd bash tools/ncu_stalls.sh 4,16,4096,128,0
 # Keeps two files per shape in $OUT (the device tool brings back at most 8): the per-instruction
@@ -20,18 +21,18 @@ if [ "$MODE" = bwd ]; then
   GRAD=True
 else
   GRAD=False
-  KERNEL=attention_fwd_sm90_ws
+  KERNEL=${NCU_KERNEL:-attention_fwd_sm90_ws}
   STEP="flashmod.attention_op(q, k, v, is_causal=causal)"
 fi
 for shape in "$@"; do
   IFS=, read -r b h n d causal <<<"$shape"
-  rep="$OUT/stalls-$MODE${NCU_KERNEL:+-$NCU_KERNEL}-b${b}h${h}n${n}d${d}c${causal}"
+  rep="$OUT/stalls-$MODE${NCU_KERNEL:+-$NCU_KERNEL}${NCU_DTYPE:+-$NCU_DTYPE}-b${b}h${h}n${n}d${d}c${causal}"
   timeout 200 ncu --clock-control none --kernel-name regex:$KERNEL --launch-skip 2 \
     --launch-count 1 --section WarpStateStats --section SourceCounters --import-source no \
     -f -o "$rep" python -c "
 import torch, flashmod
 causal = bool($causal)
-q, k, v = (torch.randn($b, $h, $n, $d, device='cuda', dtype=torch.bfloat16, requires_grad=$GRAD) for _ in range(3))
+q, k, v = (torch.randn($b, $h, $n, $d, device='cuda', dtype=torch.${NCU_DTYPE:-bfloat16}, requires_grad=$GRAD) for _ in range(3))
 g = torch.randn_like(q)
 for _ in range(3):
     $STEP

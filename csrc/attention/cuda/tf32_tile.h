@@ -16,8 +16,9 @@ constexpr int tf32_tile_pitch() {
   return kHeadDim + 4;
 }
 
-// split_tf32 for the attention kernels' products, in 2 instructions where split_tf32 takes ~6: the
-// splits of fragments as they are read are most of the fp32 backward's instructions.
+// split_tf32 for the attention kernels' products, in 2 instructions on sm_90 (round_tf32's one
+// and a subtraction) where split_tf32 takes ~10: the splits of fragments as they are read are
+// most of the fp32 backward's instructions.
 // - lo is not rounded to tf32: the tensor cores read a tf32 operand's top 19 bits (the low 13 are
 //   ignored), so lo enters truncated, with at most 2^-21 of x's error where rounding leaves 2^-22.
 //   In a model of the products (normal rows, D = 64 .. 256, sums exact) the dot products' mean
@@ -26,7 +27,7 @@ constexpr int tf32_tile_pitch() {
 //   every product it enters has an infinite or NaN big term (x's hi times the other hi), which
 //   add_small_terms keeps, as it kept it when lo was 0. Every caller's result passes through it.
 __device__ __forceinline__ void split_tf32_fast(uint32_t x, uint32_t& hi, uint32_t& lo) {
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(__uint_as_float(x)));
+  hi = round_tf32(__uint_as_float(x));
   lo = __float_as_uint(__uint_as_float(x) - __uint_as_float(hi));
 }
 

@@ -143,18 +143,31 @@ struct MmaTf32 {
   }
 };
 
-// The 3xTF32 split of an fp32 word x: hi = tf32(x), lo = tf32(x - hi), both rounded to nearest
-// (ties away). x - hi is exact, so hi + lo carries ~22 of x's 24 bits. Inline PTX, so that fast
-// math cannot see that x - hi is "zero".
+// tf32(x), rounded to nearest; an infinite or NaN x stays itself. sm_90 converts with ties to even
+// in one instruction (cvt.rn); cvt.rna (ties away, the only tf32 rounding before sm_90) is
+// emulated there in four (an integer add and mask, and a compare and select that keep inf and
+// NaN): in the fp32 backward those four were a third of all instructions issued (H200, session 56:
+// ~1.1 splits per mma). The two roundings differ only on exact ties.
+__device__ __forceinline__ uint32_t round_tf32(float x) {
+  uint32_t r;
+#if __CUDA_ARCH__ >= 900
+  asm("cvt.rn.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#else
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#endif
+  return r;
+}
+
+// The 3xTF32 split of an fp32 word x: hi = tf32(x), lo = tf32(x - hi), both rounded to nearest.
+// x - hi is exact, so hi + lo carries ~22 of x's 24 bits. Inline PTX, so that fast math cannot see
+// that x - hi is "zero".
 // An infinite x keeps all of itself in hi and lo = 0 (inf - inf would make lo, and so every
 // product with it, NaN where the plain product is +-inf); a NaN x stays NaN through hi. The test is
 // on the bits, which fast math cannot fold away.
 __device__ __forceinline__ void split_tf32(uint32_t x, uint32_t& hi, uint32_t& lo) {
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(__uint_as_float(x)));
+  hi = round_tf32(__uint_as_float(x));
   const bool inf = (hi & 0x7fffffffu) == 0x7f800000u;
-  asm("cvt.rna.tf32.f32 %0, %1;\n"
-      : "=r"(lo)
-      : "f"(inf ? 0.f : __uint_as_float(x) - __uint_as_float(hi)));
+  lo = round_tf32(inf ? 0.f : __uint_as_float(x) - __uint_as_float(hi));
 }
 
 // c += a * b with fp32-level error from tf32 halves: a_lo * b_hi + a_hi * b_lo + a_hi * b_hi,
