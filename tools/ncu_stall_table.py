@@ -50,6 +50,25 @@ def main() -> None:
         "by execution count (warp-level): "
         + ", ".join(f"{c:.0f} x{count_instructions[c]} instr {v / total:.1%}" for c, v in by_count.most_common(6))
     )
+
+    # What runs, not where it waits: instructions executed by opcode, per tensor-core instruction (the
+    # fp32 backward's splits showed up this way: a tf32 rounding emulated in four instructions).
+    def opcode(r: dict[str, str]) -> str:
+        words = r["Source"].split()
+        return words[1] if words and words[0].startswith("@") and len(words) > 1 else words[0] if words else "?"
+
+    executed_by_op = Counter()
+    for r in rows:
+        executed_by_op[opcode(r).split(".")[0]] += num(r.get("Instructions Executed", "0"))
+    mma = sum(v for op, v in executed_by_op.items() if op in ("HMMA", "HGMMA")) or 1.0
+    executed = sum(executed_by_op.values())
+    print(
+        f"executed: {executed:.0f} warp instructions, {executed / mma:.2f} per mma; per mma: "
+        + ", ".join(f"{op} {v / mma:.2f}" for op, v in executed_by_op.most_common(12))
+    )
+    for c, _ in by_count.most_common(3):
+        ops = Counter(opcode(r) for r in rows if num(r.get("Instructions Executed", "0")) == c)
+        print(f"  level x{c:.0f} ({sum(ops.values())} instr): " + ", ".join(f"{o} {k}" for o, k in ops.most_common(10)))
     ranked = sorted(rows, key=lambda r: -num(r[total_col]))[:top]
     for r in ranked:
         reasons = sorted(((num(r[c]), c) for c in reason_cols), reverse=True)[:2]
