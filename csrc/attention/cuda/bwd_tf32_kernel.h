@@ -77,19 +77,36 @@ struct Tf32BwdTraits {
 namespace tf32_bwd {
 
 // Starts copying rows [0, valid_rows) x [0, head_dim) of a global fp32 tile (row starts 16-byte
-// aligned: the host's align_rows16) into a kRows x kLd shared tile, zeros elsewhere.
+// aligned: the host's align_rows16) into a kRows x kLd shared tile, zeros elsewhere. Where the
+// threads cover whole rows per pass (kThreads % kChunks == 0: D = 32 / 64 / 128 / 256), a thread's
+// column, and so its byte count and addresses, stay the same from pass to pass: one 64-bit address
+// computed, then stepped.
 template <int kRows, int kHeadDim, int kThreads>
 __device__ __forceinline__ void load_tile(float* s, const float* g, int64_t row_stride,
                                           int valid_rows, int head_dim, int tid) {
   constexpr int kLd = tf32_tile_pitch<kHeadDim>(), kChunks = kHeadDim / 4;
   static_assert(kRows * kChunks % kThreads == 0, "even split");
+  if constexpr (kHeadDim >= 128 && kThreads % kChunks == 0) {
+    constexpr int kRowsPerPass = kThreads / kChunks;
+    const int r = tid / kChunks, c = tid % kChunks * 4, left = head_dim - c;
+    const int bytes = left > 0 ? 4 * (left < 4 ? left : 4) : 0;
+    const float* src = g + r * row_stride + c;
+    const uint32_t dst = smem_addr(s + r * kLd + c);
+#pragma unroll
+    for (int it = 0; it < kRows / kRowsPerPass; ++it) {
+      const bool in = r + it * kRowsPerPass < valid_rows && bytes > 0;
+      cp_async_16(dst + 4 * it * kRowsPerPass * kLd, in ? src : g, in ? bytes : 0);
+      src += kRowsPerPass * row_stride;
+    }
+  } else {
 #pragma unroll 4
-  for (int it = 0; it < kRows * kChunks / kThreads; ++it) {
-    const int idx = tid + it * kThreads;
-    const int r = idx / kChunks, c = idx % kChunks * 4;
-    const int left = head_dim - c;
-    const int bytes = r < valid_rows && left > 0 ? 4 * (left < 4 ? left : 4) : 0;
-    cp_async_16(smem_addr(s + r * kLd + c), bytes > 0 ? g + r * row_stride + c : g, bytes);
+    for (int it = 0; it < kRows * kChunks / kThreads; ++it) {
+      const int idx = tid + it * kThreads;
+      const int r = idx / kChunks, c = idx % kChunks * 4;
+      const int left = head_dim - c;
+      const int bytes = r < valid_rows && left > 0 ? 4 * (left < 4 ? left : 4) : 0;
+      cp_async_16(smem_addr(s + r * kLd + c), bytes > 0 ? g + r * row_stride + c : g, bytes);
+    }
   }
 }
 
@@ -295,10 +312,16 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   const int k0 = kb.k0, rows_k = kb.rows_k;
   const int m_lo = kb.walk.m_lo, m_count = kb.walk.m_count, steps = kb.walk.steps;
   const BwdKeyRows<float> gkv = kb.kv;
-  // Step s = (head of the group, query block): head-major, so each head's rows stream in order.
-  auto load_step = [&](int s, int stage) {
-    const int64_t h = hk * group + s / m_count;
-    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+  // Step s = (head s / m_count of the group, query block m_lo + s % m_count): head-major, so each
+  // head's rows stream in order. From D = 128 walked by counters (step_head, step_block): a
+  // division by the run-time m_count costs ~20 instructions, and a step took two. With them and
+  // load_tile's stepped addresses, forward + backward on the H200 (session 56, quick fp32 set) went
+  // +8 % at D = 128 and +1.5 % at D = 256, but -8 % at D = 64, where ptxas then allocated 168
+  // registers instead of 255 (why that is slower is open): below D = 128 the divisions stay.
+  constexpr bool kStepCounters = D >= 128;
+  auto load_step = [&](int head_in_group, int block, int stage) {
+    const int64_t h = hk * group + head_in_group;
+    const int64_t r0 = static_cast<int64_t>(m_lo + block) * Br;
     const int valid = p.seqlen_q - r0 < Br ? static_cast<int>(p.seqlen_q - r0) : Br;
     const BwdQueryRows<float> rows = query_rows<float>(p, b, h, r0);
     tf32_bwd::load_tile<Br, D, kThreads>(sQ + stage * kStream, rows.q, p.q_row_stride, valid,
@@ -312,7 +335,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   // dV alone needs no V (dP^T only feeds dS^T, hence dK).
   if constexpr (kDK)
     tf32_bwd::load_tile<Bc, D, kThreads>(sV, gkv.v, p.v_row_stride, rows_k, head_dim, tid);
-  if (steps > 0) load_step(0, 0);
+  if (steps > 0) load_step(0, 0, 0);
   cp_async_commit();
 
   const ScoreTransform tf(p);
@@ -326,17 +349,23 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   zero(dV);
   zero(dK);
 
+  int step_head = 0, step_block = 0;  // step s's, as load_step takes them
   for (int s = 0; s < steps; ++s) {
     const int stage = s & 1;
+    if constexpr (!kStepCounters) step_head = s / m_count, step_block = s % m_count;
+    const bool next_head = step_block + 1 == m_count;
+    const int next_head_in_group = step_head + (next_head ? 1 : 0);
+    const int next_block = next_head ? 0 : step_block + 1;
     cp_async_wait<0>();
     // Publishes step s's tiles (and at s = 0 K_j/V_j), and every warp is done with step s - 1,
     // whose buffers the prefetch below overwrites.
     __syncthreads();
-    if (s + 1 < steps) load_step(s + 1, stage ^ 1);
+    if (s + 1 < steps) load_step(next_head_in_group, next_block, stage ^ 1);
     cp_async_commit();
 
-    const int64_t h = hk * group + s / m_count;
-    const int64_t r0 = static_cast<int64_t>(m_lo + s % m_count) * Br;
+    const int64_t h = hk * group + step_head;
+    const int64_t r0 = static_cast<int64_t>(m_lo + step_block) * Br;
+    step_head = next_head_in_group, step_block = next_block;
     const float* sQ_s = sQ + stage * kStream;
     const float* sdO_s = sdO + stage * kStream;
 
