@@ -17,7 +17,7 @@ constexpr int tf32_tile_pitch() {
 }
 
 // split_tf32 for the attention kernels' products, in 2 instructions on sm_90 (round_tf32's one
-// and a subtraction) where split_tf32 takes ~10: the splits of fragments as they are read are
+// and a subtraction) where split_tf32 takes ~6: the splits of fragments as they are read are
 // most of the fp32 backward's instructions.
 // - lo is not rounded to tf32: the tensor cores read a tf32 operand's top 19 bits (the low 13 are
 //   ignored), so lo enters truncated, with at most 2^-21 of x's error where rounding leaves 2^-22.
