@@ -78,9 +78,10 @@ namespace tf32_bwd {
 
 // Starts copying rows [0, valid_rows) x [0, head_dim) of a global fp32 tile (row starts 16-byte
 // aligned: the host's align_rows16) into a kRows x kLd shared tile, zeros elsewhere. Where the
-// threads cover whole rows per pass (kThreads % kChunks == 0: D = 32 / 64 / 128 / 256), a thread's
-// column, and so its byte count and addresses, stay the same from pass to pass: one 64-bit address
-// computed, then stepped.
+// threads cover whole rows per pass (kThreads % kChunks == 0), a thread's column, and so its byte
+// count and addresses, stay the same from pass to pass: one 64-bit address computed, then stepped.
+// From D = 128 only (D = 128 / 256), with the dK/dV kernel's step counters: below it the two
+// together measured slower (that kernel's comment).
 template <int kRows, int kHeadDim, int kThreads>
 __device__ __forceinline__ void load_tile(float* s, const float* g, int64_t row_stride,
                                           int valid_rows, int head_dim, int tid) {
