@@ -33,9 +33,14 @@ def main() -> None:
     by_reason = Counter({c: sum(num(r[c]) for r in rows) for c in reason_cols})
     for c, v in by_reason.most_common(12):
         print(f"  {v / total:6.1%}  {c}")
+
+    def opcode(r: dict[str, str]) -> str:  # the instruction's opcode, past a predicate such as @P0
+        words = r["Source"].split()
+        return words[1] if words and words[0].startswith("@") and len(words) > 1 else words[0] if words else "?"
+
     by_op = Counter()
     for r in rows:
-        by_op[r["Source"].split()[0] if r["Source"].split() else "?"] += num(r[total_col])
+        by_op[opcode(r)] += num(r[total_col])
     print("by opcode: " + ", ".join(f"{op} {v / total:.1%}" for op, v in by_op.most_common(14)))
     # Instructions that execute equally often belong to one loop level (once a tile, once a step, ...):
     # the samples per execution count say where a kernel's fixed and per-step costs sit.
@@ -53,10 +58,6 @@ def main() -> None:
 
     # What runs, not where it waits: instructions executed by opcode, per tensor-core instruction (the
     # fp32 backward's splits showed up this way: a tf32 rounding emulated in four instructions).
-    def opcode(r: dict[str, str]) -> str:
-        words = r["Source"].split()
-        return words[1] if words and words[0].startswith("@") and len(words) > 1 else words[0] if words else "?"
-
     executed_by_op = Counter()
     for r in rows:
         executed_by_op[opcode(r).split(".")[0]] += num(r.get("Instructions Executed", "0"))
