@@ -21,6 +21,7 @@
 
 #include <cstdint>
 
+#include "../../common/cuda/launch_bounds.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "../../common/cuda/smem_tile.h"
 #include "../attention_params.h"
@@ -80,7 +81,8 @@ __device__ __forceinline__ void mma_ab(float (&acc)[kHeadDim / 8][4],
 // view keeps the call's row index b, by which the draws number rows); variants of their own so
 // that the others keep their registers.
 template <class Tr, bool kGeneral, int kWhich, bool kExtents, bool kDropout = false>
-__global__ void __launch_bounds__(Tr::kNThreads)
+__global__ void __launch_bounds__(Tr::kNThreads,
+                                  cuda::min_ctas_for_smem(Tr::kSmemBytes, Tr::kNThreads))
     attention_bwd_dkdv_kernel(const AttentionBwdParams params, const BwdRowStats st) {
   using Elem = typename Tr::Elem;
   // Mask tensors skip the blocks they hide at a walk's ends and run the ones they show whole the
@@ -215,7 +217,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 }
 
 template <class Tr, bool kGeneral, bool kExtents, bool kDropout = false>
-__global__ void __launch_bounds__(Tr::kNThreads)
+__global__ void __launch_bounds__(Tr::kNThreads,
+                                  cuda::min_ctas_for_smem(Tr::kSmemBytes, Tr::kNThreads))
     attention_bwd_dq_kernel(const AttentionBwdParams params, const BwdRowStats st) {
   using Elem = typename Tr::Elem;
   // Mask tensors skip the blocks they hide at a walk's ends and run the ones they show whole the

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 
+#include "../../common/cuda/launch_bounds.h"
 #include "../../common/cuda/ptx_ops.h"
 #include "../attention_params.h"
 #include "bwd_common.h"
@@ -69,6 +70,11 @@ struct Tf32BwdTraits {
   // of 8 (mod 32) words makes its float2 fragment reads (rows g, columns 2t) conflict-free.
   static constexpr int kDSLd = Bo + 8;
   static constexpr int kFusedDQSmemBytes = kSmemBytes + 4 * Bs * kDSLd;
+  // The dK/dV kernel's, per launch.
+  template <int kWhich, bool kFusedDQ>
+  static constexpr int dkdv_smem_bytes() {
+    return kFusedDQ ? kFusedDQSmemBytes : kWhich == kBwdOnlyDV ? kDVOnlySmemBytes : kSmemBytes;
+  }
   // Opt-in shared memory per block: A100 163 KB, H100 / H200 227 KB.
   static constexpr bool kFitsA100 = kFusedDQSmemBytes <= 163 * 1024;
   static_assert(kFusedDQSmemBytes <= 227 * 1024, "must fit a Hopper SM");
@@ -280,7 +286,9 @@ __device__ __forceinline__ void add_fused_dq(const AttentionBwdParams& p, const 
 // block pair instead of seven; past D = 128, six in the two launches instead of eight; dQ's sums by
 // atomics, so not bitwise reproducible).
 template <class Tr, bool kGeneral, int kWhich, bool kFusedDQ = false>
-__global__ void __launch_bounds__(Tr::kNThreads)
+__global__ void __launch_bounds__(
+    Tr::kNThreads,
+    cuda::min_ctas_for_smem(Tr::template dkdv_smem_bytes<kWhich, kFusedDQ>(), Tr::kNThreads))
     attention_bwd_tf32_dkdv_kernel(const AttentionBwdParams p, const BwdRowStats st) {
   constexpr int D = Tr::kHeadDim, Br = Tr::Bs, Bc = Tr::Bo, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kPartTiles, kLd = Tr::kLd, kSplit = Tr::kColSplit;
@@ -429,7 +437,8 @@ __global__ void __launch_bounds__(Tr::kNThreads)
 }
 
 template <class Tr, bool kGeneral>
-__global__ void __launch_bounds__(Tr::kNThreads)
+__global__ void __launch_bounds__(Tr::kNThreads,
+                                  cuda::min_ctas_for_smem(Tr::kSmemBytes, Tr::kNThreads))
     attention_bwd_tf32_dq_kernel(const AttentionBwdParams p, const BwdRowStats st) {
   constexpr int D = Tr::kHeadDim, Br = Tr::Bo, Bc = Tr::Bs, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles, kLd = Tr::kLd;

@@ -51,9 +51,7 @@ template <class Tr, bool kGeneral, int kWhich, bool kFusedDQ = false>
 cudaError_t launch_bwd_tf32_dkdv(const AttentionBwdParams& p, const BwdRowStats& st,
                                  cudaStream_t stream) {
   const int64_t blocks = bwd_dkdv_ctas(p, Tr::Bo);
-  const int smem = kFusedDQ               ? Tr::kFusedDQSmemBytes
-                   : kWhich == kBwdOnlyDV ? Tr::kDVOnlySmemBytes
-                                          : Tr::kSmemBytes;
+  constexpr int smem = Tr::template dkdv_smem_bytes<kWhich, kFusedDQ>();
   return cuda::launch_kernel(attention_bwd_tf32_dkdv_kernel<Tr, kGeneral, kWhich, kFusedDQ>, blocks,
                              Tr::kNThreads, smem, stream, p, st);
 }
