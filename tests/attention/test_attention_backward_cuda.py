@@ -279,6 +279,34 @@ def test_head_dim_256_dkdv_kernel_by_loads(monkeypatch, causal):
     assert only(dkdv_kernels(), False)
 
 
+@pytest.mark.parametrize("widen", ["1", "0"])
+@pytest.mark.parametrize("d", [72, 96, 136, 160, 192, 224])
+@pytest.mark.parametrize("options", [{}, {"is_causal": True}, {"softcap": 20.0, "window_left": 90}], ids=str)
+def test_widened_head_dims(monkeypatch, widen, d, options):
+    """Head dims between the Hopper kernels' sizes (64 / 128 / 256) run those kernels with zero
+    columns on an H100/H200 (FLASHMOD_SM90_WIDEN=1, the default: 96 on the D = 128 kernels, 160 on
+    the D = 256 ones) or the portable mma.sync kernels at their own padded size (0): the output within
+    the 2x rule and the gradients within the 3x rule either way, odd lengths ending in partial
+    blocks, general scores too; the profiler shows which kernels ran (elsewhere only the portable
+    ones exist, and both settings run them)."""
+    monkeypatch.setenv("FLASHMOD_SM90_WIDEN", widen)
+    monkeypatch.setenv("FLASHMOD_DECODE", "0")
+    q, k, v = make_inputs(DEV, torch.bfloat16, 2, 4, 2, 203, 333, d)
+    out, lse = torch.ops.flashmod.attention(q, k, v, *op_args(**options))
+    truth = attention_reference(q, k, v, compute_dtype=torch.float64, **options)
+    plain = attention_reference(q, k, v, compute_dtype=q.dtype, **options)
+    assert_within_rule(out, truth[0], plain[0], 2.0, q.dtype, "out")
+    assert_within_rule(lse, truth[1], plain[1].float(), 2.0, q.dtype, "lse")
+    check_grads(q, k, v, **options)
+    names = backward_kernel_names(q, k, v, **options)
+    portable = {m.group(1) for n in names if (m := re.search(r"attention_(fwd|bwd_dkdv|bwd_dq)_kernel<", n))}
+    hopper = {m.group(1) for n in names if (m := re.search(r"attention_(fwd|bwd)_\w*sm90", n))}
+    if torch.cuda.get_device_capability() == (9, 0) and widen == "1":
+        assert hopper == {"fwd", "bwd"} and not portable, names
+    else:
+        assert portable == {"fwd", "bwd_dkdv", "bwd_dq"} and not hopper, names
+
+
 @pytest.mark.parametrize("d", [40, 64, 96, 128, 160, 256])
 @pytest.mark.parametrize("kernels", ["seven_matmuls", "fused_dq", "portable"])
 def test_staged_gradient_stores_equal_direct_stores(monkeypatch, d, kernels):

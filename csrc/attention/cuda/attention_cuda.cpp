@@ -70,16 +70,19 @@ std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const
     flags.half_blocks = env_flag("FLASHMOD_SM90_WS_HALF_BLOCKS", true);
     const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
     const int key = cuda_kernels::variant_key(p.dtype, padded);
+    // The Hopper kernels' size (decode keeps the portable size: its kernels are mma.sync ones).
+    const int wide = sm90_widened_head_dim(cuda_kernels::kFwdSm90HeadDims, p.head_dim, padded);
+    const int wide_key = cuda_kernels::variant_key(p.dtype, wide);
     // Dropout: the warp-specialized Hopper kernel where it takes the call (plain dense scores; it
     // answers cudaErrorNotSupported otherwise), else the mma.sync kernels; never decode.
     const bool with_dropout = dropout != nullptr;
     bool launched = false;
     if (!with_dropout && run_decode(p, flags, padded, q.options(), stream, err)) {
       launched = true;  // by run_decode
-    } else if (use_sm90_ws_kernel(padded)) {
+    } else if (use_sm90_ws_kernel(wide)) {
       TorchWorkspace workspace(q.options(), stream);  // the tile scheduler's counter, mask tiles
       const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
-      switch (key) {
+      switch (wide_key) {
 #define FLASHMOD_SM90_WS_CASE(Elem, kind, D)                                      \
   case cuda_kernels::variant_key(ScalarKind::kind, D):                            \
     err = cuda_kernels::run_attention_fwd_sm90_ws<Elem, D>(p, flags, ws, stream); \
@@ -89,10 +92,10 @@ std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const
       }
       launched = !(with_dropout && err == cudaErrorNotSupported);
       if (!launched) err = cudaSuccess;
-    } else if (!with_dropout && use_sm90_kernel(padded)) {
+    } else if (!with_dropout && use_sm90_kernel(wide)) {
       TorchWorkspace workspace(q.options(), stream);  // a mask tensor's tile classes
       const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
-      switch (key) {
+      switch (wide_key) {
 #define FLASHMOD_SM90_CASE(Elem, kind, D)                                      \
   case cuda_kernels::variant_key(ScalarKind::kind, D):                         \
     err = cuda_kernels::run_attention_fwd_sm90<Elem, D>(p, flags, ws, stream); \

@@ -176,7 +176,8 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
                                       const cuda_kernels::BwdRowStats& st,
                                       const at::TensorOptions& options, cudaStream_t stream) {
   TorchWorkspace workspace(options, stream);  // the mask's tile classes, freed in stream order
-  const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim);
+  const int portable = cuda_kernels::padded_head_dim(cuda_kernels::kBwdSm80HeadDims, p.head_dim);
+  const int padded = sm90_widened_head_dim(cuda_kernels::kBwdSm90HeadDims, p.head_dim, portable);
   const int key = cuda_kernels::variant_key(p.dtype, padded);
   const bool sm90 =
       sm90_kernels_usable() && cuda_kernels::has_head_dim(cuda_kernels::kBwdSm90HeadDims, padded);
@@ -215,7 +216,7 @@ inline cudaError_t run_fused_backward(const char* op, AttentionBwdParams p,
   }
   // The portable kernels read none of run_st's Hopper fields (sums, fences, overlap); their dQ
   // kernel runs beside dK/dV too.
-  switch (key) {
+  switch (cuda_kernels::variant_key(p.dtype, portable)) {
 #define FLASHMOD_BWD_CASE(Elem, kind, D)               \
   case cuda_kernels::variant_key(ScalarKind::kind, D): \
     return cuda_kernels::run_attention_bwd<Elem, D>(p, run_st, stream);
