@@ -88,7 +88,7 @@ inline bool use_sm90_kernel(int padded_head_dim) {
 // address) to the kernel above themselves. FLASHMOD_SM90_WS=0 sends everything to that one (tests
 // and benchmarks compare the two).
 inline bool use_sm90_ws_kernel(int padded_head_dim) {
-  return use_sm90_kernel(padded_head_dim) &&
+  return sm90_kernels_usable() &&
          cuda_kernels::has_head_dim(cuda_kernels::kFwdSm90WsHeadDims, padded_head_dim) &&
          env_flag("FLASHMOD_SM90_WS", true);
 }
