@@ -67,7 +67,9 @@ BWD_SM90_TILES = (
     # D = 256: dV and dK by the two warpgroups of one CTA (8 warps an SM, one load of Q_i, dO_i per
     # step): dK/dV 14.8 -> 10.3 ms at N = 16k against a launch each; bf16 1.23-1.33x FLASH (a
     # launch each: 0.98-1.13x).
-    Tile("pair", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), default=True, split=2),
+    # D = 192 the same (session 57, not yet timed: the D = 256 form's tiles at three quarters of
+    # the columns).
+    Tile("pair", (192, 256), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), default=True, split=2),
     # D = 256, one launch per gradient, one CTA per SM (the tiles take ~194 KB).
     Tile("base", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), split=1),
     # D = 64, both kernels at three CTAs per SM (the default before cta3_q4).
@@ -114,14 +116,14 @@ FAMILIES = (
         "run_attention_fwd_sm90(const AttentionParams&, const FwdLaunchFlags&, const DeviceWorkspace&, "
         "cudaStream_t)",
     )),
-    Family("fwd_sm90_ws", "fwd_sm90_ws_launch.h", (64, 128, 256), (
+    Family("fwd_sm90_ws", "fwd_sm90_ws_launch.h", (64, 128, 192, 256), (
         "run_attention_fwd_sm90_ws(const AttentionParams&, const FwdLaunchFlags&, const DeviceWorkspace&, "
         "cudaStream_t)",
     )),
     Family("bwd_sm80", "bwd_sm80_launch.h", HEAD_DIMS, (
         "run_attention_bwd(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
     )),
-    Family("bwd_sm90", "bwd_sm90_launch.h", (64, 128, 256), (
+    Family("bwd_sm90", "bwd_sm90_launch.h", (64, 128, 192, 256), (
         "run_attention_bwd_sm90(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t)",
     ), tiles=BWD_SM90_TILES),
     Family("bwd_tf32", "bwd_tf32_launch.h", HEAD_DIMS, (

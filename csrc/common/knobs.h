@@ -9,7 +9,7 @@
 //                                     name that is unknown or that this CPU lacks is an error
 //   FLASHMOD_CPU_DECODE=0             CPU decode shapes run the prefill kernel
 //   FLASHMOD_DISABLE_SM90=1           the portable mma.sync kernel on an H100/H200
-//   FLASHMOD_SM90_WIDEN=0             fp16/bf16 head dims other than 64/128/256 on the portable
+//   FLASHMOD_SM90_WIDEN=0             fp16/bf16 head dims other than 64/128/192/256 on the portable
 //                                     kernels at their own size, not the Hopper kernels of the
 //                                     next size up (H100/H200)
 //   FLASHMOD_SM90_WS=0                the sm_90 forward without warp specialization/TMA (the

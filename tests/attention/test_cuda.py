@@ -88,11 +88,12 @@ def test_portable_kernel_where_sm90_exists(monkeypatch, dtype, d, nq, nk, opts):
 # short query lengths reach these kernels rather than the decode one. At head dims up to 64 both
 # tile heights run: 192 rows (three consumers) and, under a right window bound with at most 1024
 # query rows, 128 (fwd_sm90_ws_launch.h: FwdWsConfig). Soft-capped scores run it too. Head dims
-# 129..256 run its D = 256 variant (64-key blocks, O stored from registers): 179 (odd, element-wise
-# stores) and 256.
+# 129..192 run its D = 192 variant and 193..256 its D = 256 one (64-key blocks, O stored from
+# registers): 179 (odd, element-wise stores), 192 and 256; the FlashAttention-2-style kernel takes
+# D = 129..192 on its D = 256 form.
 @pytest.mark.parametrize("ws", ["1", "0"])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("d", [40, 64, 111, 128, 179, 256])
+@pytest.mark.parametrize("d", [40, 64, 111, 128, 179, 192, 256])
 @pytest.mark.parametrize("nq,nk", [(1, 1), (17, 1023), (113, 113), (1023, 1023), (1023, 17), (203, 4099), (2053, 1500)])
 @pytest.mark.parametrize(
     "opts",

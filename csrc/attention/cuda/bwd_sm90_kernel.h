@@ -146,14 +146,16 @@ struct BwdKVTraitsSm90 : BwdStagesSm90<kStages_, kOverlap_> {
   static constexpr int kNTiles = Br / 8;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
-  static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;  // wgmma N of dK, dV chunks
-  static constexpr int kSmemKV = Bc * kHeadDim * 2;                // bytes of K_j or V_j
-  static constexpr int kSmemQ = Br * kHeadDim * 2;                 // bytes of one Q_i or dO_i
+  // wgmma N of dK, dV chunks: 64 at D = 192, which 128 does not divide.
+  static constexpr int kOChunk = kHeadDim % 128 != 0 ? 64 : kHeadDim < 128 ? kHeadDim : 128;
+  static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of K_j or V_j
+  static constexpr int kSmemQ = Br * kHeadDim * 2;   // bytes of one Q_i or dO_i
   // K_j, V_j; kStages stages of Q_i, dO_i and their rows' lse2/delta; +1024 to align the base to
   // the swizzle atom.
   static constexpr int kSmemBytes = 2 * kSmemKV + kStages_ * (2 * kSmemQ + 2 * Br * 4) + 1024;
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole 64-column blocks");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
+                "whole 64-column blocks");
   static_assert(Br == 64 || Br == 128, "wgmma N of S^T");
   static_assert(Br <= kBwdRowPad, "the row statistics are padded to whole steps");
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
@@ -173,13 +175,14 @@ struct BwdQTraitsSm90 : BwdStagesSm90<kStages_, kOverlap_> {
   static constexpr int kNTiles = Bc / 8;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
-  static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;
+  static constexpr int kOChunk = kHeadDim % 128 != 0 ? 64 : kHeadDim < 128 ? kHeadDim : 128;
   static constexpr int kSmemQ = Br * kHeadDim * 2;
   static constexpr int kSmemKV = Bc * kHeadDim * 2;
   // Q_i, dO_i; kStages stages of K_j, V_j.
   static constexpr int kSmemBytes = 2 * kSmemQ + kStages_ * 2 * kSmemKV + 1024;
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole 64-column blocks");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
+                "whole 64-column blocks");
   static_assert(Bc == 64 || Bc == 128, "wgmma N of S");
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
   static_assert(kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024, "kMinBlocks CTAs fit an SM");

@@ -33,7 +33,7 @@ struct BwdConfigSm90 {
   static_assert(kT.head_dim == kHeadDim, "a tile of the table is built for its own head dim");
   // kv_split: 0 dK and dV by one warpgroup, 1 one launch each, 2 one warpgroup each (kBwdPair).
   static constexpr int kSplit = kT.kv_split;
-  static_assert(kSplit != 0 || kHeadDim <= 128, "D = 256: dK and dV do not fit one warpgroup");
+  static_assert(kSplit != 0 || kHeadDim <= 128, "D >= 192: dK and dV do not fit one warpgroup");
   // Dropout variants: the keep bits' Philox rounds need registers. At the D = 64 tile's four dQ
   // CTAs per SM (128 registers) the dQ variants spilled 48-64 bytes, at three none (148-152
   // registers); the dK/dV variants stay at three CTAs (168 registers, 16-28 bytes of spill in the
@@ -282,7 +282,8 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, const BwdRowStats& st, cudaS
                  : launch_dkdv<KV, kGeneral, kBwdOnlyDK, kExtents, kFast, kTma, kDropout>(
                        p, st, stream, maps);
     } else if constexpr (Cfg::kSplit == 2) {
-      if constexpr (kTma && !kGeneral && !kExtents && kFast == kBwdFastNone && !kDropout) {
+      if constexpr (kHeadDim == 256 && kTma && !kGeneral && !kExtents && kFast == kBwdFastNone &&
+                    !kDropout) {
         // Plain dense D = 256: the warpgroups split the head dim (bwd_sm90_halves_kernel.h), four
         // matmuls a block pair against the pair's five. H200, bf16, B * N = 16k, H * D = 2048,
         // session 51, dK/dV kernel ms, halves / pair: 1k 0.566 / 0.618, 4k 2.016 / 2.222, causal

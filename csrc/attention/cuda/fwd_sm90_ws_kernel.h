@@ -175,8 +175,9 @@ struct FwdWsTraits {
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
   static constexpr int kColBlocks = kHeadDim / 64;  // TMA boxes per tile: 64 columns each
-  // The PV matmul's N: wgmma takes at most 128 here, so D = 256 runs two per 16 keys.
-  static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;
+  // The PV matmul's N: wgmma takes at most 128 here, so D = 256 runs two per 16 keys, D = 192
+  // three of 64.
+  static constexpr int kOChunk = kHeadDim % 128 != 0 ? 64 : kHeadDim < 128 ? kHeadDim : 128;
   static constexpr int kSmemQ = Br * kHeadDim * 2;   // bytes
   static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of one K_j or one V_j
   // How the epilogue stages O in shared memory for coalesced 16-byte stores: the whole tile
@@ -215,12 +216,13 @@ struct FwdWsTraits {
   static constexpr int kBarTurn0 = 1;
 
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole 64-column boxes");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
+                "whole 64-column boxes");
   static_assert(kHeadDim % kOChunk == 0, "whole PV chunks");
   // Bc = 64 (a wgmma N too) with three consumers failed 4 of the kernel's tests in session 9
   // (never shipped, not pursued). D = 256 takes Bc = 64 with two consumers: 128-key blocks
   // would not fit two stages in shared memory.
-  static_assert(Bc == 128 || (kHeadDim == 256 && Bc == 64 && kConsumers == 2),
+  static_assert(Bc == 128 || (kHeadDim >= 192 && Bc == 64 && kConsumers == 2),
                 "the key blocks this kernel is tested with");
   static_assert(kConsumers == 2 || kConsumers == 3, "Br <= 256: one TMA box of Q rows");
   static_assert(kStages >= 2, "the turn order needs a buffer of slack (no deadlock at 1)");

@@ -39,6 +39,10 @@ struct FwdWsConfig<Elem, 128> {
 // D = 256: Q (128 rows) and two stages of 64-key K_j, V_j fill 192 KB of shared memory, O
 // stays in registers (128 per consumer thread) and the epilogue stores from them.
 template <typename Elem>
+struct FwdWsConfig<Elem, 192> {
+  using Traits = FwdWsTraits<Elem, 192, 64, 2, 2>;
+};
+template <typename Elem>
 struct FwdWsConfig<Elem, 256> {
   using Traits = FwdWsTraits<Elem, 256, 64, 2, 2>;
 };
@@ -175,8 +179,9 @@ cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchF
     if (launched) return err;
   }
   if (dropout) return cudaErrorNotSupported;
-  // The tensors or options TMA or this kernel cannot take: the FlashAttention-2-style kernel.
-  return run_attention_fwd_sm90<Elem, kHeadDim>(p, flags, ws, stream);
+  // The tensors or options TMA or this kernel cannot take: the FlashAttention-2-style kernel, at
+  // D = 192 its D = 256 form (zero columns past the head dim, as every widened call).
+  return run_attention_fwd_sm90<Elem, kHeadDim == 192 ? 256 : kHeadDim>(p, flags, ws, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

@@ -63,11 +63,11 @@ inline bool sm90_kernels_usable() {
 }
 
 // The padded head dim of the fp16/bf16 kernels that serve head_dim d: `portable` (the mma.sync
-// kernels' size for d, which the Hopper kernels share at 64 / 128 / 256) or, on Hopper, the next
-// of the Hopper kernels' sizes (`hopper`, ascending) up from it: their zero columns cost the
-// tensor cores 1 / 8 to 1 / 2 of the work, and at D = 96 / 160 / 192 the portable kernels ran at
-// half of cuDNN's speed (H200, forward + backward, session 57). FLASHMOD_SM90_WIDEN=0 keeps the
-// portable size (tests and benchmarks compare the two).
+// kernels' size for d, which the Hopper kernels share at 64 / 128 / 256, and 192 where they have
+// it) or, on Hopper, the next of the Hopper kernels' sizes (`hopper`, ascending) up from it: their
+// zero columns cost the tensor cores 1 / 8 to 1 / 2 of the work, and at D = 96 / 160 / 192 the
+// portable kernels ran at half of cuDNN's speed (H200, forward + backward, session 57).
+// FLASHMOD_SM90_WIDEN=0 keeps the portable size (tests and benchmarks compare the two).
 template <int N>
 int sm90_widened_head_dim(const int (&hopper)[N], int64_t d, int portable) {
   if (!sm90_kernels_usable() || cuda_kernels::has_head_dim(hopper, portable) ||
@@ -88,7 +88,7 @@ inline bool use_sm90_kernel(int padded_head_dim) {
 // address) to the kernel above themselves. FLASHMOD_SM90_WS=0 sends everything to that one (tests
 // and benchmarks compare the two).
 inline bool use_sm90_ws_kernel(int padded_head_dim) {
-  return use_sm90_kernel(padded_head_dim) &&
+  return sm90_kernels_usable() &&
          cuda_kernels::has_head_dim(cuda_kernels::kFwdSm90WsHeadDims, padded_head_dim) &&
          env_flag("FLASHMOD_SM90_WS", true);
 }

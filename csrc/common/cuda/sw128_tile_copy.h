@@ -13,7 +13,7 @@ namespace flashmod::cuda_kernels::sm90 {
 // layout: a fixed 16-byte chunk column and a constant row step. The swizzle repeats every 8 rows,
 // so the shared offsets repeat every kPeriod steps (1 when the step is a multiple of 8; 2 for the
 // step of 4 that 128 threads take through 256-column rows): kPeriod bases plus a constant per step.
-template <int kRows, int kHeadDim, int kThreads>
+template <int kRows, int kHeadDim, int kThreads, bool kWholeRows = kThreads % (kHeadDim / 8) == 0>
 struct Sw128TileCopy {
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kRowStep = kThreads / kChunks;
@@ -56,6 +56,45 @@ struct Sw128TileCopy {
       const bool valid = row0 + it * kRowStep < valid_rows && src_bytes > 0;
       cp_async_16(smem_base + chunk_offset(it), valid ? src : gmem, valid ? src_bytes : 0);
       src += kRowStep * row_stride;
+    }
+  }
+};
+
+// Where the threads do not split a row's chunks evenly (D = 192: 24 chunks, 128 or 256 threads),
+// the copy goes by 64-column block instead: each thread keeps one chunk of a block (tid % 8) and
+// walks the rows by kThreads / 8 (a multiple of the swizzle's 8 rows, so one shared offset per
+// thread plus constants), block after block.
+template <int kRows, int kHeadDim, int kThreads>
+struct Sw128TileCopy<kRows, kHeadDim, kThreads, false> {
+  static constexpr int kBlocks = kHeadDim / 64;
+  static constexpr int kRowStep = kThreads / 8;
+  static constexpr int kIters = kRows / kRowStep;  // per column block
+  static_assert(kHeadDim % 64 == 0 && kThreads % 64 == 0 && kRows % kRowStep == 0,
+                "whole column blocks, row steps of whole swizzle atoms");
+  int row0, chunk, head_dim;
+  uint32_t soff;
+
+  __device__ __forceinline__ Sw128TileCopy(int tid, int head_dim_)
+      : row0(tid / 8),
+        chunk(tid % 8),
+        head_dim(head_dim_),
+        soff(sw128_offset<kRows>(row0, chunk)) {}
+
+  template <typename Elem>
+  __device__ __forceinline__ void load(uint32_t smem_base, const Elem* gmem, int64_t row_stride,
+                                       int valid_rows) const {
+#pragma unroll
+    for (int cb = 0; cb < kBlocks; ++cb) {
+      const int col = cb * 64 + chunk * 8;
+      const int src_bytes = 2 * max(0, min(8, head_dim - col));
+      const Elem* src = gmem + row0 * row_stride + col;
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const bool valid = row0 + it * kRowStep < valid_rows && src_bytes > 0;
+        cp_async_16(smem_base + soff + cb * kRows * 128 + it * kRowStep * 128, valid ? src : gmem,
+                    valid ? src_bytes : 0);
+        src += kRowStep * row_stride;
+      }
     }
   }
 };

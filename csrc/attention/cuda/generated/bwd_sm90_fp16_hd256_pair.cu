@@ -3,6 +3,6 @@
 
 // clang-format off
 namespace flashmod::cuda_kernels {
-template cudaError_t run_attention_bwd_sm90<__half, 256, 3>(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t);
+template cudaError_t run_attention_bwd_sm90<__half, 256, 4>(const AttentionBwdParams&, const BwdRowStats&, cudaStream_t);
 }  // namespace flashmod::cuda_kernels
 // clang-format on

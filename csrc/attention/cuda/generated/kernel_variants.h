@@ -90,14 +90,16 @@ constexpr int kFwdSm90HeadDims[] = {64, 128, 256};
   X(__nv_bfloat16, kBFloat16, 256)
 // clang-format on
 
-constexpr int kFwdSm90WsHeadDims[] = {64, 128, 256};
+constexpr int kFwdSm90WsHeadDims[] = {64, 128, 192, 256};
 // clang-format off
 #define FLASHMOD_FWD_SM90_WS_VARIANTS(X) \
   X(__half, kFloat16, 64) \
   X(__half, kFloat16, 128) \
+  X(__half, kFloat16, 192) \
   X(__half, kFloat16, 256) \
   X(__nv_bfloat16, kBFloat16, 64) \
   X(__nv_bfloat16, kBFloat16, 128) \
+  X(__nv_bfloat16, kBFloat16, 192) \
   X(__nv_bfloat16, kBFloat16, 256)
 // clang-format on
 
@@ -122,12 +124,13 @@ constexpr int kBwdSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
   X(__nv_bfloat16, kBFloat16, 256)
 // clang-format on
 
-constexpr int kBwdSm90HeadDims[] = {64, 128, 256};
+constexpr int kBwdSm90HeadDims[] = {64, 128, 192, 256};
 // clang-format off
 constexpr KernelTile kBwdSm90Tiles[] = {
   {"cta3_q4", 64, 64, 3, 2, 0, 64, 4, 2, 0, 0, true},
   {"base", 64, 64, 2, 2, 0, 64, 2, 2, 0, 0, false},
   {"base", 128, 64, 2, 2, 0, 64, 2, 2, 0, 0, true},
+  {"pair", 192, 64, 1, 2, 0, 64, 1, 2, 0, 2, true},
   {"pair", 256, 64, 1, 2, 0, 64, 1, 2, 0, 2, true},
   {"base", 256, 64, 1, 2, 0, 64, 1, 2, 0, 1, false},
   {"cta3", 64, 64, 3, 2, 0, 64, 3, 2, 0, 0, false},
@@ -140,23 +143,25 @@ constexpr KernelTile kBwdSm90Tiles[] = {
   X(__half, kFloat16, 64, 0) \
   X(__half, kFloat16, 64, 1) \
   X(__half, kFloat16, 128, 2) \
-  X(__half, kFloat16, 256, 3) \
+  X(__half, kFloat16, 192, 3) \
   X(__half, kFloat16, 256, 4) \
-  X(__half, kFloat16, 64, 5) \
+  X(__half, kFloat16, 256, 5) \
   X(__half, kFloat16, 64, 6) \
   X(__half, kFloat16, 64, 7) \
   X(__half, kFloat16, 64, 8) \
   X(__half, kFloat16, 64, 9) \
+  X(__half, kFloat16, 64, 10) \
   X(__nv_bfloat16, kBFloat16, 64, 0) \
   X(__nv_bfloat16, kBFloat16, 64, 1) \
   X(__nv_bfloat16, kBFloat16, 128, 2) \
-  X(__nv_bfloat16, kBFloat16, 256, 3) \
+  X(__nv_bfloat16, kBFloat16, 192, 3) \
   X(__nv_bfloat16, kBFloat16, 256, 4) \
-  X(__nv_bfloat16, kBFloat16, 64, 5) \
+  X(__nv_bfloat16, kBFloat16, 256, 5) \
   X(__nv_bfloat16, kBFloat16, 64, 6) \
   X(__nv_bfloat16, kBFloat16, 64, 7) \
   X(__nv_bfloat16, kBFloat16, 64, 8) \
-  X(__nv_bfloat16, kBFloat16, 64, 9)
+  X(__nv_bfloat16, kBFloat16, 64, 9) \
+  X(__nv_bfloat16, kBFloat16, 64, 10)
 // clang-format on
 
 constexpr int kBwdTf32HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
