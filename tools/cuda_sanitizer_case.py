@@ -34,9 +34,11 @@ DECODE_MODES = {
 def main() -> None:
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        # (200, 600, 128 / 256): the sm_90 warp-specialized kernel's buffer ring wraps around (at
-        # D = 256 with 64-key blocks and O stored from registers).
+        # (200, 600, 128 / 192 / 256): the sm_90 warp-specialized kernel's buffer ring wraps around
+        # (at D = 192 / 256 with 64-key blocks and O stored from registers; D = 192's PV in 64-column
+        # chunks). D = 160: widened to 192 on Hopper (zero columns past the head dim).
         shapes = [(17, 113, 64), (130, 77, 128), (5, 33, 256), (70, 70, 40), (200, 600, 128), (200, 600, 256)]
+        shapes += [(200, 600, 192), (17, 113, 160)]
         for nq, nk, d in shapes:
             q, k, v = (torch.randn(1, 2, n, d, device="cuda", dtype=dtype) for n in (nq, nk, nk))
             mask = torch.rand(nq, nk, device="cuda") > 0.3
@@ -109,15 +111,24 @@ def backward_ops() -> None:
                 torch.autograd.grad(out.float().sum(), (q, k, v))
     os.environ.pop("FLASHMOD_BWD_FUSED_DQ")
     # D = 256 (on Hopper the kernel whose warpgroups split the head dim; with a soft cap the pair
-    # kernel, whose two warpgroups run different code between the same barriers) and fp32 (the
-    # 3xTF32 kernels): odd lengths, causal and not, GQA.
-    for dtype, d in ((torch.bfloat16, 256), (torch.float32, 40), (torch.float32, 128)):
+    # kernel, whose two warpgroups run different code between the same barriers), D = 192 and 160
+    # (the pair kernel at 192; its tile copy by 64-column block) and fp32 (the 3xTF32 kernels): odd
+    # lengths, causal and not, GQA.
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for dtype, d in ((bf16, 256), (bf16, 192), (bf16, 160), (fp32, 40), (fp32, 128)):
         grad = {"device": "cuda", "dtype": dtype, "requires_grad": True}
         q = torch.randn(1, 4, 130, d, **grad)
         k, v = (torch.randn(1, 2, 77, d, **grad) for _ in range(2))
         for opts in ({}, {"is_causal": True}, {"is_causal": True, "softcap": 5.0}):
             out, lse = attention_op(q, k, v, **opts)
             torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
+        if d == 192:  # the general (mask tensor) and dropout variants' column-block tile copy
+            mask = torch.rand(130, 77, device="cuda") > 0.3
+            out, _ = attention_op(q, k, v, mask, softcap=5.0)
+            torch.autograd.grad(out.float().sum(), (q, k, v))
+            rng = torch.randint(0, 1 << 62, (2,), device="cuda")
+            out, _ = torch.ops.flashmod.attention_dropout(q, k, v, None, None, True, True, -1, -1, 0.0, 0.3, rng)
+            torch.autograd.grad(out.float().sum(), (q, k, v))
 
 
 def serving_ops() -> None:
@@ -140,7 +151,7 @@ def serving_ops() -> None:
         # with and without dropout) and the conversion of its sums.
         for fused in ("0", "2"):
             os.environ["FLASHMOD_BWD_FUSED_DQ"] = fused
-            for d in (64, 128):
+            for d in (64, 128, 192):
                 grad = {"device": "cuda", "dtype": dtype, "requires_grad": True}
                 qg, kg, vg = (torch.randn(sum(lengths), h, d, **grad) for h in (4, 2, 2))
                 for opts in ({"causal": True}, {"softcap": 5.0}):

@@ -399,9 +399,10 @@ def test_empty_and_zero_keys():
 
 
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d", [128, 192])
 @pytest.mark.parametrize("dtype", LOW + [torch.float32], ids=str)
-def test_bitwise_deterministic_100_runs(dtype):
-    q, k, v = rand(2, 8, 333, 128, dtype=dtype), rand(2, 2, 517, 128, dtype=dtype), rand(2, 2, 517, 128, dtype=dtype)
+def test_bitwise_deterministic_100_runs(dtype, d):
+    q, k, v = rand(2, 8, 333, d, dtype=dtype), rand(2, 2, 517, d, dtype=dtype), rand(2, 2, 517, d, dtype=dtype)
     first, first_lse = attention_op(q, k, v, is_causal=True)
     for _ in range(100):
         out, lse = attention_op(q, k, v, is_causal=True)
@@ -431,8 +432,9 @@ def test_cuda_graph_capture_and_replay():
 # The dynamic tile scheduler's counter is zeroed in the stream before each launch: a captured
 # graph must replay that too, or the second replay would start past the first tiles and leave
 # them unwritten (the outputs are poisoned between replays to show it).
-def test_sm90_ws_dynamic_schedule_replays_in_cuda_graph():
-    q, k, v = (rand(3, 16, 1023, 128, dtype=torch.bfloat16) for _ in range(3))
+@pytest.mark.parametrize("d", [128, 192])
+def test_sm90_ws_dynamic_schedule_replays_in_cuda_graph(d):
+    q, k, v = (rand(3, 16, 1023, d, dtype=torch.bfloat16) for _ in range(3))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up outside capture
