@@ -60,8 +60,9 @@ def random_case(rng: random.Random, device: str, dtype: torch.dtype) -> tuple[tu
     nq = rng.choice([1, 2, 17, 64, 113, 128, 129, 203, 300, 1023])
     nk = rng.choice([1, 3, 17, 64, 127, 128, 200, 333, 1023])
     # 160-256: the wide head dims' kernels (on H100/H200 at 229 / 256 the dK/dV kernel whose
-    # warpgroups split the head dim, or the pair kernel for general scores).
-    d = rng.choice([8, 16, 40, 59, 64, 96, 111, 128, 160, 229, 256])
+    # warpgroups split the head dim, or the pair kernel for general scores; at 160-192 the D = 192
+    # pair kernel, its tile copy by 64-column block).
+    d = rng.choice([8, 16, 40, 59, 64, 96, 111, 128, 160, 176, 192, 229, 256])
     opts: dict = {}
     where = rng.random()
     if where < 0.3:

@@ -249,7 +249,7 @@ def main() -> None:
     for _ in range(args.configs):
         hkv = rng.choice([1, 2])
         base = {
-            "hq": hkv * rng.choice([1, 2, 4]), "hkv": hkv, "d": rng.choice([32, 40, 64, 96, 128, 160, 256]),
+            "hq": hkv * rng.choice([1, 2, 4]), "hkv": hkv, "d": rng.choice([32, 40, 64, 96, 128, 160, 184, 192, 256]),
             "causal": rng.random() < 0.5, "left": rng.choice([-1, -1, 3, 50]), "right": rng.choice([-1, -1, 0, 7]),
             "softcap": rng.choice([0.0, 0.0, 10.0]), "scale": rng.choice([None, 0.4]),
         }  # fmt: skip
