@@ -11,7 +11,7 @@ for fwdbwd), D = 64 / 128 / 256, causal and not; plus grouped-query prefill (32 
 key/value heads), bool key-padding masks, fp32, and (forward only) decode shapes (Nq = 1 .. 16
 against long KV caches); --kinds masks (not a default) adds the other mask tensors of MASK_KINDS:
 transformers' causal + padding mask, bool and additive, and a dense additive bias; --kinds headdims
-(not a default) the paper's shapes at D = 32 / 96 / 160 / 192 / 224 in bf16 and fp32. Every contender
+(not a default) the paper's shapes at D = 32 / 96 / 160 / 192 / 224 in bf16, fp16 and fp32. Every contender
 runs on the same inputs and is first checked against flashmod's result (outputs, and in fwdbwd the
 gradients); then all are timed in the same interleaved rounds (benchmarks/harness.py: median after
 warm-up, device time) and their peak memory measured. FLOPs: forward 4 * B * Hq * Nq * Nk * D,
@@ -104,7 +104,7 @@ def cuda_shapes(mode: str, quick: bool) -> list[dict]:
             for causal in (False, True):
                 shapes.append(shape("fp32", "fp32", 4, 16, 16, n, n, d, causal, False))
     for d in (32, 96, 160, 192, 224):  # head dims between the paper's (not in the default kinds):
-        for dtype in ("bf16", "fp32"):  # the Hopper kernels with zero columns, or the portable ones
+        for dtype in ("bf16", "fp16", "fp32"):  # the Hopper kernels with zero columns, or the portable ones
             for n in (1024, 4096):
                 for causal in (False, True):
                     shapes.append(shape("headdims", dtype, 16384 // n, 2048 // d, 2048 // d, n, n, d, causal, False))
