@@ -81,6 +81,11 @@ BWD_SM90_TILES = (
     Tile("q128", (64,), kv=(64, 2, 2, 0), q=(128, 2, 2, 0)),
     Tile("stage3", (64,), kv=(64, 2, 3, 0), q=(64, 2, 3, 0)),
     Tile("overlap", (64,), kv=(64, 2, 3, 1), q=(64, 2, 3, 1)),
+    # D = 192, not yet timed (session 58, ptxas only): the pair with a third stage of Q_i, dO_i
+    # (dK/dV) and of K_j, V_j (dQ); and with the gradient wgmma in flight across the next step's
+    # barrier too.
+    Tile("stage3", (192,), kv=(64, 1, 3, 0), q=(64, 1, 3, 0), split=2),
+    Tile("overlap", (192,), kv=(64, 1, 3, 1), q=(64, 1, 3, 1), split=2),
 )
 
 
