@@ -117,7 +117,7 @@ FAMILIES = (
         "run_attention_fwd_decode(const AttentionParams&, const FwdLaunchFlags&, const DecodeOptions&, "
         "const DeviceWorkspace&, cudaStream_t)",
     )),
-    Family("fwd_sm90", "fwd_sm90_launch.h", (64, 128, 256), (
+    Family("fwd_sm90", "fwd_sm90_launch.h", (64, 128, 192, 256), (
         "run_attention_fwd_sm90(const AttentionParams&, const FwdLaunchFlags&, const DeviceWorkspace&, "
         "cudaStream_t)",
     )),

@@ -68,8 +68,8 @@ def test_all_head_dims(dtype, d, nq, nk):
     run_and_check(q, k, v, is_causal=True)
 
 
-# On an H100/H200 head dims 33..64, 97..128 and 225..256 run the wgmma kernel (fwd_sm90_kernel.h), so the
-# suite above tests it there; FLASHMOD_DISABLE_SM90=1 sends the same shapes to the portable
+# On an H100/H200 every head dim runs a wgmma kernel (fwd_sm90_ws_kernel.h, fwd_sm90_kernel.h), so the
+# suite above tests them there; FLASHMOD_DISABLE_SM90=1 sends the same shapes to the portable
 # mma.sync kernel, which A100-class GPUs run.
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("d", [40, 64, 111, 128, 256])
@@ -89,8 +89,8 @@ def test_portable_kernel_where_sm90_exists(monkeypatch, dtype, d, nq, nk, opts):
 # tile heights run: 192 rows (three consumers) and, under a right window bound with at most 1024
 # query rows, 128 (fwd_sm90_ws_launch.h: FwdWsConfig). Soft-capped scores run it too. Head dims
 # 129..192 run its D = 192 variant and 193..256 its D = 256 one (64-key blocks, O stored from
-# registers): 179 (odd, element-wise stores), 192 and 256; the FlashAttention-2-style kernel takes
-# D = 129..192 on its D = 256 form.
+# registers): 179 (odd, element-wise stores), 192 and 256; so does the FlashAttention-2-style
+# kernel (its D = 192 form since session 58: 192 of its 256 threads copy the tiles).
 @pytest.mark.parametrize("ws", ["1", "0"])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("d", [40, 64, 111, 128, 179, 192, 256])
@@ -133,7 +133,7 @@ def test_sm90_ws_kernel_and_fallback(monkeypatch, ws, dtype, d, nq, nk, opts):
     ],
     ids=["persistent", "start_aligned", "one_tile_per_cta", "warp_stores", "fa2_style"],
 )
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 @pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"window_left": 50, "bottom_right": False}], ids=str)
 def test_sm90_ws_many_tiles(monkeypatch, knobs, d, opts):
     for name, value in knobs.items():
@@ -182,9 +182,9 @@ def test_sm90_ws_half_blocks_equal_full_blocks(monkeypatch, dtype, d, nq, nk, op
 # kernel: the producer turns each key block's bytes into bits. Random masks (not prefixes), a batch
 # row with every key hidden (its rows: output 0, lse -inf), a column stride of 2, more tiles than
 # SMs, causal and not, GQA; FLASHMOD_SM90_WS=0 runs the same on the FlashAttention-2-style kernel
-# (as does D = 256, whose 64-key blocks the mask bits do not fit: the launch hands it over).
+# (as do D = 192 / 256, whose 64-key blocks the mask bits do not fit: the launch hands them over).
 @pytest.mark.parametrize("ws", ["1", "0"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mask_batch", [3, 1])
 def test_sm90_ws_key_padding_mask(monkeypatch, ws, d, causal, mask_batch):
@@ -204,7 +204,7 @@ def test_sm90_ws_key_padding_mask(monkeypatch, ws, d, causal, mask_batch):
 # Layouts the tensor maps must follow: (B, S, H, D) storage and k/v interleaved in one tensor (TMA
 # takes these), and heads broadcast with stride 0 (TMA cannot: the kernel hands the call over).
 @pytest.mark.parametrize("ws", ["1", "0"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_sm90_ws_layouts(monkeypatch, ws, d):
     monkeypatch.setenv("FLASHMOD_SM90_WS", ws)
     b, nq, nk, h = 3, 300, 519, 6
@@ -238,8 +238,9 @@ def test_windows_softcap_scale(dtype, d, opts):
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("kind", ["bool", "additive", "additive_f32", "bool_transposed", "padding"])
-def test_masks_broadcast_and_strides(dtype, kind):
-    b, h, nq, nk, d = 2, 4, 203, 300, 64
+@pytest.mark.parametrize("d", [64, 192])  # on Hopper 192: the FlashAttention-2-style kernel's D = 192 form
+def test_masks_broadcast_and_strides(dtype, kind, d):
+    b, h, nq, nk = 2, 4, 203, 300
     q, k, v = rand(b, h, nq, d, dtype=dtype), rand(b, 2, nk, d, dtype=dtype), rand(b, 2, nk, d, dtype=dtype)
     if kind == "bool":
         mask = torch.rand(1, h, nq, nk, device="cuda") > 0.4

@@ -689,7 +689,7 @@ def test_varlen_cuda_fp32_runs_padded_with_a_warning():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel", ["default", "portable"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 @pytest.mark.parametrize("variant", ["plain", "causal", "softcap_causal"])
 def test_cuda_serving_prefill_kernels(monkeypatch, kernel, d, variant):
     """Prefill-shaped serving calls (varlen forward and its fused backward; a KV cache with more than
@@ -747,7 +747,7 @@ def test_cuda_serving_prefill_kernels(monkeypatch, kernel, d, variant):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("ws", ["1", "0"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 @pytest.mark.parametrize("variant", ["plain", "causal", "window"])
 def test_varlen_neighbouring_rows_never_leak(monkeypatch, ws, d, variant):
     """Packed sequences on the warp-specialized kernel (FLASHMOD_SM90_WS=1 on an H100/H200; 0: the

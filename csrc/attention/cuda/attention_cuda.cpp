@@ -70,9 +70,7 @@ std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const
     flags.half_blocks = env_flag("FLASHMOD_SM90_WS_HALF_BLOCKS", true);
     const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
     const int key = cuda_kernels::variant_key(p.dtype, padded);
-    // The Hopper kernels' sizes (decode keeps the portable size: its kernels are mma.sync ones):
-    // the warp-specialized kernel's, and the FlashAttention-2-style one's (without D = 192).
-    const int wide_ws = sm90_widened_head_dim(cuda_kernels::kFwdSm90WsHeadDims, p.head_dim, padded);
+    // The Hopper kernels' size (decode keeps the portable size: its kernels are mma.sync ones).
     const int wide = sm90_widened_head_dim(cuda_kernels::kFwdSm90HeadDims, p.head_dim, padded);
     const int wide_key = cuda_kernels::variant_key(p.dtype, wide);
     // Dropout: the warp-specialized Hopper kernel where it takes the call (plain dense scores; it
@@ -81,10 +79,10 @@ std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const
     bool launched = false;
     if (!with_dropout && run_decode(p, flags, padded, q.options(), stream, err)) {
       launched = true;  // by run_decode
-    } else if (use_sm90_ws_kernel(wide_ws)) {
+    } else if (use_sm90_ws_kernel(wide)) {
       TorchWorkspace workspace(q.options(), stream);  // the tile scheduler's counter, mask tiles
       const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
-      switch (cuda_kernels::variant_key(p.dtype, wide_ws)) {
+      switch (wide_key) {
 #define FLASHMOD_SM90_WS_CASE(Elem, kind, D)                                      \
   case cuda_kernels::variant_key(ScalarKind::kind, D):                            \
     err = cuda_kernels::run_attention_fwd_sm90_ws<Elem, D>(p, flags, ws, stream); \

@@ -14,6 +14,7 @@
 #include <math_constants.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/cuda/ptx_ops.h"
 #include "../../common/cuda/smem_tile.h"
@@ -58,10 +59,17 @@ struct FwdTraitsSm90 {
 
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
   // O += P V is issued in column chunks of at most 128 (wgmma's N): one for D = 64 or 128, two for
-  // 256.
-  static constexpr int kOChunk = kHeadDim < 128 ? kHeadDim : 128;
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+  // 256, three of 64 for 192.
+  static constexpr int kOChunk = kHeadDim % 128 != 0 ? 64 : kHeadDim < 128 ? kHeadDim : 128;
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
                 "whole 64-column swizzle blocks");
+  static_assert(kHeadDim % kOChunk == 0, "whole PV chunks");
+  // The tile copies: whole rows per thread, on the threads that split a row's 16-byte chunks
+  // evenly (D = 192: 192 of 256).
+  template <int kRows>
+  using TileCopy =
+      std::conditional_t<kNThreads % (kHeadDim / 8) == 0, Sw128TileCopy<kRows, kHeadDim, kNThreads>,
+                         Sw128TileCopyOnSome<kRows, kHeadDim, kNThreads>>;
   static_assert(Bc == 64 || Bc == 128, "wgmma N of S");
   static_assert(kStages >= 2, "one buffer computing, at least one loading");
   static_assert(kSmemBytesStagedMask <= 227 * 1024, "sm_90's per-block shared-memory limit");
@@ -131,8 +139,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     return;
   }
 
-  const Sw128TileCopy<Br, D, kThreads> q_copy(tid, head_dim);
-  const Sw128TileCopy<Bc, D, kThreads> kv_copy(tid, head_dim);
+  const typename Tr::template TileCopy<Br> q_copy(tid, head_dim);
+  const typename Tr::template TileCopy<Bc> kv_copy(tid, head_dim);
   constexpr uint32_t kStageBytes = Tr::kSmemKV;
   const KvRowSources<Elem> kv_src{gK, gV, nullptr, nullptr, Nk};
   using MaskTile = typename Tr::MaskTile;

@@ -38,6 +38,12 @@ template <typename Elem>
 struct FwdConfigSm90<Elem, 128> {
   using Traits = FwdTraitsSm90<Elem, 128, 128, 2, 2>;
 };
+// D = 192 as D = 256 (its zero columns ran these calls until session 58): Q 48 KB and two stages
+// of 64-key K_j, V_j 96 KB. Not yet timed.
+template <typename Elem>
+struct FwdConfigSm90<Elem, 192> {
+  using Traits = FwdTraitsSm90<Elem, 192, 64, 2, 2>;
+};
 template <typename Elem>
 struct FwdConfigSm90<Elem, 256> {
   using Traits = FwdTraitsSm90<Elem, 256, 64, 2, 2>;

@@ -179,9 +179,8 @@ cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchF
     if (launched) return err;
   }
   if (dropout) return cudaErrorNotSupported;
-  // The tensors or options TMA or this kernel cannot take: the FlashAttention-2-style kernel, at
-  // D = 192 its D = 256 form (zero columns past the head dim, as every widened call).
-  return run_attention_fwd_sm90<Elem, kHeadDim == 192 ? 256 : kHeadDim>(p, flags, ws, stream);
+  // The tensors or options TMA or this kernel cannot take: the FlashAttention-2-style kernel.
+  return run_attention_fwd_sm90<Elem, kHeadDim>(p, flags, ws, stream);
 }
 
 }  // namespace flashmod::cuda_kernels

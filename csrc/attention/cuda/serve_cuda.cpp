@@ -41,9 +41,7 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
                    const at::Tensor& k, const at::TensorOptions& options, cudaStream_t stream) {
   const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
   const int key = cuda_kernels::variant_key(p.dtype, padded);
-  // The Hopper kernels' sizes (decode keeps the portable size: its kernels are mma.sync ones):
-  // the warp-specialized kernel's, and the FlashAttention-2-style one's (without D = 192).
-  const int wide_ws = sm90_widened_head_dim(cuda_kernels::kFwdSm90WsHeadDims, p.head_dim, padded);
+  // The Hopper kernels' size (decode keeps the portable size: its kernels are mma.sync ones).
   const int wide = sm90_widened_head_dim(cuda_kernels::kFwdSm90HeadDims, p.head_dim, padded);
   const int wide_key = cuda_kernels::variant_key(p.dtype, wide);
   if (decode_shaped(p)) {
@@ -61,11 +59,11 @@ cudaError_t launch(AttentionParams p, const cuda_kernels::FwdLaunchFlags& flags,
   // cudaErrorNotSupported, e.g. soft caps) runs the mma.sync kernels, which carry it for every
   // option; the other Hopper kernel has none.
   const bool dropout = p.dropout_rng != nullptr;
-  if (use_sm90_ws_kernel(wide_ws)) {            // packed rows; it hands over what it cannot take
+  if (use_sm90_ws_kernel(wide)) {               // packed rows; it hands over what it cannot take
     TorchWorkspace workspace(options, stream);  // the tile scheduler's counter
     const cuda_kernels::DeviceWorkspace ws = workspace.hooks();
     cudaError_t err = cudaErrorNotSupported;  // no variant of this key: the kernels below
-    switch (cuda_kernels::variant_key(p.dtype, wide_ws)) {
+    switch (wide_key) {
 #define FLASHMOD_SERVE_PREFILL_SM90_WS(E, kind, D)                             \
   case cuda_kernels::variant_key(ScalarKind::kind, D):                         \
     err = cuda_kernels::run_attention_fwd_sm90_ws<E, D>(p, flags, ws, stream); \

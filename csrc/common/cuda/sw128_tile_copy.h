@@ -99,4 +99,36 @@ struct Sw128TileCopy<kRows, kHeadDim, kThreads, false> {
   }
 };
 
+// The threads of the whole-rows copy where kThreads do not split a row's 16-byte chunks evenly:
+// the most that do with a row step the swizzle's 8-row period takes (8, 4, 2 or 1 rows a step).
+template <int kRows, int kHeadDim, int kThreads>
+constexpr int sw128_copy_threads() {
+  constexpr int kChunks = kHeadDim / 8;
+  for (int step = 8; step > 1; step /= 2)
+    if (step * kChunks <= kThreads && kRows % step == 0) return step * kChunks;
+  return kChunks;
+}
+
+// The whole-rows copy on the first sw128_copy_threads() of kThreads threads, the others idle
+// (D = 192 on 256 threads: 192 copy, 8 rows a step). Unlike the column-block copy above, each
+// thread keeps one row per step and one chunk column, which paged_kv.h's per-row page walks need
+// (they skip the idle threads through `active`).
+template <int kRows, int kHeadDim, int kThreads>
+struct Sw128TileCopyOnSome
+    : Sw128TileCopy<kRows, kHeadDim, sw128_copy_threads<kRows, kHeadDim, kThreads>(), true> {
+  static constexpr int kCopyThreads = sw128_copy_threads<kRows, kHeadDim, kThreads>();
+  using Base = Sw128TileCopy<kRows, kHeadDim, kCopyThreads, true>;
+  bool active;
+
+  // An idle thread's plan is a copying thread's (never used: every load checks `active`).
+  __device__ __forceinline__ Sw128TileCopyOnSome(int tid, int head_dim)
+      : Base(tid % kCopyThreads, head_dim), active(tid < kCopyThreads) {}
+
+  template <typename Elem>
+  __device__ __forceinline__ void load(uint32_t smem_base, const Elem* gmem, int64_t row_stride,
+                                       int valid_rows) const {
+    if (active) Base::load(smem_base, gmem, row_stride, valid_rows);
+  }
+};
+
 }  // namespace flashmod::cuda_kernels::sm90

@@ -79,14 +79,16 @@ constexpr int kFwdSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
   X(__nv_bfloat16, kBFloat16, 256)
 // clang-format on
 
-constexpr int kFwdSm90HeadDims[] = {64, 128, 256};
+constexpr int kFwdSm90HeadDims[] = {64, 128, 192, 256};
 // clang-format off
 #define FLASHMOD_FWD_SM90_VARIANTS(X) \
   X(__half, kFloat16, 64) \
   X(__half, kFloat16, 128) \
+  X(__half, kFloat16, 192) \
   X(__half, kFloat16, 256) \
   X(__nv_bfloat16, kBFloat16, 64) \
   X(__nv_bfloat16, kBFloat16, 128) \
+  X(__nv_bfloat16, kBFloat16, 192) \
   X(__nv_bfloat16, kBFloat16, 256)
 // clang-format on
 
