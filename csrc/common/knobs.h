@@ -68,6 +68,8 @@
 //                                     over transposed operands, or on the BLAS's sgemm (default:
 //                                     the first on AMD CPUs running the AVX-512 kernel)
 //   FLASHMOD_FP32_FFMA=1              fp32 on the CUDA-core (FFMA) kernel, not 3xTF32
+//   FLASHMOD_FP32_WGMMA=0             fp32 on an H100/H200 on the mma.sync 3xTF32 kernel, not the
+//                                     wgmma one (head dims <= 128, 16-byte aligned rows)
 //   FLASHMOD_DECODE=0                 CUDA decode shapes run the prefill kernel
 //   FLASHMOD_DECODE_PACK=0            no GQA row packing in the CUDA decode kernel
 //   FLASHMOD_DECODE_SPLITS=n          exactly n split-KV splits (0: the heuristic)

@@ -292,11 +292,13 @@ def test_fp32_relative_error_1e5():
         )
 
 
-# fp32 has two kernels: 3xTF32 on the tensor cores (more than 32 query rows, where the device's
-# shared memory takes its tiles: every head dim on Hopper, <= 192 on an A100; past 128 two warps
-# share each row tile) and the CUDA-core one (the rest, or everything with FLASHMOD_FP32_FFMA=1).
-# Both must keep fp32 accuracy on odd sizes, GQA, masks, windows, soft cap and unaligned rows
-# (4-byte copies).
+# fp32 has three kernels: 3xTF32 on the tensor cores (more than 32 query rows) with wgmma on
+# Hopper (head dims <= 128, rows 16-byte aligned; FLASHMOD_FP32_WGMMA=0 turns it off) or mma.sync
+# (where the device's shared memory takes its tiles: every head dim on Hopper, <= 192 on an A100;
+# past 128 two warps share each row tile), and the CUDA-core one (the rest, or everything with
+# FLASHMOD_FP32_FFMA=1). All must keep fp32 accuracy on odd sizes, GQA, masks, windows, soft cap
+# and unaligned rows (4-byte copies).
+@pytest.mark.parametrize("wgmma", ["1", "0"])
 @pytest.mark.parametrize("ffma", ["0", "1"])
 @pytest.mark.parametrize(
     "nq,nk,d,opts",
@@ -320,8 +322,9 @@ def test_fp32_relative_error_1e5():
     ],
     ids=str,
 )
-def test_fp32_kernels(monkeypatch, ffma, nq, nk, d, opts):
+def test_fp32_kernels(monkeypatch, ffma, wgmma, nq, nk, d, opts):
     monkeypatch.setenv("FLASHMOD_FP32_FFMA", ffma)
+    monkeypatch.setenv("FLASHMOD_FP32_WGMMA", wgmma)
     opts = dict(opts)
     kind, unaligned = opts.pop("mask", None), opts.pop("unaligned", False)
     b, hq, hk = 2, 4, 2
@@ -355,8 +358,12 @@ def test_fp32_kernels(monkeypatch, ffma, nq, nk, d, opts):
     bc = 64 if padded <= 64 else 32
     smem = 4 * ((64 + 4 * bc) * (padded + 4) + (8 * 16 * 32 if padded > 128 else 0))
     optin = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
-    tensor_cores = ffma == "0" and nq > 32 and optin >= smem
-    assert ("fp32_tc_kernel" in names) == tensor_cores and ("fp32_kernel<" in names) != tensor_cores, names
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    on_wgmma = hopper and wgmma == "1" and ffma == "0" and nq > 32 and d <= 128 and d % 4 == 0 and not unaligned
+    tensor_cores = ffma == "0" and nq > 32 and optin >= smem and not on_wgmma
+    assert ("fp32_sm90_kernel" in names) == on_wgmma, names
+    assert ("fp32_tc_kernel" in names) == tensor_cores, names
+    assert ("fp32_kernel<" in names) == (not tensor_cores and not on_wgmma), names
     ref, _ = attention_reference(q, k, v, mask, compute_dtype=torch.float64, **opts)
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert rel <= 1e-5, rel

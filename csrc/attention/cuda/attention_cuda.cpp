@@ -54,7 +54,9 @@ std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaError_t err = cudaSuccess;
   if (p.dtype == ScalarKind::kFloat32) {
-    err = cuda_kernels::run_attention_fwd_fp32(p, env_flag("FLASHMOD_FP32_FFMA", false), stream);
+    err = cuda_kernels::run_attention_fwd_fp32(
+        p, env_flag("FLASHMOD_FP32_FFMA", false),
+        sm90_kernels_usable() && env_flag("FLASHMOD_FP32_WGMMA", true), stream);
   } else {
     // Alignment fix-ups (see aligned_copy); the copies are kept alive by prepared.
     align_rows16(prepared.q, p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);

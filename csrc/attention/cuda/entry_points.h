@@ -152,12 +152,19 @@ cudaError_t run_attention_fwd_decode(const AttentionParams& p, const FwdLaunchFl
                                      const DecodeOptions& opt, const DeviceWorkspace& ws,
                                      cudaStream_t stream);
 
-// fp32: the 3xTF32 tensor-core kernel for more than 32 query rows where the device's shared memory
-// takes its tiles (every head dim on Hopper; <= 192 on an A100), else (or with force_ffma, the
-// host's FLASHMOD_FP32_FFMA=1) the CUDA-core kernel. Both keep fp32 accuracy; any alignment.
-cudaError_t run_attention_fwd_fp32(const AttentionParams& p, bool force_ffma, cudaStream_t stream);
+// fp32: the 3xTF32 tensor-core kernels for more than 32 query rows: with sm90 (the caller's
+// check that the sm_90a kernels run here and FLASHMOD_FP32_WGMMA) the wgmma one where it takes
+// the call (head dims <= 128, rows 16-byte aligned; cudaErrorNotSupported otherwise), else the
+// mma.sync one where the device's shared memory takes its tiles (every head dim on Hopper; <= 192
+// on an A100); else (or with force_ffma, the host's FLASHMOD_FP32_FFMA=1) the CUDA-core kernel.
+// All keep fp32 accuracy; any alignment.
+cudaError_t run_attention_fwd_fp32(const AttentionParams& p, bool force_ffma, bool sm90,
+                                   cudaStream_t stream);
 cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t stream);
+cudaError_t run_attention_fwd_fp32_sm90(const AttentionParams& p, cudaStream_t stream);
 bool attention_fwd_fp32_tc_fits(int64_t head_dim);
+// Every row of q, k and v starts 16-byte aligned and head_dim % 4 == 0 (whole 16-byte copies).
+bool fp32_rows_aligned16(const AttentionParams& p);
 
 // ---------------------------------------------------------------------------------------------
 // The backward (bwd_sm80_kernel.h).

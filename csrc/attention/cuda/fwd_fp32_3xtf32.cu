@@ -35,7 +35,7 @@
 #include "../../common/cuda/ptx_ops.h"
 #include "cta_tile.h"
 #include "entry_points.h"
-#include "online_softmax.h"
+#include "fp32_block_softmax.h"
 #include "tf32_tile.h"
 #include "visibility.h"
 
@@ -126,26 +126,13 @@ __global__ void __launch_bounds__(Tf32Tile<kHeadDim>::kThreads, 3 - Tf32Tile<kHe
   const TilePointers<float> gp = tile_pointers<float>(p, tile, r0);
   const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, kBc);
 
-  // This thread's two rows of the warp's 16: g and g + 8 (index ri = 0, 1).
+  // This thread's two rows of the warp's 16: g and g + 8 (index ri = 0, 1). Their l and its
+  // rescale factor in double, as in the FFMA kernel: lse = log(l) + m keeps the error of an fp32
+  // alpha, which O / l cancels.
   const int row_in_tile[2] = {16 * warp + g, 16 * warp + g + 8};
-  RowWindow win[2];
-  int64_t mask_row[2];
-#pragma unroll
-  for (int ri = 0; ri < 2; ++ri) {
-    const int64_t i = r0 + row_in_tile[ri];
-    win[ri] = row_window(p, i);
-    mask_row[ri] = b * p.mask_batch_stride + h * p.mask_head_stride +
-                   (i < Nq ? i : Nq - 1) * p.mask_row_stride;
-  }
-  const float scale = static_cast<float>(p.scale), softcap = static_cast<float>(p.softcap);
-  const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
-  const float log2e = 1.4426950408889634f;
+  Fp32Rows rows(p, b, h, {r0 + row_in_tile[0], r0 + row_in_tile[1]});
 
   float o[kDTiles][4] = {};
-  // l and its rescale factor in double, as in the FFMA kernel: lse = log(l) + m keeps the error
-  // of an fp32 alpha, which O / l cancels.
-  OnlineSoftmaxRowF64 row[2];
-  row[0].init(), row[1].init();
 
   auto load_kv = [&](float* dst, const float* src, int64_t row_stride, int n) {
     const int64_t k0 = static_cast<int64_t>(n) * kBc;
@@ -219,49 +206,13 @@ __global__ void __launch_bounds__(Tf32Tile<kHeadDim>::kThreads, 3 - Tf32Tile<kHe
     if (n + 1 < range.hi) load_kv(sK, gp.k, p.k_row_stride, n + 1);
     cp_async_commit();  // (possibly empty: keeps the group count uniform)
 
-    // Scale, soft cap, mask; then the online softmax of the two rows (quads share a row).
+    // Scale, soft cap, mask; the online softmax of the two rows; P as the A operand of P V_j.
     const int64_t key0 = static_cast<int64_t>(n) * kBc;
     const bool unmasked =
         key_block_unmasked(p, r0, r0 + rows_q - 1, n, kBc) && p.mask_kind == MaskKind::kNone;
-    float block_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-    for (int nt = 0; nt < kKTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int ri = e / 2;
-        const int j = static_cast<int>(key0) + nt * 8 + 2 * t + e % 2;
-        float x = s[nt][e] * scale;
-        if (softcap > 0.f) x = soft_cap(x, softcap, inv_softcap);
-        if (!unmasked) {
-          bool visible = win[ri].contains(j);
-          if (visible && p.mask_kind != MaskKind::kNone)
-            visible = apply_mask<float>(p, mask_row[ri] + j * p.mask_col_stride, x);
-          x = visible ? x : -CUDART_INF_F;
-        }
-        s[nt][e] = x;
-        block_max[ri] = fmaxf(block_max[ri], x);
-      }
-    float alpha[2], cm[2];
-#pragma unroll
-    for (int ri = 0; ri < 2; ++ri)
-      alpha[ri] = row[ri].rescale(quad_max(block_max[ri]), log2e, cm[ri]);
-    // P as the A operand of P V_j, relabelled (see the top) and split into tf32 halves.
+    float alpha[2];
     uint32_t p_hi[kKTiles][4], p_lo[kKTiles][4];
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int kt = 0; kt < kKTiles; ++kt) {
-      float pr[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        pr[e] = exp2f(fmaf(s[kt][e], log2e, -cm[e / 2]));
-        sum[e / 2] += pr[e];
-      }
-      split_tf32_fast(__float_as_uint(pr[0]), p_hi[kt][0], p_lo[kt][0]);
-      split_tf32_fast(__float_as_uint(pr[2]), p_hi[kt][1], p_lo[kt][1]);
-      split_tf32_fast(__float_as_uint(pr[1]), p_hi[kt][2], p_lo[kt][2]);
-      split_tf32_fast(__float_as_uint(pr[3]), p_hi[kt][3], p_lo[kt][3]);
-    }
-    row[0].add(sum[0]), row[1].add(sum[1]);
+    rows.block_to_p(p, s, key0, t, unmasked, alpha, p_hi, p_lo);
 
     cp_async_wait<1>();  // this thread's V_j copies have landed (K_{j+1} may be in flight)
     __syncthreads();     // ... and every thread's
@@ -292,22 +243,7 @@ __global__ void __launch_bounds__(Tf32Tile<kHeadDim>::kThreads, 3 - Tf32Tile<kHe
   }
   cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 
-#pragma unroll
-  for (int ri = 0; ri < 2; ++ri) {
-    float inv_l, lse;
-    row[ri].finish(log2e, inv_l, lse);  // all lanes: it shuffles within the quad
-    const int r = row_in_tile[ri];
-    if (r >= rows_q) continue;
-    float* o_row = gp.out + static_cast<int64_t>(r) * p.out_row_stride;
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = d0 + dt * 8 + 2 * t + e;
-        if (col < head_dim) o_row[col] = o[dt][2 * ri + e] * inv_l;
-      }
-    if (t == 0 && part == 0) gp.lse[r] = lse;
-  }
+  rows.store(p, gp, o, row_in_tile, rows_q, d0, t, t == 0 && part == 0);
 }
 
 template <int kHeadDim>
@@ -332,12 +268,16 @@ decltype(auto) with_tile_head_dim(int64_t head_dim, F&& f) {
 
 }  // namespace
 
+bool fp32_rows_aligned16(const AttentionParams& p) {
+  return p.head_dim % 4 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v) &&
+         (p.q_batch_stride | p.q_head_stride | p.q_row_stride) % 4 == 0 &&
+         (p.k_batch_stride | p.k_head_stride | p.k_row_stride) % 4 == 0 &&
+         (p.v_batch_stride | p.v_head_stride | p.v_row_stride) % 4 == 0;
+}
+
 cudaError_t run_attention_fwd_fp32_tc(const AttentionParams& p, cudaStream_t stream) {
   // 16-byte copies where every row of q, k and v starts 16-byte aligned.
-  const bool vec16 = p.head_dim % 4 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v) &&
-                     (p.q_batch_stride | p.q_head_stride | p.q_row_stride) % 4 == 0 &&
-                     (p.k_batch_stride | p.k_head_stride | p.k_row_stride) % 4 == 0 &&
-                     (p.v_batch_stride | p.v_head_stride | p.v_row_stride) % 4 == 0;
+  const bool vec16 = fp32_rows_aligned16(p);
   return with_tile_head_dim(
       p.head_dim, [&](auto d) { return launch_fp32_tc<decltype(d)::value>(p, vec16, stream); });
 }

@@ -170,7 +170,12 @@ cudaError_t launch_fp32(const AttentionParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t run_attention_fwd_fp32(const AttentionParams& p, bool force_ffma, cudaStream_t stream) {
+cudaError_t run_attention_fwd_fp32(const AttentionParams& p, bool force_ffma, bool sm90,
+                                   cudaStream_t stream) {
+  if (!force_ffma && sm90 && p.seqlen_q > 32) {
+    const cudaError_t err = run_attention_fwd_fp32_sm90(p, stream);
+    if (err != cudaErrorNotSupported) return err;
+  }
   // Decode-like shapes (<= 32 query rows) fill a 32-row CTA here but half of the tensor-core
   // kernel's 64 rows.
   if (!force_ffma && p.seqlen_q > 32 && attention_fwd_fp32_tc_fits(p.head_dim))

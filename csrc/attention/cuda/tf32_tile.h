@@ -31,6 +31,17 @@ __device__ __forceinline__ void split_tf32_fast(uint32_t x, uint32_t& hi, uint32
   lo = __float_as_uint(__uint_as_float(x) - __uint_as_float(hi));
 }
 
+// x -> its tf32 hi halves in place; returns the lo halves.
+__device__ __forceinline__ float4 split_tf32_float4(float4& x) {
+  float4 y;
+  uint32_t h, l;
+  split_tf32_fast(__float_as_uint(x.x), h, l), x.x = __uint_as_float(h), y.x = __uint_as_float(l);
+  split_tf32_fast(__float_as_uint(x.y), h, l), x.y = __uint_as_float(h), y.y = __uint_as_float(l);
+  split_tf32_fast(__float_as_uint(x.z), h, l), x.z = __uint_as_float(h), y.z = __uint_as_float(l);
+  split_tf32_fast(__float_as_uint(x.w), h, l), x.w = __uint_as_float(h), y.w = __uint_as_float(l);
+  return y;
+}
+
 // Replaces a landed kRows x kHeadDim fp32 tile by its tf32 hi halves and writes the lo halves to
 // `lo` (same pitch), all kThreads threads of the CTA sharing the work. Splitting once per tile
 // replaces every warp splitting every fragment again (counted per warp and block in the forward,
@@ -40,14 +51,24 @@ __device__ __forceinline__ void split_tf32_tile(float* hi, float* lo, int tid) {
   constexpr int kLd = tf32_tile_pitch<kHeadDim>(), kChunks = kHeadDim / 4;
   for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
     const int off = idx / kChunks * kLd + idx % kChunks * 4;
-    float4 x = *reinterpret_cast<float4*>(hi + off), y;
-    uint32_t h, l;
-    split_tf32_fast(__float_as_uint(x.x), h, l), x.x = __uint_as_float(h), y.x = __uint_as_float(l);
-    split_tf32_fast(__float_as_uint(x.y), h, l), x.y = __uint_as_float(h), y.y = __uint_as_float(l);
-    split_tf32_fast(__float_as_uint(x.z), h, l), x.z = __uint_as_float(h), y.z = __uint_as_float(l);
-    split_tf32_fast(__float_as_uint(x.w), h, l), x.w = __uint_as_float(h), y.w = __uint_as_float(l);
+    float4 x = *reinterpret_cast<float4*>(hi + off);
+    const float4 y = split_tf32_float4(x);
     *reinterpret_cast<float4*>(hi + off) = x;
     *reinterpret_cast<float4*>(lo + off) = y;
+  }
+}
+
+// split_tf32_tile over a tile stored without row padding (kFloats contiguous floats, e.g. a
+// 128-byte-swizzled wgmma tile, which an element-wise split leaves in its layout).
+template <int kFloats, int kThreads>
+__device__ __forceinline__ void split_tf32_flat(float* hi, float* lo, int tid) {
+  static_assert(kFloats % (4 * kThreads) == 0, "whole float4s per thread");
+#pragma unroll
+  for (int i = tid; i < kFloats / 4; i += kThreads) {
+    float4 x = reinterpret_cast<float4*>(hi)[i];
+    const float4 y = split_tf32_float4(x);
+    reinterpret_cast<float4*>(hi)[i] = x;
+    reinterpret_cast<float4*>(lo)[i] = y;
   }
 }
 

@@ -1,6 +1,6 @@
-// sm_90a warpgroup matrix multiply (wgmma) for the Hopper forward kernel: shared-memory matrix
-// descriptors, the fences that order wgmma against ordinary instructions, and the m64nNk16
-// instructions it issues (N = 64 or 128, fp32 accumulators, fp16/bf16 operands).
+// sm_90a warpgroup matrix multiply (wgmma) for the Hopper kernels: shared-memory matrix
+// descriptors, the fences that order wgmma against ordinary instructions, and the instructions
+// they issue (fp32 accumulators; m64nNk16 with fp16/bf16 operands, m64nNk8 with tf32 ones).
 //
 // A warpgroup (4 consecutive warps, 128 threads) issues each wgmma together; the result lands
 // asynchronously in the accumulator registers. Those registers hold the same layout as four
@@ -191,6 +191,40 @@ FLASHMOD_WGMMA_RS(__nv_bfloat16, "bf16", 128)
 FLASHMOD_WGMMA_RS(__half, "f16", 128)
 #undef FLASHMOD_WGMMA_RS
 #undef FLASHMOD_WGMMA
+
+// WgmmaTf32<N>::ss(d, desc_a, desc_b, accumulate) and ::rs(d, a, desc_b, accumulate): m64nNk8 with
+// tf32 operands (fp32 words whose low 13 bits the tensor cores ignore), d (+)= A B; A from shared
+// memory or from registers (the m16n8k8 tf32 A fragment of each warp's 16 rows), B from shared
+// memory. tf32 wgmma reads both operands K-major only (no transposed read): the fp32 forward
+// (fwd_fp32_sm90.cu) writes V^T for its P V product.
+#define FLASHMOD_WGMMA_TF32_SS_OPS_32 ", %16, %17, p, 1, 1;\n}\n"
+#define FLASHMOD_WGMMA_TF32_RS_OPS_64 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+template <int N>
+struct WgmmaTf32;
+template <>
+struct WgmmaTf32<32> {
+  __device__ __forceinline__ static void ss(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b,
+                                            int accumulate) {
+    asm volatile(FLASHMOD_WGMMA_SS_PRED_32
+                 "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 " FLASHMOD_WGMMA_REGS_32
+                     FLASHMOD_WGMMA_TF32_SS_OPS_32
+                 : FLASHMOD_WGMMA_ACC_32("+f")
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+};
+template <>
+struct WgmmaTf32<64> {
+  __device__ __forceinline__ static void rs(float (&d)[8][4], const uint32_t (&a)[4],
+                                            uint64_t desc_b, int accumulate) {
+    asm volatile(FLASHMOD_WGMMA_RS_PRED_64
+                 "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " FLASHMOD_WGMMA_REGS_64
+                     FLASHMOD_WGMMA_TF32_RS_OPS_64
+                 : FLASHMOD_WGMMA_ACC_64("+f")
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+  }
+};
+#undef FLASHMOD_WGMMA_TF32_SS_OPS_32
+#undef FLASHMOD_WGMMA_TF32_RS_OPS_64
 #undef FLASHMOD_WGMMA_SS_ASM
 #undef FLASHMOD_WGMMA_SS_OPS_32
 #undef FLASHMOD_WGMMA_SS_OPS_64

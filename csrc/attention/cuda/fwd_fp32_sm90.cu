@@ -1,0 +1,263 @@
+// fp32 forward on Hopper's wgmma (sm_90a), 3xTF32 as fwd_fp32_3xtf32.cu: every product is
+// a_lo b_hi + a_hi b_lo + a_hi b_hi of tf32 halves, big and small terms in separate accumulators,
+// P V_j into fresh accumulators per block joined to O with an fp32 add (the accuracy measures of
+// design/cuda-fp32.md). Head dims up to 128, rows 16-byte aligned; fwd_fp32_3xtf32.cu serves the
+// rest and every GPU before Hopper.
+//
+// Why: the mma.sync kernel issues ~6.5 instructions per tf32 mma (fragment loads, splits) and runs
+// its tensor work at about a quarter of the dense tf32 peak (design/cuda-fp32.md, session 58). A
+// wgmma reads its B operand (and here A of Q K^T) from shared memory itself.
+//
+// Layout: two warpgroups of 64 query rows (Br = 128) share each 32-key block (Bc = 32). tf32 wgmma
+// reads both operands K-major only, so:
+// - Q_i, K_j: 128-byte-swizzled tiles of D floats a row (32 floats a swizzle row), split in place
+//   into tf32 hi halves with the lo halves in a second tile of the same layout; Q once per CTA.
+// - V_j lands in the same layout, and the split writes V_j^T (D rows of Bc = 32 keys: one
+//   128-byte swizzle row each) as hi and lo tiles: the B operand of P V_j, keys along K.
+// - P stays in registers as the A operand: the S accumulator holds keys 2t, 2t + 1 where the tf32
+//   A fragment wants positions t, t + 4, so V_j^T stores key k of each 8 at position k / 2 (even)
+//   or 4 + k / 2 (odd) (fp32_block_softmax.h relabels P the same way).
+// Shared memory: D = 128 209 KB (one CTA per SM), D = 64 105 KB. Not yet run (session 58: ptxas
+// only).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "../../common/cuda/kernel_launch.h"
+#include "../../common/cuda/ptx_ops.h"
+#include "../../common/cuda/sw128_tile_copy.h"
+#include "../../common/cuda/wgmma_ops.h"
+#include "cta_tile.h"
+#include "entry_points.h"
+#include "fp32_block_softmax.h"
+#include "tf32_tile.h"
+#include "visibility.h"
+
+namespace flashmod::cuda_kernels {
+namespace {
+
+using sm90::sw128_offset;
+
+template <int kHeadDim>
+struct Fp32WgmmaTile {
+  static constexpr int Br = 128, Bc = 32, kThreads = 256;  // two warpgroups of 64 rows
+  static constexpr int kKTiles = Bc / 8;                   // n8 tiles of S = k8 steps of P V_j
+  static constexpr int kKSteps = kHeadDim / 8;             // k8 steps of Q K^T
+  static constexpr int kDTiles = kHeadDim / 8;             // n8 tiles of O
+  static constexpr int kPvChunk = 64;                      // the N of a P V_j wgmma
+  static constexpr int kBytesQ = Br * kHeadDim * 4;        // Q_i hi, then Q_i lo
+  static constexpr int kBytesKV = Bc * kHeadDim * 4;  // K_j hi, lo; V_j as landed; V_j^T hi, lo
+  // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
+  static constexpr int kBytes = 2 * kBytesQ + 5 * kBytesKV + 1024;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "whole P V chunks, Q K^T in 32-float rows");
+  static_assert(Bc * 4 == 128, "a V_j^T row is one 128-byte swizzle row");
+  static_assert(kBytesKV % 1024 == 0 && kBytesQ % 1024 == 0, "tiles on swizzle atoms");
+  static_assert(kBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
+};
+
+// fp32 rows through the 16-bit tile copy: D floats are 2 D 16-bit elements in the same 16-byte
+// chunks, and the 128-byte swizzle is one of bytes.
+template <int kRows, int kHeadDim, int kThreads>
+struct Fp32TileCopy {
+  sm90::Sw128TileCopy<kRows, 2 * kHeadDim, kThreads> copy;
+  __device__ __forceinline__ Fp32TileCopy(int tid, int head_dim) : copy(tid, 2 * head_dim) {}
+  __device__ __forceinline__ void load(uint32_t smem, const float* gmem, int64_t row_stride,
+                                       int valid_rows) const {
+    copy.load(smem, reinterpret_cast<const __nv_bfloat16*>(gmem), 2 * row_stride, valid_rows);
+  }
+};
+
+#ifdef FLASHMOD_SM90A
+// V_j (Bc x kHeadDim as landed) -> V_j^T's tf32 halves (kHeadDim rows of Bc keys, keys at their
+// P-relabelled positions). Lane = key, so each warp reads one 16-byte chunk column of 32 rows
+// (the swizzle spreads them over all banks) and writes 32 consecutive words of a V_j^T row.
+template <int kHeadDim, int kBc, int kThreads>
+__device__ __forceinline__ void split_transpose_v(const unsigned char* v, unsigned char* vt_hi,
+                                                  unsigned char* vt_lo, int tid) {
+  static_assert(kBc == 32, "a key per lane");
+  const int key = tid % 32;
+  const int pos = (key & ~7) | ((key & 1) << 2) | ((key & 7) >> 1);
+#pragma unroll
+  for (int c = tid / 32; c < kHeadDim / 4; c += kThreads / 32) {
+    float4 x = *reinterpret_cast<const float4*>(v + sw128_offset<kBc>(key, c));
+    const float4 lo = split_tf32_float4(x);
+    const float hi4[4] = {x.x, x.y, x.z, x.w}, lo4[4] = {lo.x, lo.y, lo.z, lo.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t off = sw128_offset<kHeadDim>(4 * c + e, pos / 4) + (pos % 4) * 4;
+      *reinterpret_cast<float*>(vt_hi + off) = hi4[e];
+      *reinterpret_cast<float*>(vt_lo + off) = lo4[e];
+    }
+  }
+}
+#endif
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const AttentionParams p) {
+#ifdef FLASHMOD_SM90A
+  using T = Fp32WgmmaTile<kHeadDim>;
+  using sm90::desc_advance;
+  using sm90::sw128_desc;
+  using sm90::WgmmaTf32;
+  constexpr int Br = T::Br, Bc = T::Bc, kKTiles = T::kKTiles;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw), base = (raw + 1023) & ~1023u;
+  unsigned char* const smem = smem_raw + (base - raw);
+  unsigned char* const q_hi = smem;
+  unsigned char* const q_lo = q_hi + T::kBytesQ;
+  unsigned char* const k_hi = q_lo + T::kBytesQ;  // the landed K_j until split
+  unsigned char* const k_lo = k_hi + T::kBytesKV;
+  unsigned char* const v_in = k_lo + T::kBytesKV;  // V_j as landed
+  unsigned char* const vt_hi = v_in + T::kBytesKV;
+  unsigned char* const vt_lo = vt_hi + T::kBytesKV;
+  const uint32_t sQ = base, sK = base + (k_hi - smem), sV = base + (v_in - smem);
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+  const int g = lane / 4, t = lane % 4;
+  const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const CtaTile tile = cta_tile(p, (Nq + Br - 1) / Br, 1);  // longest rows first when right-bounded
+  const int r0 = tile.m_block * Br, rows_q = min(Br, Nq - r0);
+  const TilePointers<float> gp = tile_pointers<float>(p, tile, r0);
+  const KeyBlockRange range = key_block_range(p, r0, r0 + rows_q - 1, Bc);
+
+  // This thread's two rows: g and g + 8 of its warp's 16 (warp w owns rows 16 w .. 16 w + 15:
+  // the wgmma accumulator layout of warpgroup w / 4).
+  const int row_in_tile[2] = {16 * warp + g, 16 * warp + g + 8};
+  Fp32Rows rows(p, tile.b, tile.h, {r0 + row_in_tile[0], r0 + row_in_tile[1]});
+  float o[T::kDTiles][4] = {};
+
+  const Fp32TileCopy<Br, kHeadDim, T::kThreads> q_copy(tid, head_dim);
+  const Fp32TileCopy<Bc, kHeadDim, T::kThreads> kv_copy(tid, head_dim);
+  auto load_kv = [&](uint32_t dst, const float* src, int64_t row_stride, int n) {
+    kv_copy.load(dst, src + static_cast<int64_t>(n) * Bc * row_stride, row_stride,
+                 min(Bc, Nk - n * Bc));
+  };
+  if (range.lo < range.hi) {
+    q_copy.load(sQ, gp.q, p.q_row_stride, rows_q);
+    load_kv(sK, gp.k, p.k_row_stride, range.lo);
+    cp_async_commit();
+    load_kv(sV, gp.v, p.v_row_stride, range.lo);
+    cp_async_commit();
+  }
+  // Descriptors (K-major, 128-byte swizzle): k8 step ks is 32 bytes into column block ks / 4, whose
+  // rows (Br of Q, Bc of K) are 128 bytes apart. This warpgroup's Q rows start 64 wg rows down.
+  // V_j^T: P V chunk oc is rows 64 oc.., k8 step kk 32 bytes into the row.
+  auto qk_step = [](int ks, int rows) {
+    return static_cast<uint32_t>((ks / 4) * rows * 128 + (ks % 4) * 32);
+  };
+  const uint64_t q_hi_desc = sw128_desc(sQ + wg * 64 * 128, 16, 1024);
+  const uint64_t q_lo_desc = desc_advance(q_hi_desc, T::kBytesQ);
+  const uint64_t k_hi_desc = sw128_desc(sK, 16, 1024);
+  const uint64_t k_lo_desc = desc_advance(k_hi_desc, T::kBytesKV);
+  const uint64_t vt_hi_desc = sw128_desc(base + (vt_hi - smem), 16, 1024);
+  const uint64_t vt_lo_desc = desc_advance(vt_hi_desc, T::kBytesKV);
+
+  for (int n = range.lo; n < range.hi; ++n) {
+    cp_async_wait<1>();  // this thread's Q_i (first block) and K_j copies have landed
+    __syncthreads();     // ... and every thread's
+    if (n == range.lo)
+      split_tf32_flat<Br * kHeadDim, T::kThreads>(reinterpret_cast<float*>(q_hi),
+                                                  reinterpret_cast<float*>(q_lo), tid);
+    split_tf32_flat<Bc * kHeadDim, T::kThreads>(reinterpret_cast<float*>(k_hi),
+                                                reinterpret_cast<float*>(k_lo), tid);
+    sm90::fence_proxy_async_smem();  // the halves, written by threads, are read next by wgmma
+    __syncthreads();                 // ... every thread's
+
+    // S = Q_i K_j^T for this warpgroup's 64 rows: big terms in s, small ones in s_small.
+    float s[kKTiles][4] = {}, s_small[kKTiles][4] = {};
+    sm90::wgmma_fence();  // s, s_small were last written by ordinary instructions
+#pragma unroll
+    for (int ks = 0; ks < T::kKSteps; ++ks) {
+      const uint64_t qh = desc_advance(q_hi_desc, qk_step(ks, Br));
+      const uint64_t ql = desc_advance(q_lo_desc, qk_step(ks, Br));
+      const uint64_t kh = desc_advance(k_hi_desc, qk_step(ks, Bc));
+      const uint64_t kl = desc_advance(k_lo_desc, qk_step(ks, Bc));
+      WgmmaTf32<Bc>::ss(s, qh, kh, ks > 0);
+      WgmmaTf32<Bc>::ss(s_small, qh, kl, ks > 0);
+      WgmmaTf32<Bc>::ss(s_small, ql, kh, 1);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::pin_registers(s);
+    sm90::pin_registers(s_small);
+#pragma unroll
+    for (int nt = 0; nt < kKTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = add_small_terms(s[nt][e], s_small[nt][e]);
+    // Both warpgroups have read K_j (each waited on its wgmmas): its buffer can take K_{j+1},
+    // which lands while P V_j runs.
+    __syncthreads();
+    if (n + 1 < range.hi) load_kv(sK, gp.k, p.k_row_stride, n + 1);
+    cp_async_commit();  // (possibly empty: keeps the group count uniform)
+
+    const bool unmasked =
+        key_block_unmasked(p, r0, r0 + rows_q - 1, n, Bc) && p.mask_kind == MaskKind::kNone;
+    float alpha[2];
+    uint32_t p_hi[kKTiles][4], p_lo[kKTiles][4];
+    rows.block_to_p(p, s, static_cast<int64_t>(n) * Bc, t, unmasked, alpha, p_hi, p_lo);
+
+    cp_async_wait<1>();  // this thread's V_j copies have landed (K_{j+1} may be in flight)
+    // Every thread's; and both warpgroups are done with V_{j-1}^T (their P V wgmmas were waited
+    // on before the barrier after S).
+    __syncthreads();
+    split_transpose_v<kHeadDim, Bc, T::kThreads>(v_in, vt_hi, vt_lo, tid);
+    sm90::fence_proxy_async_smem();  // V_j^T's halves, written by threads, are read next by wgmma
+    __syncthreads();                 // ... every thread's; and V_j's landing buffer is free again
+    if (n + 1 < range.hi) load_kv(sV, gp.v, p.v_row_stride, n + 1);
+    cp_async_commit();
+
+    // O = alpha O + P V_j, a 64-column chunk at a time (fresh accumulators per block: see the top).
+    sm90::pin_registers(p_hi);
+    sm90::pin_registers(p_lo);
+#pragma unroll
+    for (int oc = 0; oc < kHeadDim / T::kPvChunk; ++oc) {
+      float pv[8][4] = {}, pv_small[8][4] = {};
+      sm90::wgmma_fence();  // P and the fresh accumulators were written by ordinary instructions
+#pragma unroll
+      for (int kk = 0; kk < kKTiles; ++kk) {
+        const uint32_t step = static_cast<uint32_t>(oc * T::kPvChunk * 128 + kk * 32);
+        const uint64_t vh = desc_advance(vt_hi_desc, step), vl = desc_advance(vt_lo_desc, step);
+        WgmmaTf32<T::kPvChunk>::rs(pv, p_hi[kk], vh, kk > 0);
+        WgmmaTf32<T::kPvChunk>::rs(pv_small, p_hi[kk], vl, kk > 0);
+        WgmmaTf32<T::kPvChunk>::rs(pv_small, p_lo[kk], vh, 1);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::pin_registers(pv);
+      sm90::pin_registers(pv_small);
+      sm90::pin_registers(p_hi);
+      sm90::pin_registers(p_lo);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float& acc = o[oc * 8 + j][e];
+          acc = fmaf(acc, alpha[e / 2], add_small_terms(pv[j][e], pv_small[j][e]));
+        }
+    }
+  }
+  cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
+
+  rows.store(p, gp, o, row_in_tile, rows_q, 0, t, t == 0);
+#else
+  __trap();  // launched only where the sm_90a binary runs (run_attention_fwd_fp32_sm90's caller)
+#endif
+}
+
+template <int kHeadDim>
+cudaError_t launch_fp32_sm90(const AttentionParams& p, cudaStream_t stream) {
+  using T = Fp32WgmmaTile<kHeadDim>;
+  return cuda::launch_kernel(attention_fwd_fp32_sm90_kernel<kHeadDim>, cta_count(p, T::Br),
+                             T::kThreads, T::kBytes, stream, p);
+}
+
+}  // namespace
+
+cudaError_t run_attention_fwd_fp32_sm90(const AttentionParams& p, cudaStream_t stream) {
+  // The copies are cp.async of whole 16-byte chunks.
+  if (!fp32_rows_aligned16(p) || p.head_dim > 128) return cudaErrorNotSupported;
+  return p.head_dim <= 64 ? launch_fp32_sm90<64>(p, stream) : launch_fp32_sm90<128>(p, stream);
+}
+
+}  // namespace flashmod::cuda_kernels
