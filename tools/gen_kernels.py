@@ -67,8 +67,10 @@ BWD_SM90_TILES = (
     # D = 256: dV and dK by the two warpgroups of one CTA (8 warps an SM, one load of Q_i, dO_i per
     # step): dK/dV 14.8 -> 10.3 ms at N = 16k against a launch each; bf16 1.23-1.33x FLASH (a
     # launch each: 0.98-1.13x).
-    # D = 192 the same (session 57, not yet timed: the D = 256 form's tiles at three quarters of
-    # the columns).
+    # D = 192 the same: bf16 fwd + bwd 1.47-1.63x FLASH, 0.92-1.08x CUDNN at D = 160 / 192. Timed
+    # against it and not kept (session 59, fwd + bwd at N = 1k / 4k): a third stage of Q_i, dO_i and
+    # of K_j, V_j (1.00-1.01x, a 12-byte spill in dK/dV); the gradient wgmma in flight across the
+    # next step's barrier too (0.88-0.93x).
     Tile("pair", (192, 256), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), default=True, split=2),
     # D = 256, one launch per gradient, one CTA per SM (the tiles take ~194 KB).
     Tile("base", (256,), kv=(64, 1, 2, 0), q=(64, 1, 2, 0), split=1),
@@ -81,11 +83,6 @@ BWD_SM90_TILES = (
     Tile("q128", (64,), kv=(64, 2, 2, 0), q=(128, 2, 2, 0)),
     Tile("stage3", (64,), kv=(64, 2, 3, 0), q=(64, 2, 3, 0)),
     Tile("overlap", (64,), kv=(64, 2, 3, 1), q=(64, 2, 3, 1)),
-    # D = 192, not yet timed (session 58, ptxas only): the pair with a third stage of Q_i, dO_i
-    # (dK/dV) and of K_j, V_j (dQ); and with the gradient wgmma in flight across the next step's
-    # barrier too.
-    Tile("stage3", (192,), kv=(64, 1, 3, 0), q=(64, 1, 3, 0), split=2),
-    Tile("overlap", (192,), kv=(64, 1, 3, 1), q=(64, 1, 3, 1), split=2),
 )
 
 

@@ -140,8 +140,6 @@ constexpr KernelTile kBwdSm90Tiles[] = {
   {"q128", 64, 64, 2, 2, 0, 128, 2, 2, 0, 0, false},
   {"stage3", 64, 64, 2, 3, 0, 64, 2, 3, 0, 0, false},
   {"overlap", 64, 64, 2, 3, 1, 64, 2, 3, 1, 0, false},
-  {"stage3", 192, 64, 1, 3, 0, 64, 1, 3, 0, 2, false},
-  {"overlap", 192, 64, 1, 3, 1, 64, 1, 3, 1, 2, false},
 };
 #define FLASHMOD_BWD_SM90_VARIANTS(X) \
   X(__half, kFloat16, 64, 0) \
@@ -155,8 +153,6 @@ constexpr KernelTile kBwdSm90Tiles[] = {
   X(__half, kFloat16, 64, 8) \
   X(__half, kFloat16, 64, 9) \
   X(__half, kFloat16, 64, 10) \
-  X(__half, kFloat16, 192, 11) \
-  X(__half, kFloat16, 192, 12) \
   X(__nv_bfloat16, kBFloat16, 64, 0) \
   X(__nv_bfloat16, kBFloat16, 64, 1) \
   X(__nv_bfloat16, kBFloat16, 128, 2) \
@@ -167,9 +163,7 @@ constexpr KernelTile kBwdSm90Tiles[] = {
   X(__nv_bfloat16, kBFloat16, 64, 7) \
   X(__nv_bfloat16, kBFloat16, 64, 8) \
   X(__nv_bfloat16, kBFloat16, 64, 9) \
-  X(__nv_bfloat16, kBFloat16, 64, 10) \
-  X(__nv_bfloat16, kBFloat16, 192, 11) \
-  X(__nv_bfloat16, kBFloat16, 192, 12)
+  X(__nv_bfloat16, kBFloat16, 64, 10)
 // clang-format on
 
 constexpr int kBwdTf32HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
