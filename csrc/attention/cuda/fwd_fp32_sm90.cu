@@ -10,15 +10,17 @@
 //
 // Layout: two warpgroups of 64 query rows (Br = 128) share each 32-key block (Bc = 32). tf32 wgmma
 // reads both operands K-major only, so:
-// - Q_i, K_j: 128-byte-swizzled tiles of D floats a row (32 floats a swizzle row), split in place
-//   into tf32 hi halves with the lo halves in a second tile of the same layout; Q once per CTA.
+// - Q_i, K_j: 128-byte-swizzled tiles of D floats a row (32 floats a swizzle row), split into tf32
+//   hi halves with the lo halves in a second tile of the same layout; Q once per CTA, in place.
 // - V_j lands in the same layout, and the split writes V_j^T (D rows of Bc = 32 keys: one
 //   128-byte swizzle row each) as hi and lo tiles: the B operand of P V_j, keys along K.
+// - K_j and V_j land in buffers of their own, so one split phase per block frees both and
+//   K_{j+1}, V_{j+1} land during all of block j's products and softmax: two CTA barriers per
+//   block (session 59: four before, with K split in place and V's split between softmax and P V).
 // - P stays in registers as the A operand: the S accumulator holds keys 2t, 2t + 1 where the tf32
 //   A fragment wants positions t, t + 4, so V_j^T stores key k of each 8 at position k / 2 (even)
 //   or 4 + k / 2 (odd) (fp32_block_softmax.h relabels P the same way).
-// Shared memory: D = 128 209 KB (one CTA per SM), D = 64 105 KB. Not yet run (session 58: ptxas
-// only).
+// Shared memory: D = 128 225 KB (one CTA per SM), D = 64 113 KB.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -46,9 +48,10 @@ struct Fp32WgmmaTile {
   static constexpr int kDTiles = kHeadDim / 8;             // n8 tiles of O
   static constexpr int kPvChunk = 64;                      // the N of a P V_j wgmma
   static constexpr int kBytesQ = Br * kHeadDim * 4;        // Q_i hi, then Q_i lo
-  static constexpr int kBytesKV = Bc * kHeadDim * 4;  // K_j hi, lo; V_j as landed; V_j^T hi, lo
+  // K_j and V_j as landed; K_j hi, lo; V_j^T hi, lo.
+  static constexpr int kBytesKV = Bc * kHeadDim * 4;
   // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
-  static constexpr int kBytes = 2 * kBytesQ + 5 * kBytesKV + 1024;
+  static constexpr int kBytes = 2 * kBytesQ + 6 * kBytesKV + 1024;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "whole P V chunks, Q K^T in 32-float rows");
   static_assert(Bc * 4 == 128, "a V_j^T row is one 128-byte swizzle row");
   static_assert(kBytesKV % 1024 == 0 && kBytesQ % 1024 == 0, "tiles on swizzle atoms");
@@ -105,12 +108,13 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const A
   unsigned char* const smem = smem_raw + (base - raw);
   unsigned char* const q_hi = smem;
   unsigned char* const q_lo = q_hi + T::kBytesQ;
-  unsigned char* const k_hi = q_lo + T::kBytesQ;  // the landed K_j until split
+  unsigned char* const k_in = q_lo + T::kBytesQ;   // K_j as landed
+  unsigned char* const v_in = k_in + T::kBytesKV;  // V_j as landed
+  unsigned char* const k_hi = v_in + T::kBytesKV;
   unsigned char* const k_lo = k_hi + T::kBytesKV;
-  unsigned char* const v_in = k_lo + T::kBytesKV;  // V_j as landed
-  unsigned char* const vt_hi = v_in + T::kBytesKV;
+  unsigned char* const vt_hi = k_lo + T::kBytesKV;
   unsigned char* const vt_lo = vt_hi + T::kBytesKV;
-  const uint32_t sQ = base, sK = base + (k_hi - smem), sV = base + (v_in - smem);
+  const uint32_t sQ = base, sK = base + (k_in - smem), sV = base + (v_in - smem);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
   const int g = lane / 4, t = lane % 4;
@@ -136,7 +140,6 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const A
   if (range.lo < range.hi) {
     q_copy.load(sQ, gp.q, p.q_row_stride, rows_q);
     load_kv(sK, gp.k, p.k_row_stride, range.lo);
-    cp_async_commit();
     load_kv(sV, gp.v, p.v_row_stride, range.lo);
     cp_async_commit();
   }
@@ -148,21 +151,31 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const A
   };
   const uint64_t q_hi_desc = sw128_desc(sQ + wg * 64 * 128, 16, 1024);
   const uint64_t q_lo_desc = desc_advance(q_hi_desc, T::kBytesQ);
-  const uint64_t k_hi_desc = sw128_desc(sK, 16, 1024);
+  const uint64_t k_hi_desc = sw128_desc(base + (k_hi - smem), 16, 1024);
   const uint64_t k_lo_desc = desc_advance(k_hi_desc, T::kBytesKV);
   const uint64_t vt_hi_desc = sw128_desc(base + (vt_hi - smem), 16, 1024);
   const uint64_t vt_lo_desc = desc_advance(vt_hi_desc, T::kBytesKV);
 
   for (int n = range.lo; n < range.hi; ++n) {
-    cp_async_wait<1>();  // this thread's Q_i (first block) and K_j copies have landed
-    __syncthreads();     // ... and every thread's
-    if (n == range.lo)
-      split_tf32_flat<Br * kHeadDim, T::kThreads>(reinterpret_cast<float*>(q_hi),
-                                                  reinterpret_cast<float*>(q_lo), tid);
-    split_tf32_flat<Bc * kHeadDim, T::kThreads>(reinterpret_cast<float*>(k_hi),
+    cp_async_wait<0>();  // this thread's Q_i (first block), K_j and V_j copies have landed
+    // ... and every thread's; and both warpgroups are done with K_{j-1}'s and V_{j-1}^T's halves
+    // (each waited on its wgmmas before coming here).
+    __syncthreads();
+    if (n == range.lo) {
+      float* const q = reinterpret_cast<float*>(q_hi);
+      split_tf32_flat<Br * kHeadDim, T::kThreads>(q, q, reinterpret_cast<float*>(q_lo), tid);
+    }
+    split_tf32_flat<Bc * kHeadDim, T::kThreads>(reinterpret_cast<const float*>(k_in),
+                                                reinterpret_cast<float*>(k_hi),
                                                 reinterpret_cast<float*>(k_lo), tid);
+    split_transpose_v<kHeadDim, Bc, T::kThreads>(v_in, vt_hi, vt_lo, tid);
     sm90::fence_proxy_async_smem();  // the halves, written by threads, are read next by wgmma
-    __syncthreads();                 // ... every thread's
+    __syncthreads();  // ... every thread's; and K_j's and V_j's landing buffers are free again
+    if (n + 1 < range.hi) {  // they land during this block's products and softmax
+      load_kv(sK, gp.k, p.k_row_stride, n + 1);
+      load_kv(sV, gp.v, p.v_row_stride, n + 1);
+    }
+    cp_async_commit();  // (possibly empty: keeps the group count uniform)
 
     // S = Q_i K_j^T for this warpgroup's 64 rows: big terms in s, small ones in s_small.
     float s[kKTiles][4] = {}, s_small[kKTiles][4] = {};
@@ -185,27 +198,11 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const A
     for (int nt = 0; nt < kKTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = add_small_terms(s[nt][e], s_small[nt][e]);
-    // Both warpgroups have read K_j (each waited on its wgmmas): its buffer can take K_{j+1},
-    // which lands while P V_j runs.
-    __syncthreads();
-    if (n + 1 < range.hi) load_kv(sK, gp.k, p.k_row_stride, n + 1);
-    cp_async_commit();  // (possibly empty: keeps the group count uniform)
-
     const bool unmasked =
         key_block_unmasked(p, r0, r0 + rows_q - 1, n, Bc) && p.mask_kind == MaskKind::kNone;
     float alpha[2];
     uint32_t p_hi[kKTiles][4], p_lo[kKTiles][4];
     rows.block_to_p(p, s, static_cast<int64_t>(n) * Bc, t, unmasked, alpha, p_hi, p_lo);
-
-    cp_async_wait<1>();  // this thread's V_j copies have landed (K_{j+1} may be in flight)
-    // Every thread's; and both warpgroups are done with V_{j-1}^T (their P V wgmmas were waited
-    // on before the barrier after S).
-    __syncthreads();
-    split_transpose_v<kHeadDim, Bc, T::kThreads>(v_in, vt_hi, vt_lo, tid);
-    sm90::fence_proxy_async_smem();  // V_j^T's halves, written by threads, are read next by wgmma
-    __syncthreads();                 // ... every thread's; and V_j's landing buffer is free again
-    if (n + 1 < range.hi) load_kv(sV, gp.v, p.v_row_stride, n + 1);
-    cp_async_commit();
 
     // O = alpha O + P V_j, a 64-column chunk at a time (fresh accumulators per block: see the top).
     sm90::pin_registers(p_hi);
