@@ -13,7 +13,14 @@
 // - Q_i, K_j: 128-byte-swizzled tiles of D floats a row (32 floats a swizzle row), split into tf32
 //   hi halves with the lo halves in a second tile of the same layout; Q once per CTA, in place.
 // - V_j lands in the same layout, and the split writes V_j^T (D rows of Bc = 32 keys: one
-//   128-byte swizzle row each) as hi and lo tiles: the B operand of P V_j, keys along K.
+//   128-byte swizzle row each) as hi and lo halves: the B operand of P V_j, keys along K.
+// - K_j's halves are stored in pairs, the lo rows right below the hi rows of each 32-float
+//   slice, so one m64n64k8 wgmma takes Q_hi K_hi and Q_hi K_lo together: two wgmmas a k8
+//   step of S instead of three, and Q_hi read from shared memory once (an m64n32k8 reads 3 KB per
+//   16 tensor-core cycles, where shared memory gives 128 bytes a cycle). Q_lo K_hi needs an
+//   accumulator of its own: a wgmma whose accumulator overlaps one still in flight makes ptxas
+//   serialize them all (C7511). P V_j keeps three wgmmas: P comes from registers (only V^T is
+//   read), and an N = 128 pair's accumulators would not fit at D = 128.
 // - K_j and V_j land in buffers of their own, so one split phase per block frees both and
 //   K_{j+1}, V_{j+1} land during all of block j's products and softmax: two CTA barriers per
 //   block (session 59: four before, with K split in place and V's split between softmax and P V).
@@ -46,10 +53,12 @@ struct Fp32WgmmaTile {
   static constexpr int kKTiles = Bc / 8;                   // n8 tiles of S = k8 steps of P V_j
   static constexpr int kKSteps = kHeadDim / 8;             // k8 steps of Q K^T
   static constexpr int kDTiles = kHeadDim / 8;             // n8 tiles of O
-  static constexpr int kPvChunk = 64;                      // the N of a P V_j wgmma
   static constexpr int kBytesQ = Br * kHeadDim * 4;        // Q_i hi, then Q_i lo
   // K_j and V_j as landed; K_j hi, lo; V_j^T hi, lo.
   static constexpr int kBytesKV = Bc * kHeadDim * 4;
+  // A 32-float slice of K_j's halves: Bc hi rows, then Bc lo rows (128 bytes each).
+  static constexpr int kKSliceBytes = 2 * Bc * 128;
+  static constexpr int kPvChunk = 64;  // the N of a P V_j wgmma
   // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
   static constexpr int kBytes = 2 * kBytesQ + 6 * kBytesKV + 1024;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "whole P V chunks, Q K^T in 32-float rows");
@@ -71,6 +80,25 @@ struct Fp32TileCopy {
 };
 
 #ifdef FLASHMOD_SM90A
+// K_j as landed (Bc x kHeadDim, 32-float slices of Bc rows) -> its tf32 halves in slices of 2 Bc
+// rows, hi rows first. Rows 32 apart share their swizzle phase, so a lo row is its hi row moved by
+// Bc * 128 bytes.
+template <int kHeadDim, int kBc, int kThreads>
+__device__ __forceinline__ void split_k_pairs(const unsigned char* k, unsigned char* pairs,
+                                              int tid) {
+  constexpr int kSlice = kBc * 128, kChunks = kBc * kHeadDim / 4;
+  static_assert(kChunks % kThreads == 0 && kBc % 8 == 0, "whole float4s; whole swizzle periods");
+#pragma unroll
+  for (int i = tid; i < kChunks; i += kThreads) {
+    const int off = 16 * i;
+    float4 x = *reinterpret_cast<const float4*>(k + off);
+    const float4 lo = split_tf32_float4(x);
+    unsigned char* const hi_dst = pairs + off + (off / kSlice) * kSlice;
+    *reinterpret_cast<float4*>(hi_dst) = x;
+    *reinterpret_cast<float4*>(hi_dst + kSlice) = lo;
+  }
+}
+
 // V_j (Bc x kHeadDim as landed) -> V_j^T's tf32 halves (kHeadDim rows of Bc keys, keys at their
 // P-relabelled positions). Lane = key, so each warp reads one 16-byte chunk column of 32 rows
 // (the swizzle spreads them over all banks) and writes 32 consecutive words of a V_j^T row.
@@ -108,11 +136,10 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const A
   unsigned char* const smem = smem_raw + (base - raw);
   unsigned char* const q_hi = smem;
   unsigned char* const q_lo = q_hi + T::kBytesQ;
-  unsigned char* const k_in = q_lo + T::kBytesQ;   // K_j as landed
-  unsigned char* const v_in = k_in + T::kBytesKV;  // V_j as landed
-  unsigned char* const k_hi = v_in + T::kBytesKV;
-  unsigned char* const k_lo = k_hi + T::kBytesKV;
-  unsigned char* const vt_hi = k_lo + T::kBytesKV;
+  unsigned char* const k_in = q_lo + T::kBytesQ;      // K_j as landed
+  unsigned char* const v_in = k_in + T::kBytesKV;     // V_j as landed
+  unsigned char* const k_pairs = v_in + T::kBytesKV;  // K_j's halves, hi and lo rows
+  unsigned char* const vt_hi = k_pairs + 2 * T::kBytesKV;
   unsigned char* const vt_lo = vt_hi + T::kBytesKV;
   const uint32_t sQ = base, sK = base + (k_in - smem), sV = base + (v_in - smem);
 
@@ -143,16 +170,14 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const A
     load_kv(sV, gp.v, p.v_row_stride, range.lo);
     cp_async_commit();
   }
-  // Descriptors (K-major, 128-byte swizzle): k8 step ks is 32 bytes into column block ks / 4, whose
-  // rows (Br of Q, Bc of K) are 128 bytes apart. This warpgroup's Q rows start 64 wg rows down.
-  // V_j^T: P V chunk oc is rows 64 oc.., k8 step kk 32 bytes into the row.
-  auto qk_step = [](int ks, int rows) {
-    return static_cast<uint32_t>((ks / 4) * rows * 128 + (ks % 4) * 32);
-  };
+  // Descriptors (K-major, 128-byte swizzle): k8 step ks is 32 bytes into 32-float slice ks / 4,
+  // whose rows are 128 bytes apart (Br rows of Q; 2 Bc of K_j's pairs, hi first). This
+  // warpgroup's Q rows start 64 wg rows down; an N = 2 Bc wgmma reads a slice's hi and lo rows,
+  // an N = Bc one its hi rows alone. V_j^T: P V chunk oc is rows 64 oc.., k8 step kk 32 bytes
+  // into the row.
   const uint64_t q_hi_desc = sw128_desc(sQ + wg * 64 * 128, 16, 1024);
   const uint64_t q_lo_desc = desc_advance(q_hi_desc, T::kBytesQ);
-  const uint64_t k_hi_desc = sw128_desc(base + (k_hi - smem), 16, 1024);
-  const uint64_t k_lo_desc = desc_advance(k_hi_desc, T::kBytesKV);
+  const uint64_t k_desc = sw128_desc(base + (k_pairs - smem), 16, 1024);
   const uint64_t vt_hi_desc = sw128_desc(base + (vt_hi - smem), 16, 1024);
   const uint64_t vt_lo_desc = desc_advance(vt_hi_desc, T::kBytesKV);
 
@@ -165,9 +190,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const A
       float* const q = reinterpret_cast<float*>(q_hi);
       split_tf32_flat<Br * kHeadDim, T::kThreads>(q, q, reinterpret_cast<float*>(q_lo), tid);
     }
-    split_tf32_flat<Bc * kHeadDim, T::kThreads>(reinterpret_cast<const float*>(k_in),
-                                                reinterpret_cast<float*>(k_hi),
-                                                reinterpret_cast<float*>(k_lo), tid);
+    split_k_pairs<kHeadDim, Bc, T::kThreads>(k_in, k_pairs, tid);
     split_transpose_v<kHeadDim, Bc, T::kThreads>(v_in, vt_hi, vt_lo, tid);
     sm90::fence_proxy_async_smem();  // the halves, written by threads, are read next by wgmma
     __syncthreads();  // ... every thread's; and K_j's and V_j's landing buffers are free again
@@ -177,27 +200,27 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const A
     }
     cp_async_commit();  // (possibly empty: keeps the group count uniform)
 
-    // S = Q_i K_j^T for this warpgroup's 64 rows: big terms in s, small ones in s_small.
-    float s[kKTiles][4] = {}, s_small[kKTiles][4] = {};
-    sm90::wgmma_fence();  // s, s_small were last written by ordinary instructions
+    // S = Q_i K_j^T for this warpgroup's 64 rows: Q_hi K_hi in s_pair's first kKTiles n8 tiles,
+    // Q_hi K_lo in the rest, Q_lo K_hi in s_lh.
+    float s_pair[2 * kKTiles][4] = {}, s_lh[kKTiles][4] = {};
+    float (&s)[kKTiles][4] = *reinterpret_cast<float (*)[kKTiles][4]>(&s_pair[0]);
+    const float (&s_hl)[kKTiles][4] = *reinterpret_cast<float (*)[kKTiles][4]>(&s_pair[kKTiles]);
+    sm90::wgmma_fence();  // the accumulators were last written by ordinary instructions
 #pragma unroll
     for (int ks = 0; ks < T::kKSteps; ++ks) {
-      const uint64_t qh = desc_advance(q_hi_desc, qk_step(ks, Br));
-      const uint64_t ql = desc_advance(q_lo_desc, qk_step(ks, Br));
-      const uint64_t kh = desc_advance(k_hi_desc, qk_step(ks, Bc));
-      const uint64_t kl = desc_advance(k_lo_desc, qk_step(ks, Bc));
-      WgmmaTf32<Bc>::ss(s, qh, kh, ks > 0);
-      WgmmaTf32<Bc>::ss(s_small, qh, kl, ks > 0);
-      WgmmaTf32<Bc>::ss(s_small, ql, kh, 1);
+      const uint32_t q_step = (ks / 4) * Br * 128 + (ks % 4) * 32;
+      const uint64_t k_step = desc_advance(k_desc, (ks / 4) * T::kKSliceBytes + (ks % 4) * 32);
+      WgmmaTf32<2 * Bc>::ss(s_pair, desc_advance(q_hi_desc, q_step), k_step, ks > 0);
+      WgmmaTf32<Bc>::ss(s_lh, desc_advance(q_lo_desc, q_step), k_step, ks > 0);
     }
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
-    sm90::pin_registers(s);
-    sm90::pin_registers(s_small);
+    sm90::pin_registers(s_pair);
+    sm90::pin_registers(s_lh);
 #pragma unroll
     for (int nt = 0; nt < kKTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = add_small_terms(s[nt][e], s_small[nt][e]);
+      for (int e = 0; e < 4; ++e) s[nt][e] = add_small_terms(s[nt][e], s_hl[nt][e] + s_lh[nt][e]);
     const bool unmasked =
         key_block_unmasked(p, r0, r0 + rows_q - 1, n, Bc) && p.mask_kind == MaskKind::kNone;
     float alpha[2];

@@ -198,6 +198,7 @@ FLASHMOD_WGMMA_RS(__half, "f16", 128)
 // memory. tf32 wgmma reads both operands K-major only (no transposed read): the fp32 forward
 // (fwd_fp32_sm90.cu) writes V^T for its P V product.
 #define FLASHMOD_WGMMA_TF32_SS_OPS_32 ", %16, %17, p, 1, 1;\n}\n"
+#define FLASHMOD_WGMMA_TF32_SS_OPS_64 ", %32, %33, p, 1, 1;\n}\n"
 #define FLASHMOD_WGMMA_TF32_RS_OPS_64 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
 template <int N>
 struct WgmmaTf32;
@@ -214,6 +215,14 @@ struct WgmmaTf32<32> {
 };
 template <>
 struct WgmmaTf32<64> {
+  __device__ __forceinline__ static void ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
+                                            int accumulate) {
+    asm volatile(FLASHMOD_WGMMA_SS_PRED_64
+                 "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " FLASHMOD_WGMMA_REGS_64
+                     FLASHMOD_WGMMA_TF32_SS_OPS_64
+                 : FLASHMOD_WGMMA_ACC_64("+f")
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
   __device__ __forceinline__ static void rs(float (&d)[8][4], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(FLASHMOD_WGMMA_RS_PRED_64
@@ -224,6 +233,7 @@ struct WgmmaTf32<64> {
   }
 };
 #undef FLASHMOD_WGMMA_TF32_SS_OPS_32
+#undef FLASHMOD_WGMMA_TF32_SS_OPS_64
 #undef FLASHMOD_WGMMA_TF32_RS_OPS_64
 #undef FLASHMOD_WGMMA_SS_ASM
 #undef FLASHMOD_WGMMA_SS_OPS_32
