@@ -52,8 +52,12 @@ struct Fp32WgmmaTile {
   static constexpr int Br = 128, Bc = 32, kThreads = 256;  // two warpgroups of 64 rows
   static constexpr int kKTiles = Bc / 8;                   // n8 tiles of S = k8 steps of P V_j
   static constexpr int kKSteps = kHeadDim / 8;             // k8 steps of Q K^T
-  static constexpr int kDTiles = kHeadDim / 8;             // n8 tiles of O
-  static constexpr int kBytesQ = Br * kHeadDim * 4;        // Q_i hi, then Q_i lo
+  // The first kQHiRegSteps k8 steps of S take Q_hi from registers, so their m64n64k8 reads only
+  // K's pair from shared memory. H200, session 60, against none: D = 128 6 of 16 +4-6 % (8 spill
+  // 72 bytes, 4 spill 36 and ran 3 % slower than 6); D = 64 any of 2-8 ran 7-10 % slower.
+  static constexpr int kQHiRegSteps = kHeadDim == 128 ? 6 : 0;
+  static constexpr int kDTiles = kHeadDim / 8;       // n8 tiles of O
+  static constexpr int kBytesQ = Br * kHeadDim * 4;  // Q_i hi, then Q_i lo
   // K_j and V_j as landed; K_j hi, lo; V_j^T hi, lo.
   static constexpr int kBytesKV = Bc * kHeadDim * 4;
   // A 32-float slice of K_j's halves: Bc hi rows, then Bc lo rows (128 bytes each).
@@ -157,6 +161,11 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const A
   const int row_in_tile[2] = {16 * warp + g, 16 * warp + g + 8};
   Fp32Rows rows(p, tile.b, tile.h, {r0 + row_in_tile[0], r0 + row_in_tile[1]});
   float o[T::kDTiles][4] = {};
+  // Q_i's hi halves as the A fragments of S's first kRegSteps k8 steps, set in the first block.
+  // Zeroed here so that they are defined on every path: declared bare, D = 64 took wrong values
+  // from the second key block on (ptxas kept no spill and gave no note; the outputs showed it).
+  constexpr int kRegSteps = T::kQHiRegSteps;
+  uint32_t q_hi_frag[kRegSteps > 0 ? kRegSteps : 1][4] = {};
 
   const Fp32TileCopy<Br, kHeadDim, T::kThreads> q_copy(tid, head_dim);
   const Fp32TileCopy<Bc, kHeadDim, T::kThreads> kv_copy(tid, head_dim);
@@ -186,10 +195,9 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const A
     // ... and every thread's; and both warpgroups are done with K_{j-1}'s and V_{j-1}^T's halves
     // (each waited on its wgmmas before coming here).
     __syncthreads();
-    if (n == range.lo) {
-      float* const q = reinterpret_cast<float*>(q_hi);
-      split_tf32_flat<Br * kHeadDim, T::kThreads>(q, q, reinterpret_cast<float*>(q_lo), tid);
-    }
+    if (n == range.lo)
+      split_tf32_flat<Br * kHeadDim, T::kThreads>(reinterpret_cast<float*>(q_hi),
+                                                  reinterpret_cast<float*>(q_lo), tid);
     split_k_pairs<kHeadDim, Bc, T::kThreads>(k_in, k_pairs, tid);
     split_transpose_v<kHeadDim, Bc, T::kThreads>(v_in, vt_hi, vt_lo, tid);
     sm90::fence_proxy_async_smem();  // the halves, written by threads, are read next by wgmma
@@ -199,6 +207,19 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const A
       load_kv(sV, gp.v, p.v_row_stride, n + 1);
     }
     cp_async_commit();  // (possibly empty: keeps the group count uniform)
+    if (kRegSteps > 0 && n == range.lo) {
+      // Q_hi into registers once: rows g, g + 8 of this warp's 16, columns t, t + 4 of each k8
+      // step (the tf32 A fragment), read off the split tile after the barrier above.
+      const int row = 64 * wg + 16 * (warp % 4) + g;
+#pragma unroll
+      for (int ks = 0; ks < kRegSteps; ++ks)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = row + 8 * (i % 2), col = 8 * ks + t + 4 * (i / 2);
+          q_hi_frag[ks][i] = *reinterpret_cast<const uint32_t*>(
+              q_hi + sw128_offset<Br>(r, col / 4) + (col % 4) * 4);
+        }
+    }
 
     // S = Q_i K_j^T for this warpgroup's 64 rows: Q_hi K_hi in s_pair's first kKTiles n8 tiles,
     // Q_hi K_lo in the rest, Q_lo K_hi in s_lh.
@@ -210,7 +231,10 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_fp32_sm90_kernel(const A
     for (int ks = 0; ks < T::kKSteps; ++ks) {
       const uint32_t q_step = (ks / 4) * Br * 128 + (ks % 4) * 32;
       const uint64_t k_step = desc_advance(k_desc, (ks / 4) * T::kKSliceBytes + (ks % 4) * 32);
-      WgmmaTf32<2 * Bc>::ss(s_pair, desc_advance(q_hi_desc, q_step), k_step, ks > 0);
+      if (ks < kRegSteps)  // compile-time: the loop is unrolled
+        WgmmaTf32<2 * Bc>::rs(s_pair, q_hi_frag[ks < kRegSteps ? ks : 0], k_step, ks > 0);
+      else
+        WgmmaTf32<2 * Bc>::ss(s_pair, desc_advance(q_hi_desc, q_step), k_step, ks > 0);
       WgmmaTf32<Bc>::ss(s_lh, desc_advance(q_lo_desc, q_step), k_step, ks > 0);
     }
     sm90::wgmma_commit();

@@ -59,14 +59,13 @@ __device__ __forceinline__ void split_tf32_tile(float* hi, float* lo, int tid) {
 }
 
 // split_tf32_tile over a tile stored without row padding (kFloats contiguous floats, e.g. a
-// 128-byte-swizzled wgmma tile, which an element-wise split leaves in its layout), from `src`
-// (which may be `hi`: in place).
+// 128-byte-swizzled wgmma tile, which an element-wise split leaves in its layout).
 template <int kFloats, int kThreads>
-__device__ __forceinline__ void split_tf32_flat(const float* src, float* hi, float* lo, int tid) {
+__device__ __forceinline__ void split_tf32_flat(float* hi, float* lo, int tid) {
   static_assert(kFloats % (4 * kThreads) == 0, "whole float4s per thread");
 #pragma unroll
   for (int i = tid; i < kFloats / 4; i += kThreads) {
-    float4 x = reinterpret_cast<const float4*>(src)[i];
+    float4 x = reinterpret_cast<const float4*>(hi)[i];
     const float4 y = split_tf32_float4(x);
     reinterpret_cast<float4*>(hi)[i] = x;
     reinterpret_cast<float4*>(lo)[i] = y;
