@@ -31,13 +31,17 @@ first row of a top-left causal mask), whose true dS = P (dP - delta) is 0 while 
 O) comes from the stored output, which dropout's scale makes inexact (O = v / (1 - p) rounded; plain
 torch's softmax backward gives exactly 0 there; flash-attn's design too; session 39). It fails the
 rule only where every row sees at most one key (plain torch's dq and dk are then exact, so the rule
-allows no error): such dq / dk failures print as KNOWN and do not count. A failure outside those is
-new."""
+allows no error): such dq / dk failures print as KNOWN and do not count. In fp32 the same rows fail
+without dropout (session 60): O = v there, but delta = rowsum(dO o O) and dP = dO v^T are the same
+dot product summed in two orders, so dS keeps their rounding difference where plain torch
+subtracts dP from itself; without dropout such a failure is KNOWN only while its error stays
+within RESIDUE (relative to the gradient's scale). A failure outside those is new."""
 
 from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -95,6 +99,17 @@ def random_case(rng: random.Random, device: str, dtype: torch.dtype) -> tuple[tu
     shown = {key: (tuple(x.shape), x.dtype) if torch.is_tensor(x) else x for key, x in opts.items()}
     desc = dict(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, layout=layout, peak=peak, **shown)
     return (q, k, v), opts, desc
+
+
+# The largest error (relative to the gradient's scale) the single-key residue above explains
+# without dropout: fp32 on the CPU gave 3.6e-5 to 7.4e-5 (nq up to 1023 rows summed into dk).
+RESIDUE = {torch.float64: 1e-10, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
+
+
+def residue_sized(message: str, dtype: torch.dtype) -> bool:
+    """Whether an assertion's "error E (scale S)" has E <= RESIDUE[dtype] * S."""
+    found = re.search(r"error ([0-9.e+-]+) \(scale ([0-9.e+-]+)\)", message)
+    return found is not None and float(found.group(1)) <= RESIDUE[dtype] * float(found.group(2))
 
 
 def most_keys_a_row_sees(q: torch.Tensor, k: torch.Tensor, opts: dict) -> int:
@@ -177,8 +192,9 @@ def main() -> None:
                 check_grads(*tensors, upstream=upstream, **opts)
         except AssertionError as err:
             name = str(err).split(":")[0]
-            single_key_rows = args.dropout > 0 and most_keys_a_row_sees(tensors[0], tensors[1], opts) <= 1
-            if single_key_rows and name in ("dq", "dk"):
+            single_key_rows = most_keys_a_row_sees(tensors[0], tensors[1], opts) <= 1
+            explained = args.dropout > 0 or residue_sized(str(err), tensors[0].dtype)
+            if single_key_rows and explained and name in ("dq", "dk"):
                 known += 1
                 print("KNOWN (every row sees at most one key)", desc, str(err)[:200])
                 continue
