@@ -10,7 +10,8 @@ Shapes follow the FlashAttention papers: B * N = 16k tokens, H * D = 2048, N = 5
 for fwdbwd), D = 64 / 128 / 256, causal and not; plus grouped-query prefill (32 query heads on 8
 key/value heads), bool key-padding masks, fp32, and (forward only) decode shapes (Nq = 1 .. 16
 against long KV caches); --kinds masks (not a default) adds the other mask tensors of MASK_KINDS:
-transformers' causal + padding mask, bool and additive, and a dense additive bias; --kinds headdims
+transformers' causal + padding mask, bool and additive, and dense additive biases (a quarter -inf, and
+all finite); --kinds headdims
 (not a default) the paper's shapes at D = 32 / 96 / 160 / 192 / 224 in bf16, fp16 and fp32. Every contender
 runs on the same inputs and is first checked against flashmod's result (outputs, and in fwdbwd the
 gradients); then all are timed in the same interleaved rounds (benchmarks/harness.py: median after
@@ -68,7 +69,9 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | Non
 #                            SDPA mask builder hands an attention function for a padded batch
 #   causal-padding-additive  the same as an additive mask in q's dtype (0 / finfo.min, eager style)
 #   random-additive          (B, 1, Nq, Nk) N(0, 1) biases in q's dtype, a quarter of them -inf
-MASK_KINDS = ("padding", "causal-padding", "causal-padding-additive", "random-additive")
+#   bias                     (B, 1, Nq, Nk) N(0, 1) biases in q's dtype, all finite: a relative-position
+#                            bias as T5's or ALiBi's, which hides no key (mask_tiles.h's kTileShownAdded)
+MASK_KINDS = ("padding", "causal-padding", "causal-padding-additive", "random-additive", "bias")
 
 
 def shape(
@@ -116,8 +119,9 @@ def cuda_shapes(mode: str, quick: bool) -> list[dict]:
     for n in (1024, 4096):  # mask tensors (MASK_KINDS; "padding" above is the first): not in the default kinds
         for kind in MASK_KINDS[1:]:
             shapes.append(shape("masks", "bf16", 16384 // n, 16, 16, n, n, 128, False, True, mask_kind=kind))
-        for d, h in ((64, 32), (256, 16)):  # the dense bias at the other head dims
-            shapes.append(shape("masks", "bf16", 16384 // n, h, h, n, n, d, False, True, mask_kind="random-additive"))
+        for d, h in ((64, 32), (256, 16)):  # the dense biases at the other head dims
+            for kind in ("random-additive", "bias"):
+                shapes.append(shape("masks", "bf16", 16384 // n, h, h, n, n, d, False, True, mask_kind=kind))
     for n in (4096, 16384):  # sliding window (Mistral-style 1k causal band): SDPA needs a band mask
         shapes.append(shape("window", "bf16", 16384 // n, 16, 16, n, n, 128, True, False, window=1024))
     for n in (1024, 4096):  # soft-capped scores (Gemma 2's 50.0)
@@ -161,8 +165,9 @@ def make_inputs(s: dict, device: str, requires_grad: bool):
             mask = mask & causal
         if kind == "causal-padding-additive":
             mask = torch.zeros(mask.shape, dtype=dt, device=device).masked_fill(~mask, torch.finfo(dt).min)
-        if kind == "random-additive":
+        if kind in ("random-additive", "bias"):
             mask = torch.randn(s["b"], 1, s["nq"], s["nk"], device=device, dtype=dt)
+        if kind == "random-additive":
             mask = mask.masked_fill(torch.rand(mask.shape, device=device) < 0.25, -math.inf)
     return q, k, v, mask
 
