@@ -146,8 +146,7 @@ struct BwdKVTraitsSm90 : BwdStagesSm90<kStages_, kOverlap_> {
   static constexpr int kNTiles = Br / 8;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
-  // wgmma N of dK, dV chunks: 64 at D = 192, which 128 does not divide.
-  static constexpr int kOChunk = kHeadDim % 128 != 0 ? 64 : kHeadDim < 128 ? kHeadDim : 128;
+  static constexpr int kOChunk = wgmma_column_chunk(kHeadDim);
   static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of K_j or V_j
   static constexpr int kSmemQ = Br * kHeadDim * 2;   // bytes of one Q_i or dO_i
   // K_j, V_j; kStages stages of Q_i, dO_i and their rows' lse2/delta; +1024 to align the base to
@@ -175,7 +174,7 @@ struct BwdQTraitsSm90 : BwdStagesSm90<kStages_, kOverlap_> {
   static constexpr int kNTiles = Bc / 8;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
-  static constexpr int kOChunk = kHeadDim % 128 != 0 ? 64 : kHeadDim < 128 ? kHeadDim : 128;
+  static constexpr int kOChunk = wgmma_column_chunk(kHeadDim);
   static constexpr int kSmemQ = Br * kHeadDim * 2;
   static constexpr int kSmemKV = Bc * kHeadDim * 2;
   // Q_i, dO_i; kStages stages of K_j, V_j.

@@ -58,9 +58,7 @@ struct FwdTraitsSm90 {
   static constexpr int kSmemBytesStagedMask = kSmemBytes + kStages * MaskTile::kBytes;
 
   static_assert(sizeof(Elem) == 2, "wgmma path is for fp16/bf16");
-  // O += P V is issued in column chunks of at most 128 (wgmma's N): one for D = 64 or 128, two for
-  // 256, three of 64 for 192.
-  static constexpr int kOChunk = kHeadDim % 128 != 0 ? 64 : kHeadDim < 128 ? kHeadDim : 128;
+  static constexpr int kOChunk = wgmma_column_chunk(kHeadDim);
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
                 "whole 64-column swizzle blocks");
   static_assert(kHeadDim % kOChunk == 0, "whole PV chunks");

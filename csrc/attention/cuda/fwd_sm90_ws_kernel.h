@@ -175,9 +175,7 @@ struct FwdWsTraits {
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
   static constexpr int kColBlocks = kHeadDim / 64;  // TMA boxes per tile: 64 columns each
-  // The PV matmul's N: wgmma takes at most 128 here, so D = 256 runs two per 16 keys, D = 192
-  // three of 64.
-  static constexpr int kOChunk = kHeadDim % 128 != 0 ? 64 : kHeadDim < 128 ? kHeadDim : 128;
+  static constexpr int kOChunk = wgmma_column_chunk(kHeadDim);
   static constexpr int kSmemQ = Br * kHeadDim * 2;   // bytes
   static constexpr int kSmemKV = Bc * kHeadDim * 2;  // bytes of one K_j or one V_j
   // How the epilogue stages O in shared memory for coalesced 16-byte stores: the whole tile

@@ -24,6 +24,13 @@ namespace flashmod::cuda_kernels::sm90 {
 
 // Shared-memory tiles use the 128-byte swizzle wgmma understands: rows of 64 elements (128 bytes),
 // grouped in 8-row, 1024-byte atoms in which 16-byte chunk c of row r sits at chunk c ^ (r % 8).
+// The N of the wgmmas that cover `cols` accumulator columns (O += P V, dK and dV) in equal
+// chunks: all of them up to 128 (the widest N these kernels issue), 128 at 256, and 64 where 128
+// does not divide them (192: three chunks).
+__host__ __device__ constexpr int wgmma_column_chunk(int cols) {
+  return cols % 128 != 0 ? 64 : cols < 128 ? cols : 128;
+}
+
 // A tile wider than 64 columns is stored as column blocks of 64, each (rows x 128 bytes).
 // Byte offset of (row, 16-byte chunk) in a tile of kRows rows:
 template <int kRows>
