@@ -59,6 +59,11 @@ def main() -> None:
             q = torch.randn(1, 24, 1100, 64, device="cuda", dtype=dtype)
             attention_op(q, q, q, is_causal=True)
             attention_op(q, q, q, softcap=5.0)  # soft-capped scores on the same kernel
+            # An additive mask on the same kernel's mask rows (kBias): a dense bias at D = 64 (three
+            # consumers) and 128, rows of 600 keys (16-byte aligned), five key blocks.
+            for d in (64, 128):
+                q, k = (torch.randn(1, 3, n, d, device="cuda", dtype=dtype) for n in (200, 600))
+                attention_op(q, k, k, torch.randn(200, 600, device="cuda", dtype=dtype))
         if dtype != torch.float32:  # decode kernel: GQA packing + split-KV and its combine
             q, k = (
                 torch.randn(1, 8, 3, 59, device="cuda", dtype=dtype),

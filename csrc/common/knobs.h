@@ -26,6 +26,9 @@
 //   FLASHMOD_SM90_WS_HALF_BLOCKS=0    that end-aligned kernel computes every key block whole
 //                                     (default at D = 64: a consumer's last block as its left
 //                                     half where its rows see nothing in the right half)
+//   FLASHMOD_SM90_WS_BIAS=0           an additive mask in q's dtype runs the FlashAttention-2-style
+//                                     kernel's staged tiles, not the warp-specialized kernel's
+//                                     mask rows (default at head dims 64 and 128)
 //   FLASHMOD_SM90_MASK_STAGING=0      the FlashAttention-2-style wgmma kernel reads an additive
 //                                     mask per score from global memory, not from tiles staged
 //                                     in shared memory with K/V (staged_mask.h)

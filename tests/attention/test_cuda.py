@@ -262,6 +262,61 @@ def test_masks_broadcast_and_strides(dtype, kind, d):
         assert (out[:, :, empty_row] == 0).all() and torch.isneginf(lse[:, :, empty_row]).all()
 
 
+# Additive masks in q's dtype on the warp-specialized kernel's mask rows (kBias, head dims 64 and
+# 128), and with FLASHMOD_SM90_WS_BIAS=0 on the FlashAttention-2-style kernel's staged tiles; the
+# profiler names the kernel that ran. Masks: a dense bias per head with rows that see no key
+# (finfo.min, -inf); one broadcast over batch and heads (strides 0); transformers' causal + left
+# padding as finfo.min, with a band of hidden keys inside (hidden tiles at both ends of a query
+# block's range and within it, clear tiles, query blocks that see no key at all); rows padded
+# past an odd Nk (row stride > Nk); a dense bias under a window.
+@pytest.mark.parametrize("ws_bias", ["1", "0"])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kind", ["dense", "broadcast", "causal_padding", "padded_rows", "window"])
+def test_sm90_ws_additive_mask(monkeypatch, ws_bias, dtype, d, kind):
+    monkeypatch.setenv("FLASHMOD_SM90_WS_BIAS", ws_bias)
+    monkeypatch.setenv("FLASHMOD_DECODE", "0")
+    b, h, nq, nk = 2, 4, 1023, 520
+    if kind in ("causal_padding", "padded_rows"):
+        nk = 1023 if kind == "causal_padding" else 517
+    q, k, v = rand(b, h, nq, d, dtype=dtype), rand(b, 2, nk, d, dtype=dtype), rand(b, 2, nk, d, dtype=dtype)
+    hide = torch.finfo(dtype).min
+    opts = {}
+    empty_rows = []  # (batch, head or None, row): rows that see no key
+    if kind in ("dense", "window"):
+        mask = (2 * torch.randn(b, h, nq, nk, device="cuda")).to(dtype)
+        mask[0, 1, 7] = hide
+        mask[1, :, 300] = -math.inf
+        empty_rows = [(0, 1, 7), (1, None, 300)]
+        if kind == "window":
+            opts = {"window_left": 100, "window_right": 30}
+    elif kind == "broadcast":
+        mask = (2 * torch.randn(1, 1, nq, nk, device="cuda")).to(dtype)
+    elif kind == "causal_padding":
+        # Stored with rows of 1024 keys (16-byte aligned), seen as 1023.
+        store = torch.zeros(b, 1, nq, 1024, device="cuda", dtype=dtype)
+        mask = store[..., :nk]
+        keys, rows = torch.arange(nk, device="cuda"), torch.arange(nq, device="cuda")
+        visible = keys[None, :] <= rows[:, None]
+        visible[:, 256:384] = False
+        pad = torch.tensor([0, 300], device="cuda")
+        visible = visible[None] & (keys[None, None, :] >= pad[:, None, None])
+        mask.copy_(torch.where(visible, 0.0, hide)[:, None].to(dtype))
+        mask[:, :, 600:] += (0.5 * torch.randn(b, 1, nq - 600, nk, device="cuda")).to(dtype)
+        empty_rows = [(1, None, r) for r in (0, 150, 299)]
+    else:  # padded_rows
+        mask = (2 * torch.randn(b, h, nq, 528, device="cuda")).to(dtype)[..., :nk]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out, lse = run_and_check(q, k, v, mask, **opts)
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert ("attention_fwd_sm90_ws_kernel" in names) == (hopper and ws_bias == "1"), names
+    for bi, hi, row in empty_rows:
+        heads = slice(None) if hi is None else hi
+        assert (out[bi, heads, row] == 0).all() and torch.isneginf(lse[bi, heads, row]).all()
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_strided_and_unaligned_inputs(dtype):
     # (B, S, H, D) storage, a head-dim slice at an odd offset (not 16-byte aligned: the launcher

@@ -70,6 +70,7 @@ std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const
     flags.staged_mask = env_flag("FLASHMOD_SM90_MASK_STAGING", true);
     flags.end_aligned = env_flag("FLASHMOD_SM90_WS_END_ALIGNED", true);
     flags.half_blocks = env_flag("FLASHMOD_SM90_WS_HALF_BLOCKS", true);
+    flags.ws_bias = env_flag("FLASHMOD_SM90_WS_BIAS", true);
     const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
     const int key = cuda_kernels::variant_key(p.dtype, padded);
     // The Hopper kernels' size (decode keeps the portable size: its kernels are mma.sync ones).

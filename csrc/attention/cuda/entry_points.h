@@ -42,6 +42,10 @@ struct FwdLaunchFlags {
   // left half where its rows see no key in the right half (default; 0:
   // FLASHMOD_SM90_WS_HALF_BLOCKS=0).
   int half_blocks = 1;
+  // run_attention_fwd_sm90_ws: additive masks in q's dtype with aligned rows on the
+  // warp-specialized kernel at head dims 64 and 128 (default; 0: FLASHMOD_SM90_WS_BIAS=0, the
+  // FlashAttention-2-style kernel's staged tiles).
+  int ws_bias = 1;
 };
 
 // Device memory for a launch that needs scratch space, so the kernel files stay torch-free:

@@ -47,6 +47,13 @@
 // key, the same for every head and query). The producer warp turns each key block's bytes into
 // 128 bits (a ballot per byte of its lanes' 4-byte runs) and hands them on with K_j; consumers
 // hide the keys whose bit is clear, in blocks that have one.
+// kBias: an additive mask in q's dtype (a dense bias, or transformers' causal + padding mask as
+// finfo.min entries), rows 16-byte aligned. The pre-pass of mask_tiles.h classifies its tiles at
+// this kernel's Br x Bc: the key range drops hidden tiles at both ends, clear tiles are not read,
+// and the producer loads each other tile's rows with the key block, 64 rows per consumer into a
+// buffer of that consumer's own (full / empty mbarriers per consumer, so a consumer's next tile
+// comes in as soon as its own softmax is done with the last). Scores are then logits (scale
+// applied, the mask added; entries at or below kHidingMaskValue hide their key).
 // kSoftcap: scores scaled and capped (softcap * tanh(scale q.k / softcap), visibility.h's
 // soft_cap, as the FlashAttention-2-style kernel computes them) before masking and softmax, which
 // then run in logit units.
@@ -68,6 +75,7 @@
 #include "dropout.h"
 #include "entry_points.h"
 #include "fwd_epilogue.h"
+#include "mask_tiles.h"
 #include "online_softmax.h"
 #include "score_mask.h"
 #include "visibility.h"
@@ -199,6 +207,15 @@ struct FwdWsTraits {
   // +1024: the dynamic shared-memory base is rounded up to the swizzle atom.
   static constexpr int kSmemBytes =
       kSmemTiles + 8 * kNBarriers + kSmemSlot + kSmemKeyBits + kSmemSumMarks + 1024;
+  // kBias variants only, after the rest: per consumer a full and an empty mbarrier, then on the
+  // next swizzle atom each consumer's 64 rows of a key block's mask tile (two 64-column boxes,
+  // 128-byte swizzled as K_j). One buffer per consumer, not per stage: two stages of the whole
+  // tile would not fit beside D = 128's ring (exactly 227 KB as it is: 32 KB over the plain
+  // kernel's 195 KB).
+  static constexpr int kSmemBiasConsumer = 64 * Bc * 2;
+  static constexpr int kSmemBiasBars = kSmemBytes - 1024;
+  static constexpr int kSmemBiasOffset = (kSmemBiasBars + 16 * kConsumers + 1023) / 1024 * 1024;
+  static constexpr int kSmemBytesBias = kSmemBiasOffset + kConsumers * kSmemBiasConsumer + 1024;
   // Per-thread registers after reallocation; the sum over warpgroups stays within the 64K file
   // (128 * (producer + kConsumers * consumer) <= 65536), each a multiple of 8.
   static constexpr int kProducerRegs = 24;
@@ -231,6 +248,10 @@ struct FwdWsTraits {
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kEntryRegs * kNThreads,
                 "register reallocation within the launch allocation");
   static_assert(kSmemBytes <= 227 * 1024, "sm_90's per-block shared-memory limit");
+  // Where the kBias variants exist (D <= 128: Bc = 128, O staged like Q).
+  static constexpr bool kTakesBias = Bc == 128 && kStageOut;
+  static_assert(!kTakesBias || kSmemBytesBias <= 227 * 1024,
+                "the mask buffers fit beside the ring");
 };
 
 // kEndAligned, the kernel for calls under a right window bound (causal): a head's query blocks
@@ -243,13 +264,15 @@ struct FwdWsTraits {
 // (the tile's b is its sequence, r0 and the key blocks count from the sequence's first row, as
 // the draws number them): variants of their own, so the others keep their registers.
 template <class Tr, bool kVarlen, bool kKeyMask, bool kSoftcap, bool kEndAligned = false,
-          bool kDropout = false>
+          bool kDropout = false, bool kBias = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tm_q,
                                  const __grid_constant__ CUtensorMap tm_k,
                                  const __grid_constant__ CUtensorMap tm_v,
-                                 const __grid_constant__ CUtensorMap tm_o, const AttentionParams p,
-                                 const FwdLaunchFlags flags, const WsSchedule sched) {
+                                 const __grid_constant__ CUtensorMap tm_o,
+                                 const __grid_constant__ CUtensorMap tm_mask,
+                                 const AttentionParams p, const FwdLaunchFlags flags,
+                                 const WsSchedule sched) {
 #ifdef FLASHMOD_SM90A
   static_assert(!(kVarlen && kKeyMask), "packed rows carry no mask");
   static_assert(!(kKeyMask && kSoftcap), "the launch sends capped masked calls elsewhere");
@@ -259,6 +282,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   static_assert(!kKeyMask || Tr::Bc == 128, "a key block's mask bytes: 4 per lane of one warp");
   static_assert(!kDropout || (!kKeyMask && !kSoftcap && !kEndAligned),
                 "dropout: plain scores (dense or packed rows), whole key blocks");
+  static_assert(
+      !kBias || (Tr::kTakesBias && !kVarlen && !kKeyMask && !kSoftcap && !kEndAligned && !kDropout),
+      "an additive mask: dense rows, plain tiles, no other transform");
   using Elem = typename Tr::Elem;
   using Mma = Mma16816<Elem>;
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kStages = Tr::kStages;
@@ -279,6 +305,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     CtaTile t;
     int r0, rows_q;  // rows_q <= 0: past its sequence's queries (kVarlen), nothing to do
     KeyBlockRange range;
+    const uint8_t* classes;  // kBias: its mask tiles' classes (nullptr: every tile mixed)
   };
   const bool dynamic = sched.next_tile != nullptr;
   // The call itself, or (kVarlen) one sequence of it (sequence_view.h).
@@ -304,6 +331,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       x.range = key_block_range(s, max(0, x.r0), x.r0 + x.rows_q - 1, Bc);
     else
       x.range = x.rows_q > 0 ? key_block_range(s, x.r0, x.r0 + x.rows_q - 1, Bc) : KeyBlockRange{};
+    x.classes = nullptr;
+    if constexpr (kBias) {
+      x.classes = mask_tile_row(s, x.t.b, x.t.h, x.t.m_block, Br, Bc);
+      skip_hidden_tiles(x.classes, x.range);  // both ends: producer and consumers alike
+    }
     return x;
   };
 
@@ -327,6 +359,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   unsigned long long* key_bits = slot + 2;
   // This thread's word of the softmax's sum marks (after the key bits).
   const uint32_t sum_mark = bar0 + 8 * Tr::kNBarriers + Tr::kSmemSlot + Tr::kSmemKeyBits + 4 * tid;
+  // kBias: consumer c's mask rows and its two barriers.
+  const uint32_t sBias_addr0 = sQ_addr + Tr::kSmemBiasOffset;
+  const uint32_t bias_bar0 = sQ_addr + Tr::kSmemBiasBars;
+  auto full_bias = [&](int c) { return bias_bar0 + 16 * c; };
+  auto empty_bias = [&](int c) { return bias_bar0 + 16 * c + 8; };
 
   if (tid == 0) {
     mbarrier_init(full_q, 1);
@@ -339,6 +376,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       mbarrier_init(full_v(s), 1);
       mbarrier_init(empty_k(s), 4 * kConsumers);
       mbarrier_init(empty_v(s), 4 * kConsumers);
+    }
+    if constexpr (kBias) {
+      for (int c = 0; c < kConsumers; ++c) {
+        mbarrier_init(full_bias(c), 1);
+        mbarrier_init(empty_bias(c), 4);  // one arrival per warp of that consumer
+      }
     }
     fence_mbarrier_init();
   }
@@ -362,6 +405,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       prefetch_tensor_map(&tm_q);
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
+      if constexpr (kBias) prefetch_tensor_map(&tm_mask);
     }
     // A tile's sequence (kVarlen: from cu_seqlens; L2 hits after the first tile of a sequence).
     auto extents_of = [&](const CtaTile& t) {
@@ -380,7 +424,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       if (leader) claim = atomicAdd(sched.next_tile, 1u);
       return gridDim.x + __shfl_sync(0xffffffffu, claim, 0);
     };
-    int blocks = 0, tiles = 0, tails = 0;
+    int blocks = 0, tiles = 0, tails = 0, bias_rounds = 0;
     for (uint32_t index = blockIdx.x, claims = 0;; ++claims) {
       SeqExtents e{};
       Tile x{};
@@ -424,6 +468,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
           bits01 = w[0] | static_cast<unsigned long long>(w[1]) << 32;
           bits23 = w[2] | static_cast<unsigned long long>(w[3]) << 32;
         }
+        // kBias: whether this block's mask tile is read (its class, read before the wait).
+        const bool bias_tile = kBias && tile_needs_mask(x.classes, n);
         mbarrier_wait(empty_k(st), parity);
         if (leader) {
           if constexpr (kKeyMask) {
@@ -447,6 +493,23 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
               tma_load_4d(sQ_addr + cb * Br * 128, &tm_q, cb * 64, q_row0, h, b, full_q);
           }
           ++tiles;
+        }
+        // The mask rows of each consumer, once that consumer's softmax is done with its last
+        // ones; before V_j, which no consumer needs before this block's softmax.
+        if (bias_tile) {
+          const int mask_b = p.mask_batch_stride != 0 ? b : 0;
+          const int mask_h = p.mask_head_stride != 0 ? h : 0;
+          for (int c = 0; c < kConsumers; ++c) {
+            mbarrier_wait(empty_bias(c), (bias_rounds & 1) ^ 1);
+            if (leader) {
+              mbarrier_arrive_expect_tx(full_bias(c), Tr::kSmemBiasConsumer);
+#pragma unroll
+              for (int cb = 0; cb < Bc / 64; ++cb)
+                tma_load_4d(sBias_addr0 + c * Tr::kSmemBiasConsumer + cb * 64 * 128, &tm_mask,
+                            n * Bc + cb * 64, q_row0 + 64 * c, mask_h, mask_b, full_bias(c));
+            }
+          }
+          ++bias_rounds;
         }
         mbarrier_wait(empty_v(st), parity);
         const uint32_t sV = sV_addr0 + st * Tr::kSmemKV;
@@ -510,8 +573,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const uint32_t bar_mine = Tr::kBarTurn0 + consumer;
     const uint32_t bar_next = Tr::kBarTurn0 + (consumer + 1) % kConsumers;
     const bool last_consumer = consumer == kConsumers - 1;
-    // exp2 units: raw q.k carries the scale; capped scores are logits already.
-    const float c = (kSoftcap ? 1.f : static_cast<float>(p.scale)) * 1.4426950408889634f;
+    // exp2 units: raw q.k carries the scale; capped and masked (kBias) scores are logits already.
+    const float c = (kSoftcap || kBias ? 1.f : static_cast<float>(p.scale)) * 1.4426950408889634f;
     const float softcap = static_cast<float>(p.softcap);
     const float inv_softcap = kSoftcap ? static_cast<float>(1.0 / p.softcap) : 0.f;
     const float scale = static_cast<float>(p.scale);
@@ -578,6 +641,55 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     };
     auto release = [&](uint32_t bar) {
       if (lane == 0) mbarrier_arrive(bar);
+    };
+    // kBias: S -> logits, scaled and (where the block's tile was read) plus this consumer's mask
+    // rows, the keys whose entry is at or below kHidingMaskValue hidden. A lane's words: rows
+    // lane / 4 (+ 8) of its warp's 16, keys 8 ni + 2 (lane % 4), + 1, in box ni / 8 at chunk
+    // ni % 8 xor the row's swizzle phase, so the eight rows of a load hit eight distinct 16-byte
+    // slots (conflict-free). The tile not read (clear): the scale alone, a loop of its own, since
+    // a load under a branch became a branch per load (staged_mask.h).
+    int bias_rounds = 0;
+    const uint32_t bias_rows = sBias_addr0 + consumer * Tr::kSmemBiasConsumer;
+    auto mask_to_logits = [&](bool tile_read) {
+      if (!tile_read) {
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) S[0][ni][e] *= scale;
+        return;
+      }
+      mbarrier_wait(full_bias(consumer), bias_rounds & 1);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = 16 * (warp % 4) + lane / 4 + 8 * hh;
+        const uint32_t row_addr = bias_rows + row * 128 + 4 * (lane % 4);
+        const uint32_t phase = static_cast<uint32_t>(row % 8) * 16;
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni) {
+          uint32_t word = lds_32(row_addr + (ni / 8) * 64 * 128 + (((ni % 8) * 16) ^ phase));
+          float2 values;
+          if constexpr (std::is_same_v<Elem, __nv_bfloat16>)
+            values = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&word));
+          else
+            values = __half22float2(*reinterpret_cast<const __half2*>(&word));
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float value = e == 0 ? values.x : values.y;
+            const float x = S[0][ni][2 * hh + e] * scale;
+            S[0][ni][2 * hh + e] = mask_value_hides(value) ? -CUDART_INF_F : x + value;
+          }
+        }
+      }
+      __syncwarp();  // every lane's reads of the rows, before lane 0 hands them back
+      release(empty_bias(consumer));
+      ++bias_rounds;
+    };
+    // A block past this consumer's own (read, never used): handed back once it landed.
+    auto skip_mask_rows = [&](bool tile_read) {
+      if (!tile_read) return;
+      mbarrier_wait(full_bias(consumer), bias_rounds & 1);
+      release(empty_bias(consumer));
+      ++bias_rounds;
     };
     // Stage st's key bits (kKeyMask; once full_k(st) completed, before K_j is released).
     auto take_key_bits = [&](int st) {
@@ -670,7 +782,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // tile's 192 rows at D = 64 straddle a causal diagonal in one block more than a
       // consumer's do); only blocks with a hidden key test key bits.
       const int own_first = r0 + 64 * consumer;
-      auto mask_and_softmax = [&](int n, const KeyBits& bits, auto half_tag) {
+      auto mask_and_softmax = [&](int n, const KeyBits& bits, bool bias_tile, auto half_tag) {
         if constexpr (decltype(half_tag)::value) {
           // Half block: no score was computed in the right half and no row sees a key there, so
           // the softmax runs over the left half alone (the sum and max a right half of -inf
@@ -695,6 +807,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
             for (int e = 0; e < 4; ++e)
               S[0][ni][e] = soft_cap(S[0][ni][e] * scale, softcap, inv_softcap);
         }
+        if constexpr (kBias) mask_to_logits(bias_tile);
         if (!key_block_unmasked(seq, own_first, own_first + 63, n, Bc))
           mask_outside_windows(S, win, n * Bc + 2 * (lane % 4));
         if constexpr (kKeyMask) {
@@ -730,6 +843,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // First block: S only.
       auto first_block = [&](auto half_tag) {
         const int s = blocks % kStages;
+        const bool bias_tile = kBias && tile_needs_mask(x.classes, lo);  // read before the wait
         mbarrier_wait(full_k(s), (blocks / kStages) & 1);
         const KeyBits bits = take_key_bits(s);
         named_barrier(bar_mine, 256);
@@ -739,12 +853,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         pin_registers(S[0]);
         release(empty_k(s));
         if (mhi - lo == 1) release(empty_q);  // its last S: the next Q may come in
-        mask_and_softmax(lo, bits, half_tag);
+        mask_and_softmax(lo, bits, bias_tile, half_tag);
         pack_p(half_tag);
       };
       auto next_block = [&](int n, auto half_tag) {
         const int prev = blocks + n - lo - 1, cur = prev + 1;
         const int s = cur % kStages, sp = prev % kStages;
+        const bool bias_tile = kBias && tile_needs_mask(x.classes, n);  // read before the wait
         mbarrier_wait(full_k(s), (cur / kStages) & 1);
         const KeyBits bits = take_key_bits(s);
         named_barrier(bar_mine, 256);
@@ -759,7 +874,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         release(empty_k(s));
         if (n == mhi - 1) release(empty_q);
         // Softmax of S_j in S's own registers; pa still feeds PV_{j-1}, so packing waits for it.
-        mask_and_softmax(n, bits, half_tag);
+        mask_and_softmax(n, bits, bias_tile, half_tag);
         // Left to itself, ptxas hoists this wait to the softmax's first instructions (it packs
         // each part of P as soon as it is ready, and packing needs PV_{j-1} done), so the softmax
         // never ran under PV. It does not move the wait above a shared-memory store, and a store
@@ -813,6 +928,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         release(empty_k(s));
         mbarrier_wait(full_v(s), (b / kStages) & 1);
         release(empty_v(s));
+        if constexpr (kBias) skip_mask_rows(tile_needs_mask(x.classes, n));
       }
       blocks += hi - lo;
       ++tiles;

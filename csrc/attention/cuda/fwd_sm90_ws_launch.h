@@ -13,6 +13,8 @@
 #include "cta_tile.h"
 #include "entry_points.h"
 #include "fwd_sm90_ws_kernel.h"
+#include "mask_tiles.h"
+#include "staged_mask.h"
 
 namespace flashmod::cuda_kernels {
 namespace sm90 {
@@ -47,27 +49,36 @@ struct FwdWsConfig<Elem, 256> {
   using Traits = FwdWsTraits<Elem, 256, 64, 2, 2>;
 };
 
+// An additive mask the kBias variants take: in q's dtype, rows of their own (a row stride: TMA
+// boxes of rows) 16-byte aligned, keys contiguous; no soft cap.
+inline bool ws_takes_mask_rows(const AttentionParams& p) {
+  return additive_mask_stageable(p) && p.mask_row_stride != 0 && p.softcap == 0.0;
+}
+
 // What the kernel does not take: scores other than plain, soft-capped or behind a key-padding
-// mask (other mask tensors, a soft cap with a mask, a scale <= 0), and per-sequence extents other
-// than packed queries and keys (cache lengths, pages).
-inline bool ws_takes_options(const AttentionParams& p) {
+// mask (other mask tensors, a soft cap with a mask, a scale <= 0; with mask_rows, where the head
+// dim has kBias variants, also ws_takes_mask_rows' additive masks), and per-sequence extents
+// other than packed queries and keys (cache lengths, pages).
+inline bool ws_takes_options(const AttentionParams& p, bool mask_rows) {
   const bool packed = p.cu_seqlens_q != nullptr && p.cu_seqlens_k != nullptr;
   const bool capped = p.softcap > 0.0;
-  return (p.mask_kind == MaskKind::kNone || (key_padding_mask(p) && !packed && !capped)) &&
-         p.scale > 0.0 && p.pos_period == 0 && (packed || !has_sequence_extents(p)) &&
-         p.seqused_k == nullptr && p.kv_batch_idx == nullptr && p.block_table == nullptr;
+  const bool masks = (key_padding_mask(p) && !capped) || (mask_rows && ws_takes_mask_rows(p));
+  return (p.mask_kind == MaskKind::kNone || (masks && !packed)) && p.scale > 0.0 &&
+         p.pos_period == 0 && (packed || !has_sequence_extents(p)) && p.seqused_k == nullptr &&
+         p.kv_batch_idx == nullptr && p.block_table == nullptr;
 }
 
 // Dropout: this kernel's dropout variants take plain scores (no mask tensor, no soft cap) under
 // any window, dense or packed rows.
 inline bool ws_takes_dropout(const AttentionParams& p) {
-  return ws_takes_options(p) && p.mask_kind == MaskKind::kNone && p.softcap == 0.0;
+  return ws_takes_options(p, false) && p.mask_kind == MaskKind::kNone && p.softcap == 0.0;
 }
 
 template <class Tr>
-cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
+cudaError_t launch_fwd_ws(const AttentionParams& params, const FwdLaunchFlags& flags,
                           const DeviceWorkspace& ws, cudaStream_t stream, bool& launched) {
   launched = false;
+  AttentionParams p = params;
   // The key-padding mask's bits come 128 keys to a block (kKeyMask).
   if (Tr::Bc != 128 && key_padding_mask(p)) return cudaSuccess;
   // 32-bit tile indices (the kernel's divisions), with room for the dynamic scheduler's claims
@@ -99,6 +110,23 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
       encode_rows_tensor_map(&tm_o, kBf16, p.out, batch, p.heads_q, rows_q, p.head_dim,
                              p.out_batch_stride, p.out_head_stride, p.out_row_stride, 16);
   if (!launch_flags.out_tma) tm_o = tm_q;  // passed, never read
+  // An additive mask (kBias): its rows through a tensor map of their own, in boxes of a
+  // consumer's 64 rows; its tiles classified at this kernel's Br x Bc first (mask_tiles.h).
+  CUtensorMap tm_mask = tm_q;  // passed, never read, where the call has no mask rows
+  const bool mask_rows = p.mask_kind == MaskKind::kAdditive;
+  if constexpr (Tr::kTakesBias) {
+    if (mask_rows) {
+      const int64_t mask_batches = p.mask_batch_stride != 0 ? p.batch : 1;
+      const int64_t mask_heads = p.mask_head_stride != 0 ? p.heads_q : 1;
+      if (!encode_rows_tensor_map(&tm_mask, kBf16, p.mask, mask_batches, mask_heads, p.seqlen_q,
+                                  p.seqlen_k, p.mask_batch_stride, p.mask_head_stride,
+                                  p.mask_row_stride, 64))
+        return cudaSuccess;
+      const cudaError_t err = classify_mask_tiles<typename Tr::Elem>(p, Tr::Br, Tr::Bc, ws, stream);
+      if (err != cudaSuccess) return err;
+    }
+  }
+  if (mask_rows && !Tr::kTakesBias) return cudaSuccess;
   launched = true;
   // Persistent (one CTA per SM, or per tile where there are fewer tiles): the next tile's loads
   // hide under the current one's epilogue (H100, N = 1k: +9% at D = 128, +18% at D = 64).
@@ -122,16 +150,17 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
   // hands CTA k the query blocks k mod (blocks per head) whenever that count divides the grid
   // (D = 64, N = 1k-4k on 132 SMs: 22 CTAs got only the short last tiles, the other 110 only
   // full ones), so those calls take the counter too. A grid of one CTA has nothing to balance.
-  const bool uneven = p.window_right >= 0 || rows_q % Tr::Br != 0;
+  // A mask's hidden tiles (transformers' causal mask as a tensor) make tile costs differ too.
+  const bool uneven = p.window_right >= 0 || rows_q % Tr::Br != 0 || mask_rows;
   if (varlen || (!flags.one_tile_per_cta && uneven && grid > 1)) {
     int* counters = nullptr;
     err = acquire_zeroed_counters(ws, 2, stream, counters);
     if (err != cudaSuccess) return err;
     sched.next_tile = reinterpret_cast<unsigned*>(counters);
   }
-  auto launch = [&](auto kernel) {
-    return cuda::launch_kernel(kernel, grid, Tr::kNThreads, Tr::kSmemBytes, stream, tm_q, tm_k,
-                               tm_v, tm_o, p, launch_flags, sched);
+  auto launch = [&](auto kernel, int smem_bytes = Tr::kSmemBytes) {
+    return cuda::launch_kernel(kernel, grid, Tr::kNThreads, smem_bytes, stream, tm_q, tm_k, tm_v,
+                               tm_o, tm_mask, p, launch_flags, sched);
   };
   // Dropout calls come with plain scores (ws_takes_dropout).
   if (p.dropout_rng != nullptr)
@@ -143,6 +172,12 @@ cudaError_t launch_fwd_ws(const AttentionParams& p, const FwdLaunchFlags& flags,
                   : launch(attention_fwd_sm90_ws_kernel<Tr, true, false, false>);
   if constexpr (Tr::Bc == 128) {
     if (key_padding_mask(p)) return launch(attention_fwd_sm90_ws_kernel<Tr, false, true, false>);
+  }
+  // Plain row blocks (not end-aligned: the mask's tiles are classified at them).
+  if constexpr (Tr::kTakesBias) {
+    if (mask_rows)
+      return launch(attention_fwd_sm90_ws_kernel<Tr, false, false, false, false, false, true>,
+                    Tr::kSmemBytesBias);
   }
   if (capped) return launch(attention_fwd_sm90_ws_kernel<Tr, false, false, true>);
   // Under a right window bound (causal) a head's last rows see the most keys. Where Br does not
@@ -170,12 +205,12 @@ cudaError_t run_attention_fwd_sm90_ws(const AttentionParams& p, const FwdLaunchF
   // mma.sync kernels, which carry dropout for every option (the other Hopper kernel has none).
   const bool dropout = p.dropout_rng != nullptr;
   if (dropout && !sm90::ws_takes_dropout(p)) return cudaErrorNotSupported;
-  if (sm90::ws_takes_options(p) && p.seqlen_q < (int64_t{1} << 31) &&
-      p.seqlen_k < (int64_t{1} << 31) && p.batch < (int64_t{1} << 31) &&
-      p.heads_q < (int64_t{1} << 31)) {
+  using Traits = typename sm90::FwdWsConfig<Elem, kHeadDim>::Traits;
+  if (sm90::ws_takes_options(p, Traits::kTakesBias && flags.ws_bias) &&
+      p.seqlen_q < (int64_t{1} << 31) && p.seqlen_k < (int64_t{1} << 31) &&
+      p.batch < (int64_t{1} << 31) && p.heads_q < (int64_t{1} << 31)) {
     bool launched = false;
-    const cudaError_t err = sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Elem, kHeadDim>::Traits>(
-        p, flags, ws, stream, launched);
+    const cudaError_t err = sm90::launch_fwd_ws<Traits>(p, flags, ws, stream, launched);
     if (launched) return err;
   }
   if (dropout) return cudaErrorNotSupported;
