@@ -114,6 +114,7 @@ cudaError_t launch_fwd_ws(const AttentionParams& params, const FwdLaunchFlags& f
   // consumer's 64 rows; its tiles classified at this kernel's Br x Bc first (mask_tiles.h).
   CUtensorMap tm_mask = tm_q;  // passed, never read, where the call has no mask rows
   const bool mask_rows = p.mask_kind == MaskKind::kAdditive;
+  if (mask_rows && !Tr::kTakesBias) return cudaSuccess;
   if constexpr (Tr::kTakesBias) {
     if (mask_rows) {
       const int64_t mask_batches = p.mask_batch_stride != 0 ? p.batch : 1;
@@ -122,12 +123,15 @@ cudaError_t launch_fwd_ws(const AttentionParams& params, const FwdLaunchFlags& f
                                   p.seqlen_k, p.mask_batch_stride, p.mask_head_stride,
                                   p.mask_row_stride, 64))
         return cudaSuccess;
+    }
+  }
+  launched = true;  // from here on an error is this launch's, not a reason to hand the call over
+  if constexpr (Tr::kTakesBias) {
+    if (mask_rows) {
       const cudaError_t err = classify_mask_tiles<typename Tr::Elem>(p, Tr::Br, Tr::Bc, ws, stream);
       if (err != cudaSuccess) return err;
     }
   }
-  if (mask_rows && !Tr::kTakesBias) return cudaSuccess;
-  launched = true;
   // Persistent (one CTA per SM, or per tile where there are fewer tiles): the next tile's loads
   // hide under the current one's epilogue (H100, N = 1k: +9% at D = 128, +18% at D = 64).
   // Tiles of equal cost (no right window bound, whole query blocks) go round-robin. Under one
