@@ -315,6 +315,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   auto tile_of = [&](const CtaTile& t, const AttentionParams& s) {
     Tile x;
     x.t = t;
+    // kBias: a mask that hides keys hides them most often as a causal mask does (transformers'),
+    // so there too a head's last query blocks, which see the most keys, go first (cta_tile_at
+    // already reverses them under a right window bound).
+    if constexpr (kBias) {
+      if (s.window_right < 0) x.t.m_block = num_m_blocks - 1 - x.t.m_block;
+    }
     if constexpr (kEndAligned) {
       // The first block ends at the first multiple of 16 rows at or past its share of the rows
       // (seqlen_q % Br, or Br), so its rows before row 0 fill whole output boxes, which are
