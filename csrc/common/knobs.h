@@ -29,6 +29,9 @@
 //   FLASHMOD_SM90_WS_BIAS=0           an additive mask in q's dtype runs the FlashAttention-2-style
 //                                     kernel's staged tiles, not the warp-specialized kernel's
 //                                     mask rows (default at head dims 64 and 128)
+//   FLASHMOD_MASK_SHOWN_TILES=0       the warp-specialized kernel's mask rows test every value for
+//                                     hiding its key (default: tiles classified as hiding none,
+//                                     a dense bias's, are added untested)
 //   FLASHMOD_SM90_MASK_STAGING=0      the FlashAttention-2-style wgmma kernel reads an additive
 //                                     mask per score from global memory, not from tiles staged
 //                                     in shared memory with K/V (staged_mask.h)

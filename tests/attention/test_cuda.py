@@ -263,18 +263,20 @@ def test_masks_broadcast_and_strides(dtype, kind, d):
 
 
 # Additive masks in q's dtype on the warp-specialized kernel's mask rows (kBias, head dims 64 and
-# 128), and with FLASHMOD_SM90_WS_BIAS=0 on the FlashAttention-2-style kernel's staged tiles; the
-# profiler names the kernel that ran. Masks: a dense bias per head with rows that see no key
+# 128; with FLASHMOD_MASK_SHOWN_TILES=0 every read tile's values tested for hiding), and with
+# FLASHMOD_SM90_WS_BIAS=0 on the FlashAttention-2-style kernel's staged tiles; the profiler names
+# the kernel that ran. Masks: a dense bias per head with rows that see no key
 # (finfo.min, -inf); one broadcast over batch and heads (strides 0); transformers' causal + left
 # padding as finfo.min, with a band of hidden keys inside (hidden tiles at both ends of a query
 # block's range and within it, clear tiles, query blocks that see no key at all); rows padded
 # past an odd Nk (row stride > Nk); a dense bias under a window.
-@pytest.mark.parametrize("ws_bias", ["1", "0"])
+@pytest.mark.parametrize("ws_bias", ["1", "1-tested", "0"])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("kind", ["dense", "broadcast", "causal_padding", "padded_rows", "window"])
 def test_sm90_ws_additive_mask(monkeypatch, ws_bias, dtype, d, kind):
-    monkeypatch.setenv("FLASHMOD_SM90_WS_BIAS", ws_bias)
+    monkeypatch.setenv("FLASHMOD_SM90_WS_BIAS", ws_bias[0])
+    monkeypatch.setenv("FLASHMOD_MASK_SHOWN_TILES", "0" if ws_bias == "1-tested" else "1")
     monkeypatch.setenv("FLASHMOD_DECODE", "0")
     b, h, nq, nk = 2, 4, 1023, 520
     if kind in ("causal_padding", "padded_rows"):
@@ -311,7 +313,7 @@ def test_sm90_ws_additive_mask(monkeypatch, ws_bias, dtype, d, kind):
         torch.cuda.synchronize()
     names = " ".join(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    assert ("attention_fwd_sm90_ws_kernel" in names) == (hopper and ws_bias == "1"), names
+    assert ("attention_fwd_sm90_ws_kernel" in names) == (hopper and ws_bias != "0"), names
     for bi, hi, row in empty_rows:
         heads = slice(None) if hi is None else hi
         assert (out[bi, heads, row] == 0).all() and torch.isneginf(lse[bi, heads, row]).all()

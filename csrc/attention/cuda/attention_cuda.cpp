@@ -71,6 +71,7 @@ std::tuple<at::Tensor, at::Tensor> run_attention_cuda(const at::Tensor& q, const
     flags.end_aligned = env_flag("FLASHMOD_SM90_WS_END_ALIGNED", true);
     flags.half_blocks = env_flag("FLASHMOD_SM90_WS_HALF_BLOCKS", true);
     flags.ws_bias = env_flag("FLASHMOD_SM90_WS_BIAS", true);
+    flags.mask_shown_tiles = env_flag("FLASHMOD_MASK_SHOWN_TILES", true);
     const int padded = cuda_kernels::padded_head_dim(cuda_kernels::kFwdSm80HeadDims, p.head_dim);
     const int key = cuda_kernels::variant_key(p.dtype, padded);
     // The Hopper kernels' size (decode keeps the portable size: its kernels are mma.sync ones).

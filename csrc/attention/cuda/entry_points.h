@@ -46,6 +46,10 @@ struct FwdLaunchFlags {
   // warp-specialized kernel at head dims 64 and 128 (default; 0: FLASHMOD_SM90_WS_BIAS=0, the
   // FlashAttention-2-style kernel's staged tiles).
   int ws_bias = 1;
+  // That kernel adds the values of a mask tile classified as hiding no key (mask_tiles.h,
+  // kTileShownAdded: a dense bias) without testing each for hiding (default; 0:
+  // FLASHMOD_MASK_SHOWN_TILES=0, every read tile tested).
+  int mask_shown_tiles = 1;
 };
 
 // Device memory for a launch that needs scratch space, so the kernel files stay torch-free:

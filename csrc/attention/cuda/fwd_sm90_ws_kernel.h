@@ -652,19 +652,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     // rows, the keys whose entry is at or below kHidingMaskValue hidden. A lane's words: rows
     // lane / 4 (+ 8) of its warp's 16, keys 8 ni + 2 (lane % 4), + 1, in box ni / 8 at chunk
     // ni % 8 xor the row's swizzle phase, so the eight rows of a load hit eight distinct 16-byte
-    // slots (conflict-free). The tile not read (clear): the scale alone, a loop of its own, since
-    // a load under a branch became a branch per load (staged_mask.h).
+    // slots (conflict-free). Each kind of block has a loop of its own (a load under a branch became
+    // a branch per load, staged_mask.h): not read (clear), the scale alone; read, the values added
+    // and tested for hiding; read from a tile that hides no key (kTileShownAdded, a dense bias),
+    // added untested.
+    enum BiasBlock { kBiasNone, kBiasTested, kBiasShown };
+    auto bias_block = [&](const uint8_t* classes, int n) {
+      if (!kBias || !tile_needs_mask(classes, n)) return kBiasNone;
+      return flags.mask_shown_tiles && tile_hides_no_key(classes, n) ? kBiasShown : kBiasTested;
+    };
     int bias_rounds = 0;
     const uint32_t bias_rows = sBias_addr0 + consumer * Tr::kSmemBiasConsumer;
-    auto mask_to_logits = [&](bool tile_read) {
-      if (!tile_read) {
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) S[0][ni][e] *= scale;
-        return;
-      }
-      mbarrier_wait(full_bias(consumer), bias_rounds & 1);
+    auto add_mask_rows = [&](auto test_tag) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int row = 16 * (warp % 4) + lane / 4 + 8 * hh;
@@ -681,11 +680,26 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float value = e == 0 ? values.x : values.y;
-            const float x = S[0][ni][2 * hh + e] * scale;
-            S[0][ni][2 * hh + e] = mask_value_hides(value) ? -CUDART_INF_F : x + value;
+            const float x = fmaf(S[0][ni][2 * hh + e], scale, value);
+            S[0][ni][2 * hh + e] =
+                decltype(test_tag)::value && mask_value_hides(value) ? -CUDART_INF_F : x;
           }
         }
       }
+    };
+    auto mask_to_logits = [&](BiasBlock block) {
+      if (block == kBiasNone) {
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) S[0][ni][e] *= scale;
+        return;
+      }
+      mbarrier_wait(full_bias(consumer), bias_rounds & 1);
+      if (block == kBiasShown)
+        add_mask_rows(std::false_type{});
+      else
+        add_mask_rows(std::true_type{});
       __syncwarp();  // every lane's reads of the rows, before lane 0 hands them back
       release(empty_bias(consumer));
       ++bias_rounds;
@@ -788,7 +802,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // tile's 192 rows at D = 64 straddle a causal diagonal in one block more than a
       // consumer's do); only blocks with a hidden key test key bits.
       const int own_first = r0 + 64 * consumer;
-      auto mask_and_softmax = [&](int n, const KeyBits& bits, bool bias_tile, auto half_tag) {
+      auto mask_and_softmax = [&](int n, const KeyBits& bits, BiasBlock bias, auto half_tag) {
         if constexpr (decltype(half_tag)::value) {
           // Half block: no score was computed in the right half and no row sees a key there, so
           // the softmax runs over the left half alone (the sum and max a right half of -inf
@@ -813,7 +827,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
             for (int e = 0; e < 4; ++e)
               S[0][ni][e] = soft_cap(S[0][ni][e] * scale, softcap, inv_softcap);
         }
-        if constexpr (kBias) mask_to_logits(bias_tile);
+        if constexpr (kBias) mask_to_logits(bias);
         if (!key_block_unmasked(seq, own_first, own_first + 63, n, Bc))
           mask_outside_windows(S, win, n * Bc + 2 * (lane % 4));
         if constexpr (kKeyMask) {
@@ -849,7 +863,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // First block: S only.
       auto first_block = [&](auto half_tag) {
         const int s = blocks % kStages;
-        const bool bias_tile = kBias && tile_needs_mask(x.classes, lo);  // read before the wait
+        const BiasBlock bias = bias_block(x.classes, lo);  // its class read before the wait
         mbarrier_wait(full_k(s), (blocks / kStages) & 1);
         const KeyBits bits = take_key_bits(s);
         named_barrier(bar_mine, 256);
@@ -859,13 +873,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         pin_registers(S[0]);
         release(empty_k(s));
         if (mhi - lo == 1) release(empty_q);  // its last S: the next Q may come in
-        mask_and_softmax(lo, bits, bias_tile, half_tag);
+        mask_and_softmax(lo, bits, bias, half_tag);
         pack_p(half_tag);
       };
       auto next_block = [&](int n, auto half_tag) {
         const int prev = blocks + n - lo - 1, cur = prev + 1;
         const int s = cur % kStages, sp = prev % kStages;
-        const bool bias_tile = kBias && tile_needs_mask(x.classes, n);  // read before the wait
+        const BiasBlock bias = bias_block(x.classes, n);  // its class read before the wait
         mbarrier_wait(full_k(s), (cur / kStages) & 1);
         const KeyBits bits = take_key_bits(s);
         named_barrier(bar_mine, 256);
@@ -880,7 +894,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         release(empty_k(s));
         if (n == mhi - 1) release(empty_q);
         // Softmax of S_j in S's own registers; pa still feeds PV_{j-1}, so packing waits for it.
-        mask_and_softmax(n, bits, bias_tile, half_tag);
+        mask_and_softmax(n, bits, bias, half_tag);
         // Left to itself, ptxas hoists this wait to the softmax's first instructions (it packs
         // each part of P as soon as it is ready, and packing needs PV_{j-1} done), so the softmax
         // never ran under PV. It does not move the wait above a shared-memory store, and a store

@@ -23,7 +23,16 @@
 
 namespace flashmod::cuda_kernels {
 
-enum MaskTileClass : uint8_t { kTileHidden = 0, kTileClear = 1, kTileMixed = 2 };
+// kTileShownAdded: a mixed tile none of whose entries hides its key (an additive mask's finite
+// values above kHidingMaskValue: a dense bias), where a kernel may add the values without testing
+// each for hiding. Kernels that do not tell it apart take it as mixed (tile_needs_mask, and the
+// backward's class of merged tiles).
+enum MaskTileClass : uint8_t {
+  kTileHidden = 0,
+  kTileClear = 1,
+  kTileMixed = 2,
+  kTileShownAdded = 3
+};
 
 // The classes of query block m_block's tiles, or nullptr where the call has none at this kernel's
 // tile shape (every tile is then mixed).
@@ -46,6 +55,11 @@ __device__ __forceinline__ bool tile_needs_mask(const uint8_t* classes, int n) {
   return classes == nullptr || classes[n] != kTileClear;
 }
 
+// Whether key block n's entries all show their key (kTileShownAdded; false where unclassified).
+__device__ __forceinline__ bool tile_hides_no_key(const uint8_t* classes, int n) {
+  return classes != nullptr && classes[n] == kTileShownAdded;
+}
+
 // One CTA per tile (grid.x = tiles, flattened (mask batch, mask head, m, n)); entries of rows past
 // seqlen_q and keys past seqlen_k do not count (the kernels never show them).
 template <typename Stored, bool kBool>
@@ -62,7 +76,7 @@ __global__ void __launch_bounds__(256)
   const Stored* base = static_cast<const Stored*>(p.mask) + bm * p.mask_batch_stride +
                        hm * p.mask_head_stride + row0 * p.mask_row_stride +
                        col0 * p.mask_col_stride;
-  bool any_visible = false, all_clear = true;
+  bool any_visible = false, all_clear = true, any_hidden = false;
   // Consecutive threads take consecutive keys of a row: coalesced where the keys are contiguous.
   for (int idx = threadIdx.x; idx < rows * cols; idx += blockDim.x) {
     const int r = idx / cols, c = idx - r * cols;
@@ -70,17 +84,24 @@ __global__ void __launch_bounds__(256)
     if constexpr (kBool) {
       any_visible |= v != 0;
       all_clear &= v != 0;
+      any_hidden |= v == 0;
     } else {
       const float x = to_float(v);
-      any_visible |= !mask_value_hides(x);
+      const bool hides = mask_value_hides(x);
+      any_visible |= !hides;
       all_clear &= x == 0.f;
+      any_hidden |= hides;
     }
   }
-  // Both reductions are barriers every thread reaches.
+  // The reductions are barriers every thread reaches.
   any_visible = __syncthreads_or(any_visible);
   all_clear = __syncthreads_and(all_clear);
+  any_hidden = __syncthreads_or(any_hidden);
   if (threadIdx.x == 0)
-    classes[tile] = !any_visible ? kTileHidden : all_clear ? kTileClear : kTileMixed;
+    classes[tile] = !any_visible ? kTileHidden
+                    : all_clear  ? kTileClear
+                    : any_hidden ? kTileMixed
+                                 : kTileShownAdded;
 }
 
 // Classifies p's mask at Br x Bc into workspace memory and points p.mask_tiles at it (no-op
