@@ -12,9 +12,10 @@ set selects (csrc/attention/cpu/attention_cpu.cpp, pick_kernel). Shapes: B = 1, 
 N = 512-4096, D = 64/128 (and 256 outside --quick), causal and not, fp32 and bf16; fwdbwd adds
 grouped-query (32/8 heads) and bool key-padding cases. --masks runs the mask group instead: each kind
 of mask tensor (bench_attention.MASK_KINDS: key padding, transformers' causal + padding mask as bool
-and additive, dense additive biases with and without -inf entries) on B = 2, H = 8, N = 1024, D = 64 and B = 1, H = 16, N = 1024, D = 128 (causal
-masks count half the FLOPs). Checks, timing, FLOPs (fwdbwd = 3.5x forward) and the table, JSON and
-plot are bench_attention.py's; peak memory is the RSS high-water mark of one call (benchmarks/harness.py).
+and additive, dense additive biases with and without -inf entries) on B = 2, H = 8, N = 1024, D = 64
+and B = 1, H = 16, N = 1024, D = 128 (causal masks count half the FLOPs). Checks, timing, FLOPs
+(fwdbwd = 3.5x forward) and the table, JSON and plot are bench_attention.py's; peak memory is the RSS
+high-water mark of one call (benchmarks/harness.py).
 """
 
 from __future__ import annotations
