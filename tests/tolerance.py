@@ -34,4 +34,6 @@ def assert_within_rule(
     scale = max(1.0, truth.double().abs().max().item()) if truth.numel() else 1.0
     slack = (GRAD_SLACK if factor >= 3 else SLACK)[dtype]
     bound = factor * plain_err + slack * scale
-    assert ours_err <= bound, f"{what}: error {ours_err:.3e} > {factor}x plain {plain_err:.3e} + slack"
+    assert ours_err <= bound, (
+        f"{what}: error {ours_err:.3e} > {factor}x plain {plain_err:.3e} + slack (scale {scale:.3e})"
+    )

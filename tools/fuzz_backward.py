@@ -35,7 +35,9 @@ allows no error): such dq / dk failures print as KNOWN and do not count. In fp32
 without dropout (session 60): O = v there, but delta = rowsum(dO o O) and dP = dO v^T are the same
 dot product summed in two orders, so dS keeps their rounding difference where plain torch
 subtracts dP from itself; without dropout such a failure is KNOWN only while its error stays
-within RESIDUE (relative to the gradient's scale). A failure outside those is new."""
+within RESIDUE (relative to the gradient's scale). fp16 / bf16 have the same residue, mostly under
+the tests' slack (session 61 on an H200: fp16, nk = 1, D = 229, dk 2.4e-4 against a slack of 2e-4;
+the message gives the scale for that). A failure outside those is new."""
 
 from __future__ import annotations
 
@@ -108,7 +110,7 @@ RESIDUE = {torch.float64: 1e-10, torch.float32: 1e-3, torch.float16: 5e-2, torch
 
 def residue_sized(message: str, dtype: torch.dtype) -> bool:
     """Whether an assertion's "error E (scale S)" has E <= RESIDUE[dtype] * S."""
-    found = re.search(r"error ([0-9.e+-]+) \(scale ([0-9.e+-]+)\)", message)
+    found = re.search(r"error ([0-9.e+-]+) (?:> .*? )?\(scale ([0-9.e+-]+)\)", message)
     return found is not None and float(found.group(1)) <= RESIDUE[dtype] * float(found.group(2))
 
 
