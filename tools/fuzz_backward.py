@@ -5,7 +5,11 @@ caps, scales, bool / additive / fp32-additive masks of several broadcast shapes,
 grad_lse on and off; a failing configuration is printed whole, so it can become a test.
 
     PYTHONPATH=. python tools/fuzz_backward.py [--device cpu] [--dtype bf16] [--seed 0] [--configs 200]
-                                               [--dropout P]
+                                               [--dropout P] [--additive-masks]
+
+--additive-masks draws every configuration's mask in q's dtype with 16-byte-aligned rows, hiding
+keys in a band, scattered or by whole rows (finfo.min or -inf): the layout the Hopper forward's
+mask rows and the backward's staged tiles take, at head dims 40-128.
 
 --dropout P checks flashmod::attention_dropout instead (a fresh rng_state per configuration): output
 and gradients against the fp64 reference that drops dropout_keep_mask's keys (test_dropout.py's
@@ -59,8 +63,31 @@ from flashmod.reference import attention_reference, dropout_keep_mask, effective
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
-def random_case(rng: random.Random, device: str, dtype: torch.dtype) -> tuple[tuple, dict, dict]:
-    """(q, k, v), the op's options, and a description of both."""
+def additive_mask(rng: random.Random, b: int, hq: int, nq: int, nk: int, device: str, dtype: torch.dtype):
+    """A mask in q's dtype as the Hopper kernels' mask rows take it (keys contiguous, rows 16-byte
+    aligned: a view of rows padded to a multiple of 8 keys), broadcast over a random subset of
+    (batch, head, query) with a stride of 0, and hiding some keys: whole rows or a causal-style
+    band (transformers' finfo.min) or scattered -inf entries, so tiles of every class occur."""
+    stride = -(-nk // 8) * 8
+    shape = [b if rng.random() < 0.5 else 1, hq if rng.random() < 0.5 else 1, nq if rng.random() < 0.9 else 1]
+    mask = torch.randn(*shape, stride, device=device).to(dtype)[..., :nk]
+    hide = rng.choice(["none", "band", "scatter", "rows"])
+    low = torch.finfo(dtype).min if rng.random() < 0.5 else float("-inf")
+    if hide == "band":  # keys past a shifted diagonal, as a causal mask given as a tensor
+        rows = torch.arange(mask.shape[-2], device=device)[:, None]
+        mask.masked_fill_(torch.arange(nk, device=device) > rows + rng.randint(-nk // 2, nk), low)
+    elif hide == "scatter":
+        mask.masked_fill_(torch.rand(mask.shape, device=device) < rng.choice([0.05, 0.25, 0.9]), low)
+    elif hide == "rows":  # query rows that see no key
+        mask[..., rng.randrange(mask.shape[-2]) :: rng.randint(2, 7), :] = low
+    return mask, hide
+
+
+def random_case(
+    rng: random.Random, device: str, dtype: torch.dtype, additive_masks: bool = False
+) -> tuple[tuple, dict, dict]:
+    """(q, k, v), the op's options, and a description of both (additive_masks: always a mask of
+    additive_mask's, at the head dims the warp-specialized forward's mask rows take)."""
     b, hkv = rng.choice([1, 2, 3]), rng.choice([1, 2, 3])
     hq = hkv * rng.choice([1, 2, 4])
     nq = rng.choice([1, 2, 17, 64, 113, 128, 129, 203, 300, 1023])
@@ -69,6 +96,9 @@ def random_case(rng: random.Random, device: str, dtype: torch.dtype) -> tuple[tu
     # warpgroups split the head dim, or the pair kernel for general scores; at 160-192 the D = 192
     # pair kernel, its tile copy by 64-column block).
     d = rng.choice([8, 16, 40, 59, 64, 96, 111, 128, 160, 176, 192, 229, 256])
+    if additive_masks:
+        nq, nk = rng.choice([1, 17, 113, 200, 300, 1023]), rng.choice([1, 17, 64, 127, 200, 333, 700])
+        d = rng.choice([40, 59, 64, 96, 111, 128])
     opts: dict = {}
     where = rng.random()
     if where < 0.3:
@@ -83,7 +113,11 @@ def random_case(rng: random.Random, device: str, dtype: torch.dtype) -> tuple[tu
         # they are ~150 apart, and nearly every such row is the known one-hot case below.
         opts["scale"] = rng.choice([0.05, 0.3, 1.0]) * min(1.0, (128 / d) ** 0.5)
     mask = rng.random()
-    if mask < 0.2:
+    hides = None
+    if additive_masks:
+        opts["attn_mask"], hides = additive_mask(rng, b, hq, nq, nk, device, dtype)
+        opts.pop("softcap", None)  # a soft cap takes another path
+    elif mask < 0.2:
         opts["attn_mask"] = torch.rand(b, 1, nq, nk, device=device) > 0.3
     elif mask < 0.3:
         opts["attn_mask"] = torch.randn(hq, nq, nk, device=device).to(dtype)
@@ -100,6 +134,8 @@ def random_case(rng: random.Random, device: str, dtype: torch.dtype) -> tuple[tu
     q, k, v = make(hq, nq) * peak, make(hkv, nk) * peak, make(hkv, nk)
     shown = {key: (tuple(x.shape), x.dtype) if torch.is_tensor(x) else x for key, x in opts.items()}
     desc = dict(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, layout=layout, peak=peak, **shown)
+    if hides is not None:
+        desc["hides"] = hides
     return (q, k, v), opts, desc
 
 
@@ -174,13 +210,18 @@ def main() -> None:
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", type=int, default=200)
+    ap.add_argument(
+        "--additive-masks",
+        action="store_true",
+        help="every configuration an additive mask in q's dtype with 16-byte-aligned rows (the Hopper mask rows)",
+    )
     ap.add_argument("--dropout", type=float, default=0.0, help="check the dropout op at this probability")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     failures = known = 0
     for _ in range(args.configs):
-        tensors, opts, desc = random_case(rng, args.device, DTYPES[args.dtype])
+        tensors, opts, desc = random_case(rng, args.device, DTYPES[args.dtype], args.additive_masks)
         try:
             if args.dropout > 0:
                 mask = opts.get("attn_mask")
