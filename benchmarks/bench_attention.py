@@ -119,8 +119,8 @@ def cuda_shapes(mode: str, quick: bool) -> list[dict]:
     for n in (1024, 4096):  # mask tensors (MASK_KINDS; "padding" above is the first): not in the default kinds
         for kind in MASK_KINDS[1:]:
             shapes.append(shape("masks", "bf16", 16384 // n, 16, 16, n, n, 128, False, True, mask_kind=kind))
-        for d, h in ((64, 32), (256, 16)):  # the dense biases at the other head dims
-            for kind in ("random-additive", "bias"):
+        for d, h in ((64, 32), (256, 16)):  # the additive masks at the other head dims
+            for kind in ("causal-padding-additive", "random-additive", "bias"):
                 shapes.append(shape("masks", "bf16", 16384 // n, h, h, n, n, d, False, True, mask_kind=kind))
     for n in (4096, 16384):  # sliding window (Mistral-style 1k causal band): SDPA needs a band mask
         shapes.append(shape("window", "bf16", 16384 // n, 16, 16, n, n, 128, True, False, window=1024))

@@ -726,6 +726,22 @@ def test_tile_classified_masks(monkeypatch, dtype, d, portable):
             check_grads(q, k, v, attn_mask=mask, softcap=5.0)
 
 
+# At D = 256 (and the head dims widened to it) a mask that stages takes a variant that reads every
+# tile from shared memory, with no plain steps beside it, yet drops hidden tiles at both ends of a
+# walk: transformers' causal + padding mask as 0 / -inf in q's dtype with 16-byte-aligned rows (Nk =
+# 336), and a dense bias with rows that see no key.
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("d", [229, 256])
+def test_staged_masks_wide_head_dims(dtype, d):
+    q, k, v = make_inputs(DEV, dtype, 4, 4, 2, 203, 336, d)
+    check_grads(q, k, v, attn_mask=tiled_masks(4, 4, 203, 336, dtype)["hf_additive"])
+    bias = torch.randn(4, 4, 203, 336, device=DEV, dtype=dtype)
+    bias[:, :, 5::37] = -math.inf
+    bias[:, 1, :, 100:250] = torch.finfo(dtype).min
+    check_grads(q, k, v, attn_mask=bias)
+    check_grads(q, k, v, attn_mask=bias, is_causal=True)
+
+
 def test_tile_classified_mask_gradient():
     """A learned bias under a causal + padding staircase: the mask's own gradient (written by the
     general code, never the plain one) stays within the rule, and is 0 on the hidden tiles the
@@ -754,7 +770,7 @@ def test_tile_classified_mask_gradient():
 # that do not (keys strided, key-padding rows broadcast with an odd Nk), per-head masks under GQA,
 # causal and not (the staged path's window test), odd query counts (rows past Nq zero-filled).
 @pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 229, 256])
 @pytest.mark.parametrize("layout", ["rows", "padded-rows", "keys-strided", "per-head", "key-padding"])
 @pytest.mark.parametrize(("nq", "nk"), [(203, 256), (130, 333)])
 def test_additive_mask_layouts(dtype, d, layout, nq, nk):

@@ -400,6 +400,25 @@ __device__ __forceinline__ BwdKeyRows<Elem> key_rows(const AttentionBwdParams& p
           head_rows<Elem>(p.v, b, hk, row0, p.v_batch_stride, p.v_head_stride, p.v_row_stride)};
 }
 
+// The walk without the query blocks at either end whose tiles (bwd_mask_tiles) are hidden for
+// every head of the group: a mask shared by the heads (head stride 0) has one class per tile for
+// all of them.
+template <int Br, int Bc>
+__device__ __forceinline__ BwdSteps bwd_shown_steps(const AttentionParams& p,
+                                                    const BwdKeyTile& tile, BwdSteps walk,
+                                                    int64_t group) {
+  const int heads = p.mask_tiles_head_stride != 0 ? static_cast<int>(group) : 1;
+  int lo = walk.m_lo, hi = walk.m_lo + walk.m_count;
+  trim_hidden_ends(lo, hi, [&](int m) {
+    bool shown = false;
+    for (int i = 0; i < heads && !shown; ++i)
+      shown =
+          bwd_tile_class<Br, Bc>(p, tile.b, tile.hk * group + i, m, tile.n_block) != kTileHidden;
+    return shown;
+  });
+  return {lo, hi - lo, static_cast<int>(group) * (hi - lo)};
+}
+
 // What a dK/dV CTA of key tile `tile` works on in p (the call, or with per-sequence extents its
 // sequence's view): keys [k0, k0 + rows_k) (rows_k <= 0: the block lies past the sequence's keys,
 // nothing to write), the (head, query block) steps that see them, and their K/V rows. Shared by
@@ -437,19 +456,7 @@ __device__ __forceinline__ BwdKeyBlock<Elem> bwd_key_block(const AttentionBwdPar
       if (!vote.any) kb.walk.steps = 0;
       kb.plain_keys = vote.all && plain_transform_allowed(p);
     } else if (bwd_mask_tiles(p)) {
-      // A mask shared by the heads (head stride 0) has one class per tile for all of them.
-      const int heads = p.mask_tiles_head_stride != 0 ? static_cast<int>(group) : 1;
-      int lo = kb.walk.m_lo, hi = kb.walk.m_lo + kb.walk.m_count;
-      trim_hidden_ends(lo, hi, [&](int m) {
-        bool shown = false;
-        for (int i = 0; i < heads && !shown; ++i)
-          shown = bwd_tile_class<Br, Bc>(p, tile.b, tile.hk * group + i, m, tile.n_block) !=
-                  kTileHidden;
-        return shown;
-      });
-      kb.walk.m_lo = lo;
-      kb.walk.m_count = hi - lo;
-      kb.walk.steps = static_cast<int>(group) * kb.walk.m_count;
+      kb.walk = bwd_shown_steps<Br, Bc>(p, tile, kb.walk, group);
       kb.tile_classes = plain_transform_allowed(p);
     }
   }

@@ -249,14 +249,16 @@ __device__ __forceinline__ void wgmma_rs_tile(float (&acc)[kHeadDim / 8][4],
 
 // Whether a dK/dV variant stages a bwd_stages_mask mask's tiles in shared memory: general ones
 // that mask tensors reach, with one step of prefetch (the tile is waited for with the step's other
-// copies) and one warpgroup, at D = 128 and in the kBwdFastAdditive variants. At D = 128 batched
+// copies), at D = 128 and in the kBwdFastAdditive variants (D = 256's pair: both warpgroups read
+// the one tile, and the variant stages every step, entry_points.h). At D = 128 batched
 // global loads (the dQ kernel's path for unstageable masks) spilled 40-56 bytes in this kernel
 // (255 registers); in the default D = 64 tile staging spills too (its mask variant 0 -> 64 bytes
 // under the 3-CTA cap).
 template <class Tr, bool kGeneral, int kWhich, bool kExtents, int kFast>
 constexpr bool dkdv_stages_mask() {
   constexpr bool staged = kGeneral && !kExtents && kFast != kBwdFastSoftcap && Tr::kAhead == 1 &&
-                          kWhich != kBwdPair && (Tr::kHeadDim == 128 || kFast == kBwdFastAdditive);
+                          (kWhich != kBwdPair || Tr::kHeadDim == 256) &&
+                          (Tr::kHeadDim == 128 || kFast == kBwdFastAdditive);
   static_assert(
       !staged || Tr::kMinBlocks * (Tr::kSmemBytes + Tr::Br * Tr::Bc * 2 + 1024) <= 228 * 1024,
       "the staged mask tile keeps kMinBlocks CTAs per SM");
@@ -267,7 +269,8 @@ constexpr bool dkdv_stages_mask() {
 // batched loads): general ones that mask tensors reach (not variable-length or mask-free soft-cap
 // variants), at D = 128 and in the kBwdFastAdditive variants. The batched loads spill in the
 // default D = 64 tile (its 128-register cap: 36-44 bytes) and at D = 256 (dK/dV +120-250 bytes),
-// also in the mask variant that transformers' causal + padding masks take.
+// also in the mask variant that transformers' causal + padding masks take; D = 256's variant
+// stages only (its host takes it for bwd_stages_mask masks alone).
 template <bool kGeneral, bool kExtents, int kFast, int kHeadDim>
 constexpr bool additive_fast_variant() {
   return kGeneral && !kExtents && kFast != kBwdFastSoftcap &&
@@ -311,7 +314,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   static_assert((kWhich == kBwdPair) == (kThreads == 256 && Bc == 64),
                 "kBwdPair: two warpgroups over the same 64 keys");
   static_assert(kFast == kBwdFastNone || (kGeneral && !kExtents), "fast paths: general, dense");
-  constexpr bool kMask = kFast == kBwdFastMask || kFast == kBwdFastAdditive;
+  // D = 256's additive variant runs only where bwd_stages_mask holds (the host's choice): every
+  // step reads the staged tile (no per-score global path, no plain steps beside it: both spill
+  // there), and the walk still drops the hidden tiles at its ends (once, before it).
+  constexpr bool kStagedOnly = kFast == kBwdFastAdditive && Tr::kHeadDim == 256;
+  constexpr bool kMask = (kFast == kBwdFastMask || kFast == kBwdFastAdditive) && !kStagedOnly;
   constexpr bool kSoftcapFast = kFast == kBwdFastSoftcap;
   constexpr bool kStageMask = dkdv_stages_mask<Tr, kGeneral, kWhich, kExtents, kFast>();
   using MaskTile = StagedMaskTile<Elem, Br, Bc, kThreads>;
@@ -368,7 +375,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   const int64_t hk = tile.hk, b = tile.b;
   const int64_t group = params.heads_q / params.heads_kv;
   const AttentionBwdParams p = kExtents ? sequence_view_bwd(params, b) : params;
-  const BwdKeyBlock<Elem> kb = bwd_key_block<Elem, Br, Bc, kGeneral, kMask>(p, tile);
+  BwdKeyBlock<Elem> kb = bwd_key_block<Elem, Br, Bc, kGeneral, kMask>(p, tile);
+  if constexpr (kStagedOnly) {
+    if (bwd_mask_tiles(p)) kb.walk = bwd_shown_steps<Br, Bc>(p, tile, kb.walk, group);
+  }
   if (kExtents && kb.rows_k <= 0) return;  // past this sequence's keys: no rows of it to write
   // kBwdFusedDQ with packed rows (bwd_fused_dq_packed): the maps span all of q and grad_out, so
   // the sequence's first row is the step loads' row origin, and its first block of the sums.
@@ -431,7 +441,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     if (a < steps) load_step({a / m_count, a % m_count}, a);
     cp_async_commit();
   }
-  const bool stage_mask = kStageMask && bwd_stages_mask(params, st);
+  const bool stage_mask = kStageMask && (kStagedOnly || bwd_stages_mask(params, st));
   if constexpr (kStageMask) {
     if (stage_mask && steps > 0)
       MaskTile::load(sMask_addr, p, b, hk * group, static_cast<int64_t>(m_lo) * Br, n_block, tid);
@@ -632,7 +642,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         }
       }
       // Read ahead of the products, so a tile class's latency hides under them.
-      const bool plain_keys = step_plain_keys<Br, Bc, kMask>(kb, p, b, h, m, n_block);
+      // kStagedOnly: every step through the staged values (a clear tile adds zeros).
+      const bool plain_keys =
+          !kStagedOnly && step_plain_keys<Br, Bc, kMask>(kb, p, b, h, m, n_block);
       const uint32_t stage_bytes = stage * Tr::kSmemQ;
 
       float St[NT][4], dPt[kDK ? NT : 1][4];
@@ -845,10 +857,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   constexpr int D = Tr::kHeadDim, Br = Tr::Br, Bc = Tr::Bc, kThreads = Tr::kNThreads;
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
   constexpr bool kAdditiveFast = additive_fast_variant<kGeneral, kExtents, kFast, D>();
-  const bool additive_fast = kAdditiveFast && bwd_additive_fast(params, st);
+  // D = 256: staged tiles only (the batched global loads do not fit its registers).
+  const bool additive_fast = kAdditiveFast && D != 256 && bwd_additive_fast(params, st);
   // A bwd_stages_mask mask: each key block's mask tile staged with its K_j / V_j, one per stage.
   using MaskTile = StagedMaskTile<Elem, Br, Bc, kThreads>;
-  const bool stage_mask = kAdditiveFast && bwd_stages_mask(params, st);
+  constexpr bool kStagedOnly = kFast == kBwdFastAdditive && D == 256;
+  const bool stage_mask = kAdditiveFast && (kStagedOnly || bwd_stages_mask(params, st));
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);

@@ -19,9 +19,14 @@ namespace flashmod::cuda_kernels {
 // The Hopper backward tile whose variants (kBwdFastAdditive) take bwd_additive_fast masks at head
 // dim d, or -1 where the default tile's mask variant does. At D = 64 the default runs three and
 // four CTAs per SM, whose register caps leave no room for the staged dK/dV tile (64 bytes of
-// spill) or the dQ kernel's batched loads (36-44); "base" runs two in both kernels.
+// spill) or the dQ kernel's batched loads (36-44); "base" runs two in both kernels. At D = 256
+// the default "pair" tile's variants take only the masks that stage (bwd_stages_mask): there
+// both kernels read every mask tile from shared memory (the per-score global loads of the mask
+// variant were ~116 per step and warpgroup, 0.37-0.44x CUDNN forward + backward on an H200).
 constexpr int bwd_sm90_additive_tile(int head_dim) {
-  return head_dim == 64 ? find_tile(kBwdSm90Tiles, "base", 64) : -1;
+  return head_dim == 64    ? find_tile(kBwdSm90Tiles, "base", 64)
+         : head_dim == 256 ? find_tile(kBwdSm90Tiles, "pair", 256)
+                           : -1;
 }
 
 struct FwdLaunchFlags {
