@@ -127,6 +127,12 @@ def backward_ops() -> None:
         for opts in ({}, {"is_causal": True}, {"is_causal": True, "softcap": 5.0}):
             out, lse = attention_op(q, k, v, **opts)
             torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
+        if d == 256:  # an additive mask that stages (rows of 200 keys): the pair tile's staged variant
+            k2, v2 = (torch.randn(1, 2, 200, d, **grad) for _ in range(2))
+            stairs = torch.ones(130, 200, dtype=torch.bool, device="cuda").tril(70)
+            bias = torch.randn(130, 200, device="cuda", dtype=dtype).masked_fill(~stairs, float("-inf"))
+            out, _ = attention_op(q, k2, v2, bias)
+            torch.autograd.grad(out.float().sum(), (q, k2, v2))
         if d == 192:  # the general (mask tensor) and dropout variants' column-block tile copy
             mask = torch.rand(130, 77, device="cuda") > 0.3
             out, _ = attention_op(q, k, v, mask, softcap=5.0)
