@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tolerance import assert_within_rule, max_abs_err
@@ -109,6 +111,24 @@ def test_masks(device, dtype, shape):
     check_grads(q, k, v, attn_mask=bool_mask)
     additive = torch.randn(shape, device=device, dtype=dtype)
     check_grads(q, k, v, attn_mask=additive)
+
+
+# 16-bit additive masks through every range of their encoding (the CPU backward widens them by bit
+# operations of its own): subnormals, signed zeros, values on both sides of the hiding threshold
+# (-32768 hides, the next representable value above it does not), finfo.min, -inf, and large
+# finite values, at random places beside ordinary ones.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_mask_values(device, dtype):
+    q, k, v = make_inputs(device, dtype, 2, 2, 2, 70, 150, 64)
+    info = torch.finfo(dtype)
+    above = torch.nextafter(torch.tensor(-32768.0, dtype=dtype), torch.tensor(0.0, dtype=dtype)).item()
+    specials = [info.smallest_normal / 4, -info.smallest_normal / 4, 0.0, -0.0, -32768.0, above]
+    specials += [info.min, -math.inf, 40.0, -3.5, 1e-3]
+    mask = torch.randn(2, 1, 70, 150, device=device, dtype=dtype)
+    pick = torch.randint(0, len(specials), mask.shape, device=device)
+    chosen = torch.tensor(specials, dtype=dtype, device=device)[pick]
+    mask = torch.where(torch.rand(mask.shape, device=device) < 0.3, chosen, mask)
+    check_grads(q, k, v, attn_mask=mask)
 
 
 def test_additive_fp32_mask_for_bf16(device):
