@@ -9,7 +9,8 @@ grad_lse on and off; a failing configuration is printed whole, so it can become 
 
 --additive-masks draws every configuration's mask in q's dtype with 16-byte-aligned rows, hiding
 keys in a band, scattered or by whole rows (finfo.min or -inf): the layout the Hopper forward's
-mask rows and the backward's staged tiles take, at head dims 40-128.
+mask rows and the backward's staged tiles take, at head dims 40-128 and 229 / 256 (the pair tile's
+staged variant).
 
 --dropout P checks flashmod::attention_dropout instead (a fresh rng_state per configuration): output
 and gradients against the fp64 reference that drops dropout_keep_mask's keys (test_dropout.py's
@@ -87,7 +88,7 @@ def random_case(
     rng: random.Random, device: str, dtype: torch.dtype, additive_masks: bool = False
 ) -> tuple[tuple, dict, dict]:
     """(q, k, v), the op's options, and a description of both (additive_masks: always a mask of
-    additive_mask's, at the head dims the warp-specialized forward's mask rows take)."""
+    additive_mask's, at the head dims whose Hopper kernels read such masks' rows)."""
     b, hkv = rng.choice([1, 2, 3]), rng.choice([1, 2, 3])
     hq = hkv * rng.choice([1, 2, 4])
     nq = rng.choice([1, 2, 17, 64, 113, 128, 129, 203, 300, 1023])
@@ -98,7 +99,7 @@ def random_case(
     d = rng.choice([8, 16, 40, 59, 64, 96, 111, 128, 160, 176, 192, 229, 256])
     if additive_masks:
         nq, nk = rng.choice([1, 17, 113, 200, 300, 1023]), rng.choice([1, 17, 64, 127, 200, 333, 700])
-        d = rng.choice([40, 59, 64, 96, 111, 128])
+        d = rng.choice([40, 59, 64, 96, 111, 128, 229, 256])
     opts: dict = {}
     where = rng.random()
     if where < 0.3:
