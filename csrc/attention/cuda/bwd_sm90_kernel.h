@@ -314,10 +314,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   static_assert((kWhich == kBwdPair) == (kThreads == 256 && Bc == 64),
                 "kBwdPair: two warpgroups over the same 64 keys");
   static_assert(kFast == kBwdFastNone || (kGeneral && !kExtents), "fast paths: general, dense");
-  // D = 256's additive variant runs only where bwd_stages_mask holds (the host's choice): every
-  // step reads the staged tile (no per-score global path, no plain steps beside it: both spill
-  // there), and the walk still drops the hidden tiles at its ends (once, before it).
-  constexpr bool kStagedOnly = kFast == kBwdFastAdditive && Tr::kHeadDim == 256;
+  // D = 256's additive variant runs only where bwd_stages_mask holds (bwd_additive_staged_only,
+  // the host's choice): every step reads the staged tile (no per-score global path, no plain steps
+  // beside it: both spill there), and the walk still drops the hidden tiles at its ends (once,
+  // before it).
+  constexpr bool kStagedOnly = kFast == kBwdFastAdditive && bwd_additive_staged_only(Tr::kHeadDim);
   constexpr bool kMask = (kFast == kBwdFastMask || kFast == kBwdFastAdditive) && !kStagedOnly;
   constexpr bool kSoftcapFast = kFast == kBwdFastSoftcap;
   constexpr bool kStageMask = dkdv_stages_mask<Tr, kGeneral, kWhich, kExtents, kFast>();
@@ -858,10 +859,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
   constexpr bool kAdditiveFast = additive_fast_variant<kGeneral, kExtents, kFast, D>();
   // D = 256: staged tiles only (the batched global loads do not fit its registers).
-  const bool additive_fast = kAdditiveFast && D != 256 && bwd_additive_fast(params, st);
+  constexpr bool kStagedOnly = kFast == kBwdFastAdditive && bwd_additive_staged_only(D);
+  const bool additive_fast = kAdditiveFast && !kStagedOnly && bwd_additive_fast(params, st);
   // A bwd_stages_mask mask: each key block's mask tile staged with its K_j / V_j, one per stage.
   using MaskTile = StagedMaskTile<Elem, Br, Bc, kThreads>;
-  constexpr bool kStagedOnly = kFast == kBwdFastAdditive && D == 256;
   const bool stage_mask = kAdditiveFast && (kStagedOnly || bwd_stages_mask(params, st));
 
   extern __shared__ unsigned char smem_raw[];

@@ -378,8 +378,7 @@ cudaError_t run_attention_bwd_sm90(const AttentionBwdParams& p, const BwdRowStat
   // default tile of each head dim only, as the variable-length ones; other tiles take them the
   // general way.
   if constexpr (kTile == bwd_sm90_additive_tile(kHeadDim)) {
-    // D = 256: stageable masks only (that variant has no per-score global path).
-    if (kHeadDim == 256 ? bwd_stages_mask(p, st) : bwd_additive_fast(p, st))
+    if (bwd_additive_staged_only(kHeadDim) ? bwd_stages_mask(p, st) : bwd_additive_fast(p, st))
       return sm90::launch_bwd<Elem, kHeadDim, kTile, true, false, kBwdFastAdditive>(p, st, stream);
   }
   if constexpr (kBwdSm90Tiles[kTile].is_default) {

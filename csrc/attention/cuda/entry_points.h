@@ -28,6 +28,11 @@ constexpr int bwd_sm90_additive_tile(int head_dim) {
          : head_dim == 256 ? find_tile(kBwdSm90Tiles, "pair", 256)
                            : -1;
 }
+// Whether head dim d's kBwdFastAdditive variants take only the masks that stage: the launch
+// checks bwd_stages_mask instead of bwd_additive_fast, and the kernels keep no global-load path.
+constexpr bool bwd_additive_staged_only(int head_dim) {
+  return head_dim == 256;
+}
 
 struct FwdLaunchFlags {
   int out_vec16;  // out's row starts are 16-byte aligned and head_dim % 8 == 0: 16-byte stores
